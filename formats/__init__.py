@@ -1,0 +1,8 @@
+"""Dataset formats. Each turns a dataset into a ``gpuio.SampleIndex``; reading the
+bytes is the storage core's job (``gpuio.read``)."""
+
+from gpuio.formats.filetree import filetree
+from gpuio.formats.numpy import numpy
+from gpuio.index import concat
+
+__all__ = ["filetree", "numpy", "concat"]

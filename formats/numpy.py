@@ -1,0 +1,109 @@
+"""NumPy ``.npy`` files: one sample per file, the extent pointing at the array bytes.
+
+Only the header is read at index time (versions 1.0, 2.0 and 3.0), so a GPU reader
+can land the array bytes straight in device memory and view them with the recorded
+dtype and shape.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from gpuio.errors import DataError, FormatError
+from gpuio.index import Extents, PathTable, Ragged, SampleIndex
+
+__all__ = ["numpy", "parse_npy_header"]
+
+_MAGIC = b"\x93NUMPY"
+
+
+def parse_npy_header(head: bytes, path: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """``(dtype, shape, fortran_order, data_offset)`` from the first bytes of a .npy."""
+    if len(head) < 10 or not head.startswith(_MAGIC):
+        raise FormatError(f"not a .npy file: bad magic {head[:6]!r}, expected {_MAGIC!r}", path=path, offset=0)
+    major = head[6]
+    if major == 1:
+        (hlen,), start = struct.unpack("<H", head[8:10]), 10
+    elif major in (2, 3):
+        if len(head) < 12:
+            raise FormatError("truncated .npy header", path=path, offset=len(head))
+        (hlen,), start = struct.unpack("<I", head[8:12]), 12
+    else:
+        raise FormatError(f"unsupported .npy version {major}.{head[7]}", path=path, offset=6)
+    if len(head) < start + hlen:
+        raise FormatError(f"truncated .npy header: {hlen} header bytes announced, "
+                          f"{len(head) - start} present", path=path, offset=len(head))
+    text = head[start: start + hlen]
+    try:
+        header = ast.literal_eval(text.decode("utf-8" if major == 3 else "latin1"))
+        dtype = np.dtype(header["descr"] if not isinstance(header["descr"], list)
+                         else [tuple(f) for f in header["descr"]])
+        shape = tuple(int(d) for d in header["shape"])
+        fortran = bool(header["fortran_order"])
+    except (ValueError, SyntaxError, KeyError, TypeError, UnicodeDecodeError, MemoryError,
+            RecursionError) as exc:
+        raise FormatError(f"malformed .npy header {text[:80]!r}: {exc}", path=path, offset=start) from exc
+    if any(d < 0 for d in shape) or dtype.hasobject:
+        raise FormatError(f"unsupported .npy array: shape {shape}, dtype {dtype}", path=path, offset=start)
+    return dtype, shape, fortran, start + hlen
+
+
+def numpy(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+          rows: slice | None = None) -> SampleIndex:
+    """Index ``.npy`` files: a directory (searched recursively, sorted) or a list.
+
+    Field ``data`` holds the array bytes (C or Fortran order as stored); ``shape``
+    (int64) and ``dtype`` (str) describe them. ``rows=slice(a, b)`` keeps only those
+    rows of the leading axis of each C-order array, so only their bytes are read.
+    """
+    if isinstance(root_or_files, (str, os.PathLike)):
+        root = os.fspath(root_or_files)
+        if os.path.isdir(root):
+            paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".npy"))
+            if not paths:
+                raise DataError("no samples: found no .npy files", path=root)
+        else:
+            paths = [root]
+    else:
+        paths = [os.fspath(p) for p in root_or_files]
+        if not paths:
+            raise DataError("no samples: an empty list of .npy files was given")
+    offsets, lengths, shapes, dtypes = [], [], [], []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(4096)
+                if len(head) >= 12 and head[6] in (2, 3):
+                    need = 12 + struct.unpack("<I", head[8:12])[0]
+                    if need > len(head):
+                        head += f.read(need - len(head))
+                size = os.fstat(f.fileno()).st_size
+        except OSError as exc:
+            raise DataError(f"cannot read: {exc.strerror or exc}", path=path) from exc
+        dtype, shape, fortran, start = parse_npy_header(head, path)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if rows is not None:
+            if fortran or not shape:
+                raise FormatError("rows= needs a C-order array with at least one axis", path=path, offset=0)
+            lo, hi, step = rows.indices(shape[0])
+            if step != 1:
+                raise FormatError(f"rows= takes a contiguous slice, got step {step}", path=path)
+            row_bytes = nbytes // shape[0] if shape[0] else 0
+            shape = (max(0, hi - lo), *shape[1:])
+            start, nbytes = start + lo * row_bytes, max(0, hi - lo) * row_bytes
+        if start + nbytes > size:
+            raise FormatError(f"array of {nbytes} bytes at byte {start} runs past the end of the "
+                              f"file ({size} bytes)", path=path, offset=size)
+        offsets.append(start)
+        lengths.append(nbytes)
+        shapes.append(shape)
+        dtypes.append(dtype.str if dtype.names is None else str(dtype.descr))
+    n = len(paths)
+    extents = Extents(np.arange(n, dtype=np.int32), np.asarray(offsets), np.asarray(lengths))
+    values = {"shape": Ragged.from_list(shapes, dtype=np.int64), "dtype": Ragged.from_list(dtypes, kind="str")}
+    return SampleIndex(PathTable.from_paths(paths), {"data": extents}, values, meta={"format": "numpy"})

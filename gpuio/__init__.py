@@ -1,0 +1,43 @@
+"""gpuio: training data from storage into GPU tensors, as fast as the hardware allows.
+
+    import gpuio
+    index = gpuio.formats.filetree("/data/imagenet/train")
+    batch = gpuio.read(index, range(256), device="cuda")   # CuPy views, one buffer
+
+``import gpuio`` never imports a CUDA library; GPU packages load when a GPU path runs.
+"""
+
+from gpuio import config, errors
+from gpuio.device import Device, cuda_available, gpu_count
+from gpuio.errors import GpuioError
+from gpuio.index import Extent, Extents, PathTable, Ragged, SampleIndex, concat
+from gpuio.storage import Reader, read
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "config",
+    "errors",
+    "formats",
+    "ops",
+    "Device",
+    "Extent",
+    "Extents",
+    "GpuioError",
+    "PathTable",
+    "Ragged",
+    "Reader",
+    "SampleIndex",
+    "concat",
+    "cuda_available",
+    "gpu_count",
+    "read",
+]
+
+
+def __getattr__(name: str):  # gpuio.formats / gpuio.ops without importing them up front
+    if name in ("formats", "ops"):
+        import importlib
+
+        return importlib.import_module(f"gpuio.{name}")
+    raise AttributeError(f"module 'gpuio' has no attribute {name!r}")

@@ -1,0 +1,92 @@
+"""``Batch``: what flows between pipeline stages, and the per-sample random seeds.
+
+A batch holds its fields as lists (one value per row, ragged allowed: encoded bytes,
+images of different sizes, boxes) or as arrays with one leading row per sample once
+they have a fixed shape. ``index`` is each row's dataset position (-1 for a padding
+row). Random ops draw from ``batch.rng(row, salt)``, a generator derived from
+``(seed, epoch, sample index)`` and the op's ``salt``, so results do not depend on
+thread timing, batch composition or resume position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gpuio.device import Device, require
+
+__all__ = ["Batch", "Op", "sample_seeds"]
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer, vectorized (uint64 wraps on purpose)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
+    """One uint64 seed per sample from ``(seed, epoch, sample index)``."""
+    base = _mix(_mix(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)) ^ np.uint64(epoch & 0xFFFFFFFFFFFFFFFF))
+    return _mix(base ^ np.asarray(indices).astype(np.uint64))
+
+
+@dataclass
+class Batch:
+    """One batch between stages. See the module docstring."""
+
+    data: dict[str, Any]
+    index: np.ndarray
+    seeds: np.ndarray
+    device: Device = field(default_factory=lambda: Device("cpu"))
+    on_error: str = "raise"  # or "skip"
+    stream: Any = None  # the CuPy stream GPU ops run on (None: current stream)
+    errors: list[tuple[int, BaseException]] = field(default_factory=list)
+    _rejected: set[int] = field(default_factory=set)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def xp(self) -> Any:
+        """``numpy`` for a CPU batch, ``cupy`` for a GPU batch."""
+        return require("cupy") if self.device.is_cuda else np
+
+    def rng(self, row: int, salt: int = 0) -> np.random.Generator:
+        """The generator for ``row``; ops pass a ``salt`` of their own so that two
+        random ops do not draw the same numbers."""
+        return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(self.seeds[row]), salt])))
+
+    def reject(self, row: int, error: BaseException) -> None:
+        """Report a bad sample: raise ``error`` (``on_error="raise"``) or mark the row
+        to be dropped after the current op (``on_error="skip"``)."""
+        if self.on_error != "skip":
+            raise error
+        self._rejected.add(row)
+        self.errors.append((int(self.index[row]), error))
+
+    def drop_rejected(self) -> None:
+        """Remove the rows rejected so far from every field (called between ops)."""
+        if not self._rejected:
+            return
+        keep = np.array([r for r in range(len(self)) if r not in self._rejected], dtype=np.int64)
+        for name, col in self.data.items():
+            self.data[name] = [col[r] for r in keep.tolist()] if isinstance(col, list) else col[keep]
+        self.index = self.index[keep]
+        self.seeds = self.seeds[keep]
+        self._rejected.clear()
+
+
+class Op:
+    """Base for ops: ``op(batch) -> batch``. Subclasses set ``salt`` if random."""
+
+    salt = 0
+
+    def __call__(self, batch: Batch) -> Batch:  # pragma: no cover - interface
+        raise NotImplementedError

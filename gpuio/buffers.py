@@ -1,0 +1,173 @@
+"""A pool of batch buffers with a byte budget.
+
+Batch buffers are large, and pinned host memory and device memory are slow to
+allocate, so released buffers are kept and reused. The pool never holds more than its
+budget: cached buffers are freed to make room, a request that cannot fit even in an
+empty pool raises ``BufferBudgetError`` naming the budget and the request, and a request
+that fits but finds the budget taken by buffers still in use waits for one to return.
+
+A ``Lease`` goes back to the pool when the last array viewing it is garbage collected,
+so arrays handed to users (and tensors made from them by DLPack) stay valid as long as
+they are referenced.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+from gpuio import config
+from gpuio.device import Device, parse_device, require
+from gpuio.errors import BufferBudgetError
+
+__all__ = ["BufferPool", "Lease", "default_pool"]
+
+
+def _round_capacity(nbytes: int) -> int:
+    """Round up to 1/8 of the next power of two (at least 64 KiB) so sizes repeat."""
+    if nbytes <= 64 << 10:
+        return 64 << 10
+    step = 1 << max(16, nbytes.bit_length() - 3)
+    return -(-nbytes // step) * step
+
+
+class _Storage:
+    """One allocation: host (plain or pinned) or device memory, 4 KiB aligned."""
+
+    def __init__(self, capacity: int, device: Device, pinned: bool) -> None:
+        self.capacity = capacity
+        self.device = device
+        self.pinned = pinned
+        if device.is_cuda:
+            cp = require("cupy")
+            with cp.cuda.Device(device.index):
+                self.array = cp.empty(capacity, dtype=cp.uint8)  # 256-byte aligned or better
+        elif pinned:
+            cp = require("cupy")
+            self._mem = cp.cuda.alloc_pinned_memory(capacity)  # page aligned
+            self.array = np.frombuffer(self._mem, dtype=np.uint8, count=capacity)
+        else:
+            raw = np.empty(capacity + 4096, dtype=np.uint8)
+            skip = (-raw.ctypes.data) % 4096
+            self.array = raw[skip: skip + capacity]
+
+
+class Lease:
+    """A batch buffer on loan from a pool; returned when no array views it any more.
+
+    ``lease.array`` is a 1-D uint8 NumPy (host) or CuPy (device) array of ``nbytes``.
+    Keep using only the arrays it hands out: they keep the lease alive.
+    """
+
+    def __init__(self, pool: BufferPool, storage: _Storage, nbytes: int) -> None:
+        self._storage = storage
+        self.nbytes = nbytes
+        self.device = storage.device
+        weakref.finalize(self, pool._give_back, storage)
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return self._storage.array[: self.nbytes].__array_interface__
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return self._storage.array[: self.nbytes].__cuda_array_interface__
+
+    @property
+    def array(self) -> Any:
+        """A fresh array over the buffer; it (and its views) keep the lease alive."""
+        if self.device.is_cuda:
+            cp = require("cupy")
+            return cp.asarray(self)
+        return np.asarray(self)
+
+
+class BufferPool:
+    """Reusable batch buffers, at most ``budget`` bytes per pool (default from config)."""
+
+    def __init__(self, budget: int | None = None, *, wait_s: float = 60.0) -> None:
+        self.budget = int(config.get("buffer_budget") if budget is None else budget)
+        self.wait_s = wait_s
+        self._lock = threading.Condition()
+        self._free: list[_Storage] = []
+        self._held = 0  # bytes allocated, in use or free
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(s.capacity for s in self._free)
+
+    def acquire(self, nbytes: int, device: str | Device = "cpu", *, pinned: bool = False) -> Lease:
+        """Lend a buffer of at least ``nbytes`` bytes on ``device``."""
+        device = parse_device(device)
+        pinned = pinned and not device.is_cuda
+        capacity = _round_capacity(max(int(nbytes), 1))
+        if capacity > self.budget:
+            capacity = int(nbytes)
+        if capacity > self.budget:
+            raise BufferBudgetError(
+                f"a batch buffer of {nbytes:,} bytes was requested, but the buffer budget is "
+                f"{self.budget:,} bytes; raise it with gpuio.config.override(buffer_budget=...) "
+                f"or GPUIO_BUFFER_BUDGET, or use a smaller batch")
+        deadline = time.monotonic() + self.wait_s
+        with self._lock:
+            while True:
+                fit = [s for s in self._free if s.device == device and s.pinned == pinned
+                       and nbytes <= s.capacity <= 2 * capacity]
+                if fit:
+                    best = min(fit, key=lambda s: s.capacity)
+                    self._free.remove(best)
+                    return Lease(self, best, int(nbytes))
+                while self._free and self._held + capacity > self.budget:
+                    self._held -= self._free.pop(0).capacity
+                if self._held + capacity <= self.budget:
+                    self._held += capacity
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BufferBudgetError(
+                        f"waited {self.wait_s:.0f} s for {capacity:,} bytes of batch buffer, but "
+                        f"{self._held:,} of the {self.budget:,}-byte budget stay in use; release "
+                        f"references to old batches or raise buffer_budget")
+                self._lock.wait(left)
+        try:
+            storage = _Storage(capacity, device, pinned)
+        except BaseException:
+            with self._lock:
+                self._held -= capacity
+                self._lock.notify_all()
+            raise
+        return Lease(self, storage, int(nbytes))
+
+    def _give_back(self, storage: _Storage) -> None:
+        with self._lock:
+            self._free.append(storage)
+            self._lock.notify_all()
+
+    def clear(self) -> None:
+        """Free every cached buffer (buffers in use return later and are kept)."""
+        with self._lock:
+            for s in self._free:
+                self._held -= s.capacity
+            self._free.clear()
+
+
+_default: BufferPool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> BufferPool:
+    """The process-wide pool that ``gpuio.read`` uses."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = BufferPool()
+        return _default

@@ -1,0 +1,129 @@
+"""Settings: defaults, ``GPUIO_*`` environment variables, and a ``with`` override.
+
+    >>> import gpuio
+    >>> gpuio.config.get("io_threads")
+    16
+    >>> with gpuio.config.override(io_threads=32):
+    ...     gpuio.config.get("io_threads")
+    32
+
+Environment variables are read when a setting is first asked for, so that
+``GPUIO_IO_THREADS=64 python train.py`` works without code changes. Overrides are
+per thread of control (a ``contextvars`` value): code running inside ``override``
+sees the new values, other threads keep theirs. Stages that run on worker threads
+take their settings when they are built, in the caller's context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from gpuio.errors import ConfigError
+
+__all__ = ["DEFAULTS", "get", "override", "settings"]
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+# name -> (default, help). Sizes are in bytes.
+DEFAULTS: dict[str, tuple[Any, str]] = {
+    "io_threads": (16, "threads issuing reads; queue depth matters more than cores"),
+    "task_size": (4 * MiB, "largest single read; bigger extents split into tasks"),
+    "merge_gap": (4 * KiB, "extents this close in one file are merged into one read"),
+    "o_direct": (False, "bypass the page cache (O_DIRECT), where the filesystem allows"),
+    "buffer_budget": (4 * GiB, "bytes of batch buffers one pool may hold, host and device together"),
+    "backend": ("auto", "storage backend: auto, posix or kvikio"),
+    "pinned": ("auto", "pin host batch buffers: auto (when a GPU is present), true, false"),
+    "max_open_files": (256, "file handles kept open across batches"),
+    "kvikio_compat": ("auto", "kvikio compat mode: auto, on (POSIX bounce) or off (GDS)"),
+    "cache_dir": ("", "where sample datasets and indexes go; default ~/.cache/gpuio"),
+}
+
+_overrides: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
+    "gpuio_config_overrides", default={}
+)
+
+
+def _parse(name: str, raw: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"GPUIO_{name.upper()}={raw!r}: expected true or false")
+    if isinstance(default, int):
+        try:
+            return _parse_size(raw)
+        except ValueError:
+            raise ConfigError(
+                f"GPUIO_{name.upper()}={raw!r}: expected an integer, optionally with "
+                "a KiB/MiB/GiB suffix"
+            ) from None
+    return raw
+
+
+def _parse_size(raw: str) -> int:
+    text = raw.strip()
+    for suffix, mult in (("KiB", KiB), ("MiB", MiB), ("GiB", GiB), ("K", KiB), ("M", MiB), ("G", GiB)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * mult)
+    return int(text)
+
+
+def _check(name: str, value: Any) -> Any:
+    if name not in DEFAULTS:
+        raise ConfigError(f"unknown setting {name!r}; settings are: {', '.join(sorted(DEFAULTS))}")
+    default = DEFAULTS[name][0]
+    if isinstance(value, str) and not isinstance(default, str):
+        value = _parse(name, value, default)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"setting {name!r} must be True or False, got {value!r}")
+    elif isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"setting {name!r} must be a non-negative integer, got {value!r}")
+    choices = {
+        "backend": ("auto", "posix", "kvikio"),
+        "pinned": ("auto", "true", "false"),
+        "kvikio_compat": ("auto", "on", "off"),
+    }.get(name)
+    if choices is not None:
+        value = str(value).lower()
+        if value not in choices:
+            raise ConfigError(f"setting {name!r} is {value!r}; choose one of {', '.join(choices)}")
+    return value
+
+
+def get(name: str) -> Any:
+    """The value of setting ``name``: override, else ``GPUIO_<NAME>``, else default."""
+    over = _overrides.get()
+    if name in over:
+        return over[name]
+    if name not in DEFAULTS:
+        _check(name, None)
+    raw = os.environ.get(f"GPUIO_{name.upper()}")
+    if raw is not None:
+        return _check(name, raw)
+    return DEFAULTS[name][0]
+
+
+def settings() -> dict[str, Any]:
+    """All settings as they stand now."""
+    return {name: get(name) for name in DEFAULTS}
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Temporarily change settings: ``with gpuio.config.override(io_threads=32): ...``."""
+    checked = {name: _check(name, value) for name, value in values.items()}
+    token = _overrides.set({**_overrides.get(), **checked})
+    try:
+        yield
+    finally:
+        _overrides.reset(token)

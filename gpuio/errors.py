@@ -1,0 +1,103 @@
+"""One error hierarchy for everything gpuio raises on purpose.
+
+Errors about data name the file, the byte offset and the sample or record, so that a
+user can find the bad bytes with ``dd`` or a hex editor.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GpuioError",
+    "ConfigError",
+    "DependencyError",
+    "DeviceError",
+    "BufferBudgetError",
+    "OutOfRangeError",
+    "DataError",
+    "StorageError",
+    "FormatError",
+    "PipelineError",
+]
+
+
+class GpuioError(Exception):
+    """Root of every error gpuio raises on purpose."""
+
+
+class ConfigError(GpuioError, ValueError):
+    """A setting or argument has a value gpuio cannot use."""
+
+
+class DependencyError(GpuioError, ImportError):
+    """An optional package is needed for this path; the message names the extra."""
+
+
+class DeviceError(GpuioError, RuntimeError):
+    """A device was asked for that this machine does not have or cannot use."""
+
+
+class BufferBudgetError(GpuioError, MemoryError):
+    """A buffer request does not fit the pool's byte budget."""
+
+
+class OutOfRangeError(GpuioError, IndexError):
+    """A sample or file index outside the dataset."""
+
+
+class DataError(GpuioError):
+    """Bad or unreadable data; names the file, the byte offset and the sample.
+
+    ``str(err)`` reads ``path: sample 17 at byte 90210: what went wrong``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        offset: int | None = None,
+        sample: object = None,
+    ) -> None:
+        self.path = None if path is None else str(path)
+        self.offset = offset
+        self.sample = sample
+        self.reason = message
+        where = []
+        if sample is not None:
+            where.append(f"{sample}" if isinstance(sample, str) else f"sample {sample}")
+        if offset is not None:
+            where.append(f"at byte {offset}")
+        prefix = f"{self.path}: " if self.path else ""
+        if where:
+            prefix += " ".join(where) + ": "
+        super().__init__(prefix + message)
+
+
+class StorageError(DataError, OSError):
+    """A read failed: missing file, permission, or fewer bytes than indexed."""
+
+
+class FormatError(DataError, ValueError):
+    """Bytes that do not follow their format (bad magic, CRC mismatch, bad header)."""
+
+
+class PipelineError(GpuioError, RuntimeError):
+    """An error inside a loader stage; names the stage, the sample and its file.
+
+    The original error is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, stage: str, sample: int | None = None,
+                 key: object = None, path: str | None = None) -> None:
+        self.stage = stage
+        self.sample = sample
+        self.key = key
+        self.path = path
+        parts = [f"stage {stage!r}"]
+        if sample is not None:
+            parts.append(f"sample {sample}")
+        if key is not None:
+            parts.append(f"key {key!r}")
+        if path is not None:
+            parts.append(f"file {path}")
+        super().__init__(", ".join(parts) + ": " + message)

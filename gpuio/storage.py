@@ -1,0 +1,189 @@
+"""Batched reads of byte extents into host or GPU buffers: ``gpuio.read``.
+
+A ``Reader`` owns a storage backend and a buffer pool. For one batch it builds a read
+plan, takes one buffer from the pool, runs the plan and hands back views into that
+buffer, one per sample: NumPy arrays in host memory, or CuPy arrays on the GPU.
+
+Where the bytes land is the caller's choice, never guessed: ``device="cpu"`` lands
+them in host memory (pinned when a GPU is present, so that a later copy to the GPU is
+fast); ``device="cuda"`` lands them in GPU memory, through kvikio/cuFile when it is
+installed (GPUDirect Storage where the system has it) or through a pinned host buffer
+and one copy otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from gpuio import config
+from gpuio.buffers import BufferPool, Lease, default_pool
+from gpuio.device import Device, check_cuda, cuda_available, parse_device, require
+from gpuio.errors import ConfigError, OutOfRangeError
+from gpuio.index import Ragged, SampleIndex
+from gpuio.plan import build_plan
+
+__all__ = ["Reader", "read", "read_fields"]
+
+
+class Reader:
+    """Reads batches of extents from an index into buffers on ``device``.
+
+    ``backend`` is ``"posix"`` (host memory; to reach a GPU, a pinned buffer and one
+    copy), ``"kvikio"`` (cuFile straight into GPU memory; needs ``device="cuda"``) or
+    ``"auto"`` (kvikio for GPU destinations when installed, else posix). Settings not
+    given come from ``gpuio.config`` when the reader is made.
+    """
+
+    def __init__(self, device: str | Device = "cpu", *, backend: str | None = None,
+                 threads: int | None = None, pool: BufferPool | None = None) -> None:
+        self.device = parse_device(device)
+        check_cuda(self.device)
+        backend = config.get("backend") if backend is None else backend
+        if backend == "auto":
+            kvikio_ok = importlib.util.find_spec("kvikio") is not None
+            backend = "kvikio" if self.device.is_cuda and kvikio_ok else "posix"
+        threads = config.get("io_threads") if threads is None else threads
+        if backend == "kvikio":
+            if not self.device.is_cuda:
+                raise ConfigError("the kvikio backend reads into GPU memory; use device='cuda' "
+                                  "or backend='posix' for host memory")
+            from gpuio._kvikio import KvikioBackend
+
+            self.backend: Any = KvikioBackend(threads, config.get("task_size"),
+                                              config.get("kvikio_compat"), config.get("max_open_files"))
+        elif backend == "posix":
+            from gpuio._posix import PosixBackend
+
+            self.backend = PosixBackend(threads, config.get("o_direct"), config.get("max_open_files"))
+        else:
+            raise ConfigError(f"backend {backend!r}; choose auto, posix or kvikio")
+        pinned = config.get("pinned")
+        self.pinned = cuda_available() if pinned == "auto" else pinned == "true"
+        self.pool = pool if pool is not None else default_pool()
+        self.gap = config.get("merge_gap")
+        self.task_size = config.get("task_size")
+
+    @property
+    def lands_on_device(self) -> bool:
+        return self.backend.name == "kvikio"
+
+    def read_batch(self, index: SampleIndex, rows: Sequence[int] | np.ndarray,
+                   field: str = "data") -> tuple[Lease, np.ndarray, np.ndarray]:
+        """Read one extent field of ``rows``; returns the buffer and each sample's
+        (start, length) in it. The buffer goes back to the pool when no view remains."""
+        rows = _check_rows(index, rows)
+        ext = index._extents(field)
+        plan = build_plan(ext.file[rows], ext.offset[rows], ext.length[rows], gap=self.gap,
+                          align=self.backend.align, task_size=self.task_size)
+        if self.lands_on_device:
+            lease = self.pool.acquire(plan.nbytes, self.device)
+            self.backend.read(plan, index.files, lease)
+        else:
+            lease = self.pool.acquire(plan.nbytes, "cpu", pinned=self.pinned)
+            self.backend.read(plan, index.files, lease)
+            if self.device.is_cuda:
+                lease = self._upload(lease, plan.nbytes)
+        return lease, plan.sample_dest, plan.sample_length
+
+    def _upload(self, host: Lease, nbytes: int) -> Lease:
+        cp = require("cupy")
+        dev = self.pool.acquire(nbytes, self.device)
+        with cp.cuda.Device(self.device.index):
+            stream = cp.cuda.get_current_stream()
+            dev.array.set(host.array, stream=stream)
+            stream.synchronize()  # the host buffer returns to the pool right after
+        return dev
+
+    def read(self, index: SampleIndex, rows: Sequence[int] | np.ndarray, field: str = "data") -> list[Any]:
+        """The bytes of ``field`` for ``rows``: one uint8 array per sample, all views
+        into one batch buffer."""
+        if field not in index.extents:
+            return read_fields(index, rows, (field,), self.device, reader=self)[field]
+        lease, starts, lengths = self.read_batch(index, rows, field)
+        buf = lease.array
+        return [buf[s: s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_rows(index: SampleIndex, rows: Sequence[int] | np.ndarray) -> np.ndarray:
+    rows = np.asarray(rows)
+    if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+        raise ConfigError(f"indices must be a 1-D sequence of integers, got shape {rows.shape} "
+                          f"dtype {rows.dtype}")
+    rows = rows.astype(np.int64, copy=False)
+    n = len(index)
+    if rows.size and (rows.min() < -n or rows.max() >= n):
+        bad = rows[(rows < -n) | (rows >= n)][0]
+        raise OutOfRangeError(f"sample {bad} out of range for an index of {n} samples")
+    return np.where(rows < 0, rows + n, rows)
+
+
+def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Sequence[str],
+                device: str | Device = "cpu", *, reader: Reader | None = None) -> dict[str, Any]:
+    """Several fields of ``rows``: extent fields as lists of uint8 arrays, dense value
+    fields as arrays with one row per sample, ragged and parsed fields as lists."""
+    rows = _check_rows(index, rows)
+    unknown = [f for f in fields if f not in index.fields]
+    if unknown:
+        raise ConfigError(f"unknown field(s) {unknown}; this index has {list(index.fields)}")
+    reader = reader or _default_reader(device)
+    out: dict[str, Any] = {}
+    parser = index.parser
+    parsed = [f for f in fields if parser is not None and f in parser.fields and f not in index.extents]
+    if parsed:
+        # records are parsed on the host, whatever the destination of other fields
+        host = reader if not reader.device.is_cuda else _default_reader("cpu")
+        records = host.read(index, rows, parser.source)
+        ext = index.extents[parser.source]
+        paths = [index.files[i] for i in ext.file[rows].tolist()]
+        values = parser.parse(records, rows, paths, ext.offset[rows])
+        out.update({f: values[f] for f in parsed})
+    for f in fields:
+        if f in out:
+            continue
+        if f in index.extents:
+            out[f] = reader.read(index, rows, f)
+        else:
+            col = index.values[f]
+            out[f] = [col[i] for i in rows.tolist()] if isinstance(col, Ragged) else col[rows]
+    return {f: out[f] for f in fields}
+
+
+_readers: dict[tuple[Any, ...], Reader] = {}
+_readers_lock = threading.Lock()
+
+
+def _default_reader(device: str | Device) -> Reader:
+    device = parse_device(device)
+    key = (device, config.get("backend"), config.get("io_threads"), config.get("o_direct"),
+           config.get("merge_gap"), config.get("task_size"))
+    with _readers_lock:
+        if key not in _readers:
+            _readers[key] = Reader(device)
+        return _readers[key]
+
+
+def read(index: SampleIndex, indices: Sequence[int] | np.ndarray, field: str = "data",
+         device: str | Device = "cpu") -> list[Any]:
+    """Read ``field`` of the samples ``indices`` in one batch.
+
+    Returns one value per sample in the order given. For a field stored as bytes,
+    each value is a 1-D ``uint8`` array (NumPy on ``"cpu"``, CuPy on ``"cuda[:N]"``),
+    a view into one batch buffer that returns to the pool once no view remains.
+    Nothing is returned half-read: a missing, unreadable or truncated file raises
+    ``gpuio.errors.StorageError`` naming the file and byte offset.
+    """
+    return _default_reader(device).read(index, indices, field)

@@ -1,0 +1,3 @@
+"""Decode and augmentation ops, CPU and GPU."""
+
+__all__: list[str] = []
