@@ -1,5 +1,8 @@
 """Dataset formats. Each turns a dataset into a ``gpuio.SampleIndex``; reading the
-bytes is the storage core's job (``gpuio.read``)."""
+bytes is the storage core's job (``gpuio.read``).
+
+Every format function is named after its module (``formats.lmdb`` is the function in
+``formats/lmdb.py``)."""
 
 from gpuio.formats.filetree import filetree
 from gpuio.formats.numpy import numpy
