@@ -1,0 +1,110 @@
+"""Packaging, import hygiene, settings and device detection."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import gpuio
+from gpuio import config
+from gpuio.device import Device, parse_device, require
+from gpuio.errors import ConfigError, DependencyError, GpuioError
+
+REPO = Path(__file__).resolve().parents[1]
+CUDA_MODULES = ("cupy", "kvikio", "nvidia", "torch", "cuda", "PyNvVideoCodec")
+
+
+def test_import_loads_no_cuda_library():
+    code = ("import sys, gpuio, gpuio.formats, gpuio.ops\n"
+            f"bad = [m for m in sys.modules if m.split('.')[0] in {CUDA_MODULES!r}]\n"
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_formats_and_ops_import_as_gpuio_subpackages():
+    import gpuio.formats
+    import gpuio.ops
+
+    assert Path(gpuio.formats.__file__).parent == REPO / "formats"
+    assert Path(gpuio.ops.__file__).parent == REPO / "ops"
+    assert gpuio.formats is gpuio.__getattr__("formats")
+
+
+@pytest.mark.slow
+def test_built_wheel_installs_formats_and_ops(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(REPO)], check=True, capture_output=True)
+    wheel = next(tmp_path.glob("gpuio-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "gpuio/formats/__init__.py" in names and "gpuio/ops/__init__.py" in names
+    assert not any(n.startswith(("formats/", "ops/", "tests/", "bench/")) for n in names)
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    py = env_dir / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+    code = "import gpuio.formats, gpuio.ops, gpuio; print(gpuio.formats.__file__)"
+    out = subprocess.run([str(py), "-I", "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(site)
+
+
+def test_config_defaults_env_and_override(monkeypatch):
+    assert config.get("io_threads") >= 16
+    monkeypatch.setenv("GPUIO_IO_THREADS", "40")
+    monkeypatch.setenv("GPUIO_BUFFER_BUDGET", "2GiB")
+    monkeypatch.setenv("GPUIO_O_DIRECT", "yes")
+    assert config.get("io_threads") == 40
+    assert config.get("buffer_budget") == 2 << 30
+    assert config.get("o_direct") is True
+    with config.override(io_threads=8, backend="POSIX"):
+        assert config.get("io_threads") == 8
+        assert config.get("backend") == "posix"
+        with config.override(io_threads=9):
+            assert config.get("io_threads") == 9
+        assert config.get("io_threads") == 8
+    assert config.get("io_threads") == 40
+    assert set(config.settings()) == set(config.DEFAULTS)
+
+
+def test_config_errors_name_the_setting(monkeypatch):
+    with pytest.raises(ConfigError, match="unknown setting 'io_thread'.*io_threads"):
+        config.get("io_thread")
+    with pytest.raises(ConfigError, match="choose one of auto, posix, kvikio"):
+        with config.override(backend="nvme"):
+            pass
+    with pytest.raises(ConfigError, match="non-negative integer"):
+        with config.override(io_threads=-1):
+            pass
+    monkeypatch.setenv("GPUIO_IO_THREADS", "many")
+    with pytest.raises(ConfigError, match="GPUIO_IO_THREADS='many'"):
+        config.get("io_threads")
+
+
+def test_device_parsing_and_missing_extra():
+    assert parse_device("cpu") == Device("cpu")
+    assert parse_device("cuda") == Device("cuda", 0)
+    assert str(parse_device("CUDA:3")) == "cuda:3"
+    with pytest.raises(ConfigError, match="'gpu'"):
+        parse_device("gpu")
+    if importlib.util.find_spec("PyNvVideoCodec") is None:
+        with pytest.raises(DependencyError, match=r"pip install 'gpuio\[video\]'"):
+            require("PyNvVideoCodec")
+    assert issubclass(DependencyError, GpuioError) and issubclass(DependencyError, ImportError)
+
+
+def test_gpu_count_matches_device_nodes():
+    nodes = [p for p in os.listdir("/dev") if p.startswith("nvidia") and p[6:].isdigit()]
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        assert gpuio.gpu_count() == len(nodes)

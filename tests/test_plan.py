@@ -1,0 +1,81 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuio.plan import build_plan
+
+
+def run_plan(plan, files, file_ids, offsets, lengths):
+    """Execute a plan against in-memory files; return each sample's bytes."""
+    buf = np.zeros(plan.nbytes, dtype=np.uint8)
+    for f, off, n, dest, need in zip(plan.task_file, plan.task_offset, plan.task_length, plan.task_dest, plan.task_need):
+        chunk = files[f][off: off + n]
+        assert len(chunk) >= need
+        buf[dest: dest + len(chunk)] = chunk
+    return [buf[d: d + n].tobytes() for d, n in zip(plan.sample_dest, plan.sample_length)]
+
+
+extent_lists = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 5000), st.integers(0, 3000)), min_size=1, max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(extent_lists, st.sampled_from([0, 1, 64, 4096]), st.sampled_from([1, 512, 4096]),
+       st.sampled_from([4096, 1000, 1 << 20]))
+def test_plan_puts_every_sample_where_it_says(extents, gap, align, task_size):
+    rng = np.random.default_rng(0)
+    files = [rng.integers(0, 256, 9000, dtype=np.uint8) for _ in range(4)]
+    f, o, n = (np.array(c, dtype=np.int64) for c in zip(*extents))
+    plan = build_plan(f, o, n, gap=gap, align=align, task_size=task_size)
+    got = run_plan(plan, files, f, o, n)
+    for i in range(len(f)):
+        assert got[i] == files[f[i]][o[i]: o[i] + n[i]].tobytes()
+    assert (plan.task_length <= max(task_size, align) // align * align).all()
+    if align > 1:
+        assert (plan.task_offset % align == 0).all()
+        assert (plan.task_dest % align == 0).all()
+        assert (plan.task_length % align == 0).all()
+    # reads never overlap in the buffer
+    order = np.argsort(plan.task_dest)
+    ends = plan.task_dest[order] + plan.task_length[order]
+    assert (plan.task_dest[order][1:] >= ends[:-1]).all()
+
+
+def test_adjacent_and_near_extents_merge_into_one_read():
+    plan = build_plan([0, 0, 0], [0, 100, 300], [100, 100, 50], gap=100)
+    assert len(plan) == 1 and plan.nbytes == 350
+    assert plan.sample_dest.tolist() == [0, 100, 300]
+
+
+def test_gap_larger_than_limit_splits_reads_and_files_never_merge():
+    plan = build_plan([0, 0, 1], [0, 10_000, 0], [10, 10, 10], gap=4096)
+    assert len(plan) == 3 and plan.nbytes == 30
+
+
+def test_duplicate_extents_share_bytes():
+    plan = build_plan([0, 0], [64, 64], [16, 16], gap=0)
+    assert len(plan) == 1 and plan.sample_dest.tolist() == [0, 0]
+
+
+def test_o_direct_alignment_widens_reads():
+    plan = build_plan([0], [5000], [10], align=4096)
+    assert plan.task_offset.tolist() == [4096] and plan.task_length.tolist() == [4096]
+    assert plan.sample_dest.tolist() == [5000 - 4096]
+    assert plan.task_need.tolist() == [5010 - 4096]
+
+
+def test_large_extent_splits_into_tasks():
+    plan = build_plan([0], [0], [10 << 20], task_size=4 << 20)
+    assert plan.task_length.tolist() == [4 << 20, 4 << 20, 2 << 20]
+    assert plan.task_dest.tolist() == [0, 4 << 20, 8 << 20]
+
+
+def test_empty_plan():
+    plan = build_plan([], [], [])
+    assert len(plan) == 0 and plan.nbytes == 0
+
+
+def test_align_must_be_power_of_two():
+    with pytest.raises(ValueError):
+        build_plan([0], [0], [1], align=3000)

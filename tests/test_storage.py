@@ -1,0 +1,214 @@
+"""The storage core over real files: sizes, alignments, thread counts, O_DIRECT, errors."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import gpuio
+from gpuio.buffers import BufferPool
+from gpuio.errors import BufferBudgetError, ConfigError, OutOfRangeError, StorageError
+from gpuio.index import Extents, SampleIndex
+from gpuio.storage import Reader
+
+from conftest import to_host
+
+SIZES = [0, 1, 511, 4095, 4096, 4097, 100_000, 3 << 20]
+
+
+def write_files(root, sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    paths, blobs = [], []
+    for i, n in enumerate(sizes):
+        p = root / f"f{i:03d}.bin"
+        blob = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        p.write_bytes(blob)
+        paths.append(str(p))
+        blobs.append(blob)
+    return paths, blobs
+
+
+def file_index(paths, sizes):
+    n = len(paths)
+    return SampleIndex(paths, {"data": Extents(np.arange(n), np.zeros(n), np.array(sizes))})
+
+
+@pytest.mark.parametrize("threads", [1, 4, 32])
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_whole_files_every_size(tmp_path, device, threads, o_direct):
+    paths, blobs = write_files(tmp_path, SIZES)
+    index = file_index(paths, SIZES)
+    with gpuio.config.override(io_threads=threads, o_direct=o_direct, task_size=1 << 20):
+        with Reader(device) as reader:
+            rows = [7, 0, 3, 3, 5, 1, 6, 2, 4]
+            out = reader.read(index, rows)
+    for row, arr in zip(rows, out):
+        assert to_host(arr).tobytes() == blobs[row]
+        assert arr.dtype == np.uint8 and arr.ndim == 1
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_records_packed_in_one_file_unaligned(tmp_path, device, o_direct):
+    rng = np.random.default_rng(1)
+    blob = rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    (tmp_path / "packed.bin").write_bytes(blob)
+    offsets = rng.integers(0, len(blob) - 70_000, 200)
+    lengths = rng.integers(0, 70_000, 200)
+    index = SampleIndex([str(tmp_path / "packed.bin")],
+                        {"data": Extents(np.zeros(200), offsets, lengths)})
+    rows = rng.permutation(200)[:150]
+    with gpuio.config.override(o_direct=o_direct, merge_gap=1000):
+        with Reader(device) as reader:
+            out = reader.read(index, rows)
+    for row, arr in zip(rows, out):
+        assert to_host(arr).tobytes() == blob[offsets[row]: offsets[row] + lengths[row]]
+
+
+def test_views_share_one_batch_buffer(tmp_path):
+    paths, _ = write_files(tmp_path, [100, 200, 300])
+    out = gpuio.read(file_index(paths, [100, 200, 300]), [0, 1, 2])
+    bases = {id(a.base) for a in out}
+    assert len(bases) == 1
+
+
+def test_negative_indices_and_empty_batch(tmp_path):
+    paths, blobs = write_files(tmp_path, [10, 20])
+    index = file_index(paths, [10, 20])
+    assert gpuio.read(index, [-1])[0].tobytes() == blobs[1]
+    assert gpuio.read(index, []) == []
+
+
+def test_missing_file_names_path(tmp_path):
+    paths, _ = write_files(tmp_path, [10, 20])
+    index = file_index(paths, [10, 20])
+    os.remove(paths[1])
+    with pytest.raises(StorageError, match="f001.bin: cannot open: file not found") as info:
+        gpuio.read(index, [0, 1])
+    assert info.value.path == paths[1]
+
+
+def test_truncated_file_names_path_and_offset(tmp_path, device):
+    paths, _ = write_files(tmp_path, [5000, 20])
+    index = file_index(paths, [5000, 20])
+    os.truncate(paths[0], 1234)
+    with Reader(device) as reader, pytest.raises(StorageError, match="at byte 1234: file ends before") as info:
+        reader.read(index, [1, 0])
+    assert info.value.path == paths[0] and info.value.offset == 1234
+
+
+def test_permission_denied(tmp_path):
+    paths, _ = write_files(tmp_path, [10])
+    os.chmod(paths[0], 0)
+    index = file_index(paths, [10])
+    if os.geteuid() != 0:
+        with pytest.raises(StorageError, match="permission denied"):
+            gpuio.read(index, [0])
+        return
+    # Root reads any file: read in a forked child that drops to user nobody.
+    os.chmod(tmp_path, 0o755)
+    os.chmod(tmp_path.parent, 0o755)
+    os.chmod(tmp_path.parent.parent, 0o755)
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        message = b"no error"
+        try:
+            with Reader("cpu", threads=1) as reader:  # imports done before losing /root
+                os.setgid(65534)
+                os.setuid(65534)
+                reader.read(index, [0])
+        except Exception as exc:  # reported to the parent through the pipe
+            message = f"{type(exc).__name__}: {exc}".encode()
+        finally:
+            os.write(wr, message)
+            os._exit(0)
+    os.close(wr)
+    os.waitpid(pid, 0)
+    with os.fdopen(rd, "rb") as f:
+        message = f.read().decode()
+    assert message == f"StorageError: {paths[0]}: cannot open: permission denied"
+
+
+def test_directory_in_place_of_file(tmp_path):
+    (tmp_path / "d").mkdir()
+    index = SampleIndex([str(tmp_path / "d")], {"data": Extents([0], [0], [10])})
+    with pytest.raises(StorageError, match="d: ") as info:
+        gpuio.read(index, [0])
+    assert info.value.path == str(tmp_path / "d")
+
+
+def test_out_of_range_and_bad_field(tmp_path):
+    paths, _ = write_files(tmp_path, [10])
+    index = file_index(paths, [10])
+    with pytest.raises(OutOfRangeError, match="sample 5 out of range"):
+        gpuio.read(index, [5])
+    with pytest.raises(ConfigError, match="unknown field"):
+        gpuio.read(index, [0], field="label")
+    with pytest.raises(ConfigError, match="1-D"):
+        gpuio.read(index, [[0]])
+
+
+def test_no_threads_left_after_close(tmp_path):
+    paths, _ = write_files(tmp_path, [1000] * 20)
+    before = set(threading.enumerate())
+    with Reader("cpu", threads=8) as reader:
+        reader.read(file_index(paths, [1000] * 20), range(20))
+    assert set(threading.enumerate()) <= before
+
+
+def test_handle_cache_stays_bounded(tmp_path):
+    paths, blobs = write_files(tmp_path, [100] * 50)
+    index = file_index(paths, [100] * 50)
+    with gpuio.config.override(max_open_files=4), Reader("cpu", threads=8) as reader:
+        for _ in range(3):
+            out = reader.read(index, range(50))
+            assert [a.tobytes() for a in out] == blobs
+        assert len(reader.backend._handles._entries) <= 4
+
+
+def test_pool_reuses_buffers_and_enforces_budget():
+    pool = BufferPool(budget=1 << 20, wait_s=0.2)
+    lease = pool.acquire(300_000)
+    first = lease.array.ctypes.data
+    del lease
+    gc.collect()
+    again = pool.acquire(290_000)
+    assert again.array.ctypes.data == first  # reused
+    assert pool.held_bytes <= 1 << 20
+    with pytest.raises(BufferBudgetError, match=r"2,000,000 bytes was requested.*1,048,576"):
+        pool.acquire(2_000_000)
+    hold = [again, pool.acquire(400_000)]
+    with pytest.raises(BufferBudgetError, match="stay in use"):
+        pool.acquire(500_000)
+    del hold, again
+    gc.collect()
+    assert pool.acquire(500_000).nbytes == 500_000
+
+
+def test_buffer_stays_valid_while_views_live(tmp_path):
+    paths, blobs = write_files(tmp_path, [1000, 2000])
+    index = file_index(paths, [1000, 2000])
+    pool = BufferPool(budget=1 << 30)
+    with Reader("cpu", pool=pool) as reader:
+        keep = reader.read(index, [0])[0]
+        for _ in range(5):
+            reader.read(index, [1])
+        assert keep.tobytes() == blobs[0]
+
+
+def test_index_getitem_reads_synchronously(tmp_path):
+    paths, blobs = write_files(tmp_path, [10, 20])
+    index = SampleIndex(paths, {"data": Extents([0, 1], [0, 0], [10, 20])}, {"label": np.array([3, 4])})
+    assert index[1] == {"data": blobs[1], "label": 4}
+    assert index.extent(1) == gpuio.Extent(paths[1], 0, 20)
+
+
+def test_cuda_device_without_gpu_is_a_clear_error():
+    if gpuio.gpu_count():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(gpuio.errors.DeviceError, match="no NVIDIA GPU"):
+        Reader("cuda")
