@@ -4,8 +4,10 @@ bytes is the storage core's job (``gpuio.read``).
 Every format function is named after its module (``formats.lmdb`` is the function in
 ``formats/lmdb.py``)."""
 
+from gpuio.formats.coco import coco
 from gpuio.formats.filetree import filetree
 from gpuio.formats.numpy import numpy
+from gpuio.formats.webdataset import webdataset
 from gpuio.index import concat
 
-__all__ = ["filetree", "numpy", "concat"]
+__all__ = ["filetree", "numpy", "coco", "webdataset", "concat"]

@@ -1,0 +1,236 @@
+"""formats.webdataset on tars written with the tarfile module."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import tarfile
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gpuio
+from gpuio.errors import ConfigError, DataError, FormatError, GpuioError, StorageError
+from gpuio.formats import webdataset
+
+
+def _write_tar(path, members, fmt=tarfile.GNU_FORMAT):
+    """members: (name, bytes) in order; a None payload makes a directory."""
+    with tarfile.open(path, "w", format=fmt) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tf.addfile(info)
+            else:
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _samples(n, start=0, prefix="shard/"):
+    rng = np.random.default_rng(start)
+    out = []
+    for k in range(start, start + n):
+        key = f"{prefix}{k:06d}"
+        out.append((f"{key}.jpg", rng.integers(0, 256, int(rng.integers(0, 3000)), dtype=np.uint8).tobytes()))
+        out.append((f"{key}.cls", str(k % 10).encode()))
+        out.append((f"{key}.seg.png", f"seg{k}".encode() * (k % 3)))
+    return out
+
+
+def test_fields_keys_and_exact_bytes(tmp_path):
+    members = [("shard", None), *_samples(20)]
+    tar = _write_tar(tmp_path / "a.tar", members)
+    index = webdataset(tar, fields=("jpg", "cls", "seg.png"))
+    assert len(index) == 20
+    assert set(index.fields) == {"jpg", "cls", "seg.png", "__key__"}
+    payload = dict(m for m in members if m[1] is not None)
+    for i in range(20):
+        s = index[i]
+        key = f"shard/{i:06d}"
+        assert s["__key__"] == key
+        assert s["jpg"] == payload[key + ".jpg"]
+        assert s["cls"] == payload[key + ".cls"]
+        assert s["seg.png"] == payload[key + ".seg.png"]
+    # extents point into the tar itself
+    raw = (tmp_path / "a.tar").read_bytes()
+    e = index.extent(7, "jpg")
+    assert e.file == str(tar) and raw[e.offset: e.offset + e.length] == payload["shard/000007.jpg"]
+    batch = gpuio.read(index, [19, 0, 5], "jpg")
+    assert [b.tobytes() for b in batch] == [payload[f"shard/{k:06d}.jpg"] for k in (19, 0, 5)]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_long_names_and_formats(tmp_path, fmt):
+    deep = "d" * 60 + "/" + "e" * 60 + "/"  # > 100 bytes: GNU longname / pax path / ustar prefix
+    members = [(f"{deep}x{k}.txt", f"text {k}".encode()) for k in range(3)]
+    if fmt != tarfile.USTAR_FORMAT:
+        members.append(("ü/" + "k" * 120 + ".txt", "unicode ✓".encode()))
+    tar = _write_tar(tmp_path / "a.tar", members, fmt)
+    index = webdataset(tar, fields=("txt",))
+    assert [index[i]["__key__"] for i in range(len(index))] == [m[0].rsplit(".", 1)[0] for m in members]
+    assert [index[i]["txt"] for i in range(len(index))] == [m[1] for m in members]
+
+
+def test_key_field_split_rules(tmp_path):
+    tar = _write_tar(tmp_path / "a.tar", [
+        ("a.b/c/000123.seg.png", b"seg"),  # dots in folders do not count
+        ("a.b/c/000123.JPG", b"jpg"),  # extensions are lowercased
+        ("a.b/c/.hidden", b"skip"),  # dot files and names without a dot are skipped
+        ("a.b/c/README", b"skip"),
+        ("000124.jpg", b"j2"),
+        ("000124.seg.png", b"s2"),
+    ])
+    index = webdataset(tar, fields=("jpg", "seg.png"))
+    assert [index[i]["__key__"] for i in range(2)] == ["a.b/c/000123", "000124"]
+    assert [index[i]["seg.png"] for i in range(2)] == [b"seg", b"s2"]
+    assert index[0]["jpg"] == b"jpg"
+
+
+def test_missing_field_error_or_skip(tmp_path):
+    members = _samples(5)
+    del members[7]  # sample 2 loses its .cls
+    tar = _write_tar(tmp_path / "a.tar", members)
+    with pytest.raises(FormatError, match=r"key 'shard/000002'.*'cls'") as err:
+        webdataset(tar)
+    assert err.value.path == str(tar)
+    raw = tar.read_bytes()
+    assert raw[err.value.offset: err.value.offset + 16].startswith(b"shard/000002.jpg")
+    index = webdataset(tar, missing="skip")
+    assert [index[i]["__key__"] for i in range(len(index))] == [f"shard/{k:06d}" for k in (0, 1, 3, 4)]
+
+
+def test_several_tars_concatenate_in_order(tmp_path):
+    t1 = _write_tar(tmp_path / "b.tar", _samples(3, 0))
+    t2 = _write_tar(tmp_path / "a.tar", _samples(4, 3))
+    index = webdataset([t1, t2])
+    assert len(index) == 7 and list(index.files) == [str(t1), str(t2)]
+    assert index.extents["jpg"].file.tolist() == [0] * 3 + [1] * 4
+    assert [index[i]["__key__"] for i in range(7)] == [f"shard/{k:06d}" for k in range(7)]
+    payload = dict(_samples(4, 3))
+    assert index[5]["jpg"] == payload["shard/000005.jpg"]
+    # same as concatenating the per-tar indexes
+    both = gpuio.concat([webdataset(t1), webdataset(t2)])
+    for f in ("jpg", "cls"):
+        np.testing.assert_array_equal(both.extents[f].offset, index.extents[f].offset)
+    np.testing.assert_array_equal(both.values["__key__"].values, index.values["__key__"].values)
+
+
+def test_save_load(tmp_path):
+    tar = _write_tar(tmp_path / "a.tar", _samples(6))
+    index = webdataset(tar, fields=("cls", "jpg"))
+    index.save(tmp_path / "a.idx")
+    back = gpuio.SampleIndex.load(tmp_path / "a.idx")
+    assert [back[i] for i in range(6)] == [index[i] for i in range(6)]
+
+
+def test_duplicate_field_in_a_sample(tmp_path):
+    tar = _write_tar(tmp_path / "a.tar", [("k1.jpg", b"a"), ("k1.cls", b"1"), ("k1.jpg", b"b")])
+    with pytest.raises(FormatError, match="'jpg' appears twice") as err:
+        webdataset(tar)
+    assert err.value.offset == 2 * 1024  # third member's header
+
+
+def test_compressed_tar_refused(tmp_path):
+    tar = _write_tar(tmp_path / "a.tar", _samples(2))
+    gz = tmp_path / "a.tar.gz"
+    gz.write_bytes(gzip.compress(tar.read_bytes()))
+    with pytest.raises(FormatError, match="gzip-compressed") as err:
+        webdataset(gz)
+    assert err.value.path == str(gz) and err.value.offset == 0
+
+
+def test_truncated_and_bad_headers(tmp_path):
+    tar = _write_tar(tmp_path / "a.tar", _samples(4))
+    raw = tar.read_bytes()
+    index = webdataset(tar)
+    last = index.extent(3, "jpg")
+    # cut inside the last data member, inside a header, and flip a header byte
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(raw[: last.offset + last.length // 2])
+    with pytest.raises(FormatError, match="truncated") as err:
+        webdataset(cut, fields=("jpg",))
+    assert err.value.path == str(cut)
+    header_at = index.extent(2, "jpg").offset - 512
+    cut.write_bytes(raw[: header_at + 100])
+    with pytest.raises(FormatError, match="truncated") as err:
+        webdataset(cut)
+    assert err.value.offset == header_at
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(raw[:header_at + 148] + b"9" + raw[header_at + 149:])  # checksum field
+    with pytest.raises(FormatError, match="bad tar header") as err:
+        webdataset(bad)
+    assert err.value.offset == header_at and err.value.path == str(bad)
+    bad.write_bytes(b"x" * 1024)
+    with pytest.raises(FormatError, match="bad tar header") as err:
+        webdataset(bad)
+    assert err.value.offset == 0
+
+
+def test_argument_and_file_errors(tmp_path):
+    tar = _write_tar(tmp_path / "a.tar", _samples(1))
+    with pytest.raises(ConfigError):
+        webdataset(tar, missing="drop")
+    with pytest.raises(ConfigError):
+        webdataset(tar, fields=("jpg", "jpg"))
+    with pytest.raises(ConfigError):
+        webdataset(tar, fields=("__key__",))
+    with pytest.raises(StorageError) as err:
+        webdataset(tmp_path / "none.tar")
+    assert err.value.path == str(tmp_path / "none.tar")
+    with pytest.raises(DataError, match="no samples"):
+        webdataset(tar, fields=("npy",), missing="skip")
+    empty = _write_tar(tmp_path / "empty.tar", [])
+    with pytest.raises(DataError, match="no samples"):
+        webdataset(empty)
+
+
+_TEMPLATE = None
+
+
+def _template() -> bytes:
+    global _TEMPLATE
+    if _TEMPLATE is None:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            for name, data in [("k1.txt", b"one"), ("k2.txt", b"two" * 300), ("d/" + "n" * 110 + ".txt", b"3")]:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                info.pax_headers = {"comment": "x"}
+                tf.addfile(info, io.BytesIO(data))
+        _TEMPLATE = buf.getvalue()
+    return _TEMPLATE
+
+
+def _check_or_gpuio_error(path) -> None:
+    try:
+        index = webdataset(path, fields=("txt",), missing="skip")
+    except GpuioError:
+        return
+    size = os.path.getsize(path)
+    ext = index.extents["txt"]
+    assert np.all(ext.offset >= 0) and np.all(ext.offset + ext.length <= size)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=3000))
+def test_random_bytes_raise_only_gpuio_errors(tmp_path, data):
+    path = tmp_path / "r.tar"
+    path.write_bytes(data)
+    _check_or_gpuio_error(path)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=8),
+       cut=st.one_of(st.none(), st.integers(0, 10_000)))
+def test_corrupted_tars_raise_only_gpuio_errors(tmp_path, edits, cut):
+    raw = bytearray(_template())
+    for pos, byte in edits:
+        raw[pos % len(raw)] = byte
+    path = tmp_path / "c.tar"
+    path.write_bytes(bytes(raw[:cut]) if cut is not None else bytes(raw))
+    _check_or_gpuio_error(path)
