@@ -78,8 +78,9 @@ def numpy(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
         try:
             with open(path, "rb") as f:
                 head = f.read(4096)
-                if len(head) >= 12 and head[6] in (2, 3):
-                    need = 12 + struct.unpack("<I", head[8:12])[0]
+                if len(head) >= 12 and head.startswith(_MAGIC) and head[6] in (1, 2, 3):
+                    need = (10 + struct.unpack("<H", head[8:10])[0] if head[6] == 1
+                            else 12 + struct.unpack("<I", head[8:12])[0])
                     if need > len(head):
                         head += f.read(need - len(head))
                 size = os.fstat(f.fileno()).st_size
