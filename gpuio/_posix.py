@@ -4,6 +4,10 @@ Small files are latency-bound, so what matters is how many reads are in flight, 
 how many cores there are: ``io_threads`` (16 by default) readers each take the next
 task from a shared counter and issue ``preadv``, which releases the GIL. Large reads
 are split into ``task_size`` pieces so that page-cache copies run on several cores.
+
+A file read by one task (the small-file case) is opened, read and closed by that
+task; a file read by several tasks of the batch (records packed in one file, a large
+file in pieces) is opened once per batch and shared by them.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from gpuio._handles import HandleCache
+import numpy as np
+
 from gpuio.buffers import Lease
 from gpuio.errors import StorageError
 from gpuio.index import PathTable
@@ -42,11 +47,11 @@ class PosixBackend:
 
     name = "posix"
 
-    def __init__(self, threads: int = 16, o_direct: bool = False, max_open: int = 256) -> None:
+    def __init__(self, threads: int = 16, o_direct: bool = False) -> None:
         self.threads = max(1, threads)
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
+        self._flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         self._no_direct: set[str] = set()  # files whose filesystem refused O_DIRECT
-        self._handles = HandleCache(self._open, os.close, max_open)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -55,68 +60,91 @@ class PosixBackend:
         return 4096 if self.o_direct else 1
 
     def _open(self, path: str) -> int:
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         if self.o_direct and path not in self._no_direct:
             try:
-                return os.open(path, flags | os.O_DIRECT)
+                return os.open(path, self._flags | os.O_DIRECT)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
                     raise open_error(path, exc) from exc
                 self._no_direct.add(path)
         try:
-            return os.open(path, flags)
+            return os.open(path, self._flags)
         except OSError as exc:
             raise open_error(path, exc) from exc
 
     def read(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
         """Fill the host buffer ``lease`` as the plan says; raise StorageError on any failure."""
-        view = memoryview(lease.array)
         n = len(plan)
-        tasks = itertools.count()
-        errors: list[BaseException] = []
-        files = [paths[i] for i in plan.task_file.tolist()]
+        if n == 0:
+            return
+        view = memoryview(lease.array)
+        files = paths.many(plan.task_file)
         offsets, lengths = plan.task_offset.tolist(), plan.task_length.tolist()
         dests, needs = plan.task_dest.tolist(), plan.task_need.tolist()
+        _, first, counts = np.unique(plan.task_file, return_index=True, return_counts=True)
+        shared_paths = {files[i] for i in first[counts > 1].tolist()}
+        shared: dict[str, int] = {}  # path -> fd, for files with several tasks
+        tasks = itertools.count()
+        errors: list[BaseException] = []
+        read_into = self._read_into
+
+        def shared_fd(path: str) -> int:
+            fd = shared.get(path)
+            if fd is None:
+                fd = self._open(path)
+                kept = shared.setdefault(path, fd)  # atomic: one fd wins per path
+                if kept != fd:
+                    os.close(fd)
+                fd = kept
+            return fd
 
         def work() -> None:
-            while not errors:
-                k = next(tasks)
-                if k >= n:
-                    return
-                try:
-                    self._read_one(files[k], offsets[k], lengths[k], needs[k], view[dests[k]: dests[k] + lengths[k]])
-                except BaseException as exc:  # handed to the caller below
-                    errors.append(exc)
-                    return
+            try:
+                while not errors:
+                    k = next(tasks)
+                    if k >= n:
+                        return
+                    path = files[k]
+                    out = view[dests[k]: dests[k] + lengths[k]]
+                    if path in shared_paths:
+                        read_into(shared_fd(path), path, offsets[k], needs[k], out)
+                    else:
+                        fd = self._open(path)
+                        try:
+                            read_into(fd, path, offsets[k], needs[k], out)
+                        finally:
+                            os.close(fd)
+            except BaseException as exc:  # handed to the caller below
+                errors.append(exc)
 
         workers = min(self.threads, n)
-        if workers <= 1:
-            work()
-        else:
-            futures = [self._executor().submit(work) for _ in range(workers - 1)]
-            work()
-            for fut in futures:
-                fut.result()
+        try:
+            if workers <= 1:
+                work()
+            else:
+                futures = [self._executor().submit(work) for _ in range(workers - 1)]
+                work()
+                for fut in futures:
+                    fut.result()
+        finally:
+            for fd in shared.values():
+                os.close(fd)
         if errors:
             raise errors[0]
 
-    def _read_one(self, path: str, offset: int, length: int, need: int, out: memoryview) -> None:
-        fd = self._handles.acquire(path)
-        try:
-            got = 0
-            while got < length:
-                try:
-                    n = os.preadv(fd, [out[got:]], offset + got)
-                except OSError as exc:
-                    if exc.errno == errno.EINVAL and got and self.o_direct:
-                        break  # O_DIRECT read of a partial last block past EOF
-                    raise StorageError(f"read failed: {exc.strerror or exc}",
-                                       path=path, offset=offset + got) from exc
-                if n == 0:
-                    break
-                got += n
-        finally:
-            self._handles.release(path, fd)
+    def _read_into(self, fd: int, path: str, offset: int, need: int, out: memoryview) -> None:
+        got, length = 0, len(out)
+        while got < length:
+            try:
+                n = os.preadv(fd, [out[got:]], offset + got)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and got and self.o_direct:
+                    break  # O_DIRECT read of a partial last block past EOF
+                raise StorageError(f"read failed: {exc.strerror or exc}", path=path,
+                                   offset=offset + got) from exc
+            if n == 0:
+                break
+            got += n
         if got < need:
             raise truncated_error(path, offset, need, got)
 
@@ -131,4 +159,3 @@ class PosixBackend:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
-        self._handles.close()

@@ -39,7 +39,7 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "buffer_budget": (4 * GiB, "bytes of batch buffers one pool may hold, host and device together"),
     "backend": ("auto", "storage backend: auto, posix or kvikio"),
     "pinned": ("auto", "pin host batch buffers: auto (when a GPU is present), true, false"),
-    "max_open_files": (256, "file handles kept open across batches"),
+    "max_open_files": (256, "kvikio CuFile handles kept open across batches"),
     "kvikio_compat": ("auto", "kvikio compat mode: auto, on (POSIX bounce) or off (GDS)"),
     "cache_dir": ("", "where sample datasets and indexes go; default ~/.cache/gpuio"),
 }

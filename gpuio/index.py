@@ -162,7 +162,14 @@ class PathTable:
         return os.fsdecode(self.root + self.blob[self.offsets[i]: self.offsets[i + 1]].tobytes())
 
     def __iter__(self):
-        return (self[i] for i in range(len(self)))
+        return iter(self.many(np.arange(len(self))))
+
+    def many(self, ids: np.ndarray) -> list[str]:
+        """Paths of several file ids at once (faster than one ``table[i]`` each)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        blob, root, decode = self.blob.data, self.root, os.fsdecode
+        return [decode(root + blob[a:b].tobytes())
+                for a, b in zip(self.offsets[ids].tolist(), self.offsets[ids + 1].tolist())]
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, PathTable) and self.root == other.root

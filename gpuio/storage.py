@@ -59,7 +59,7 @@ class Reader:
         elif backend == "posix":
             from gpuio._posix import PosixBackend
 
-            self.backend = PosixBackend(threads, config.get("o_direct"), config.get("max_open_files"))
+            self.backend = PosixBackend(threads, config.get("o_direct"))
         else:
             raise ConfigError(f"backend {backend!r}; choose auto, posix or kvikio")
         pinned = config.get("pinned")

@@ -160,14 +160,38 @@ def test_no_threads_left_after_close(tmp_path):
     assert set(threading.enumerate()) <= before
 
 
-def test_handle_cache_stays_bounded(tmp_path):
-    paths, blobs = write_files(tmp_path, [100] * 50)
-    index = file_index(paths, [100] * 50)
-    with gpuio.config.override(max_open_files=4), Reader("cpu", threads=8) as reader:
-        for _ in range(3):
-            out = reader.read(index, range(50))
-            assert [a.tobytes() for a in out] == blobs
-        assert len(reader.backend._handles._entries) <= 4
+def test_handle_cache_bounds_open_files_and_never_closes_one_in_use(tmp_path):
+    from gpuio._handles import HandleCache
+
+    paths, _ = write_files(tmp_path, [10] * 6)
+    closed = []
+    cache = HandleCache(lambda p: os.open(p, os.O_RDONLY),
+                        lambda fd: (closed.append(fd), os.close(fd)), capacity=2)
+    busy = cache.acquire(paths[0])
+    for p in paths[1:]:
+        cache.release(p, cache.acquire(p))
+    assert len(cache._entries) <= 2
+    assert busy not in closed  # evicted while in use: still open
+    assert os.pread(busy, 10, 0) == open(paths[0], "rb").read()
+    cache.release(paths[0], busy)
+    assert busy in closed
+    again = cache.acquire(paths[5])
+    assert cache.acquire(paths[5]) == again  # cached handle shared
+    cache.release(paths[5], again)
+    cache.release(paths[5], again)
+    cache.close()
+    assert len(closed) == 6
+
+
+def test_files_with_many_records_share_one_descriptor(tmp_path):
+    blob = np.random.default_rng(3).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
+    (tmp_path / "r.bin").write_bytes(blob)
+    offs = np.arange(0, 1 << 16, 1 << 10)
+    index = SampleIndex([str(tmp_path / "r.bin")], {"data": Extents(np.zeros(64), offs, np.full(64, 100))})
+    with gpuio.config.override(merge_gap=0), Reader("cpu", threads=8) as reader:
+        out = reader.read(index, range(64))
+    assert [a.tobytes() for a in out] == [blob[o: o + 100] for o in offs]
+    assert len(os.listdir("/proc/self/fd")) < 64
 
 
 def test_pool_reuses_buffers_and_enforces_budget():

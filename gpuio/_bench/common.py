@@ -1,0 +1,91 @@
+"""Helpers shared by the bench commands: machine description, timing, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import gpuio
+
+
+def cache_dir() -> str:
+    """Where sample datasets go: ``GPUIO_CACHE_DIR`` or ``~/.cache/gpuio``."""
+    path = gpuio.config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "gpuio": gpuio.__version__,
+        "gpus": gpuio.gpu_count(),
+    }
+    if gpuio.cuda_available():
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        info["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        info["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+        info["cuda_driver"] = cupy.cuda.runtime.driverGetVersion()
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def drop_cache(paths: Sequence[str]) -> None:
+    """Evict the files' pages from the page cache (POSIX_FADV_DONTNEED)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def best_time(fn: Callable[[], Any], repeat: int, before: Callable[[], None] | None = None) -> float:
+    """Fastest of ``repeat`` runs of ``fn`` in seconds (``before`` runs untimed first)."""
+    best = float("inf")
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def print_table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> None:
+    """``columns``: (key, heading, format spec)."""
+    cells = [[format(r.get(k, ""), f) if r.get(k) is not None and r.get(k) != "" else "-"
+              for k, _, f in columns] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(columns)]
+    print("  ".join(h.ljust(w) for (_, h, _), w in zip(columns, widths)))
+    for c in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(c, widths)))
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    print(f"wrote {path}")

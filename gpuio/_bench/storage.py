@@ -1,0 +1,238 @@
+"""Storage benchmark: gpuio's batched reads against the simple ways, and the ceilings.
+
+Three datasets: many small files (about 100 KB each), a few large files, and records
+packed in one file. For each, warm and cold page cache, it times gpuio, a naive Python
+loop (``open().read()`` per file or ``seek``/``read`` per record) and ``np.fromfile``,
+and measures the ceiling in the same run: one large sequential ``readinto`` of the
+same number of bytes. With a GPU it adds gpuio into GPU memory, per-file kvikio reads,
+``torch.from_numpy(np.fromfile(...)).cuda()`` and the pinned host-to-device bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+import gpuio
+from gpuio._bench.common import best_time, cache_dir, drop_cache, machine, print_table, write_json
+from gpuio.index import Extents, SampleIndex
+
+SIZES = {  # name: (small files, small size, large files, large size, records, record size)
+    "full": (4000, 100_000, 4, 256 << 20, 16384, 16 << 10),
+    "quick": (1000, 100_000, 2, 32 << 20, 2048, 16 << 10),
+}
+
+
+def _write(path: str, nbytes: int, block: np.ndarray, shift: int) -> None:
+    with open(path, "wb") as f:
+        left = nbytes
+        while left:
+            piece = block[shift % 4096: shift % 4096 + min(left, len(block) - 4096)]
+            f.write(piece)
+            left -= len(piece)
+            shift += 1
+        f.flush()
+        os.fsync(f.fileno())  # clean pages can be dropped for the cold runs
+
+
+def make_datasets(root: str, size: str = "full", seed: int = 0) -> dict[str, SampleIndex]:
+    """Create (once) and index the three datasets under ``root``."""
+    n_small, s_small, n_large, s_large, n_rec, s_rec = SIZES[size]
+    root = os.path.join(root, f"storage-{size}")
+    marker = os.path.join(root, "done.json")
+    rng = np.random.default_rng(seed)
+    small_sizes = rng.integers(s_small * 7 // 10, s_small * 13 // 10, n_small)
+    rec_sizes = rng.integers(s_rec // 2, s_rec * 3 // 2, n_rec)
+    if not os.path.exists(marker):
+        from tqdm import tqdm
+
+        block = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+        for sub in ("small", "large", "packed", "ceiling"):
+            os.makedirs(os.path.join(root, sub), exist_ok=True)
+        jobs = [(os.path.join(root, "small", f"{i:06d}.bin"), int(n)) for i, n in enumerate(small_sizes)]
+        jobs += [(os.path.join(root, "large", f"{i:02d}.bin"), s_large) for i in range(n_large)]
+        jobs += [(os.path.join(root, "packed", "records.bin"), int(rec_sizes.sum())),
+                 (os.path.join(root, "ceiling", "small.bin"), int(small_sizes.sum()))]
+        for k, (path, nbytes) in enumerate(tqdm(jobs, desc="writing storage dataset", unit="file")):
+            _write(path, nbytes, block, k)
+        with open(marker, "w") as f:
+            json.dump({"size": size, "seed": seed}, f)
+    small = [os.path.join(root, "small", f"{i:06d}.bin") for i in range(n_small)]
+    large = [os.path.join(root, "large", f"{i:02d}.bin") for i in range(n_large)]
+    rec_offsets = np.concatenate([[0], np.cumsum(rec_sizes)[:-1]])
+    return {
+        "small": SampleIndex(small, {"data": Extents(np.arange(n_small), np.zeros(n_small), small_sizes)}),
+        "large": SampleIndex(large, {"data": Extents(np.arange(n_large), np.zeros(n_large),
+                                                     np.full(n_large, s_large))}),
+        "packed": SampleIndex([os.path.join(root, "packed", "records.bin")],
+                              {"data": Extents(np.zeros(n_rec), rec_offsets, rec_sizes)}),
+        "_ceiling_small": os.path.join(root, "ceiling", "small.bin"),
+    }
+
+
+def _batches(n: int, batch: int, order: np.ndarray) -> list[np.ndarray]:
+    return [order[i: i + batch] for i in range(0, n, batch)]
+
+
+def _naive_files(paths: list[str]) -> None:
+    for p in paths:
+        with open(p, "rb") as f:
+            f.read()
+
+
+def _fromfile_files(paths: list[str]) -> None:
+    for p in paths:
+        np.fromfile(p, dtype=np.uint8)
+
+
+def _naive_records(path: str, offsets: list[int], lengths: list[int]) -> None:
+    with open(path, "rb") as f:
+        for off, n in zip(offsets, lengths):
+            f.seek(off)
+            f.read(n)
+
+
+def _fromfile_records(path: str, offsets: list[int], lengths: list[int]) -> None:
+    for off, n in zip(offsets, lengths):
+        np.fromfile(path, dtype=np.uint8, count=n, offset=off)
+
+
+def _sequential(paths: list[str], buf: np.ndarray) -> None:
+    """One thread reading the files front to back into one buffer: the ceiling."""
+    view = memoryview(buf)
+    pos = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while True:
+                n = f.readinto(view[pos: pos + (64 << 20)])
+                if not n:
+                    break
+                pos += n
+
+
+def run(root: str | None = None, size: str = "full", batch: int = 256, repeat: int = 3,
+        caches: tuple[str, ...] = ("warm", "cold"), out: str | None = None) -> dict[str, Any]:
+    """Run the storage benchmark; print a table and return (and write) the results."""
+    root = root or cache_dir()
+    data = make_datasets(root, size)
+    ceiling_small = data.pop("_ceiling_small")
+    cuda = gpuio.cuda_available()
+    rows: list[dict[str, Any]] = []
+    for name, index in data.items():
+        ext = index.extents["data"]
+        paths = [index.files[i] for i in range(len(index.files))]
+        total = int(ext.length.sum())
+        n = len(index)
+        order = np.random.default_rng(1).permutation(n) if name == "packed" else np.arange(n)
+        batches = _batches(n, batch if name != "large" else n, order)
+        offsets, lengths = ext.offset[order].tolist(), ext.length[order].tolist()
+        ceiling_paths = [ceiling_small] if name == "small" else paths
+        seq_buf = np.empty(sum(os.path.getsize(p) for p in ceiling_paths), dtype=np.uint8)
+        all_files = paths + ([ceiling_small] if name == "small" else [])
+
+        with gpuio.Reader("cpu") as reader:
+            methods = {
+                "gpuio": lambda: [reader.read(index, b) for b in batches],
+                "naive loop": (lambda: _naive_files(paths)) if name != "packed"
+                else (lambda: _naive_records(paths[0], offsets, lengths)),
+                "np.fromfile": (lambda: _fromfile_files(paths)) if name != "packed"
+                else (lambda: _fromfile_records(paths[0], offsets, lengths)),
+                "sequential (ceiling)": lambda: _sequential(ceiling_paths, seq_buf),
+            }
+            gpu_methods = _gpu_methods(index, batches, paths) if cuda else {}
+            for cache in caches:
+                before = (lambda: drop_cache(all_files)) if cache == "cold" else None
+                if cache == "warm":
+                    _naive_files(all_files)
+                times = {}
+                for method, fn in {**methods, **gpu_methods}.items():
+                    times[method] = best_time(fn, repeat if cache == "warm" else max(1, repeat - 1), before)
+                base = times["sequential (ceiling)"] if name == "large" else times["naive loop"]
+                for method, t in times.items():
+                    rows.append({
+                        "dataset": name, "cache": cache, "method": method, "seconds": t,
+                        "GB/s": total / t / 1e9, "files/s": (n / t) if name != "large" else None,
+                        "vs baseline": base / t, "vs ceiling": times["sequential (ceiling)"] / t,
+                    })
+    if cuda:
+        rows.append(_pinned_h2d())
+    print(f"gpuio storage benchmark on {machine()['cpu']} ({os.cpu_count()} cores), "
+          f"io_threads={gpuio.config.get('io_threads')}, size={size}")
+    print("baseline: the naive loop for small files and records, the sequential read for large files")
+    print_table(rows, [("dataset", "dataset", ""), ("cache", "cache", ""), ("method", "method", ""),
+                       ("GB/s", "GB/s", ".2f"), ("files/s", "files/s", ",.0f"),
+                       ("vs baseline", "vs baseline", ".2f"), ("vs ceiling", "vs ceiling", ".2f")])
+    result = {"machine": machine(), "settings": gpuio.config.settings(), "size": size, "rows": rows}
+    if cuda:
+        from gpuio._kvikio import compat_mode_active
+
+        result["kvikio_compat_mode"] = compat_mode_active()
+        print("kvikio:", "COMPAT MODE (POSIX + bounce buffers, no GDS)" if result["kvikio_compat_mode"]
+              else "GDS active")
+    write_json(out, result)
+    return result
+
+
+def _gpu_methods(index: SampleIndex, batches: list[np.ndarray], paths: list[str]) -> dict[str, Any]:
+    import cupy
+    import kvikio
+    import torch
+
+    def kvikio_per_file() -> None:
+        for p in paths:
+            with kvikio.CuFile(p, "r") as f:
+                buf = cupy.empty(os.path.getsize(p), dtype=cupy.uint8)
+                f.read(buf)
+        cupy.cuda.runtime.deviceSynchronize()
+
+    def torch_copy() -> None:
+        for p in paths:
+            torch.from_numpy(np.fromfile(p, dtype=np.uint8)).cuda()
+        torch.cuda.synchronize()
+
+    reader = gpuio.Reader("cuda")
+
+    def gpuio_cuda() -> None:
+        for b in batches:
+            reader.read(index, b)
+        cupy.cuda.runtime.deviceSynchronize()
+
+    return {"gpuio -> GPU": gpuio_cuda, "kvikio per file -> GPU": kvikio_per_file,
+            "np.fromfile + torch .cuda()": torch_copy}
+
+
+def _pinned_h2d(nbytes: int = 256 << 20) -> dict[str, Any]:
+    import cupy
+
+    host = np.frombuffer(cupy.cuda.alloc_pinned_memory(nbytes), dtype=np.uint8, count=nbytes)
+    dev = cupy.empty(nbytes, dtype=cupy.uint8)
+
+    def copy() -> None:
+        dev.set(host)
+        cupy.cuda.runtime.deviceSynchronize()
+
+    t = best_time(copy, 5)
+    return {"dataset": "-", "cache": "-", "method": "pinned H2D (ceiling)", "seconds": t, "GB/s": nbytes / t / 1e9}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", help="where the datasets are made (default: the gpuio cache folder)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--warm-only", action="store_true")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    run(args.root, args.size, args.batch, args.repeat, ("warm",) if args.warm_only else ("warm", "cold"), args.out)
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""The stage executor: a chain of stages run concurrently, results in order.
+
+``Executor(source, stages, window=..., device=...)`` feeds the payloads of ``source``
+through ``stages`` (each ``payload -> payload``) and hands them back with ``get()`` in
+the order ``source`` made them, whatever order the workers finish in:
+
+- a feeder thread takes one token per payload from a semaphore of ``window`` tokens and
+  the consumer gives it back when it takes the payload, so at most ``window`` payloads
+  are in flight (queued, being worked on, or waiting for the consumer);
+- each stage has ``workers`` threads and a bounded input queue; a worker that finishes
+  item ``s`` waits for its stage's turn to reach ``s`` before passing it on, so every
+  queue holds items in source order (no reorder buffer is needed);
+- on a GPU, a ``gpu`` stage runs on a CUDA stream of its own (one worker), waits on
+  the event recorded by the previous GPU stage and records one when it is done;
+  ``get()`` returns that event so the consumer's stream can wait on it. A host stage
+  that receives an item with an event synchronizes on it first. The streams are
+  blocking streams (``non_blocking=False``), so work on them is also ordered with
+  respect to the legacy default stream;
+- an exception in a stage travels in order with its item (later stages pass it on
+  untouched) and ``get()`` raises it, after every earlier item was handed over; the
+  feeder stops feeding at the first error;
+- ``close()`` stops every thread: blocking calls wake up every ``_POLL`` seconds to
+  check the stop flag, and ``close`` joins them.
+
+All heavy work in the stages is expected to release the GIL (preadv, NumPy, OpenCV,
+simplejpeg), which is what lets threads run stages in parallel.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuio.device import Device, require
+
+_POLL = 0.05  # seconds between stop-flag checks in blocking calls
+_JOIN_S = 10.0  # longest close() waits for one thread (a read stuck in the kernel)
+
+
+@dataclass
+class StageStats:
+    """Counters of one stage, accumulated over passes (updated under ``lock``)."""
+
+    batches: int = 0
+    seconds: float = 0.0  # time spent inside the stage function, all workers together
+    queue_sum: int = 0  # input queue length seen at each take, summed
+    takes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "batches": self.batches,
+            "seconds": round(self.seconds, 6),
+            "ms_per_batch": round(1e3 * self.seconds / self.batches, 3) if self.batches else 0.0,
+            "queue_mean": round(self.queue_sum / self.takes, 3) if self.takes else 0.0,
+        }
+
+
+@dataclass
+class Stage:
+    """One step: ``fn(payload) -> payload`` on ``workers`` threads (1 for a GPU stage)."""
+
+    name: str
+    fn: Callable[[Any], Any]
+    workers: int = 1
+    gpu: bool = False
+
+
+class Item:
+    """A payload in flight: its position, the error that stopped it, its CUDA event."""
+
+    __slots__ = ("seq", "payload", "error", "stage", "event")
+
+    def __init__(self, seq: int, payload: Any) -> None:
+        self.seq = seq
+        self.payload = payload
+        self.error: BaseException | None = None
+        self.stage: str | None = None
+        self.event: Any = None
+
+
+class Executor:
+    """Runs ``stages`` over ``source``; see the module docstring."""
+
+    def __init__(self, source: Iterator[Any], stages: list[Stage], *, window: int, device: Device,
+                 stats: dict[str, StageStats] | None = None, name: str = "gpuio") -> None:
+        self.stages = stages
+        self.device = device
+        self.stats = stats if stats is not None else {}
+        for s in stages:
+            self.stats.setdefault(s.name, StageStats())
+        self._source = source
+        self._tokens = threading.Semaphore(max(1, window))
+        self._queues = [queue.Queue(maxsize=max(1, window)) for _ in range(len(stages) + 1)]
+        self._turn = [0] * len(stages)
+        self._turn_cv = [threading.Condition() for _ in stages]
+        self._stop = threading.Event()
+        self._failed_seq: int | None = None  # first item that failed; later ones are not worked on
+        self._threads: list[threading.Thread] = []
+        self._name = name
+        self.wait_s = 0.0  # time the consumer spent waiting in get()
+
+    # ---- lifetime ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._spawn(self._feed, f"{self._name}-feed")
+        for i, stage in enumerate(self.stages):
+            for j in range(1 if stage.gpu else max(1, stage.workers)):
+                self._spawn(self._work, f"{self._name}-{stage.name}-{j}", i)
+
+    def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> None:
+        t = threading.Thread(target=target, name=name, args=args, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def close(self) -> None:
+        """Stop and join every thread (idempotent)."""
+        self._stop.set()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(_JOIN_S)
+        self._threads.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
+
+    # ---- consumer ---------------------------------------------------------------------
+    def get(self) -> Item | None:
+        """The next item in source order; raises its stage's error. ``None`` once closed."""
+        q = self._queues[-1]
+        t0 = time.perf_counter()
+        while True:
+            try:
+                item = q.get(timeout=_POLL)
+                break
+            except queue.Empty:
+                if self._stop.is_set():
+                    return None
+        self.wait_s += time.perf_counter() - t0
+        self._tokens.release()
+        return item
+
+    # ---- threads ----------------------------------------------------------------------
+    def _put(self, q: queue.Queue, item: Item) -> bool:
+        while not self._stop.is_set():
+            try:
+                q.put(item, timeout=_POLL)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _feed(self) -> None:
+        seq = 0
+        try:
+            for payload in self._source:
+                while not self._tokens.acquire(timeout=_POLL):
+                    if self._stop.is_set():
+                        return
+                if self._stop.is_set() or self._failed_seq is not None:
+                    return
+                if not self._put(self._queues[0], Item(seq, payload)):
+                    return
+                seq += 1
+        except Exception as exc:  # a failing source reaches the consumer like a stage error
+            item = Item(seq, None)
+            item.error, item.stage = exc, "order"
+            self._failed_seq = seq
+            self._put(self._queues[0], item)
+
+    def _work(self, i: int) -> None:
+        stage, stats = self.stages[i], self.stats[self.stages[i].name]
+        inq, outq, cv = self._queues[i], self._queues[i + 1], self._turn_cv[i]
+        stream = None
+        while not self._stop.is_set():
+            try:
+                item = inq.get(timeout=_POLL)
+            except queue.Empty:
+                continue
+            depth = inq.qsize()
+            failed = self._failed_seq
+            if item.error is None and (failed is None or item.seq < failed):
+                t0 = time.perf_counter()
+                try:
+                    if stage.gpu:
+                        stream = self._run_gpu(stage, item, stream)
+                    else:
+                        if item.event is not None:
+                            item.event.synchronize()
+                            item.event = None
+                        item.payload = stage.fn(item.payload)
+                except Exception as exc:  # handed to the consumer in order, see get()
+                    item.error, item.stage = exc, stage.name
+                    if self._failed_seq is None or item.seq < self._failed_seq:
+                        self._failed_seq = item.seq
+                dt = time.perf_counter() - t0
+                with stats.lock:
+                    stats.batches += 1
+                    stats.seconds += dt
+                    stats.queue_sum += depth
+                    stats.takes += 1
+            with cv:
+                while self._turn[i] != item.seq:
+                    if self._stop.is_set():
+                        return
+                    cv.wait(_POLL)
+            if not self._put(outq, item):
+                return
+            with cv:
+                self._turn[i] += 1
+                cv.notify_all()
+
+    def _run_gpu(self, stage: Stage, item: Item, stream: Any) -> Any:
+        cp = require("cupy")
+        with cp.cuda.Device(self.device.index):
+            if stream is None:  # made on the worker thread, on the loader's device
+                stream = cp.cuda.Stream(non_blocking=False)
+            if item.event is not None:
+                stream.wait_event(item.event)
+            with stream:
+                item.payload = stage.fn(item.payload)
+            item.event = stream.record()
+        return stream
