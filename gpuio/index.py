@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -330,26 +331,34 @@ class SampleIndex:
             with np.load(path, allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
             spec = json.loads(arrays["spec"].tobytes())
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
             raise FormatError(f"not a gpuio index file ({exc})", path=os.fspath(path)) from exc
-        if spec.get("version") != _INDEX_VERSION:
-            raise FormatError(f"index version {spec.get('version')}, expected {_INDEX_VERSION}",
-                              path=os.fspath(path))
-        extents = {n: Extents(arrays[f"e.{n}.file"], arrays[f"e.{n}.offset"], arrays[f"e.{n}.length"])
-                   for n in spec["extents"]}
-        values: dict[str, np.ndarray | Ragged] = {}
-        for n, kind in spec["values"].items():
-            values[n] = arrays[f"v.{n}"] if kind == "dense" else Ragged(
-                arrays[f"r.{n}.values"], arrays[f"r.{n}.offsets"], kind)
-        parser = None
-        if "parser" in spec:
-            parser = _parser_from_config(spec["parser"]["name"], spec["parser"]["config"])
-        return cls(PathTable(arrays["files.blob"], arrays["files.offsets"], spec.get("root", "")), extents, values,
-                   parser, spec["meta"])
+        version = spec.get("version") if isinstance(spec, dict) else None
+        if version != _INDEX_VERSION:
+            raise FormatError(f"index version {version}, expected {_INDEX_VERSION}", path=os.fspath(path))
+        try:
+            extents = {n: Extents(arrays[f"e.{n}.file"], arrays[f"e.{n}.offset"], arrays[f"e.{n}.length"])
+                       for n in spec["extents"]}
+            values: dict[str, np.ndarray | Ragged] = {}
+            for n, kind in spec["values"].items():
+                values[n] = arrays[f"v.{n}"] if kind == "dense" else Ragged(
+                    arrays[f"r.{n}.values"], arrays[f"r.{n}.offsets"], kind)
+            parser = None
+            if "parser" in spec:
+                parser = _parser_from_config(spec["parser"]["name"], spec["parser"]["config"])
+            files = PathTable(arrays["files.blob"], arrays["files.offsets"], spec.get("root", ""))
+            meta = spec["meta"]
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise FormatError(f"incomplete gpuio index file (no {exc})", path=os.fspath(path)) from exc
+        return cls(files, extents, values, parser, meta)
 
     def take(self, rows: Sequence[int] | np.ndarray) -> SampleIndex:
         """A new index of the given samples, in that order (files shared)."""
         rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (rows.min() < -self._len or rows.max() >= self._len):
+            bad = rows[(rows < -self._len) | (rows >= self._len)][0]
+            raise OutOfRangeError(f"sample {bad} out of range for an index of {self._len} samples")
+        rows = np.where(rows < 0, rows + self._len, rows)  # Ragged.take needs rows >= 0
         return SampleIndex(
             self.files,
             {n: e.take(rows) for n, e in self.extents.items()},
