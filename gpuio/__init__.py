@@ -11,6 +11,7 @@ from gpuio import config, errors
 from gpuio.device import Device, cuda_available, gpu_count
 from gpuio.errors import GpuioError
 from gpuio.index import Extent, Extents, PathTable, Ragged, SampleIndex, concat
+from gpuio.loader import Loader
 from gpuio.storage import Reader, read
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "Extent",
     "Extents",
     "GpuioError",
+    "Loader",
     "PathTable",
     "Ragged",
     "Reader",

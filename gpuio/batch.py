@@ -84,9 +84,15 @@ class Batch:
 
 
 class Op:
-    """Base for ops: ``op(batch) -> batch``. Subclasses set ``salt`` if random."""
+    """Base for ops: ``op(batch) -> batch``. Subclasses set ``salt`` if random.
+
+    ``host_inputs`` names the fields the op needs in host memory (e.g. encoded JPEG
+    bytes for a decoder that parses on the host); the loader reads extent fields named
+    there into host (pinned) memory and every other extent field onto its device.
+    """
 
     salt = 0
+    host_inputs: tuple[str, ...] = ()
 
     def __call__(self, batch: Batch) -> Batch:  # pragma: no cover - interface
         raise NotImplementedError

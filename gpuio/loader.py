@@ -1,0 +1,514 @@
+"""``gpuio.Loader``: batches from a ``SampleIndex`` for a training loop.
+
+    loader = gpuio.Loader(index, 256, ops=[...], device="cuda", shuffle=True,
+                          rank=rank, world_size=world_size)
+    for epoch in range(epochs):
+        for batch in loader:            # one pass = one epoch
+            images, labels = batch["image"], batch["label"]
+
+Stages (``gpuio._executor``): ``read`` (the batch's extents with ``gpuio.storage.read_fields``),
+``parse`` (when the index has a parser), one stage per op, ``collate``; they run
+concurrently on threads, several batches in flight, and batch ``k`` is always yielded
+``k``-th. Sample order and sharding follow ``gpuio._order`` (see ``Loader``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from gpuio.batch import Batch, sample_seeds
+from gpuio.device import Device, check_cuda, parse_device, require
+from gpuio.errors import ConfigError, DataError, PipelineError
+from gpuio.index import Ragged, SampleIndex
+from gpuio.storage import Reader, read_fields
+from gpuio._executor import Executor, Stage, StageStats
+from gpuio._order import EpochPlan, epoch_order
+
+__all__ = ["Loader"]
+
+_MAX_ERRORS = 10  # first skipped-sample errors kept for stats()
+
+
+class _Work:
+    """One batch on its way through the stages."""
+
+    __slots__ = ("k", "src", "index", "data", "batch", "nbytes")
+
+    def __init__(self, k: int, src: np.ndarray, index: np.ndarray) -> None:
+        self.k = k
+        self.src = src  # samples to read (a padding row reads the sample it copies)
+        self.index = index  # dataset position per row, -1 for padding rows
+        self.data: dict[str, Any] = {}
+        self.batch: Batch | None = None
+        self.nbytes = 0
+
+    def keep(self, rows: np.ndarray) -> None:
+        """Keep only ``rows`` (positions) in src, index and the fields read so far."""
+        self.src, self.index = self.src[rows], self.index[rows]
+        for name, col in self.data.items():
+            self.data[name] = [col[r] for r in rows.tolist()] if isinstance(col, list) else col[rows]
+
+
+class Loader:
+    """Iterates batches of ``index``: dicts of fields plus ``index``.
+
+    Args:
+        index: the dataset (a ``SampleIndex`` from ``gpuio.formats``).
+        batch_size: rows per batch (per rank).
+        fields: fields to load (default: all of ``index.fields``). ``"index"`` is reserved.
+        ops: ops applied in order (``gpuio.batch.Op``); an op's ``host_inputs`` names
+            extent fields that must be read into host (pinned) memory; other extent
+            fields land on ``device`` (kvikio on a GPU).
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        output: ``"torch"`` (tensors by DLPack, no copy) or ``"numpy"`` (NumPy/CuPy arrays).
+        shuffle, seed: a global permutation of ``len(index)`` per epoch,
+            ``np.random.Generator(np.random.PCG64([seed, epoch])).permutation``.
+        rank, world_size: this process's shard (see below).
+        last_batch: ``"partial"``, ``"drop"`` or ``"pad"`` (see below).
+        prefetch: batches that may wait, finished, for the consumer; at most
+            ``prefetch + threads`` batches (``prefetch + 2`` on a GPU) are in flight.
+        threads: worker threads per CPU stage (default: ``os.cpu_count()``).
+        on_error: ``"raise"`` (the first bad sample stops the pass with a
+            ``PipelineError``) or ``"skip"`` (bad samples are dropped from their batch,
+            counted and reported by ``stats()``).
+
+    Output: a dict per batch. A field whose rows are arrays of one shape and dtype is
+    stacked into one array with a leading batch axis, on ``device``; raw bytes of an
+    extent field (1-D uint8 rows, as read) and ragged fields stay lists, one value per
+    row. ``batch["index"]`` (int64, on ``device``) is each row's dataset position, -1 for
+    a padding row.
+
+    Order and sharding, with ``N = len(index)``, ``B = batch_size``, ``W = world_size``
+    and ``G = W * B``: the epoch's order (``arange(N)`` or the permutation above) is cut
+    into global steps of ``G`` samples, and in step ``k`` rank ``r`` gets the contiguous
+    slice ``order[k*G + r*B : k*G + (r+1)*B]``. The ``M = N % G`` samples left over are
+    split into ``W`` contiguous shares in rank order (the first ``M % W`` ranks take one
+    more, as ``np.array_split``). ``"drop"`` drops them (``N // G`` batches per rank,
+    every sample at most once). ``"partial"`` gives each rank one last batch with its
+    share, or one padding row when its share is empty (only when ``M < W``).
+    ``"pad"`` fills each rank's last batch with padding rows up to ``B``. Padding row
+    ``i`` of a batch carries the data and augmentation draws of ``order[i % N]``, with
+    ``index`` -1. Every rank yields ``len(loader)`` batches per epoch, and across ranks
+    every sample is a real row exactly once per epoch (``"partial"``, ``"pad"``). Under
+    ``on_error="skip"`` a batch may have fewer rows (even none) but is still yielded.
+
+    Epochs: each complete ``for`` over the loader is one epoch, and the epoch then
+    advances by one; ``set_epoch(e)`` sets it (as ``DistributedSampler.set_epoch``). A
+    ``for`` that was left early restarts its epoch at batch 0 the next time, unless
+    ``load_state_dict`` set a position. ``state_dict()`` taken between batches and
+    given to ``load_state_dict`` (of this or a new loader with the same settings) makes
+    the next ``for`` yield exactly the remaining batches of that epoch (the same rows,
+    the same random draws: ops draw from ``batch.rng(row, salt)``, seeded by
+    ``(seed, epoch, sample)``), after which the epoch advances as usual.
+
+    On a GPU the consumer's current stream (torch's, or CuPy's for ``output="numpy"``)
+    waits on each batch's last CUDA event before the batch is handed over.
+    """
+
+    def __init__(self, index: SampleIndex, batch_size: int, *, fields: Sequence[str] | None = None,
+                 ops: Sequence[Any] = (), device: str | Device = "cpu", output: str = "torch",
+                 shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 last_batch: str = "partial", prefetch: int = 2, threads: int | None = None,
+                 on_error: str = "raise") -> None:
+        if not isinstance(index, SampleIndex):
+            raise ConfigError(f"index must be a gpuio SampleIndex, got {type(index).__name__}")
+        self.index = index
+        self.plan = EpochPlan(len(index), batch_size, world_size, rank, last_batch)
+        self.batch_size, self.rank, self.world_size, self.last_batch = batch_size, rank, world_size, last_batch
+        self.device = parse_device(device)
+        check_cuda(self.device)
+        if output not in ("torch", "numpy"):
+            raise ConfigError(f"output={output!r}; choose 'torch' or 'numpy'")
+        if on_error not in ("raise", "skip"):
+            raise ConfigError(f"on_error={on_error!r}; choose 'raise' or 'skip'")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ConfigError(f"prefetch must be a positive integer, got {prefetch!r}")
+        threads = (os.cpu_count() or 1) if threads is None else threads
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"threads must be a positive integer, got {threads!r}")
+        self.output, self.on_error, self.prefetch, self.threads = output, on_error, prefetch, threads
+        self.shuffle, self.seed = bool(shuffle), int(seed)
+        self.fields = tuple(index.fields if fields is None else fields)
+        unknown = [f for f in self.fields if f not in index.fields]
+        if unknown:
+            raise ConfigError(f"unknown field(s) {unknown}; this index has {list(index.fields)}")
+        if "index" in self.fields:
+            raise ConfigError("field name 'index' is reserved for the dataset positions of a batch's rows; "
+                              "pass fields= without it")
+        self.ops = tuple(ops)
+        for op in self.ops:
+            if not callable(op):
+                raise ConfigError(f"ops must be callables batch -> batch, got {op!r}")
+        parser = index.parser
+        self._parsed = tuple(f for f in self.fields
+                             if parser is not None and f in parser.fields and f not in index.extents)
+        read = [f for f in self.fields if f not in self._parsed]
+        if self._parsed and parser.source not in read:
+            read.append(parser.source)
+        host = {f for op in self.ops for f in getattr(op, "host_inputs", ())}
+        if self._parsed:
+            host.add(parser.source)
+        on_device = self.device.is_cuda
+        self._dev_fields = tuple(f for f in read if on_device and f in index.extents and f not in host)
+        self._host_fields = tuple(f for f in read if f not in self._dev_fields)
+        names = [getattr(op, "name", None) or type(op).__name__ for op in self.ops]
+        self._op_names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+        self._epoch = 0
+        self._pos = 0  # batches of the current epoch handed to the consumer
+        self._resume = 0  # where the next pass starts (set by load_state_dict)
+        self._executor: Executor | None = None
+        self._readers: dict[str, Reader] = {}
+        self._lock = threading.Lock()
+        self._stage_stats: dict[str, StageStats] = {}
+        self._samples = 0
+        self._bytes = 0
+        self._seconds = 0.0
+        self._skipped = 0
+        self._errors: list[str] = []
+
+    # ---- epochs and state ---------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (the same on every rank)."""
+        return len(self.plan)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next pass (its order and random draws), from batch 0."""
+        self._epoch, self._pos, self._resume = int(epoch), 0, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands: the epoch and the batches of it already handed out."""
+        return {"epoch": self._epoch, "batch": self._pos, "samples": len(self.index),
+                "batch_size": self.batch_size, "world_size": self.world_size,
+                "last_batch": self.last_batch, "shuffle": self.shuffle, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the next pass yields that epoch's remaining batches."""
+        mine = self.state_dict()
+        for key in ("samples", "batch_size", "world_size", "last_batch", "shuffle", "seed"):
+            if key in state and state[key] != mine[key]:
+                raise ConfigError(f"state was saved with {key}={state[key]!r}, this loader has "
+                                  f"{key}={mine[key]!r}; the order would differ")
+        batch = int(state["batch"])
+        if not 0 <= batch <= len(self):
+            raise ConfigError(f"state batch {batch} out of range 0..{len(self)}")
+        self.close()
+        self._epoch, self._pos, self._resume = int(state["epoch"]), batch, batch
+
+    # ---- iteration ---------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.close()  # one pass at a time
+        epoch, start = self._epoch, self._resume
+        self._resume, self._pos = 0, start
+        return self._run(epoch, start)
+
+    def _run(self, epoch: int, start: int) -> Iterator[dict[str, Any]]:
+        order = epoch_order(len(self.index), self.shuffle, self.seed, epoch)
+        readers: dict[str, Reader] = {}
+        if self._host_fields:
+            readers["host"] = Reader("cpu")
+        if self._dev_fields:
+            readers["device"] = Reader(self.device)
+        source = (_Work(k, *self.plan.rows(order, k)) for k in range(start, len(self.plan)))
+        stages = self._stages(epoch, readers)
+        window = self.prefetch + max(s.workers if not s.gpu else 1 for s in stages)
+        ex = Executor(source, stages, window=window, device=self.device, stats=self._stage_stats,
+                      name=f"gpuio-loader{self.rank}")
+        self._executor, self._readers = ex, readers
+        completed = False
+        t0 = time.perf_counter()
+        try:
+            ex.start()
+            for _ in range(start, len(self.plan)):
+                item = ex.get()
+                if item is None:  # closed by close()
+                    return
+                if item.error is not None:
+                    if isinstance(item.error, PipelineError):
+                        raise item.error
+                    raise self._pipeline_error(item.stage or "?", item.payload, item.error) from item.error
+                out, real = item.payload
+                batch = self._handoff(out, item.event)
+                self._pos += 1
+                with self._lock:
+                    self._samples += real
+                yield batch
+            completed = True
+        finally:
+            ex.close()
+            for r in readers.values():
+                r.close()
+            with self._lock:
+                self._seconds += time.perf_counter() - t0
+            if self._executor is ex:
+                self._executor, self._readers = None, {}
+            if completed and self._epoch == epoch:
+                self._epoch, self._pos = epoch + 1, 0
+
+    def close(self) -> None:
+        """Stop the running pass, if any; every loader thread has ended on return."""
+        ex, readers = self._executor, self._readers
+        if ex is not None:
+            ex.close()  # joins the stage threads before the readers go
+        for r in readers.values():
+            r.close()
+
+    def __del__(self) -> None:
+        ex = getattr(self, "_executor", None)
+        if ex is not None:
+            ex.close()
+
+    # ---- stages ------------------------------------------------------------------------
+    def _stages(self, epoch: int, readers: dict[str, Reader]) -> list[Stage]:
+        cpu_workers = self.threads
+        stages = [Stage("read", lambda w: self._read(w, readers, epoch), workers=2)]
+        if self._parsed:
+            stages.append(Stage("parse", lambda w: self._parse(w, epoch), workers=cpu_workers))
+        for op, name in zip(self.ops, self._op_names):
+            stages.append(Stage(name, self._op_stage(op, name), workers=cpu_workers, gpu=self.device.is_cuda))
+        stages.append(Stage("collate", self._collate, workers=2, gpu=self.device.is_cuda))
+        return stages
+
+    def _read_rows(self, src: np.ndarray, readers: dict[str, Reader]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self._host_fields:
+            out.update(read_fields(self.index, src, self._host_fields, reader=readers["host"]))
+        if self._dev_fields:
+            out.update(read_fields(self.index, src, self._dev_fields, reader=readers["device"]))
+        return out
+
+    def _read(self, w: _Work, readers: dict[str, Reader], epoch: int) -> _Work:
+        try:
+            w.data = self._read_rows(w.src, readers)
+        except DataError as exc:
+            if self.on_error != "skip":
+                raise
+            bad = []
+            for j in range(len(w.src)):  # find the bad samples one by one
+                try:
+                    self._read_rows(w.src[j: j + 1], readers)
+                except DataError as one:
+                    bad.append(j)
+                    self._skip(int(w.src[j]), "read", one)
+            if not bad:  # the batch failed but no single sample does: not a sample's fault
+                raise
+            w.keep(np.delete(np.arange(len(w.src)), bad))
+            w.data = self._read_rows(w.src, readers)
+        w.nbytes = sum(int(self.index.extents[f].length[w.src].sum()) for f in self._host_fields + self._dev_fields
+                       if f in self.index.extents)
+        with self._lock:
+            self._bytes += w.nbytes
+        if not self._parsed:
+            self._make_batch(w, epoch)
+        return w
+
+    def _parse(self, w: _Work, epoch: int) -> _Work:
+        parser = self.index.parser
+        ext = self.index.extents[parser.source]
+
+        def parse(rows: np.ndarray) -> dict[str, list[Any]]:
+            src = w.src[rows]
+            records = [w.data[parser.source][r] for r in rows.tolist()]
+            paths = [self.index.files[i] for i in ext.file[src].tolist()]
+            return parser.parse(records, src, paths, ext.offset[src])
+
+        rows = np.arange(len(w.src))
+        try:
+            values = parse(rows)
+        except DataError:
+            if self.on_error != "skip":
+                raise
+            bad = []
+            for j in rows.tolist():
+                try:
+                    parse(rows[j: j + 1])
+                except DataError as one:
+                    bad.append(j)
+                    self._skip(int(w.src[j]), "parse", one)
+            w.keep(np.delete(rows, bad))
+            values = parse(np.arange(len(w.src)))
+        w.data.update({f: values[f] for f in self._parsed})
+        self._make_batch(w, epoch)
+        return w
+
+    def _make_batch(self, w: _Work, epoch: int) -> None:
+        data = {f: w.data[f] for f in self.fields}
+        # ops run in collect mode: the loader raises for the first rejected row under "raise"
+        w.batch = Batch(data, w.index, sample_seeds(self.seed, epoch, w.src), self.device, on_error="skip")
+        w.data = {}
+
+    def _op_stage(self, op: Any, name: str):
+        def run(w: _Work) -> _Work:
+            b = w.batch
+            if self.device.is_cuda:
+                b.stream = require("cupy").cuda.get_current_stream()
+            out = op(b)
+            b = out if out is not None else b
+            if b._rejected:
+                rows = sorted(b._rejected)
+                errors = list(b.errors)
+                if self.on_error != "skip":
+                    err = errors[0][1] if errors else DataError("rejected by the op")
+                    sample = errors[0][0] if errors and errors[0][0] >= 0 else int(w.src[rows[0]])
+                    raise self._pipeline_error(name, w, err, sample=sample) from err
+                for sample, err in errors:
+                    self._skip(sample, name, err)
+                w.src = np.delete(w.src, rows)
+                b.drop_rejected()
+                b.errors.clear()
+            w.batch = b
+            return w
+
+        return run
+
+    def _collate(self, w: _Work) -> tuple[dict[str, Any], int]:
+        b = w.batch
+        xp = b.xp
+        out = {name: self._column(name, col, xp) for name, col in b.data.items()}
+        index = np.asarray(b.index, dtype=np.int64)
+        out["index"] = xp.asarray(index) if self.device.is_cuda else index
+        return out, int((index >= 0).sum())
+
+    def _column(self, name: str, col: Any, xp: Any) -> Any:
+        cuda = self.device.is_cuda
+        if isinstance(col, np.ndarray):
+            return xp.asarray(col) if cuda else col
+        if not isinstance(col, list) or not col:
+            return col
+        first = col[0]
+        if not _is_array(first):
+            return col
+        if name in self.index.extents and first.ndim == 1 and first.dtype == np.uint8:
+            return col  # raw bytes as read: a list, whatever their lengths
+        shape, dtype = first.shape, first.dtype
+        if any(not _is_array(a) or a.shape != shape or a.dtype != dtype for a in col):
+            return col
+        mod = np if isinstance(first, np.ndarray) else xp
+        if any(type(a) is not type(first) for a in col):
+            return col
+        stacked = _stack(col, mod)
+        return xp.asarray(stacked) if cuda else stacked
+
+    # ---- hand-off -----------------------------------------------------------------------
+    def _handoff(self, out: dict[str, Any], event: Any) -> dict[str, Any]:
+        torch = require("torch") if self.output == "torch" else None
+        if event is not None:  # the consumer's stream waits for the batch's kernels
+            cp = require("cupy")
+            with cp.cuda.Device(self.device.index):
+                if torch is not None:
+                    ptr = torch.cuda.current_stream(self.device.index).cuda_stream
+                    cp.cuda.ExternalStream(ptr, self.device.index).wait_event(event)
+                else:
+                    cp.cuda.get_current_stream().wait_event(event)
+        if torch is None:
+            return out
+        return {name: _to_torch(v, torch) for name, v in out.items()}
+
+    # ---- errors and stats ------------------------------------------------------------
+    def _skip(self, sample: int, stage: str, err: BaseException) -> None:
+        with self._lock:
+            self._skipped += 1
+            if len(self._errors) < _MAX_ERRORS:
+                self._errors.append(f"sample {sample} (stage {stage!r}): {type(err).__name__}: {err}")
+
+    def _key(self, sample: int) -> Any:
+        for name in ("key", "__key__"):
+            col = self.index.values.get(name)
+            if col is not None:
+                value = col[sample]
+                return value.item() if isinstance(value, np.generic) else value
+        return None
+
+    def _pipeline_error(self, stage: str, w: Any, err: BaseException, sample: int | None = None) -> PipelineError:
+        path = getattr(err, "path", None) if isinstance(err, DataError) else None
+        if sample is None and isinstance(w, _Work):
+            sample = _locate(self.index, w.src, self._host_fields + self._dev_fields, err)
+        if sample is None and isinstance(err, DataError) and isinstance(err.sample, (int, np.integer)):
+            sample = int(err.sample)
+        if path is None and sample is not None and sample >= 0:
+            extent_fields = [f for f in self._host_fields + self._dev_fields if f in self.index.extents]
+            if extent_fields:
+                path = self.index.extent(sample, extent_fields[0]).file
+        key = self._key(sample) if sample is not None and sample >= 0 else None
+        return PipelineError(f"{type(err).__name__}: {err}", stage=stage, sample=sample, key=key, path=path)
+
+    def stats(self) -> dict[str, Any]:
+        """Throughput and where the time goes, over every pass so far.
+
+        ``samples_per_s`` and ``bytes_per_s`` (bytes read from storage) are over the
+        time passes were running; ``stages`` maps each stage to its batches, seconds of
+        work (all workers together), milliseconds per batch and mean input-queue
+        length; ``consumer_wait_s`` is the time the training loop waited for batches;
+        ``skipped`` counts bad samples dropped under ``on_error="skip"`` and ``errors``
+        holds the first few of them.
+        """
+        with self._lock:
+            seconds = self._seconds
+            ex = self._executor
+            return {
+                "samples": self._samples,
+                "bytes": self._bytes,
+                "seconds": round(seconds, 6),
+                "samples_per_s": self._samples / seconds if seconds else 0.0,
+                "bytes_per_s": self._bytes / seconds if seconds else 0.0,
+                "stages": {name: s.as_dict() for name, s in self._stage_stats.items()},
+                "queues": ({s.name: q.qsize() for s, q in zip(ex.stages, ex._queues)} if ex is not None else {}),
+                "consumer_wait_s": round(ex.wait_s, 6) if ex is not None else 0.0,
+                "skipped": self._skipped,
+                "errors": list(self._errors),
+            }
+
+
+def _is_array(a: Any) -> bool:
+    return isinstance(a, np.ndarray) or hasattr(a, "__cuda_array_interface__")
+
+
+def _stack(rows: list[Any], xp: Any) -> Any:
+    """Stack same-shape arrays; rows that already lie back to back in one buffer, in
+    order, become one view of it (no copy)."""
+    first = rows[0]
+    if first.flags.c_contiguous and first.nbytes:
+        ptr = (lambda a: a.__array_interface__["data"][0]) if xp is np else (lambda a: a.data.ptr)
+        base, step = ptr(first), first.nbytes
+        if all(a.flags.c_contiguous and ptr(a) == base + i * step for i, a in enumerate(rows)):
+            return xp.lib.stride_tricks.as_strided(first, shape=(len(rows), *first.shape),
+                                                   strides=(step, *first.strides))
+    return xp.stack(rows)
+
+
+def _locate(index: SampleIndex, src: np.ndarray, fields: Sequence[str], err: BaseException) -> int | None:
+    """The sample a storage error is about, from the file and byte offset it names."""
+    if not isinstance(err, DataError):
+        return None
+    if isinstance(err.sample, (int, np.integer)) and int(err.sample) in set(src.tolist()):
+        return int(err.sample)
+    if err.path is None:
+        return int(src[0]) if len(src) == 1 else None
+    for f in fields:
+        ext = index.extents.get(f)
+        if ext is None:
+            continue
+        for s in src.tolist():
+            if index.files[ext.file[s]] != err.path:
+                continue
+            lo, n = int(ext.offset[s]), int(ext.length[s])
+            if err.offset is None or lo <= err.offset <= lo + n:
+                return int(s)
+    return None
+
+
+def _to_torch(v: Any, torch: Any) -> Any:
+    if _is_array(v) and v.dtype.kind in "biufc":
+        return torch.from_dlpack(v)
+    if isinstance(v, list):
+        return [_to_torch(x, torch) for x in v]
+    return v
