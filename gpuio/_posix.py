@@ -16,7 +16,7 @@ import errno
 import itertools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -52,6 +52,7 @@ class PosixBackend:
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self._flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         self._no_direct: set[str] = set()  # files whose filesystem refused O_DIRECT
+        self._nowait = hasattr(os, "RWF_NOWAIT")  # cleared if the kernel refuses it
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -73,7 +74,14 @@ class PosixBackend:
             raise open_error(path, exc) from exc
 
     def read(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
-        """Fill the host buffer ``lease`` as the plan says; raise StorageError on any failure."""
+        """Fill the host buffer ``lease`` as the plan says; raise StorageError on any failure.
+
+        A few "fast lane" threads (one per core) try each read with ``RWF_NOWAIT``,
+        which copies what the page cache holds and never blocks; a read that would
+        wait for the disk goes to the I/O threads, so that cold data gets
+        ``io_threads`` reads in flight while cached data is copied without waking
+        sixteen threads to fight over the GIL.
+        """
         n = len(plan)
         if n == 0:
             return
@@ -86,7 +94,8 @@ class PosixBackend:
         shared: dict[str, int] = {}  # path -> fd, for files with several tasks
         tasks = itertools.count()
         errors: list[BaseException] = []
-        read_into = self._read_into
+        blocked: list[Future[None]] = []
+        nowait = self._nowait
 
         def shared_fd(path: str) -> int:
             fd = shared.get(path)
@@ -98,42 +107,65 @@ class PosixBackend:
                 fd = kept
             return fd
 
-        def work() -> None:
+        def finish(fd: int, k: int, got: int, own: bool) -> None:
+            try:
+                self._read_into(fd, files[k], offsets[k], needs[k], view[dests[k]: dests[k] + lengths[k]], got)
+            except BaseException as exc:  # handed to the caller below
+                errors.append(exc)
+            finally:
+                if own:
+                    os.close(fd)
+
+        def fast_lane() -> None:
             try:
                 while not errors:
                     k = next(tasks)
                     if k >= n:
                         return
                     path = files[k]
-                    out = view[dests[k]: dests[k] + lengths[k]]
-                    if path in shared_paths:
-                        read_into(shared_fd(path), path, offsets[k], needs[k], out)
-                    else:
-                        fd = self._open(path)
-                        try:
-                            read_into(fd, path, offsets[k], needs[k], out)
-                        finally:
+                    own = path not in shared_paths
+                    fd = self._open(path) if own else shared_fd(path)
+                    got = self._try_cached(fd, path, offsets[k], view[dests[k]: dests[k] + lengths[k]]) if nowait else 0
+                    if got == lengths[k]:
+                        if own:
                             os.close(fd)
+                    elif nowait:
+                        blocked.append(self._executor().submit(finish, fd, k, got, own))
+                    else:
+                        finish(fd, k, got, own)
             except BaseException as exc:  # handed to the caller below
                 errors.append(exc)
 
-        workers = min(self.threads, n)
+        lanes = min(n, self.threads, os.cpu_count() or 1) if nowait else min(n, self.threads)
         try:
-            if workers <= 1:
-                work()
-            else:
-                futures = [self._executor().submit(work) for _ in range(workers - 1)]
-                work()
-                for fut in futures:
-                    fut.result()
+            helpers = [self._executor().submit(fast_lane) for _ in range(lanes - 1)]
+            fast_lane()
+            for fut in helpers:
+                fut.result()
+            for fut in blocked:  # complete: no more are added once the lanes are done
+                fut.result()
         finally:
             for fd in shared.values():
                 os.close(fd)
         if errors:
             raise errors[0]
 
-    def _read_into(self, fd: int, path: str, offset: int, need: int, out: memoryview) -> None:
-        got, length = 0, len(out)
+    def _try_cached(self, fd: int, path: str, offset: int, out: memoryview) -> int:
+        """Copy what the page cache holds, without blocking; bytes copied."""
+        try:
+            return os.preadv(fd, [out], offset, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL) and not self.o_direct:
+                self._nowait = False  # this kernel or filesystem has no RWF_NOWAIT
+                return 0
+            if exc.errno == errno.EINVAL:
+                return 0  # O_DIRECT: let the blocking read report real problems
+            raise StorageError(f"read failed: {exc.strerror or exc}", path=path, offset=offset) from exc
+
+    def _read_into(self, fd: int, path: str, offset: int, need: int, out: memoryview, got: int = 0) -> None:
+        length = len(out)
         while got < length:
             try:
                 n = os.preadv(fd, [out[got:]], offset + got)
@@ -151,7 +183,7 @@ class PosixBackend:
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="gpuio-read")
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gpuio-read")
             return self._pool
 
     def close(self) -> None:

@@ -115,67 +115,83 @@ def _sequential(paths: list[str], buf: np.ndarray) -> None:
                 pos += n
 
 
-def run(root: str | None = None, size: str = "full", batch: int = 256, repeat: int = 3,
-        caches: tuple[str, ...] = ("warm", "cold"), out: str | None = None) -> dict[str, Any]:
-    """Run the storage benchmark; print a table and return (and write) the results."""
-    root = root or cache_dir()
-    data = make_datasets(root, size)
-    ceiling_small = data.pop("_ceiling_small")
-    cuda = gpuio.cuda_available()
+def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: int = 256,
+            repeat: int = 3, caches: tuple[str, ...] = ("warm", "cold"), packed: bool = False,
+            baseline: str = "naive loop") -> list[dict[str, Any]]:
+    """Time every method over one dataset (one sample per file unless ``packed``)."""
+    ext = index.extents["data"]
+    paths = index.files.many(np.arange(len(index.files)))
+    total, n = int(ext.length.sum()), len(index)
+    order = np.random.default_rng(1).permutation(n) if packed else np.arange(n)
+    batches = _batches(n, batch, order)
+    offsets, lengths = ext.offset[order].tolist(), ext.length[order].tolist()
+    seq_buf = np.empty(sum(os.path.getsize(p) for p in ceiling_paths), dtype=np.uint8)
+    all_files = list(dict.fromkeys(paths + ceiling_paths))
     rows: list[dict[str, Any]] = []
-    for name, index in data.items():
-        ext = index.extents["data"]
-        paths = [index.files[i] for i in range(len(index.files))]
-        total = int(ext.length.sum())
-        n = len(index)
-        order = np.random.default_rng(1).permutation(n) if name == "packed" else np.arange(n)
-        batches = _batches(n, batch if name != "large" else n, order)
-        offsets, lengths = ext.offset[order].tolist(), ext.length[order].tolist()
-        ceiling_paths = [ceiling_small] if name == "small" else paths
-        seq_buf = np.empty(sum(os.path.getsize(p) for p in ceiling_paths), dtype=np.uint8)
-        all_files = paths + ([ceiling_small] if name == "small" else [])
+    with gpuio.Reader("cpu") as reader:
+        methods = {
+            "gpuio": lambda: [reader.read(index, b) for b in batches],
+            "naive loop": (lambda: _naive_records(paths[0], offsets, lengths)) if packed
+            else (lambda: _naive_files(paths)),
+            "np.fromfile": (lambda: _fromfile_records(paths[0], offsets, lengths)) if packed
+            else (lambda: _fromfile_files(paths)),
+            "sequential (ceiling)": lambda: _sequential(ceiling_paths, seq_buf),
+        }
+        if gpuio.cuda_available():
+            methods.update(_gpu_methods(index, batches, paths))
+        for cache in caches:
+            before = (lambda: drop_cache(all_files)) if cache == "cold" else None
+            if cache == "warm":
+                _naive_files(all_files)
+            times = {m: best_time(fn, repeat if cache == "warm" else max(1, repeat - 1), before)
+                     for m, fn in methods.items()}
+            for method, t in times.items():
+                rows.append({
+                    "dataset": name, "cache": cache, "method": method, "seconds": t,
+                    "GB/s": total / t / 1e9, "files/s": n / t if n > 16 else None,
+                    "vs baseline": times[baseline] / t, "vs ceiling": times["sequential (ceiling)"] / t,
+                })
+    return rows
 
-        with gpuio.Reader("cpu") as reader:
-            methods = {
-                "gpuio": lambda: [reader.read(index, b) for b in batches],
-                "naive loop": (lambda: _naive_files(paths)) if name != "packed"
-                else (lambda: _naive_records(paths[0], offsets, lengths)),
-                "np.fromfile": (lambda: _fromfile_files(paths)) if name != "packed"
-                else (lambda: _fromfile_records(paths[0], offsets, lengths)),
-                "sequential (ceiling)": lambda: _sequential(ceiling_paths, seq_buf),
-            }
-            gpu_methods = _gpu_methods(index, batches, paths) if cuda else {}
-            for cache in caches:
-                before = (lambda: drop_cache(all_files)) if cache == "cold" else None
-                if cache == "warm":
-                    _naive_files(all_files)
-                times = {}
-                for method, fn in {**methods, **gpu_methods}.items():
-                    times[method] = best_time(fn, repeat if cache == "warm" else max(1, repeat - 1), before)
-                base = times["sequential (ceiling)"] if name == "large" else times["naive loop"]
-                for method, t in times.items():
-                    rows.append({
-                        "dataset": name, "cache": cache, "method": method, "seconds": t,
-                        "GB/s": total / t / 1e9, "files/s": (n / t) if name != "large" else None,
-                        "vs baseline": base / t, "vs ceiling": times["sequential (ceiling)"] / t,
-                    })
+
+COLUMNS = [("dataset", "dataset", ""), ("cache", "cache", ""), ("method", "method", ""),
+           ("GB/s", "GB/s", ".2f"), ("files/s", "files/s", ",.0f"),
+           ("vs baseline", "vs baseline", ".2f"), ("vs ceiling", "vs ceiling", ".2f")]
+
+
+def report(title: str, rows: list[dict[str, Any]], out: str | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Print the table (with the machine and mode) and write the JSON."""
+    cuda = gpuio.cuda_available()
     if cuda:
-        rows.append(_pinned_h2d())
-    print(f"gpuio storage benchmark on {machine()['cpu']} ({os.cpu_count()} cores), "
-          f"io_threads={gpuio.config.get('io_threads')}, size={size}")
-    print("baseline: the naive loop for small files and records, the sequential read for large files")
-    print_table(rows, [("dataset", "dataset", ""), ("cache", "cache", ""), ("method", "method", ""),
-                       ("GB/s", "GB/s", ".2f"), ("files/s", "files/s", ",.0f"),
-                       ("vs baseline", "vs baseline", ".2f"), ("vs ceiling", "vs ceiling", ".2f")])
-    result = {"machine": machine(), "settings": gpuio.config.settings(), "size": size, "rows": rows}
+        rows = rows + [_pinned_h2d()]
+    info = machine()
+    print(f"{title} on {info.get('gpu', 'no GPU')}, {info['cpu']} ({info['cores']} cores), "
+          f"io_threads={gpuio.config.get('io_threads')}")
+    print_table(rows, COLUMNS)
+    result = {"machine": info, "settings": gpuio.config.settings(), "rows": rows, **(extra or {})}
     if cuda:
         from gpuio._kvikio import compat_mode_active
 
         result["kvikio_compat_mode"] = compat_mode_active()
-        print("kvikio:", "COMPAT MODE (POSIX + bounce buffers, no GDS)" if result["kvikio_compat_mode"]
+        print("kvikio:", "COMPAT MODE (POSIX reads + bounce buffers, no GDS)" if result["kvikio_compat_mode"]
               else "GDS active")
     write_json(out, result)
     return result
+
+
+def run(root: str | None = None, size: str = "full", batch: int = 256, repeat: int = 3,
+        caches: tuple[str, ...] = ("warm", "cold"), out: str | None = None) -> dict[str, Any]:
+    """The storage benchmark over its three datasets; prints a table, returns the results."""
+    data = make_datasets(root or cache_dir(), size)
+    ceiling_small = data.pop("_ceiling_small")
+    rows = measure("small files", data["small"], [ceiling_small], batch=batch, repeat=repeat, caches=caches)
+    large = data["large"]
+    rows += measure("large files", large, large.files.many(np.arange(len(large.files))), batch=len(large),
+                    repeat=repeat, caches=caches, baseline="sequential (ceiling)")
+    rows += measure("packed records", data["packed"], [data["packed"].files[0]], batch=batch, repeat=repeat,
+                    caches=caches, packed=True)
+    print("baseline: the naive loop for small files and packed records; one sequential read for large files")
+    return report(f"gpuio storage benchmark ({size})", rows, out, {"size": size})
 
 
 def _gpu_methods(index: SampleIndex, batches: list[np.ndarray], paths: list[str]) -> dict[str, Any]:
