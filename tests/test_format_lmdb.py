@@ -1,0 +1,185 @@
+"""formats.lmdb on environments written with the lmdb package."""
+
+from __future__ import annotations
+
+import os
+
+import lmdb as lmdb_pkg
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gpuio
+from gpuio.errors import DataError, FormatError, GpuioError
+from gpuio.formats import lmdb
+
+# empty, tiny (leaf page), around the overflow threshold (~2 KiB with 4 KiB pages),
+# exactly one and several pages, and large overflow runs
+SIZES = [0, 1, 3, 17, 255, 1000, 2000, 2030, 2100, 4080, 4096, 4097, 8192, 12345, 100_000, 1 << 20]
+
+
+def _write_env(path, items, subdir=True):
+    env = lmdb_pkg.open(os.fspath(path), map_size=1 << 28, subdir=subdir)
+    with env.begin(write=True) as txn:
+        for key, value in items:
+            txn.put(key, value)
+    env.close()
+    return path
+
+
+def _items(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(f"key-{k:05d}-{n}".encode(), rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+            for k, n in enumerate(sizes)]
+
+
+def _check_against_lmdb(index, env_path, subdir=True):
+    env = lmdb_pkg.open(os.fspath(env_path), readonly=True, lock=False, subdir=subdir)
+    with env.begin() as txn:
+        expected = list(txn.cursor())
+    env.close()
+    assert len(index) == len(expected)
+    batch = gpuio.read(index, np.arange(len(index)), "data")
+    data_file = index.files[0]
+    raw = open(data_file, "rb").read()
+    for i, (key, value) in enumerate(expected):
+        assert index.values["key"][i] == key
+        assert batch[i].tobytes() == value, f"sample {i} ({len(value)} bytes)"
+        ext = index.extent(i, "data")
+        assert ext.length == len(value)
+        assert raw[ext.offset: ext.offset + ext.length] == value
+    return expected
+
+
+def test_values_of_every_size_read_exactly(tmp_path):
+    env = _write_env(tmp_path / "env", _items(SIZES))
+    index = lmdb(env)
+    assert set(index.fields) == {"key", "data"}
+    assert index.files[0] == os.path.join(os.fspath(env), "data.mdb")
+    expected = _check_against_lmdb(index, env)
+    # index[i] is the same through the convenience path, in key order
+    for i in (0, 5, len(SIZES) - 1):
+        sample = index[i]
+        assert sample == {"data": expected[i][1], "key": expected[i][0]}
+    # overflow values start right after a page header, leaf values inside a page
+    psize = index.meta["page_size"]
+    big = [i for i, (_, v) in enumerate(expected) if len(v) > psize]
+    assert big and all(index.extent(i, "data").offset % psize == 16 for i in big)
+
+
+def test_many_random_records_and_random_batches(tmp_path):
+    rng = np.random.default_rng(1)
+    sizes = rng.choice([0, 1, 10, 100, 1500, 3000, 5000, 20000], size=1500).tolist()
+    env = _write_env(tmp_path / "env", _items(sizes, seed=2))
+    index = lmdb(env)
+    expected = _check_against_lmdb(index, env)
+    rows = rng.permutation(len(index))[:300]
+    got = gpuio.read(index, rows, "data")
+    assert [g.tobytes() for g in got] == [expected[r][1] for r in rows]
+
+
+def test_subdir_false_file(tmp_path):
+    path = _write_env(tmp_path / "single.lmdb", _items([5, 5000, 0, 70]), subdir=False)
+    index = lmdb(path)
+    assert index.files[0] == os.fspath(path)
+    _check_against_lmdb(index, path, subdir=False)
+
+
+def test_empty_environment(tmp_path):
+    env = _write_env(tmp_path / "env", [])
+    index = lmdb(env)
+    assert len(index) == 0
+
+
+def test_save_load_round_trip(tmp_path):
+    env = _write_env(tmp_path / "env", _items(SIZES[:8]))
+    index = lmdb(env)
+    index.save(tmp_path / "lmdb.idx")
+    back = gpuio.SampleIndex.load(tmp_path / "lmdb.idx")
+    assert back.fields == index.fields and len(back) == len(index)
+    for i in range(len(index)):
+        assert back[i] == index[i]
+
+
+def test_index_is_arrays_not_objects(tmp_path):
+    env = _write_env(tmp_path / "env", _items([10] * 50))
+    index = lmdb(env)
+    keys = index.values["key"]
+    assert isinstance(keys, gpuio.Ragged) and keys.kind == "bytes" and keys.values.dtype == np.uint8
+    assert index.extents["data"].offset.dtype == np.int64
+
+
+def test_missing_and_not_lmdb(tmp_path):
+    with pytest.raises(DataError, match="cannot open"):
+        lmdb(tmp_path / "nope")
+    bogus = tmp_path / "bogus"
+    bogus.mkdir()
+    (bogus / "data.mdb").write_bytes(b"\x00" * 20000)
+    with pytest.raises(FormatError, match="not a readable LMDB environment") as err:
+        lmdb(bogus)
+    assert err.value.path.endswith("data.mdb") and err.value.offset == 0
+
+
+def test_truncated_data_file(tmp_path):
+    env = _write_env(tmp_path / "env", _items([50_000, 10, 30_000]))
+    data = env / "data.mdb"
+    size = data.stat().st_size
+    os.truncate(data, size - 4096)
+    with pytest.raises(FormatError, match="truncated LMDB data file") as err:
+        lmdb(env)
+    assert err.value.offset == size - 4096
+
+
+@pytest.fixture(scope="module")
+def valid_env_bytes(tmp_path_factory):
+    path = _write_env(tmp_path_factory.mktemp("lmdb") / "env", _items([0, 4, 100, 3000, 9000, 20, 5000]))
+    return (path / "data.mdb").read_bytes()
+
+
+def _index_and_read_all(path):
+    try:
+        index = lmdb(path)
+        got = gpuio.read(index, np.arange(len(index)), "data")
+        assert [len(g) for g in got] == index.extents["data"].length.tolist()
+    except GpuioError:
+        pass
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=20000))
+def test_random_files_raise_only_gpuio_errors(tmp_path, data):
+    path = tmp_path / "random.mdb"
+    path.write_bytes(data)
+    _index_and_read_all(path)
+
+
+# LMDB does not checksum its pages: a flipped bit in a branch or leaf page can make
+# LMDB itself read outside the map (SIGBUS). gpuio checks what it can before LMDB
+# touches the pages: the meta pages (flips there are fuzzed) and the file length.
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(min_value=0, max_value=1 << 20),
+       flips=st.lists(st.tuples(st.integers(0, 8191), st.integers(0, 7)), max_size=6))
+def test_truncations_and_meta_flips_raise_only_gpuio_errors(tmp_path, valid_env_bytes, cut, flips):
+    data = bytearray(valid_env_bytes)
+    for pos, bit in flips:
+        data[pos] ^= 1 << bit
+    if cut < len(data) and not flips:
+        del data[cut:]
+    path = tmp_path / "fuzzed.mdb"
+    path.write_bytes(bytes(data))
+    _index_and_read_all(path)
+
+
+@pytest.mark.gpu
+def test_gpu_read_matches_cpu(tmp_path):
+    import cupy
+
+    env = _write_env(tmp_path / "env", _items(SIZES))
+    index = lmdb(env)
+    rows = np.arange(len(index))[::-1]
+    cpu = gpuio.read(index, rows, "data", device="cpu")
+    gpu = gpuio.read(index, rows, "data", device="cuda")
+    for c, g in zip(cpu, gpu):
+        assert isinstance(g, cupy.ndarray)
+        np.testing.assert_array_equal(cupy.asnumpy(g), c)
