@@ -1,3 +1,39 @@
-"""Decode and augmentation ops, CPU and GPU."""
+"""Decode and augmentation ops, CPU and GPU.
 
-__all__: list[str] = []
+An op is a callable ``op(batch) -> batch`` (see ``gpuio.batch``). Images are HWC
+uint8 per sample until ``normalize``, which stacks a fixed-size batch into one array
+``[N, C, H, W]`` (or ``[N, H, W, C]``)::
+
+    pipeline = ops.Compose([ops.decode_image(), ops.random_resized_crop(224),
+                            ops.flip(), ops.normalize(mean, std)])
+
+On a GPU batch, ``Compose`` runs crop -> resize -> flip -> normalize as one fused
+kernel launch per batch; on the CPU each op runs on its own (the reference path).
+"""
+
+from gpuio.ops.color import ColorJitter, Normalize, color_jitter, normalize
+from gpuio.ops.decode import DecodeImage, decode_image
+from gpuio.ops.fused import Compose, FusedCropResizeNormalize, fused_crop_resize_normalize, fused_reference
+from gpuio.ops.geometry import (CenterCrop, Flip, RandomResizedCrop, Resize, center_crop, flip,
+                                random_resized_crop, resize)
+
+__all__ = [
+    "CenterCrop",
+    "ColorJitter",
+    "Compose",
+    "DecodeImage",
+    "Flip",
+    "FusedCropResizeNormalize",
+    "Normalize",
+    "RandomResizedCrop",
+    "Resize",
+    "center_crop",
+    "color_jitter",
+    "decode_image",
+    "flip",
+    "fused_crop_resize_normalize",
+    "fused_reference",
+    "normalize",
+    "random_resized_crop",
+    "resize",
+]

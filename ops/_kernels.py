@@ -1,0 +1,180 @@
+"""The fused crop + resize + flip + normalize + layout + cast CUDA kernel (CuPy).
+
+One launch per batch: grid ``(ceil(max_out_pixels / 256), N)``, one thread per output
+pixel (all channels). Per-sample parameters travel as two small device arrays. The
+kernel mirrors ``gpuio.ops.geometry.resample`` and ``gpuio.ops.fused.fused_reference``
+line by line: the same filter window, the horizontal pass rounded to uint8 levels
+(as Pillow), then the vertical pass, clip to 0-255, ``(v - mean) * inv_std``, cast.
+CuPy is imported only when a GPU batch runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from gpuio.batch import Batch
+from gpuio.device import require
+from gpuio.errors import ConfigError
+
+__all__ = ["crop_resize_normalize", "SOURCE"]
+
+# params, int64 per sample: src address, row / column / channel strides (bytes),
+# clip y0, x0, y1, x1 (source pixels the filter may read), out h, out w,
+# out offset (elements), flip bits (1: left-right, 2: upside down)
+_NPARAM = 12
+
+SOURCE = r"""
+#if OUT_KIND == 1
+typedef unsigned short out_t;  /* float16 bits */
+__device__ __forceinline__ void store(out_t* p, float v) {
+    unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v)); *p = h;
+}
+#elif OUT_KIND == 2
+typedef unsigned char out_t;
+__device__ __forceinline__ void store(out_t* p, float v) {
+    *p = (unsigned char)fminf(fmaxf(floorf(v + 0.5f), 0.0f), 255.0f);
+}
+#else
+typedef float out_t;
+__device__ __forceinline__ void store(out_t* p, float v) { *p = v; }
+#endif
+
+/* geometry.py _filter(): 0 nearest, 1 linear (triangle), 2 cubic (a = -0.5), 3 area (box) */
+__device__ __forceinline__ float filter_weight(int interp, float x) {
+    if (interp == 0) return 1.0f;
+    if (interp == 1) { x = fabsf(x); return x < 1.0f ? 1.0f - x : 0.0f; }
+    if (interp == 2) {
+        const float a = -0.5f;
+        x = fabsf(x);
+        if (x < 1.0f) return ((a + 2.0f) * x - (a + 3.0f)) * x * x + 1.0f;
+        if (x < 2.0f) return (((x - 5.0f) * x + 8.0f) * x - 4.0f) * a;
+        return 0.0f;
+    }
+    return (x > -0.5f && x <= 0.5f) ? 1.0f : 0.0f;
+}
+
+/* geometry.py filter_weights(): the source window [first, last) of output pixel o */
+__device__ __forceinline__ void window(int interp, int antialias, float start, float length, int out, int o,
+                                       int lo, int hi, float* center, float* fscale, int* first, int* last) {
+    const float scale = length / out;
+    const float c = start + (o + 0.5f) * scale;
+    *center = c;
+    if (interp == 0) {
+        const int pick = min(max((int)floorf(c), lo), hi - 1);
+        *first = pick; *last = pick + 1; *fscale = 1.0f;
+        return;
+    }
+    const float fs = antialias ? fmaxf(scale, 1.0f) : 1.0f;
+    const float support = (interp == 1 ? 1.0f : interp == 2 ? 2.0f : 0.5f) * fs;
+    *first = max((int)floorf(c - support + 0.5f), lo);
+    *last = min((int)floorf(c + support + 0.5f), hi);
+    *fscale = fs;
+}
+
+extern "C" __global__ void crop_resize_normalize(
+        const long long* params, const float* boxes, const float* mean, const float* inv_std,
+        out_t* out, int channels, int interp, int antialias, int chw) {
+    const long long* p = params + 12 * (long long)blockIdx.y;
+    const float* box = boxes + 4 * (long long)blockIdx.y;   /* y0, x0, h, w in source pixels */
+    const int oh = (int)p[8], ow = (int)p[9];
+    const int pix = blockIdx.x * blockDim.x + threadIdx.x;
+    if (pix >= oh * ow) return;
+    const int oy = pix / ow, ox = pix - oy * ow;
+    const int sy = (p[11] & 2) ? oh - 1 - oy : oy;   /* flip: read the mirrored pixel */
+    const int sx = (p[11] & 1) ? ow - 1 - ox : ox;
+    const unsigned char* src = (const unsigned char*)p[0];
+    const long long rs = p[1], cs = p[2], chs = p[3];
+    float cy, fy, cx, fx;
+    int y0, y1, x0, x1;
+    window(interp, antialias, box[0], box[2], oh, sy, (int)p[4], (int)p[6], &cy, &fy, &y0, &y1);
+    window(interp, antialias, box[1], box[3], ow, sx, (int)p[5], (int)p[7], &cx, &fx, &x0, &x1);
+    float wxsum = 0.0f, wysum = 0.0f;
+    for (int i = x0; i < x1; ++i) wxsum += filter_weight(interp, (i - cx + 0.5f) / fx);
+    if (wxsum == 0.0f) wxsum = 1.0f;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int j = y0; j < y1; ++j) {
+        const float wy = filter_weight(interp, (j - cy + 0.5f) / fy);
+        wysum += wy;
+        if (wy == 0.0f) continue;
+        const unsigned char* row = src + j * rs;
+        float h[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int i = x0; i < x1; ++i) {
+            const float wx = filter_weight(interp, (i - cx + 0.5f) / fx);
+            const unsigned char* px = row + i * cs;
+            for (int c = 0; c < channels; ++c) h[c] += wx * px[c * chs];
+        }
+        for (int c = 0; c < channels; ++c)   /* horizontal pass on uint8 levels, as Pillow */
+            acc[c] += wy * fminf(fmaxf(floorf(h[c] / wxsum + 0.5f), 0.0f), 255.0f);
+    }
+    if (wysum == 0.0f) wysum = 1.0f;
+    out_t* o = out + p[10];
+    for (int c = 0; c < channels; ++c) {
+        const float v = fminf(fmaxf(acc[c] / wysum, 0.0f), 255.0f);
+        const long long idx = chw ? (long long)c * oh * ow + pix : (long long)pix * channels + c;
+        store(o + idx, (v - mean[c]) * inv_std[c]);
+    }
+}
+"""
+
+_KIND = {"float32": 0, "float16": 1, "uint8": 2}
+_INTERP = {"nearest": 0, "linear": 1, "cubic": 2, "area": 3}
+_lock = threading.Lock()
+_compiled: dict[int, Any] = {}
+
+
+def _kernel(cp: Any, dtype: str) -> Any:
+    kind = _KIND[dtype]
+    with _lock:
+        if kind not in _compiled:
+            _compiled[kind] = cp.RawKernel(SOURCE, "crop_resize_normalize", options=(f"-DOUT_KIND={kind}",))
+        return _compiled[kind]
+
+
+def crop_resize_normalize(batch: Batch, images: list[Any], boxes: np.ndarray, clips: np.ndarray,
+                          out_hw: np.ndarray, flips: np.ndarray, *, interp: str = "linear",
+                          antialias: bool = True, mean: np.ndarray | None = None,
+                          inv_std: np.ndarray | None = None, layout: str = "CHW", dtype: str = "float32") -> Any:
+    """Run the fused kernel over uint8 HWC CuPy ``images`` (any strides: crops and
+    flips may be views). Per sample: ``boxes`` ``[N, 4]`` (y0, x0, h, w; source
+    pixels, float), ``clips`` ``[N, 4]`` (y0, x0, y1, x1; the pixels the filter may
+    read), ``out_hw`` ``[N, 2]``, ``flips`` ``[N]`` (bit 1 left-right, bit 2 upside
+    down). Returns one array ``[N, C, H, W]`` / ``[N, H, W, C]`` when every output has
+    the same size, else a list of per-sample views into one buffer."""
+    cp = require("cupy")
+    n = len(images)
+    if n == 0:
+        return []
+    channels = images[0].shape[2]
+    if any(img.ndim != 3 or img.shape[2] != channels or img.dtype != np.uint8 for img in images) \
+            or not 1 <= channels <= 4:
+        raise ConfigError("the GPU crop/resize/normalize kernel takes uint8 HWC images with the same "
+                          "number (1-4) of channels in a batch")
+    mean = np.zeros(channels, np.float32) if mean is None else mean
+    inv_std = np.ones(channels, np.float32) if inv_std is None else inv_std
+    out_hw = np.asarray(out_hw, dtype=np.int64).reshape(n, 2)
+    sizes = out_hw[:, 0] * out_hw[:, 1] * channels
+    params = np.empty((n, _NPARAM), dtype=np.int64)
+    params[:, 0] = [img.data.ptr for img in images]
+    params[:, 1:4] = [img.strides for img in images]
+    params[:, 4:8] = clips
+    params[:, 8:10] = out_hw
+    params[:, 10] = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    params[:, 11] = flips
+    stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+    with cp.cuda.Device(batch.device.index), stream:
+        out = cp.empty(int(sizes.sum()), dtype=dtype)
+        args = (cp.asarray(params), cp.asarray(np.asarray(boxes, np.float32)),
+                cp.asarray(np.asarray(mean, np.float32)), cp.asarray(np.asarray(inv_std, np.float32)),
+                out, np.int32(channels), np.int32(_INTERP[interp]), np.int32(antialias),
+                np.int32(layout == "CHW"))
+        threads = 256
+        pixels = int((out_hw[:, 0] * out_hw[:, 1]).max())
+        _kernel(cp, dtype)(((pixels + threads - 1) // threads, n), (threads,), args)
+    if (out_hw == out_hw[0]).all():
+        h, w = (int(v) for v in out_hw[0])
+        return out.reshape((n, channels, h, w) if layout == "CHW" else (n, h, w, channels))
+    shapes = [(channels, h, w) if layout == "CHW" else (h, w, channels) for h, w in out_hw.tolist()]
+    return [out[o: o + s].reshape(shape) for o, s, shape in zip(params[:, 10].tolist(), sizes.tolist(), shapes)]

@@ -1,0 +1,166 @@
+"""Colour ops: ``color_jitter`` and ``normalize``.
+
+Both take HWC images (uint8 pixels, 0-255) and run the same array code on NumPy and
+CuPy; on a GPU batch ``normalize`` of uint8 images is the fused kernel with an
+identity crop (one launch per batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from gpuio.batch import Batch, Op
+from gpuio.errors import ConfigError
+
+__all__ = ["ColorJitter", "Normalize", "color_jitter", "normalize", "DTYPES", "LAYOUTS"]
+
+DTYPES = ("float32", "float16", "uint8")
+LAYOUTS = ("CHW", "HWC")
+_LUMA = (0.299, 0.587, 0.114)
+
+
+def cast(xp: Any, v: Any, dtype: str) -> Any:
+    """Float values to ``dtype``: uint8 rounds half up and saturates to 0-255."""
+    if dtype == "uint8":
+        return xp.clip(xp.floor(v + 0.5), 0, 255).astype(xp.uint8)
+    return v.astype(dtype, copy=False)
+
+
+def stack_or_list(xp: Any, rows: list[Any]) -> Any:
+    """One array ``[N, ...]`` when every row has the same shape, else the list."""
+    if rows and all(r.shape == rows[0].shape for r in rows):
+        return xp.stack(rows)
+    return rows
+
+
+class Normalize(Op):
+    """``(pixel - mean) / std`` per channel (``mean``/``std`` in the input's units,
+    0-255 for uint8 pixels, as DALI's crop_mirror_normalize takes them), laid out
+    ``CHW`` or ``HWC`` and cast to ``dtype``. Images of one size come out stacked as one
+    array ``[N, C, H, W]`` (or ``[N, H, W, C]``); mixed sizes stay a list."""
+
+    def __init__(self, mean: float | Sequence[float] = 0.0, std: float | Sequence[float] = 1.0,
+                 layout: str = "CHW", dtype: str = "float32", *, field: str = "image") -> None:
+        if layout not in LAYOUTS:
+            raise ConfigError(f"layout {layout!r}; choose {' or '.join(LAYOUTS)}")
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        self.mean = np.atleast_1d(np.asarray(mean, dtype=np.float32))
+        self.std = np.atleast_1d(np.asarray(std, dtype=np.float32))
+        if self.mean.ndim != 1 or self.std.ndim != 1 or not np.all(self.std != 0):
+            raise ConfigError(f"mean and std are one number per channel and std has no zero; "
+                              f"got mean={mean!r} std={std!r}")
+        self.layout, self.dtype, self.field = layout, dtype, field
+
+    def channel_params(self, channels: int) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, 1/std), float32 ``[channels]``."""
+        if len(self.mean) not in (1, channels) or len(self.std) not in (1, channels):
+            raise ConfigError(f"mean/std have {len(self.mean)}/{len(self.std)} values for images of "
+                              f"{channels} channel(s)")
+        return (np.broadcast_to(self.mean, (channels,)).copy(),
+                np.broadcast_to(1.0 / self.std, (channels,)).astype(np.float32))
+
+    def __call__(self, batch: Batch) -> Batch:
+        images = batch.data[self.field]
+        if len(images) == 0:
+            return batch
+        if batch.device.is_cuda and all(img.dtype == np.uint8 for img in images):
+            from gpuio.ops.fused import FusedCropResizeNormalize
+
+            return FusedCropResizeNormalize([self])(batch)
+        xp = batch.xp
+        rows = []
+        for img in images:
+            mean, inv_std = (xp.asarray(a) for a in self.channel_params(img.shape[2]))
+            v = (img.astype(xp.float32) - mean) * inv_std
+            rows.append(cast(xp, v.transpose(2, 0, 1) if self.layout == "CHW" else v, self.dtype))
+        batch.data[self.field] = stack_or_list(xp, rows)
+        return batch
+
+
+def _gray(xp: Any, v: Any) -> Any:
+    return v[..., 0:1] * _LUMA[0] + v[..., 1:2] * _LUMA[1] + v[..., 2:3] * _LUMA[2]
+
+
+def _shift_hue(xp: Any, v: Any, shift: float) -> Any:
+    """Rotate the hue of RGB values ``v`` (0-255 floats) by ``shift`` turns."""
+    maxc, minc = v.max(axis=-1), v.min(axis=-1)
+    delta = maxc - minc
+    safe = xp.where(delta > 0, delta, 1.0)
+    r, g, b = v[..., 0], v[..., 1], v[..., 2]
+    h = xp.where(maxc == r, (g - b) / safe, xp.where(maxc == g, 2.0 + (b - r) / safe, 4.0 + (r - g) / safe))
+    h = xp.where(delta > 0, (h / 6.0 + shift) % 1.0, 0.0)
+    s = xp.where(maxc > 0, delta / xp.where(maxc > 0, maxc, 1.0), 0.0)
+    h6 = h * 6.0
+    i = xp.floor(h6)
+    f = h6 - i
+    p, q, t = maxc * (1.0 - s), maxc * (1.0 - s * f), maxc * (1.0 - s * (1.0 - f))
+    cases = [i == k for k in range(6)]
+    pick = [(maxc, t, p), (q, maxc, p), (p, maxc, t), (p, q, maxc), (t, p, maxc), (maxc, p, q)]
+    return xp.stack([xp.select(cases, [c[k] for c in pick]) for k in range(3)], axis=-1)
+
+
+class ColorJitter(Op):
+    """torchvision's ColorJitter on uint8 HWC images: brightness, contrast and
+    saturation factors uniform in ``[max(0, 1 - x), 1 + x]``, a hue shift uniform in
+    ``[-hue, hue]`` turns (``hue <= 0.5``), applied in a random order per image.
+    Values stay float between steps (clipped to 0-255) and are rounded once at the end.
+    Saturation and hue leave 1-channel images unchanged."""
+
+    salt = 0x434A4954
+
+    def __init__(self, brightness: float = 0.0, contrast: float = 0.0, saturation: float = 0.0,
+                 hue: float = 0.0, *, field: str = "image") -> None:
+        for name, v in (("brightness", brightness), ("contrast", contrast), ("saturation", saturation)):
+            if v < 0:
+                raise ConfigError(f"{name} must be >= 0, got {v!r}")
+        if not 0 <= hue <= 0.5:
+            raise ConfigError(f"hue must be in [0, 0.5] turns, got {hue!r}")
+        self.amounts = (float(brightness), float(contrast), float(saturation), float(hue))
+        self.field = field
+
+    def params(self, batch: Batch, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """(order of the 4 steps, their factors) for ``row``."""
+        rng = batch.rng(row, self.salt)
+        order = rng.permutation(4)
+        b, c, s, h = self.amounts
+        factors = np.array([rng.uniform(max(0.0, 1 - b), 1 + b), rng.uniform(max(0.0, 1 - c), 1 + c),
+                            rng.uniform(max(0.0, 1 - s), 1 + s), rng.uniform(-h, h)])
+        return order, factors
+
+    def __call__(self, batch: Batch) -> Batch:
+        xp = batch.xp
+        out = []
+        for row, img in enumerate(batch.data[self.field]):
+            order, factors = self.params(batch, row)
+            v = img.astype(xp.float32)
+            color = img.shape[2] >= 3
+            for step in order.tolist():
+                f = float(factors[step])
+                if step == 0 and self.amounts[0]:
+                    v = xp.clip(v * f, 0, 255)
+                elif step == 1 and self.amounts[1]:
+                    m = float(_gray(xp, v[..., :3]).mean()) if color else float(v.mean())
+                    v = xp.clip(v * f + m * (1 - f), 0, 255)
+                elif step == 2 and self.amounts[2] and color:
+                    v = xp.clip(v * f + _gray(xp, v[..., :3]) * (1 - f), 0, 255)
+                elif step == 3 and self.amounts[3] and color:
+                    v = xp.concatenate([_shift_hue(xp, v[..., :3], f), v[..., 3:]], axis=-1)
+            out.append(cast(xp, v, "uint8"))
+        batch.data[self.field] = out
+        return batch
+
+
+def normalize(mean: float | Sequence[float] = 0.0, std: float | Sequence[float] = 1.0, layout: str = "CHW",
+              dtype: str = "float32", *, field: str = "image") -> Normalize:
+    """See ``Normalize``."""
+    return Normalize(mean, std, layout, dtype, field=field)
+
+
+def color_jitter(brightness: float = 0.0, contrast: float = 0.0, saturation: float = 0.0, hue: float = 0.0,
+                 *, field: str = "image") -> ColorJitter:
+    """See ``ColorJitter``."""
+    return ColorJitter(brightness, contrast, saturation, hue, field=field)

@@ -1,0 +1,218 @@
+"""Image decoding: ``decode_image``.
+
+CPU: simplejpeg (libjpeg-turbo, releases the GIL) for JPEGs with 1 or 3 components,
+Pillow for everything else (CMYK JPEGs, PNG, and what Pillow reads). GPU: nvImageCodec
+decodes a whole batch per call (on the hardware JPEG decoder where the GPU has one);
+images it does not take (not a baseline 1/3-component JPEG: progressive, CMYK, PNG ...)
+or fails on go through the CPU path and are uploaded, without failing the batch.
+
+Output: HWC uint8 per sample; ``color="rgb"`` gives 3 channels (grayscale and CMYK
+JPEGs too), ``"gray"`` 1 channel, ``"unchanged"`` the file's own channels (1, 2, 3
+or 4). The EXIF orientation is applied on both devices. The two decoders differ within
+the JPEG standard's IDCT and chroma-upsampling tolerances (a few levels at edges).
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import threading
+from typing import Any, NamedTuple
+
+import numpy as np
+import simplejpeg
+from PIL import Image
+
+from gpuio.batch import Batch, Op
+from gpuio.device import require
+from gpuio.errors import ConfigError, FormatError
+
+__all__ = ["DecodeImage", "decode_image", "jpeg_info", "JpegInfo", "orient", "COLORS"]
+
+COLORS = ("rgb", "gray", "unchanged")
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_PROGRESSIVE = {0xC2, 0xC6, 0xCA, 0xCE}
+_PILLOW_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
+
+
+class JpegInfo(NamedTuple):
+    components: int  # 1 gray, 3 YCbCr/RGB, 4 CMYK/YCCK; 0 if no frame header was found
+    progressive: bool
+    orientation: int  # EXIF orientation 1-8 (1 when absent)
+
+
+def _exif_orientation(seg: memoryview) -> int:
+    """Orientation tag (0x0112) of IFD0 in an APP1 Exif payload (after ``Exif\\0\\0``);
+    1 when absent or malformed, as decoders ignore bad EXIF."""
+    tiff = bytes(seg)
+    end = {b"II": "<", b"MM": ">"}.get(tiff[:2])
+    if end is None:
+        return 1
+    try:
+        ifd = struct.unpack_from(end + "I", tiff, 4)[0]
+        (count,) = struct.unpack_from(end + "H", tiff, ifd)
+        for k in range(count):
+            tag, _, _, value = struct.unpack_from(end + "HHIH", tiff, ifd + 2 + 12 * k)
+            if tag == 0x0112:
+                return value if 1 <= value <= 8 else 1
+    except struct.error:
+        return 1
+    return 1
+
+
+def _bytes(buf: Any) -> np.ndarray:
+    """Encoded bytes (uint8 array, bytes, memoryview) as a contiguous uint8 array."""
+    return np.ascontiguousarray(buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8))
+
+
+def jpeg_info(buf: Any) -> JpegInfo | None:
+    """Frame and EXIF facts of a JPEG from its headers (stops at the first scan), or
+    None when ``buf`` does not start like a JPEG."""
+    data = memoryview(_bytes(buf)).cast("B")
+    if len(data) < 4 or data[0] != 0xFF or data[1] != 0xD8:
+        return None
+    pos, components, progressive, orientation = 2, 0, False, 1
+    while pos + 4 <= len(data):
+        if data[pos] != 0xFF:
+            break
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in (0xD9, 0xDA):  # end of image, start of scan
+            break
+        if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a length
+            pos += 2
+            continue
+        length = (data[pos + 2] << 8) | data[pos + 3]
+        seg = data[pos + 4: pos + 2 + length]
+        if marker in _SOF and len(seg) >= 6:
+            components, progressive = seg[5], marker in _PROGRESSIVE
+        elif marker == 0xE1 and bytes(seg[:6]) == b"Exif\0\0":
+            orientation = _exif_orientation(seg[6:])
+        pos += 2 + length
+    return JpegInfo(components, progressive, orientation)
+
+
+def orient(img: Any, orientation: int) -> Any:
+    """Apply an EXIF orientation (1-8) to an HWC array; returns a view."""
+    if orientation == 2:
+        return img[:, ::-1]
+    if orientation == 3:
+        return img[::-1, ::-1]
+    if orientation == 4:
+        return img[::-1]
+    if orientation == 5:
+        return img.transpose(1, 0, 2)
+    if orientation == 6:
+        return img[::-1].transpose(1, 0, 2)
+    if orientation == 7:
+        return img[::-1, ::-1].transpose(1, 0, 2)
+    if orientation == 8:
+        return img[:, ::-1].transpose(1, 0, 2)
+    return img
+
+
+def _pillow_mode(mode: str, color: str, transparency: bool) -> str:
+    if color == "rgb":
+        return "RGB"
+    if color == "gray":
+        return "L"
+    if mode in ("L", "LA", "RGB", "RGBA"):
+        return mode
+    return "RGBA" if "A" in mode or transparency else "RGB"
+
+
+def decode_cpu(buf: Any, color: str, sample: int) -> np.ndarray:
+    """One encoded image to HWC uint8 on the host (see the module docstring); bad bytes
+    raise ``FormatError`` naming ``sample``."""
+    buf = _bytes(buf)
+    info = jpeg_info(buf)
+    try:
+        if info is not None and info.components in (1, 3):
+            gray = color == "gray" or (color == "unchanged" and info.components == 1)
+            img = simplejpeg.decode_jpeg(buf, colorspace="GRAY" if gray else "RGB")
+            orientation = info.orientation
+        else:
+            with Image.open(io.BytesIO(memoryview(buf))) as im:
+                orientation = int(im.getexif().get(0x0112, 1))
+                mode = _pillow_mode(im.mode, color, "transparency" in im.info)
+                img = np.asarray(im if im.mode == mode else im.convert(mode))
+    except _PILLOW_ERRORS as exc:
+        raise FormatError(f"cannot decode image ({len(buf)} bytes): {exc}", sample=sample) from exc
+    if img.ndim == 2:
+        img = img[:, :, None]
+    return np.ascontiguousarray(orient(img, orientation if 1 <= orientation <= 8 else 1))
+
+
+_local = threading.local()
+
+
+def _gpu_decoder(nvimgcodec: Any, device: int) -> Any:
+    """One nvImageCodec decoder per thread and device."""
+    decoders = _local.__dict__.setdefault("decoders", {})
+    if device not in decoders:
+        decoders[device] = nvimgcodec.Decoder(device_id=device)
+    return decoders[device]
+
+
+class DecodeImage(Op):
+    """Decode ``field`` (encoded bytes per row) into ``out`` (HWC uint8 per row). The
+    encoded bytes must be in host memory (``host_inputs``): both decoders parse there."""
+
+    def __init__(self, field: str = "data", out: str = "image", color: str = "rgb") -> None:
+        if color not in COLORS:
+            raise ConfigError(f"color {color!r}; choose one of {', '.join(COLORS)}")
+        self.field, self.out, self.color = field, out, color
+        self.host_inputs = (field,)
+
+    def __call__(self, batch: Batch) -> Batch:
+        bufs = batch.data[self.field]
+        images: list[Any] = [None] * len(bufs)
+        if batch.device.is_cuda:
+            self._decode_gpu(batch, bufs, images)
+        for row, buf in enumerate(bufs):
+            if images[row] is None:
+                try:
+                    img = decode_cpu(buf, self.color, int(batch.index[row]))
+                except FormatError as exc:
+                    batch.reject(row, exc)
+                    continue
+                images[row] = batch.xp.asarray(img) if batch.device.is_cuda else img
+        batch.data[self.out] = images
+        batch.drop_rejected()
+        return batch
+
+    def _decode_gpu(self, batch: Batch, bufs: list[Any], images: list[Any]) -> None:
+        """Decode the baseline 1/3-component JPEGs of ``bufs`` into ``images`` on the
+        GPU in one call; the rest (and failures) stay None for the CPU path."""
+        nvimgcodec = require("nvidia.nvimgcodec")
+        cp = require("cupy")
+        rows = []
+        for row, buf in enumerate(bufs):
+            info = jpeg_info(buf)
+            if info is not None and info.components in (1, 3) and not info.progressive:
+                rows.append(row)
+        if not rows:
+            return
+        spec = {"rgb": nvimgcodec.ColorSpec.RGB, "gray": nvimgcodec.ColorSpec.GRAY,
+                "unchanged": nvimgcodec.ColorSpec.UNCHANGED}[self.color]
+        params = nvimgcodec.DecodeParams(color_spec=spec, apply_exif_orientation=True)
+        with cp.cuda.Device(batch.device.index):
+            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+            decoded = _gpu_decoder(nvimgcodec, batch.device.index).decode(
+                [_bytes(bufs[r]) for r in rows], params=params, cuda_stream=stream.ptr)
+            for row, img in zip(rows, decoded):
+                if img is None:
+                    continue
+                arr = cp.asarray(img)
+                if arr.ndim == 2:
+                    arr = arr[:, :, None]
+                if self.color == "rgb" and arr.shape[2] == 1:
+                    arr = cp.broadcast_to(arr, arr.shape[:2] + (3,))
+                images[row] = arr
+
+
+def decode_image(field: str = "data", out: str = "image", color: str = "rgb") -> DecodeImage:
+    """See ``DecodeImage``."""
+    return DecodeImage(field, out, color)
