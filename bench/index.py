@@ -25,7 +25,6 @@ import argparse
 import importlib
 import importlib.util
 import inspect
-import io
 import json
 import os
 import resource

@@ -237,7 +237,7 @@ def _get(obj: Any, key: str, path: str, where: str) -> Any:
 
 def _int(obj: Any, key: str, path: str, where: str) -> int:
     v = _get(obj, key, path, where)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+    if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
         raise FormatError(f"{where}: {key!r} must be an integer, got {v!r}", path=path)
     return int(v)
 

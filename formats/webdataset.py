@@ -105,7 +105,11 @@ def _scan(path: str, t: int, wanted: dict[str, int], skip: bool, tar_id: array, 
             for w, k in wanted.items():
                 offsets[k].append(cur[w][0])
                 lengths[k].append(cur[w][1])
-            key = cur_key.encode("utf-8", "surrogateescape")
+            try:
+                key = cur_key.encode("utf-8")
+            except UnicodeEncodeError as exc:  # tarfile keeps undecodable bytes as surrogates
+                raise FormatError("member name is not UTF-8", path=path,
+                                  sample=f"key {cur_key!r}", offset=cur_at) from exc
             keys.extend(key)
             key_lengths.append(len(key))
 

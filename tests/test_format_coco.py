@@ -213,6 +213,8 @@ def test_save_load_round_trip(dataset, tmp_path):
     (lambda d: d["annotations"][3].update(category_id=4), "annotation id 103 names category id 4"),
     (lambda d: d["images"].append(dict(d["images"][0])), "image id 5 appears twice"),
     (lambda d: d["images"][0].update(id="five"), "'id' must be an integer"),
+    (lambda d: d["images"][0].update(width=float("inf")), "'width' must be an integer"),
+    (lambda d: d["annotations"][0].update(category_id=7.5), "'category_id' must be an integer"),
 ])
 def test_bad_annotations_name_file_and_id(tmp_path, mutate, match):
     root, ann = _write_dataset(tmp_path, mutate=mutate)

@@ -128,6 +128,17 @@ def test_save_load(tmp_path):
     assert [back[i] for i in range(6)] == [index[i] for i in range(6)]
 
 
+def test_non_utf8_member_name(tmp_path):
+    tar = tmp_path / "a.tar"
+    with tarfile.open(tar, "w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tf:
+        info = tarfile.TarInfo("caf\xe9.txt")
+        info.size = 1
+        tf.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(FormatError, match="not UTF-8") as err:
+        webdataset(tar, fields=("txt",))
+    assert err.value.offset == 0
+
+
 def test_duplicate_field_in_a_sample(tmp_path):
     tar = _write_tar(tmp_path / "a.tar", [("k1.jpg", b"a"), ("k1.cls", b"1"), ("k1.jpg", b"b")])
     with pytest.raises(FormatError, match="'jpg' appears twice") as err:
