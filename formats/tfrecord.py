@@ -1,0 +1,336 @@
+"""TFRecord files: one sample per record, the extent pointing at the record payload.
+
+A record is ``uint64 length``, ``uint32 masked crc32c(length bytes)``, ``length`` bytes
+of payload, ``uint32 masked crc32c(payload)``, all little-endian; the masked CRC is
+``((crc >> 15 | crc << 17) + 0xa282ead8) mod 2**32``. Records come from a
+``tfrecord2idx`` index file (``offset length`` per line, in bytes; ``length`` covers the
+whole record, framing included) or from one scan of the file.
+
+CRCs are checked at index time: a scan always checks each length CRC (the length
+decides where the next record starts); ``verify=True`` also checks every payload CRC,
+and with an index file reads each indexed record's framing. Reads never re-check.
+
+With ``features``, the payload is parsed after the read as a ``tf.train.Example``
+by a small protobuf decoder (``ExampleParser``); bytes features come back as views
+into the batch buffer.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import warnings
+from array import array
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from gpuio.errors import ConfigError, DataError, DependencyError, FormatError
+from gpuio.index import Extents, PathTable, SampleIndex, register_parser
+
+__all__ = ["tfrecord", "ExampleParser", "masked_crc32c"]
+
+_KINDS = ("bytes", "int64", "float")
+_KIND_FIELD = {"bytes": 1, "float": 2, "int64": 3}  # Feature's oneof field numbers
+_HEADER = 12  # uint64 length + uint32 length CRC
+_FRAMING = 16  # header + uint32 payload CRC
+
+
+def masked_crc32c(data: Any) -> int:
+    """TFRecord's masked CRC32C of a bytes-like object, as a uint32."""
+    try:
+        import crc32c
+    except ImportError as exc:
+        raise DependencyError("CRC checks need the 'crc32c' package (pip install crc32c)") from exc
+    crc = crc32c.crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+             index_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str] | None] | None = None,
+             features: Mapping[str, str] | None = None, verify: bool = False) -> SampleIndex:
+    """Index the records of one or more TFRecord files, in file then record order.
+
+    ``index_paths``: one ``tfrecord2idx`` index file per data file (``None`` entries,
+    or ``None`` for all, scan instead). Without ``features`` the field ``data`` holds
+    each record's payload. With ``features`` (``{"image/encoded": "bytes",
+    "image/class/label": "int64", ...}``, kinds ``bytes``, ``int64``, ``float``) the
+    payload is the extent field ``record`` and every named feature is a field, parsed
+    after the read: ``bytes`` as a uint8 view into the batch buffer (a list of views
+    when the list has several values), ``int64``/``float`` as an ``int64``/``float32``
+    scalar when the list holds one value, else an array. Field ``record_number`` is
+    the record's position in its file.
+    """
+    paths = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
+    if not paths:
+        raise DataError("no samples: an empty list of TFRecord files was given")
+    if index_paths is None:
+        index_paths = [None] * len(paths)
+    elif isinstance(index_paths, (str, os.PathLike)):
+        index_paths = [index_paths]
+    index_paths = [None if p is None else os.fspath(p) for p in index_paths]
+    if len(index_paths) != len(paths):
+        raise ConfigError(f"{len(index_paths)} index files for {len(paths)} TFRecord files; give one per file")
+    parser = ExampleParser(dict(features)) if features is not None else None
+    files, offsets, lengths, numbers = [], [], [], []
+    for k, (path, idx) in enumerate(zip(paths, index_paths)):
+        off, length = _records(path, idx, verify)
+        files.append(np.full(len(off), k, dtype=np.int32))
+        offsets.append(off + _HEADER)
+        lengths.append(length)
+        numbers.append(np.arange(len(off), dtype=np.int64))
+    extents = Extents(np.concatenate(files), np.concatenate(offsets), np.concatenate(lengths))
+    field = "data" if parser is None else "record"
+    return SampleIndex(PathTable.from_paths([os.path.abspath(p) for p in paths]), {field: extents},
+                       {"record_number": np.concatenate(numbers)}, parser,
+                       meta={"format": "tfrecord", "verified": bool(verify)})
+
+
+def _records(path: str, index_path: str | None, verify: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(record start, payload length)`` arrays for one file, in bytes."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    except OSError as exc:
+        raise DataError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc
+    try:
+        if index_path is None:
+            return _scan(mm, size, path, verify)
+        start, total = _read_index(index_path, path, size)
+        if verify:
+            for k in range(len(start)):
+                n = _check_header(mm, size, int(start[k]), k, path)
+                if n + _FRAMING != total[k]:
+                    raise FormatError(f"index file {index_path} gives {int(total[k])} bytes for this record, "
+                                      f"its header says {n + _FRAMING}", path=path,
+                                      sample=f"record {k}", offset=int(start[k]))
+                _check_data(mm, int(start[k]), n, k, path)
+        return start, total - _FRAMING
+    finally:
+        if isinstance(mm, mmap.mmap):
+            mm.close()
+
+
+def _scan(mm: Any, size: int, path: str, verify: bool) -> tuple[np.ndarray, np.ndarray]:
+    starts, lengths = array("q"), array("q")
+    pos = 0
+    while pos < size:
+        k = len(starts)
+        n = _check_header(mm, size, pos, k, path)
+        if verify:
+            _check_data(mm, pos, n, k, path)
+        starts.append(pos)
+        lengths.append(n)
+        pos += n + _FRAMING
+    return np.frombuffer(starts, dtype=np.int64), np.frombuffer(lengths, dtype=np.int64)
+
+
+def _check_header(mm: Any, size: int, pos: int, k: int, path: str) -> int:
+    """Payload length of the record at ``pos``, its length CRC checked."""
+    if pos + _HEADER > size:
+        raise FormatError(f"truncated record header: {size - pos} of {_HEADER} bytes",
+                          path=path, sample=f"record {k}", offset=pos)
+    n, stored = struct.unpack_from("<QI", mm, pos)
+    computed = _crc_at(mm, pos, pos + 8)
+    if stored != computed:
+        raise FormatError(f"length CRC mismatch (stored {stored:#010x}, computed {computed:#010x})",
+                          path=path, sample=f"record {k}", offset=pos)
+    if pos + _FRAMING + n > size:
+        raise FormatError(f"truncated record: {n} payload bytes announced, the file ends "
+                          f"{size - pos - _FRAMING} bytes after the header", path=path,
+                          sample=f"record {k}", offset=pos)
+    return n
+
+
+def _check_data(mm: Any, pos: int, n: int, k: int, path: str) -> None:
+    computed = _crc_at(mm, pos + _HEADER, pos + _HEADER + n)
+    (stored,) = struct.unpack_from("<I", mm, pos + _HEADER + n)
+    if stored != computed:
+        raise FormatError(f"data CRC mismatch (stored {stored:#010x}, computed {computed:#010x})",
+                          path=path, sample=f"record {k}", offset=pos)
+
+
+def _crc_at(mm: Any, start: int, end: int) -> int:
+    with memoryview(mm)[start:end] as part:  # released at once, so the map can close
+        return masked_crc32c(part)
+
+
+def _read_index(index_path: str, path: str, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(record start, record length)`` from a ``tfrecord2idx`` file, checked
+    against the data file's ``size``."""
+    table = _int_table(index_path, 2)
+    start, total = table[:, 0], table[:, 1]
+    bad = (start < 0) | (total < _FRAMING) | (start + total > size)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise FormatError(f"index file {index_path} line {k + 1}: record of {int(total[k])} bytes at byte "
+                          f"{int(start[k])} does not fit the file ({size} bytes; a record has at least "
+                          f"{_FRAMING})", path=path, sample=f"record {k}", offset=int(start[k]))
+    return start.copy(), total.copy()
+
+
+def _int_table(path: str, columns: int) -> np.ndarray:
+    """A text file of ``columns`` whitespace-separated integers per line, as an
+    ``(n, columns)`` int64 array (NumPy's C parser; no Python loop per line)."""
+    try:
+        if os.path.getsize(path) == 0:
+            return np.zeros((0, columns), dtype=np.int64)
+        with warnings.catch_warnings():  # a file of blank lines is an empty index
+            warnings.simplefilter("ignore", UserWarning)
+            table = np.loadtxt(path, dtype=np.int64, ndmin=2, comments=None)
+    except OSError as exc:
+        raise DataError(f"cannot read index file: {exc.strerror or exc}", path=path) from exc
+    except ValueError as exc:
+        raise FormatError(f"not an index file of {columns} integers per line: {exc}", path=path) from exc
+    if table.size == 0:
+        return np.zeros((0, columns), dtype=np.int64)
+    if table.shape[1] != columns:
+        raise FormatError(f"expected {columns} integers per line, found {table.shape[1]}", path=path, offset=0)
+    return table
+
+
+# ---- tf.train.Example, wire format ------------------------------------------------
+
+class _Bad(Exception):
+    """Malformed protobuf at byte ``args[1]`` of the payload (internal)."""
+
+
+def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise _Bad("truncated or overlong varint", pos)
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value & 0xFFFFFFFFFFFFFFFF, pos
+        shift += 7
+
+
+def _fields(buf: memoryview, pos: int, end: int):
+    """Yield ``(field number, wire type, value or start, end)`` over one message:
+    varints carry their value, length-delimited/fixed fields their byte range."""
+    while pos < end:
+        tag, pos = _varint(buf, pos, end)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos, end)
+            yield number, wire, value, pos
+            continue
+        if wire == 2:
+            n, pos = _varint(buf, pos, end)
+        elif wire in (1, 5):
+            n = 8 if wire == 1 else 4
+        else:
+            raise _Bad(f"unsupported wire type {wire} (field {number})", pos)
+        if number == 0 or pos + n > end:
+            raise _Bad(f"field {number} of {n} bytes runs past its message", pos)
+        yield number, wire, pos, pos + n
+        pos += n
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _feature(buf: memoryview, record: np.ndarray, start: int, end: int, kind: str, name: str) -> Any:
+    """Decode a ``Feature`` message of the expected ``kind``."""
+    want = _KIND_FIELD[kind]
+    found = None
+    for number, wire, a, b in _fields(buf, start, end):
+        if number in (1, 2, 3) and wire == 2:
+            found = (number, a, b)
+    if found is None or found[0] != want:
+        got = "no value" if found is None else next(k for k, f in _KIND_FIELD.items() if f == found[0])
+        raise _Bad(f"feature {name!r} holds {got}, expected {kind}", start)
+    _, a, b = found
+    items: list[Any] = []
+    for number, wire, x, y in _fields(buf, a, b):
+        if number != 1:
+            continue
+        if kind == "bytes" and wire == 2:
+            items.append(record[x:y])
+        elif kind == "float" and wire == 2:  # packed
+            if (y - x) % 4:
+                raise _Bad(f"packed floats of {y - x} bytes", x)
+            items.append(record[x:y].view("<f4"))
+        elif kind == "float" and wire == 5:
+            items.append(record[x:y].view("<f4"))
+        elif kind == "int64" and wire == 2:  # packed
+            pos = x
+            while pos < y:
+                v, pos = _varint(buf, pos, y)
+                items.append(_signed(v))
+        elif kind == "int64" and wire == 0:
+            items.append(_signed(x))
+        else:
+            raise _Bad(f"feature {name!r}: wire type {wire} in a {kind} list", x)
+    if kind == "bytes":
+        return items[0] if len(items) == 1 else items
+    if kind == "float":
+        values = np.concatenate(items) if items else np.zeros(0, dtype=np.float32)
+        return values[0] if len(values) == 1 else values
+    return np.int64(items[0]) if len(items) == 1 else np.asarray(items, dtype=np.int64)
+
+
+@register_parser("tfrecord.example")
+class ExampleParser:
+    """Parses TFRecord payloads as ``tf.train.Example`` and returns ``features``
+    (``{name: "bytes" | "int64" | "float"}``); a missing feature or another kind is
+    a ``FormatError``."""
+
+    name = "tfrecord.example"
+    source = "record"
+
+    def __init__(self, features: dict[str, str]) -> None:
+        bad = {k: v for k, v in features.items() if v not in _KINDS}
+        if bad or not features:
+            raise ConfigError(f"feature kinds {bad or 'none given'}; choose from {', '.join(_KINDS)}")
+        self.features = dict(features)
+        self.fields = tuple(self.features)
+
+    def config(self) -> dict[str, Any]:
+        return {"features": self.features}
+
+    def parse(self, records: Sequence[np.ndarray], samples: np.ndarray, paths: Sequence[str],
+              offsets: np.ndarray) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {name: [] for name in self.fields}
+        wanted = {name.encode(): name for name in self.fields}
+        for j, record in enumerate(records):
+            buf = memoryview(record)
+            try:
+                found = self._find(buf, len(record), wanted)
+                for name, kind in self.features.items():
+                    if name not in found:
+                        raise _Bad(f"feature {name!r} missing; the record has {sorted(found)} "
+                                   f"of the requested ones", 0)
+                    out[name].append(_feature(buf, record, *found[name], kind, name))
+            except _Bad as exc:
+                raise FormatError(f"bad tf.train.Example: {exc.args[0]} (at payload byte {exc.args[1]})",
+                                  path=paths[j], sample=int(samples[j]), offset=int(offsets[j])) from None
+        return out
+
+    @staticmethod
+    def _find(buf: memoryview, size: int, wanted: dict[bytes, str]) -> dict[str, tuple[int, int]]:
+        """Byte ranges of the wanted ``Feature`` messages: Example.features (1) ->
+        Features.feature (1, map entries of key 1 and value 2)."""
+        found: dict[str, tuple[int, int]] = {}
+        for number, wire, a, b in _fields(buf, 0, size):
+            if number != 1 or wire != 2:
+                continue
+            for n2, w2, c, d in _fields(buf, a, b):
+                if n2 != 1 or w2 != 2:
+                    continue
+                key, value = None, (d, d)  # an absent value is an empty Feature
+                for n3, w3, x, y in _fields(buf, c, d):
+                    if n3 == 1 and w3 == 2:
+                        key = buf[x:y].tobytes()
+                    elif n3 == 2 and w3 == 2:
+                        value = (x, y)
+                if key in wanted:
+                    found[wanted[key]] = value
+        return found

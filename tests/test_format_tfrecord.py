@@ -1,0 +1,291 @@
+"""formats.tfrecord on files written by the tfrecord package."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+import pytest
+import tfrecord as tfrecord_pkg
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tfrecord.reader import tfrecord_loader
+from tfrecord.tools.tfrecord2idx import create_index
+
+import gpuio
+from gpuio.errors import ConfigError, DataError, FormatError, GpuioError
+from gpuio.formats import tfrecord
+from gpuio.formats.tfrecord import ExampleParser, masked_crc32c
+
+FEATURES = {"image/encoded": "bytes", "image/class/label": "int64", "bbox": "float", "tags": "bytes",
+            "score": "float", "ids": "int64"}
+
+
+def _examples(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n):
+        size = int(rng.choice([0, 1, 5, 127, 128, 300, 5000, 70000]))
+        out.append({
+            "image/encoded": (rng.integers(0, 256, size, dtype=np.uint8).tobytes(), "byte"),
+            "image/class/label": (int(rng.integers(-5, 1000)) if k % 7 else -(1 << 62), "int"),
+            "bbox": (rng.random(k % 5).astype(np.float32).tolist(), "float"),
+            "tags": ([f"t{j}".encode() for j in range(k % 3 + 1)], "byte"),
+            "score": (float(np.float32(k / 3)), "float"),
+            "ids": (list(range(k, k + k % 4)), "int"),
+        })
+    return out
+
+
+def _write(path, examples):
+    writer = tfrecord_pkg.TFRecordWriter(os.fspath(path))
+    for ex in examples:
+        writer.write(ex)
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    path = _write(tmp_path / "data.tfrecord", _examples(40))
+    create_index(os.fspath(path), os.fspath(tmp_path / "data.idx"))
+    return path, tmp_path / "data.idx"
+
+
+def _assert_matches_loader(index, path):
+    """Every parsed feature equals what tfrecord's own reader returns."""
+    ref = list(tfrecord_loader(os.fspath(path), None))
+    assert len(index) == len(ref)
+    rows = np.arange(len(index))
+    cols = gpuio.storage.read_fields(index, rows, tuple(FEATURES))
+    for i, want in enumerate(ref):
+        assert cols["image/encoded"][i].tobytes() == want["image/encoded"]
+        assert cols["image/class/label"][i] == want["image/class/label"][0]
+        assert isinstance(cols["image/class/label"][i], np.int64)
+        np.testing.assert_array_equal(np.atleast_1d(cols["bbox"][i]), want["bbox"])
+        np.testing.assert_array_equal(np.atleast_1d(cols["ids"][i]), want["ids"])
+        assert cols["score"][i] == want["score"][0] and cols["score"][i].dtype == np.float32
+        tags = want["tags"]
+        got = cols["tags"][i]
+        if isinstance(tags, bytes):
+            assert got.tobytes() == tags
+        else:
+            assert [g.tobytes() for g in got] == tags.tolist()
+
+
+@pytest.mark.parametrize("use_index", [False, True])
+@pytest.mark.parametrize("verify", [False, True])
+def test_features_match_tfrecord_reader(dataset, use_index, verify):
+    path, idx = dataset
+    index = tfrecord(path, idx if use_index else None, features=FEATURES, verify=verify)
+    assert set(index.fields) == {"record", "record_number", *FEATURES}
+    _assert_matches_loader(index, path)
+
+
+def test_index_file_and_scan_agree_and_payload_is_exact(dataset):
+    path, idx = dataset
+    scanned, indexed = tfrecord(path), tfrecord(path, idx)
+    for a, b in zip((scanned.extents["data"].offset, scanned.extents["data"].length),
+                    (indexed.extents["data"].offset, indexed.extents["data"].length)):
+        np.testing.assert_array_equal(a, b)
+    # tfrecord2idx's length covers the framing: 8 + 4 + payload + 4
+    table = np.loadtxt(idx, dtype=np.int64)
+    np.testing.assert_array_equal(indexed.extents["data"].offset, table[:, 0] + 12)
+    np.testing.assert_array_equal(indexed.extents["data"].length, table[:, 1] - 16)
+    payloads = [bytes(r) for r in tfrecord_pkg.reader.tfrecord_iterator(os.fspath(path))]
+    got = gpuio.read(indexed, np.arange(len(indexed)))
+    assert [g.tobytes() for g in got] == payloads
+    assert indexed[3]["data"] == payloads[3] and indexed[3]["record_number"] == 3
+
+
+def test_bytes_features_are_views_into_the_batch_buffer(dataset):
+    path, _ = dataset
+    index = tfrecord(path, features={"image/encoded": "bytes"})
+    rows = np.arange(len(index))
+    records = gpuio.read(index, rows, "record")
+    parsed = index.parser.parse(records, rows, [path] * len(rows), index.extents["record"].offset)
+    for rec, img in zip(records, parsed["image/encoded"]):
+        if len(img):
+            assert np.shares_memory(rec, img)
+
+
+def test_several_files_and_save_load(tmp_path):
+    a = _write(tmp_path / "a.tfrecord", _examples(5, seed=1))
+    b = _write(tmp_path / "b.tfrecord", _examples(7, seed=2))
+    create_index(os.fspath(b), os.fspath(tmp_path / "b.idx"))
+    index = tfrecord([a, b], [None, tmp_path / "b.idx"], features=FEATURES)
+    assert len(index) == 12 and len(index.files) == 2
+    assert index.values["record_number"].tolist() == list(range(5)) + list(range(7))
+    index.save(tmp_path / "tf.idx")
+    back = gpuio.SampleIndex.load(tmp_path / "tf.idx")
+    assert isinstance(back.parser, ExampleParser) and back.parser.features == FEATURES
+    ref = list(tfrecord_loader(os.fspath(b), None))
+    assert back[5 + 6]["image/encoded"] == ref[6]["image/encoded"]
+    assert back[5 + 6]["image/class/label"] == ref[6]["image/class/label"][0]
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.tfrecord"
+    path.write_bytes(b"")
+    assert len(tfrecord(path)) == 0
+
+
+def test_hand_written_protobuf_variants(tmp_path):
+    """Unpacked int64/float lists, negative varints and unknown fields, which the
+    tfrecord writer never produces."""
+    def varint(v):
+        v &= (1 << 64) - 1
+        out = bytearray()
+        while True:
+            out.append((v & 0x7F) | (0x80 if v > 0x7F else 0))
+            v >>= 7
+            if not out[-1] & 0x80:
+                return bytes(out)
+
+    def ld(field, body):
+        return varint(field << 3 | 2) + varint(len(body)) + body
+
+    ints = ld(3, varint(1 << 3 | 0) + varint(-7) + varint(1 << 3 | 0) + varint(9))  # unpacked
+    floats = ld(2, b"\x0d" + struct.pack("<f", 1.5) + b"\x0d" + struct.pack("<f", -2.0))
+    unknown = varint(9 << 3 | 0) + varint(5) + varint(10 << 3 | 5) + b"abcd"
+    entries = ld(1, ld(1, b"i") + ld(2, ints)) + ld(1, ld(1, b"f") + ld(2, floats)) + ld(1, ld(1, b"e") + ld(2, b""))
+    payload = unknown + ld(1, entries)
+    header = struct.pack("<Q", len(payload))
+    path = tmp_path / "hand.tfrecord"
+    path.write_bytes(header + struct.pack("<I", masked_crc32c(header)) + payload
+                     + struct.pack("<I", masked_crc32c(payload)))
+    index = tfrecord(path, features={"i": "int64", "f": "float"}, verify=True)
+    sample = index[0]
+    np.testing.assert_array_equal(sample["i"], [-7, 9])
+    np.testing.assert_array_equal(sample["f"], np.array([1.5, -2.0], dtype=np.float32))
+    with pytest.raises(FormatError, match="feature 'e' holds no value, expected bytes") as err:
+        tfrecord(path, features={"e": "bytes"})[0]
+    assert err.value.sample == 0 and err.value.offset == 12
+    with pytest.raises(FormatError, match="feature 'missing' missing"):
+        tfrecord(path, features={"missing": "int64"})[0]
+    with pytest.raises(FormatError, match="feature 'i' holds int64, expected float"):
+        tfrecord(path, features={"i": "float"})[0]
+
+
+def _flip(path, pos):
+    data = bytearray(path.read_bytes())
+    data[pos] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_data_crc_mismatch_names_file_record_offset(dataset):
+    path, idx = dataset
+    starts = np.loadtxt(idx, dtype=np.int64)[:, 0]
+    _flip(path, int(starts[17]) + 20)
+    for index_path in (None, idx):
+        with pytest.raises(FormatError, match=r"data\.tfrecord: record 17 at byte \d+: data CRC mismatch "
+                                              r"\(stored 0x[0-9a-f]{8}, computed 0x[0-9a-f]{8}\)") as err:
+            tfrecord(path, index_path, verify=True)
+        assert err.value.offset == starts[17]
+    tfrecord(path)  # without verify, payloads are not checked
+
+
+def test_length_crc_and_truncation(dataset):
+    path, idx = dataset
+    starts = np.loadtxt(idx, dtype=np.int64)[:, 0]
+    size = path.stat().st_size
+    os.truncate(path, size - 3)
+    with pytest.raises(FormatError, match="record 39 at byte .*truncated record") as err:
+        tfrecord(path)
+    assert err.value.offset == starts[39]
+    with pytest.raises(FormatError, match="does not fit the file") as err:
+        tfrecord(path, idx)
+    assert err.value.sample == "record 39"
+    _flip(path, int(starts[2]) + 1)  # the length field
+    with pytest.raises(FormatError, match="record 2 at byte .*length CRC mismatch"):
+        tfrecord(path)
+
+
+def test_bad_index_files(dataset, tmp_path):
+    path, idx = dataset
+    bad = tmp_path / "bad.idx"
+    bad.write_text("0 95\nzero 12\n")
+    with pytest.raises(FormatError, match="not an index file"):
+        tfrecord(path, bad)
+    bad.write_text("0 95 3\n")
+    with pytest.raises(FormatError, match="expected 2 integers per line"):
+        tfrecord(path, bad)
+    bad.write_text(f"{path.stat().st_size + 10} 100\n")
+    with pytest.raises(FormatError, match="line 1: .*does not fit"):
+        tfrecord(path, bad)
+    first = np.loadtxt(idx, dtype=np.int64)[0]
+    bad.write_text(f"{first[0]} {first[1] + 4}\n")
+    with pytest.raises(FormatError, match="gives .* bytes for this record, its header says"):
+        tfrecord(path, bad, verify=True)
+    with pytest.raises(ConfigError, match="index files for"):
+        tfrecord([path, path], [idx])
+    with pytest.raises(ConfigError, match="feature kinds"):
+        tfrecord(path, features={"x": "string"})
+    with pytest.raises(DataError, match="cannot read"):
+        tfrecord(tmp_path / "missing.tfrecord")
+
+
+@pytest.fixture(scope="module")
+def valid_bytes(tmp_path_factory):
+    path = _write(tmp_path_factory.mktemp("tf") / "v.tfrecord", _examples(6, seed=3))
+    return path.read_bytes()
+
+
+def _index_and_parse_all(path, verify):
+    try:
+        index = tfrecord(path, features=FEATURES, verify=verify)
+        gpuio.storage.read_fields(index, np.arange(len(index)), tuple(FEATURES))
+    except GpuioError:
+        pass
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(0, 1 << 17), flips=st.lists(st.tuples(st.integers(0, 1 << 17), st.integers(0, 7)),
+                                                   max_size=4), verify=st.booleans())
+def test_corrupted_files_raise_only_gpuio_errors(tmp_path, valid_bytes, cut, flips, verify):
+    data = bytearray(valid_bytes[:cut])
+    for pos, bit in flips:
+        if data:
+            data[pos % len(data)] ^= 1 << bit
+    path = tmp_path / "f.tfrecord"
+    path.write_bytes(bytes(data))
+    _index_and_parse_all(path, verify)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(payload=st.binary(max_size=300))
+def test_random_payloads_raise_only_gpuio_errors(tmp_path, payload):
+    """Valid framing around random bytes: only the protobuf decoder is exercised."""
+    header = struct.pack("<Q", len(payload))
+    path = tmp_path / "p.tfrecord"
+    path.write_bytes(header + struct.pack("<I", masked_crc32c(header)) + payload
+                     + struct.pack("<I", masked_crc32c(payload)))
+    _index_and_parse_all(path, True)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.binary(max_size=200))
+def test_random_index_files_raise_only_gpuio_errors(tmp_path, text, valid_bytes):
+    path = tmp_path / "v.tfrecord"
+    path.write_bytes(valid_bytes)
+    (tmp_path / "r.idx").write_bytes(text)
+    try:
+        index = tfrecord(path, tmp_path / "r.idx", features=FEATURES)
+        gpuio.storage.read_fields(index, np.arange(len(index)), tuple(FEATURES))
+    except GpuioError:
+        pass
+
+
+@pytest.mark.gpu
+def test_gpu_read_matches_cpu(dataset):
+    import cupy
+
+    path, idx = dataset
+    index = tfrecord(path, idx)
+    rows = np.arange(len(index))[::-1]
+    cpu = gpuio.read(index, rows, "data", device="cpu")
+    gpu = gpuio.read(index, rows, "data", device="cuda")
+    for c, g in zip(cpu, gpu):
+        assert isinstance(g, cupy.ndarray)
+        np.testing.assert_array_equal(cupy.asnumpy(g), c)
