@@ -6,8 +6,11 @@ Every format function is named after its module (``formats.lmdb`` is the functio
 
 from gpuio.formats.coco import coco
 from gpuio.formats.filetree import filetree
+from gpuio.formats.lmdb import lmdb
 from gpuio.formats.numpy import numpy
+from gpuio.formats.recordio import recordio
+from gpuio.formats.tfrecord import tfrecord
 from gpuio.formats.webdataset import webdataset
 from gpuio.index import concat
 
-__all__ = ["filetree", "numpy", "coco", "webdataset", "concat"]
+__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "concat"]
