@@ -353,18 +353,16 @@ class Loader:
                 b.stream = require("cupy").cuda.get_current_stream()
             out = op(b)
             b = out if out is not None else b
-            if b._rejected:
-                rows = sorted(b._rejected)
-                errors = list(b.errors)
-                if self.on_error != "skip":
-                    err = errors[0][1] if errors else DataError("rejected by the op")
-                    sample = errors[0][0] if errors and errors[0][0] >= 0 else int(w.src[rows[0]])
-                    raise self._pipeline_error(name, w, err, sample=sample) from err
-                for sample, err in errors:
-                    self._skip(sample, name, err)
-                w.src = np.delete(w.src, rows)
-                b.drop_rejected()
-                b.errors.clear()
+            # rows rejected by the op (or by ops inside it, which may have dropped them already)
+            errors, b.errors[:] = list(b.errors), []
+            if errors and self.on_error != "skip":
+                index, err = errors[0]
+                sample = index if index >= 0 else getattr(err, "sample", None)
+                sample = int(sample) if isinstance(sample, (int, np.integer)) else None
+                raise self._pipeline_error(name, w, err, sample=sample) from err
+            for index, err in errors:
+                self._skip(index, name, err)
+            b.drop_rejected()
             w.batch = b
             return w
 

@@ -1,0 +1,140 @@
+"""Shared contract checkers for loaders: one function per contract.
+
+Each takes a ``make(**overrides) -> Loader`` factory so that any dataset, op chain and
+device can be checked the same way:
+
+- ``check_exactly_once``: every rank yields the same number of batches, and across
+  ranks each sample is a real row exactly once per epoch (at most once for ``"drop"``);
+- ``check_resume``: ``state_dict()`` at every batch position (including the end of an
+  epoch and the step into the next) resumes with exactly the remaining batches;
+- ``check_deterministic``: the batches do not depend on the number of threads or the
+  prefetch depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import gpuio
+
+MakeLoader = Callable[..., gpuio.Loader]
+
+
+def host(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch with every array as NumPy (torch, CuPy and lists of them)."""
+    def conv(v: Any) -> Any:
+        if isinstance(v, list):
+            return [conv(x) for x in v]
+        if hasattr(v, "detach"):  # torch
+            return v.detach().cpu().numpy()
+        if hasattr(v, "__cuda_array_interface__"):
+            import cupy
+
+            return cupy.asnumpy(v)
+        return np.asarray(v) if isinstance(v, np.ndarray) else v
+
+    return {k: conv(v) for k, v in batch.items()}
+
+
+def assert_same_batch(a: dict[str, Any], b: dict[str, Any], where: str = "") -> None:
+    assert a.keys() == b.keys(), where
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, list):
+            assert isinstance(y, list) and len(x) == len(y), f"{where} field {key}"
+            for xi, yi in zip(x, y):
+                np.testing.assert_array_equal(np.asarray(xi), np.asarray(yi), err_msg=f"{where} field {key}")
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{where} field {key}")
+
+
+def run_epoch(loader: gpuio.Loader) -> list[dict[str, Any]]:
+    return [host(b) for b in loader]
+
+
+def check_exactly_once(make: MakeLoader, n: int, world_size: int, last_batch: str,
+                       epochs: int = 2) -> None:
+    """All ranks of a ``world_size`` job over ``n`` samples, for ``epochs`` epochs."""
+    loaders = [make(rank=r, world_size=world_size, last_batch=last_batch) for r in range(world_size)]
+    lengths = {len(ld) for ld in loaders}
+    assert len(lengths) == 1, f"ranks disagree on len(): {lengths}"
+    orders = []
+    for epoch in range(epochs):
+        real = []
+        for ld in loaders:
+            ld.set_epoch(epoch)
+            batches = run_epoch(ld)
+            assert len(batches) == len(ld), f"rank {ld.rank} yielded {len(batches)} batches, len() says {len(ld)}"
+            for b in batches:
+                idx = b["index"]
+                assert idx.dtype == np.int64
+                rows = len(idx)
+                assert rows <= ld.batch_size
+                if last_batch == "pad" or last_batch == "drop":
+                    assert rows == ld.batch_size, f"{last_batch}: batch of {rows} rows"
+                if last_batch == "drop":
+                    assert (idx >= 0).all(), "drop yields no padding rows"
+                for key, v in b.items():
+                    assert len(v) == rows, f"field {key} has {len(v)} rows, index {rows}"
+                real.append(idx[idx >= 0])
+        seen = np.concatenate(real) if real else np.zeros(0, np.int64)
+        assert len(np.unique(seen)) == len(seen), f"epoch {epoch}: a sample appears twice"
+        if last_batch == "drop":
+            step = world_size * loaders[0].batch_size
+            assert len(seen) == n // step * step
+        else:
+            np.testing.assert_array_equal(np.sort(seen), np.arange(n))
+        orders.append(seen)
+    if epochs > 1 and loaders[0].shuffle and n > 3:
+        assert not np.array_equal(orders[0], orders[1]), "shuffle gave the same order in two epochs"
+
+
+def check_resume(make: MakeLoader, epochs: int = 2) -> None:
+    """Stop after every batch (and after each completed epoch), save, restore into a
+    new loader, and compare the rest of the run with an uninterrupted one."""
+    ref = make()
+    batches: list[dict[str, Any]] = []
+    states: list[tuple[int, dict[str, Any]]] = [(0, ref.state_dict())]
+    for _ in range(epochs):
+        for b in ref:
+            batches.append(host(b))
+            states.append((len(batches), ref.state_dict()))
+        states.append((len(batches), ref.state_dict()))  # after the pass: next epoch, batch 0
+    assert ref.epoch == epochs
+    for done, state in states:
+        resumed = make()
+        resumed.load_state_dict(state)
+        rest: list[dict[str, Any]] = []
+        while resumed.epoch < epochs:
+            rest.extend(host(b) for b in resumed)
+        assert len(rest) == len(batches) - done, f"resume after {done} batches ({state}): {len(rest)} batches"
+        for j, (x, y) in enumerate(zip(rest, batches[done:])):
+            assert_same_batch(x, y, f"resume after {done} batches, batch {done + j}")
+    # a state from a partly consumed pass, taken mid-iteration
+    ref = make()
+    it = iter(ref)
+    first = [host(next(it)) for _ in range(min(2, len(ref)))]
+    state = ref.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = run_epoch(resumed)
+    whole = run_epoch(make())
+    assert len(first) + len(rest) == len(whole)
+    for j, (x, y) in enumerate(zip(first + rest, whole)):
+        assert_same_batch(x, y, f"mid-iteration state, batch {j}")
+
+
+def check_deterministic(make: MakeLoader, settings: list[dict[str, Any]], epochs: int = 2) -> None:
+    """The same batches, in the same order, under each of ``settings`` (threads, prefetch)."""
+    runs = []
+    for kw in settings:
+        ld = make(**kw)
+        runs.append([b for _ in range(epochs) for b in run_epoch(ld)])
+    for kw, run in zip(settings[1:], runs[1:]):
+        assert len(run) == len(runs[0]), kw
+        for j, (x, y) in enumerate(zip(run, runs[0])):
+            assert_same_batch(x, y, f"{kw} batch {j}")

@@ -1,0 +1,398 @@
+"""gpuio.Loader: outputs, error propagation, skip mode, shutdown, stats."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import gpuio
+from gpuio.batch import Op
+from gpuio.errors import ConfigError, DataError, PipelineError, StorageError
+from gpuio.formats import filetree, numpy as npy_format
+from gpuio.index import Ragged, SampleIndex
+
+from checkers import assert_same_batch, host
+
+N = 30
+
+
+def make_tree(root, n=N, seed=0, size=(1, 4000)):
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        d = root / f"class{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i:03d}.jpg").write_bytes(rng.bytes(int(rng.integers(*size))))
+    return filetree(str(root))
+
+
+def with_keys(index: SampleIndex) -> SampleIndex:
+    keys = Ragged.from_list([f"img-{i:03d}" for i in range(len(index))], kind="str")
+    return SampleIndex(index.files, index.extents, {**index.values, "key": keys}, meta=index.meta)
+
+
+def loader_threads():
+    return {t for t in threading.enumerate() if t.name.startswith(("gpuio-loader", "gpuio-read"))}
+
+
+@pytest.fixture
+def tree(tmp_path):
+    return make_tree(tmp_path / "tree")
+
+
+@pytest.fixture
+def npy(tmp_path):
+    root = tmp_path / "npy"
+    root.mkdir()
+    rng = np.random.default_rng(3)
+    for i in range(N):
+        np.save(root / f"{i:03d}.npy", rng.integers(0, 255, (4, 5), dtype=np.uint8))
+    return npy_format(str(root))
+
+
+class AsArray(Op):
+    def __call__(self, batch):
+        batch.data["data"] = [d.view(np.dtype(t)).reshape(tuple(s))
+                              for d, s, t in zip(batch.data["data"], batch.data["shape"], batch.data["dtype"])]
+        return batch
+
+
+class RejectSamples(Op):
+    """Rejects the rows whose dataset index is in ``bad`` (as a decoder would reject bad bytes)."""
+
+    name = "reject"
+
+    def __init__(self, bad):
+        self.bad = set(bad)
+
+    def __call__(self, batch):
+        for row, i in enumerate(batch.index.tolist()):
+            if i in self.bad:
+                batch.reject(row, DataError("cannot decode", sample=i))
+        return batch
+
+
+class Boom(Op):
+    def __call__(self, batch):
+        if 5 in batch.index.tolist():
+            raise ValueError("op failed")
+        return batch
+
+
+class Slow(Op):
+    def __call__(self, batch):
+        time.sleep(0.05)
+        return batch
+
+
+# ---- outputs -------------------------------------------------------------------------
+def test_torch_output_types(tree):
+    import torch
+
+    ld = gpuio.Loader(tree, 8, threads=2)
+    b = next(iter(ld))
+    assert set(b) == {"data", "label", "index"}
+    assert isinstance(b["label"], torch.Tensor) and b["label"].shape == (8,)
+    assert b["index"].dtype == torch.int64
+    assert isinstance(b["data"], list) and all(isinstance(x, torch.Tensor) for x in b["data"])
+    for i, x in zip(b["index"].tolist(), b["data"]):
+        with open(tree.extent(i).file, "rb") as f:
+            assert x.numpy().tobytes() == f.read()
+    np.testing.assert_array_equal(b["label"].numpy(), tree.values["label"][:8])
+
+
+def test_numpy_output_stacks_fixed_shapes(npy):
+    ld = gpuio.Loader(npy, 7, ops=[AsArray()], output="numpy", threads=2)
+    batches = list(ld)
+    assert len(batches) == len(ld) == 5
+    assert [len(b["index"]) for b in batches] == [7, 7, 7, 7, 2]
+    b = batches[0]
+    assert isinstance(b["data"], np.ndarray) and b["data"].shape == (7, 4, 5) and b["data"].dtype == np.uint8
+    assert b["shape"].shape == (7, 2) and isinstance(b["dtype"], list)
+    for row, i in enumerate(b["index"].tolist()):
+        np.testing.assert_array_equal(b["data"][row], np.load(npy.extent(i).file))
+
+
+def test_stack_is_a_view_when_rows_lie_in_order(npy):
+    """Unshuffled, the samples land back to back in one batch buffer, in row order, and
+    are stacked without a copy; shuffled, they are copied into a new array."""
+    b = next(iter(gpuio.Loader(npy, 6, ops=[AsArray()], output="numpy", threads=1)))
+    assert not b["data"].flags.owndata
+    s = next(iter(gpuio.Loader(npy, 6, ops=[AsArray()], output="numpy", threads=1, shuffle=True)))
+    assert s["data"].flags.owndata
+    for batch in (b, s):
+        for row, i in enumerate(batch["index"].tolist()):
+            np.testing.assert_array_equal(batch["data"][row], np.load(npy.extent(i).file))
+
+
+def test_torch_tensors_by_dlpack_and_raw_views(npy):
+    import torch
+
+    b = next(iter(gpuio.Loader(npy, 4, ops=[AsArray()], threads=1)))
+    assert isinstance(b["data"], torch.Tensor) and b["data"].shape == (4, 4, 5)
+    rb = next(iter(gpuio.Loader(npy, 4, output="numpy", threads=1)))
+    # raw bytes stay a list of views into one read buffer
+    assert len({id(x.base) for x in rb["data"]}) == 1 and rb["data"][0].base is not None
+
+
+def test_fields_selection_and_reserved_name(tree):
+    ld = gpuio.Loader(tree, 4, fields=["label"], threads=1, output="numpy")
+    b = next(iter(ld))
+    assert set(b) == {"label", "index"}
+    assert ld.stats()["bytes"] == 0  # no extent field read
+    with pytest.raises(ConfigError, match="unknown field"):
+        gpuio.Loader(tree, 4, fields=["nope"])
+    with pytest.raises(ConfigError, match="last_batch"):
+        gpuio.Loader(tree, 4, last_batch="keep")
+    with pytest.raises(ConfigError, match="batch_size"):
+        gpuio.Loader(tree, 0)
+    with pytest.raises(ConfigError, match="rank"):
+        gpuio.Loader(tree, 4, rank=2, world_size=2)
+
+
+def test_epochs_advance_and_set_epoch(tree):
+    ld = gpuio.Loader(tree, 8, shuffle=True, output="numpy", threads=2)
+    e0 = np.concatenate([b["index"] for b in ld])
+    assert ld.epoch == 1
+    e1 = np.concatenate([b["index"] for b in ld])
+    assert not np.array_equal(e0, e1)
+    ld.set_epoch(0)
+    np.testing.assert_array_equal(np.concatenate([b["index"] for b in ld]), e0)
+    for b in ld:  # leaving a pass early restarts that epoch
+        break
+    assert ld.epoch == 1
+    np.testing.assert_array_equal(np.concatenate([b["index"] for b in ld]), e1)
+
+
+def test_stats(tree):
+    ld = gpuio.Loader(tree, 8, ops=[Slow()], threads=2, output="numpy")
+    rows = sum(len(b["index"]) for b in ld)
+    s = ld.stats()
+    assert s["samples"] == rows == N
+    assert s["bytes"] == tree.nbytes()
+    assert s["samples_per_s"] > 0 and s["bytes_per_s"] > 0
+    assert set(s["stages"]) == {"read", "Slow", "collate"}
+    assert s["stages"]["Slow"]["batches"] == len(ld)
+    assert s["stages"]["Slow"]["ms_per_batch"] >= 45
+    assert s["skipped"] == 0 and s["errors"] == []
+
+
+def test_order_is_kept_when_batches_finish_out_of_order(tree):
+    class Jitter(Op):
+        def __call__(self, batch):
+            time.sleep(0.03 * (int(batch.index[0]) % 3 == 0))
+            return batch
+
+    ld = gpuio.Loader(tree, 3, ops=[Jitter()], threads=4, prefetch=4, output="numpy")
+    got = np.concatenate([b["index"] for b in ld])
+    np.testing.assert_array_equal(got, np.arange(N))
+
+
+# ---- errors -----------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_read_error_names_stage_sample_key_file(tmp_path, damage):
+    index = with_keys(make_tree(tmp_path / "t", size=(100, 200)))
+    bad = 17
+    path = index.extent(bad).file
+    if damage == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(10)
+    else:
+        os.remove(path)
+    ld = gpuio.Loader(index, 4, threads=2, output="numpy")
+    got = []
+    with pytest.raises(PipelineError) as info:
+        for b in ld:
+            got.extend(b["index"].tolist())
+    err = info.value
+    assert err.stage == "read" and err.sample == bad and err.key == f"img-{bad:03d}" and err.path == path
+    assert isinstance(err.__cause__, StorageError)
+    assert path in str(err) and "sample 17" in str(err) and "'read'" in str(err)
+    assert got == list(range(16)), "batches before the bad one arrive, in order"
+    assert not loader_threads()
+
+
+def test_read_error_skip_counts(tmp_path):
+    index = make_tree(tmp_path / "t", size=(100, 200))
+    for bad in (3, 17):
+        os.remove(index.extent(bad).file)
+    ld = gpuio.Loader(index, 4, threads=2, output="numpy", on_error="skip")
+    got = np.concatenate([b["index"] for b in ld])
+    assert len([b for b in ld]) == len(ld)  # same batch count with skipped rows
+    np.testing.assert_array_equal(np.sort(got), np.setdiff1d(np.arange(N), [3, 17]))
+    s = ld.stats()
+    assert s["skipped"] == 4  # two passes
+    assert "sample 3" in s["errors"][0] and index.extent(3).file in s["errors"][0]
+
+
+def test_op_reject_raise_and_skip(tree):
+    ld = gpuio.Loader(with_keys(tree), 4, ops=[RejectSamples([6])], threads=2, output="numpy")
+    with pytest.raises(PipelineError) as info:
+        list(ld)
+    err = info.value
+    assert err.stage == "reject" and err.sample == 6 and err.key == "img-006"
+    assert err.path == tree.extent(6).file and isinstance(err.__cause__, DataError)
+    ld = gpuio.Loader(tree, 4, ops=[RejectSamples([6, 7, 20])], threads=2, output="numpy", on_error="skip",
+                      shuffle=True)
+    batches = list(ld)
+    assert len(batches) == len(ld)
+    got = np.concatenate([b["index"] for b in batches])
+    np.testing.assert_array_equal(np.sort(got), np.setdiff1d(np.arange(N), [6, 7, 20]))
+    for b in batches:
+        assert len(b["data"]) == len(b["label"]) == len(b["index"])
+    assert ld.stats()["skipped"] == 3
+
+
+def test_op_exception_is_pipeline_error(tree):
+    ld = gpuio.Loader(tree, 4, ops=[Boom()], threads=2, output="numpy")
+    with pytest.raises(PipelineError, match="op failed") as info:
+        list(ld)
+    assert info.value.stage == "Boom" and isinstance(info.value.__cause__, ValueError)
+    assert not loader_threads()
+
+
+# ---- shutdown ---------------------------------------------------------------------------
+def test_no_threads_after_break(tree):
+    ld = gpuio.Loader(tree, 2, ops=[Slow()], threads=3, prefetch=4)
+    for _ in ld:
+        assert loader_threads()
+        break
+    assert not loader_threads()
+
+
+def test_no_threads_after_close(tree):
+    ld = gpuio.Loader(tree, 2, ops=[Slow()], threads=3)
+    it = iter(ld)
+    next(it)
+    ld.close()
+    assert not loader_threads()
+    assert list(it) == []  # a closed pass ends
+
+
+def test_no_threads_after_consumer_exception_or_interrupt(tree):
+    ld = gpuio.Loader(tree, 2, ops=[Slow()], threads=3)
+    for exc in (RuntimeError, KeyboardInterrupt):
+        with pytest.raises(exc):
+            for _ in ld:
+                raise exc()
+        assert not loader_threads()
+
+
+def test_no_threads_after_gc(tree):
+    ld = gpuio.Loader(tree, 2, ops=[Slow()], threads=3)
+    it = iter(ld)
+    next(it)
+    del it
+    gc.collect()
+    assert not loader_threads()
+    del ld
+    gc.collect()
+    assert not loader_threads()
+
+
+def test_close_is_prompt(tree):
+    ld = gpuio.Loader(tree, 2, ops=[Slow()], threads=2, prefetch=8)
+    it = iter(ld)
+    next(it)
+    t0 = time.perf_counter()
+    ld.close()
+    assert time.perf_counter() - t0 < 1.0
+
+
+# ---- end to end with the real image ops, when they exist -----------------------------
+def test_decode_image_end_to_end(tmp_path):
+    ops = pytest.importorskip("gpuio.ops")
+    if not hasattr(ops, "decode_image"):
+        pytest.skip("gpuio.ops.decode_image not written yet")
+    import simplejpeg
+
+    rng = np.random.default_rng(0)
+    root = tmp_path / "jpg" / "c0"
+    root.mkdir(parents=True)
+    for i in range(10):
+        img = rng.integers(0, 255, (32, 48, 3), dtype=np.uint8)
+        (root / f"{i}.jpg").write_bytes(simplejpeg.encode_jpeg(img, quality=95))
+    index = filetree(str(tmp_path / "jpg"))
+    dec = ops.decode_image()
+    ld = gpuio.Loader(index, 4, ops=[dec], output="numpy", threads=2)
+    assert "data" in getattr(dec, "host_inputs", ())
+    b = next(iter(ld))
+    imgs = b["image"]  # same-size images: stacked, NHWC
+    assert isinstance(imgs, np.ndarray) and imgs.shape == (4, 32, 48, 3)
+    assert isinstance(b["data"], list)  # the encoded bytes stay a list
+    for row, i in enumerate(b["index"].tolist()):
+        with open(index.extent(i).file, "rb") as f:
+            want = simplejpeg.decode_jpeg(f.read())
+        np.testing.assert_array_equal(imgs[row], want)
+
+
+def test_image_pipeline_resumes_with_same_draws(tmp_path):
+    ops = pytest.importorskip("gpuio.ops")
+    if not all(hasattr(ops, n) for n in ("Compose", "decode_image", "random_resized_crop", "flip", "normalize")):
+        pytest.skip("gpuio.ops image ops not written yet")
+    import simplejpeg
+
+    from checkers import check_resume
+
+    rng = np.random.default_rng(1)
+    root = tmp_path / "jpg" / "c0"
+    root.mkdir(parents=True)
+    for i in range(11):
+        img = rng.integers(0, 255, (int(rng.integers(20, 40)), int(rng.integers(20, 40)), 3), dtype=np.uint8)
+        (root / f"{i}.jpg").write_bytes(simplejpeg.encode_jpeg(img, quality=90))
+    index = filetree(str(tmp_path / "jpg"))
+
+    def make(**kw):
+        chain = ops.Compose([ops.decode_image(), ops.random_resized_crop(16), ops.flip(),
+                             ops.normalize([0.5] * 3, [0.2] * 3)])
+        return gpuio.Loader(index, 4, fields=["data", "label"], ops=[chain], shuffle=True, threads=2,
+                            output="numpy", **kw)
+
+    b = next(iter(make()))
+    assert b["image"].shape == (4, 3, 16, 16) and b["image"].dtype == np.float32
+    check_resume(make)
+
+
+def test_bad_jpeg_in_compose_raises_and_skips(tmp_path):
+    ops = pytest.importorskip("gpuio.ops")
+    if not all(hasattr(ops, n) for n in ("Compose", "decode_image")):
+        pytest.skip("gpuio.ops image ops not written yet")
+    import simplejpeg
+
+    root = tmp_path / "jpg" / "c0"
+    root.mkdir(parents=True)
+    for i in range(8):
+        img = np.full((8, 8, 3), i * 20, dtype=np.uint8)
+        (root / f"{i}.jpg").write_bytes(simplejpeg.encode_jpeg(img) if i != 5 else b"not a jpeg at all")
+    index = filetree(str(tmp_path / "jpg"))
+    ld = gpuio.Loader(index, 3, ops=[ops.Compose([ops.decode_image()])], output="numpy", threads=2)
+    with pytest.raises(PipelineError) as info:
+        list(ld)
+    assert info.value.sample == 5 and info.value.path == index.extent(5).file
+    ld = gpuio.Loader(index, 3, ops=[ops.Compose([ops.decode_image()])], output="numpy", threads=2,
+                      on_error="skip")
+    got = np.concatenate([b["index"] for b in ld])
+    np.testing.assert_array_equal(got, [0, 1, 2, 3, 4, 6, 7])
+    assert ld.stats()["skipped"] == 1
+
+
+# ---- GPU ---------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_matches_cpu(npy):
+    import torch
+
+    cpu = [host(b) for b in gpuio.Loader(npy, 4, ops=[AsArray()], shuffle=True, threads=2)]
+    gpu_loader = gpuio.Loader(npy, 4, ops=[AsArray()], shuffle=True, device="cuda")
+    gpu = []
+    for b in gpu_loader:
+        assert b["index"].is_cuda
+        gpu.append(host(b))
+    torch.cuda.synchronize()
+    assert len(cpu) == len(gpu)
+    for x, y in zip(cpu, gpu):
+        assert_same_batch(x, y)
+    assert not loader_threads()
