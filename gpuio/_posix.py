@@ -89,21 +89,22 @@ class PosixBackend:
         files = paths.many(plan.task_file)
         offsets, lengths = plan.task_offset.tolist(), plan.task_length.tolist()
         dests, needs = plan.task_dest.tolist(), plan.task_need.tolist()
-        _, first, counts = np.unique(plan.task_file, return_index=True, return_counts=True)
-        shared_paths = {files[i] for i in first[counts > 1].tolist()}
+        _, inverse, counts = np.unique(plan.task_file, return_inverse=True, return_counts=True)
+        owns = (counts[inverse] == 1).tolist()  # the task's file has no other task: open it alone
         shared: dict[str, int] = {}  # path -> fd, for files with several tasks
         tasks = itertools.count()
         errors: list[BaseException] = []
         blocked: list[Future[None]] = []
         nowait = self._nowait
+        open_, close, preadv, flag = self._open, os.close, os.preadv, getattr(os, "RWF_NOWAIT", 0)
 
         def shared_fd(path: str) -> int:
             fd = shared.get(path)
             if fd is None:
-                fd = self._open(path)
+                fd = open_(path)
                 kept = shared.setdefault(path, fd)  # atomic: one fd wins per path
                 if kept != fd:
-                    os.close(fd)
+                    close(fd)
                 fd = kept
             return fd
 
@@ -114,7 +115,7 @@ class PosixBackend:
                 errors.append(exc)
             finally:
                 if own:
-                    os.close(fd)
+                    close(fd)
 
         def fast_lane() -> None:
             try:
@@ -122,13 +123,19 @@ class PosixBackend:
                     k = next(tasks)
                     if k >= n:
                         return
-                    path = files[k]
-                    own = path not in shared_paths
-                    fd = self._open(path) if own else shared_fd(path)
-                    got = self._try_cached(fd, path, offsets[k], view[dests[k]: dests[k] + lengths[k]]) if nowait else 0
+                    own = owns[k]
+                    fd = open_(files[k]) if own else shared_fd(files[k])
+                    got = 0
+                    if nowait:
+                        try:
+                            got = preadv(fd, [view[dests[k]: dests[k] + lengths[k]]], offsets[k], flag)
+                        except BlockingIOError:
+                            pass
+                        except OSError as exc:
+                            self._nowait_refused(exc, files[k], offsets[k])
                     if got == lengths[k]:
                         if own:
-                            os.close(fd)
+                            close(fd)
                     elif nowait:
                         blocked.append(self._executor().submit(finish, fd, k, got, own))
                     else:
@@ -150,19 +157,14 @@ class PosixBackend:
         if errors:
             raise errors[0]
 
-    def _try_cached(self, fd: int, path: str, offset: int, out: memoryview) -> int:
-        """Copy what the page cache holds, without blocking; bytes copied."""
-        try:
-            return os.preadv(fd, [out], offset, os.RWF_NOWAIT)
-        except BlockingIOError:
-            return 0
-        except OSError as exc:
-            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL) and not self.o_direct:
-                self._nowait = False  # this kernel or filesystem has no RWF_NOWAIT
-                return 0
-            if exc.errno == errno.EINVAL:
-                return 0  # O_DIRECT: let the blocking read report real problems
-            raise StorageError(f"read failed: {exc.strerror or exc}", path=path, offset=offset) from exc
+    def _nowait_refused(self, exc: OSError, path: str, offset: int) -> None:
+        """A non-blocking read failed: either RWF_NOWAIT is not supported here (then
+        stop trying it; the blocking read follows) or the read really failed."""
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            if not self.o_direct:
+                self._nowait = False
+            return  # under O_DIRECT the blocking read reports real problems
+        raise StorageError(f"read failed: {exc.strerror or exc}", path=path, offset=offset) from exc
 
     def _read_into(self, fd: int, path: str, offset: int, need: int, out: memoryview, got: int = 0) -> None:
         length = len(out)
