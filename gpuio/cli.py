@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("path", nargs="?", help="a file tree or a saved index (default: the sample dataset)")
     bench.add_argument("--storage", action="store_true",
                        help="the full storage benchmark: small files, large files, packed records")
-    bench.add_argument("--size", choices=("quick", "full"), default="full", help="dataset size for --storage")
+    bench.add_argument("--size", choices=("tiny", "quick", "full"), default="full", help="dataset size for --storage")
     bench.add_argument("--root", help="where --storage makes its datasets (default: the cache folder)")
     bench.add_argument("--count", type=int, default=SAMPLE_COUNT, help="images in the sample dataset")
     bench.add_argument("--batch", type=int, default=256)

@@ -25,6 +25,7 @@ from gpuio.index import Extents, SampleIndex
 SIZES = {  # name: (small files, small size, large files, large size, records, record size)
     "full": (4000, 100_000, 4, 256 << 20, 16384, 16 << 10),
     "quick": (1000, 100_000, 2, 32 << 20, 2048, 16 << 10),
+    "tiny": (50, 10_000, 2, 1 << 20, 100, 1000),  # for tests of the bench itself
 }
 
 
