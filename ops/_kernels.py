@@ -3,8 +3,8 @@
 One launch per batch: grid ``(ceil(max_out_pixels / 256), N)``, one thread per output
 pixel (all channels). Per-sample parameters travel as two small device arrays. The
 kernel mirrors ``gpuio.ops.geometry.resample`` and ``gpuio.ops.fused.fused_reference``
-line by line: the same filter window, the horizontal pass rounded to uint8 levels
-(as Pillow), then the vertical pass, clip to 0-255, ``(v - mean) * inv_std``, cast.
+line by line: the same filter window, the horizontal pass clipped to
+0-255 (as Pillow), then the vertical pass, clip to 0-255, ``(v - mean) * inv_std``, cast.
 CuPy is imported only when a GPU batch runs.
 """
 
@@ -106,8 +106,8 @@ extern "C" __global__ void crop_resize_normalize(
             const unsigned char* px = row + i * cs;
             for (int c = 0; c < channels; ++c) h[c] += wx * px[c * chs];
         }
-        for (int c = 0; c < channels; ++c)   /* horizontal pass on uint8 levels, as Pillow */
-            acc[c] += wy * fminf(fmaxf(floorf(h[c] / wxsum + 0.5f), 0.0f), 255.0f);
+        for (int c = 0; c < channels; ++c)   /* horizontal pass clipped to 0-255, as Pillow */
+            acc[c] += wy * fminf(fmaxf(h[c] / wxsum, 0.0f), 255.0f);
     }
     if (wysum == 0.0f) wysum = 1.0f;
     out_t* o = out + p[10];

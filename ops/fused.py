@@ -116,7 +116,7 @@ def fused_reference(images: Sequence[np.ndarray], plan: dict[str, np.ndarray], m
                     inv_std: np.ndarray, *, interp: str = "linear", antialias: bool = True, layout: str = "CHW",
                     dtype: str = "float32") -> Any:
     """The fused kernel's math in NumPy, per sample: resample the box (horizontal pass
-    rounded to uint8 levels), clip to 0-255, flip, ``(v - mean) * inv_std``, layout,
+    clipped to 0-255), clip to 0-255, flip, ``(v - mean) * inv_std``, layout,
     cast. ``plan`` as ``FusedCropResizeNormalize.plan`` returns it."""
     rows = []
     for img, box, clip, hw, f in zip(images, plan["box"], plan["clip"], plan["out_hw"].tolist(),

@@ -12,8 +12,9 @@ clipped to the pixels the filter may read, weighs ``filter((j - center + 0.5) / 
 and the weights are normalized to sum to 1. Filters: ``linear`` (triangle, support 1),
 ``cubic`` (Keys a=-0.5, support 2), ``area`` (box, support 0.5) and ``nearest``
 (source pixel ``floor(center)``). ``filter_weights`` computes these weights; the CPU
-path runs Pillow where it computes the same thing (uint8, 1 or 3 channels) and the
-NumPy matrices elsewhere; the GPU kernel (``gpuio.ops._kernels``) computes them per
+path runs Pillow where it computes the same thing (uint8, 1 or 3 channels; Pillow
+rounds its horizontal pass to uint8 levels, which moves results by less than 1 level)
+and the NumPy matrices elsewhere; the GPU kernel (``gpuio.ops._kernels``) computes them per
 output pixel.
 """
 
@@ -86,7 +87,7 @@ def resample(img: np.ndarray, box: Sequence[float], clip: Sequence[int], out_hw:
     """Resample ``img`` (HWC, any real dtype) to ``out_hw``: the source box
     ``(y0, x0, h, w)`` in pixels, the filter reading only the source pixels in
     ``clip = (y0, x0, y1, x1)``. Horizontal pass first; for uint8 input its result is
-    clipped and rounded to uint8 levels, as Pillow does. Returns float32 HWC, not
+    clipped to 0-255, as Pillow clips (Pillow also rounds it: within 0.5 level). Returns float32 HWC, not
     rounded or clipped."""
     y0, x0, bh, bw = (float(v) for v in box)
     cy0, cx0, cy1, cx1 = (int(v) for v in clip)
@@ -97,7 +98,7 @@ def resample(img: np.ndarray, box: Sequence[float], clip: Sequence[int], out_hw:
         return region[np.argmax(wy, axis=1)][:, np.argmax(wx, axis=1)].astype(np.float32)
     rows = np.einsum("xj,yjc->yxc", wx, region.astype(np.float32), optimize=True)
     if img.dtype == np.uint8:
-        rows = np.clip(np.floor(rows + 0.5), 0, 255)
+        rows = np.clip(rows, 0, 255)
     h, w, c = rows.shape
     return (wy @ rows.reshape(h, w * c)).reshape(out_hw[0], w, c)
 
