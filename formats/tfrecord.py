@@ -74,6 +74,8 @@ def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     if len(index_paths) != len(paths):
         raise ConfigError(f"{len(index_paths)} index files for {len(paths)} TFRecord files; give one per file")
     parser = ExampleParser(dict(features)) if features is not None else None
+    if parser is not None and {"record", "record_number"} & set(parser.fields):
+        raise ConfigError("feature names 'record' and 'record_number' are taken by the index's own fields")
     files, offsets, lengths, numbers = [], [], [], []
     for k, (path, idx) in enumerate(zip(paths, index_paths)):
         off, length = _records(path, idx, verify)

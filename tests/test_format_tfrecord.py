@@ -222,6 +222,8 @@ def test_bad_index_files(dataset, tmp_path):
         tfrecord([path, path], [idx])
     with pytest.raises(ConfigError, match="feature kinds"):
         tfrecord(path, features={"x": "string"})
+    with pytest.raises(ConfigError, match="are taken"):
+        tfrecord(path, features={"record": "bytes"})
     with pytest.raises(DataError, match="cannot read"):
         tfrecord(tmp_path / "missing.tfrecord")
 
