@@ -245,3 +245,40 @@ def test_corrupted_tars_raise_only_gpuio_errors(tmp_path, edits, cut):
     path = tmp_path / "c.tar"
     path.write_bytes(bytes(raw[:cut]) if cut is not None else bytes(raw))
     _check_or_gpuio_error(path)
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
+def test_long_and_unicode_names_in_every_tar_format(tmp_path, fmt):
+    deep = "d" * 60 + "/" + "e" * 60  # over 100 bytes: GNU long-name or pax path record
+    names = [f"{deep}/{'x' * 90}{i:03d}" for i in range(3)]
+    if fmt != tarfile.USTAR_FORMAT:
+        names.append("dir/caf\u00e9-\u00fcber")  # non-ASCII: a pax record in pax format
+    path = tmp_path / "long.tar"
+    with tarfile.open(path, "w", format=fmt) as tf:
+        for k, name in enumerate(names):
+            for ext, data in (("jpg", bytes([k]) * (700 + k)), ("cls", str(k).encode())):
+                info = tarfile.TarInfo(f"{name}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    index = webdataset(path)
+    assert [index[i]["__key__"] for i in range(len(index))] == names
+    assert [index[i]["jpg"] for i in range(len(index))] == [bytes([k]) * (700 + k) for k in range(len(names))]
+    with tarfile.open(path) as tf:
+        truth = {m.name: (m.offset_data, m.size) for m in tf}
+    for i, name in enumerate(names):
+        ext = index.extent(i, "jpg")
+        assert (ext.offset, ext.length) == truth[f"{name}.jpg"]
+
+
+def test_header_checksum_mismatch_names_the_header(tmp_path):
+    path = tmp_path / "bad.tar"
+    with tarfile.open(path, "w") as tf:
+        for i in range(3):
+            info = tarfile.TarInfo(f"{i:03d}.jpg")
+            info.size = 10
+            tf.addfile(info, io.BytesIO(b"x" * 10))
+    raw = bytearray(path.read_bytes())
+    raw[1024 + 5] ^= 0x01  # a name byte of the second member's header
+    path.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match=r"at byte 1024: bad tar header: checksum mismatch"):
+        webdataset(path, fields=("jpg",))
