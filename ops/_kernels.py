@@ -42,18 +42,20 @@ typedef float out_t;
 __device__ __forceinline__ void store(out_t* p, float v) { *p = v; }
 #endif
 
-/* geometry.py _filter(): 0 nearest, 1 linear (triangle), 2 cubic (a = -0.5), 3 area (box) */
-__device__ __forceinline__ float filter_weight(int interp, float x) {
+/* geometry.py _filter(): weight of the source pixel whose center is d pixels from the
+   output pixel's; 0 nearest, 1 linear (triangle), 2 cubic (a = -0.5), 3 area (overlap) */
+__device__ __forceinline__ float filter_weight(int interp, float d, float fscale) {
     if (interp == 0) return 1.0f;
-    if (interp == 1) { x = fabsf(x); return x < 1.0f ? 1.0f - x : 0.0f; }
-    if (interp == 2) {
-        const float a = -0.5f;
-        x = fabsf(x);
-        if (x < 1.0f) return ((a + 2.0f) * x - (a + 3.0f)) * x * x + 1.0f;
-        if (x < 2.0f) return (((x - 5.0f) * x + 8.0f) * x - 4.0f) * a;
-        return 0.0f;
+    if (interp == 3) {
+        const float half = 0.5f * fscale;
+        return fmaxf(fminf(d + 0.5f, half) - fmaxf(d - 0.5f, -half), 0.0f);
     }
-    return (x > -0.5f && x <= 0.5f) ? 1.0f : 0.0f;
+    const float x = fabsf(d / fscale);
+    if (interp == 1) return x < 1.0f ? 1.0f - x : 0.0f;
+    const float a = -0.5f;
+    if (x < 1.0f) return ((a + 2.0f) * x - (a + 3.0f)) * x * x + 1.0f;
+    if (x < 2.0f) return (((x - 5.0f) * x + 8.0f) * x - 4.0f) * a;
+    return 0.0f;
 }
 
 /* geometry.py filter_weights(): the source window [first, last) of output pixel o */
@@ -68,9 +70,14 @@ __device__ __forceinline__ void window(int interp, int antialias, float start, f
         return;
     }
     const float fs = antialias ? fmaxf(scale, 1.0f) : 1.0f;
-    const float support = (interp == 1 ? 1.0f : interp == 2 ? 2.0f : 0.5f) * fs;
-    *first = max((int)floorf(c - support + 0.5f), lo);
-    *last = min((int)floorf(c + support + 0.5f), hi);
+    if (interp == 3) {
+        *first = max((int)floorf(c - 0.5f * fs), lo);
+        *last = min((int)ceilf(c + 0.5f * fs), hi);
+    } else {
+        const float support = (interp == 1 ? 1.0f : 2.0f) * fs;
+        *first = max((int)floorf(c - support + 0.5f), lo);
+        *last = min((int)floorf(c + support + 0.5f), hi);
+    }
     *fscale = fs;
 }
 
@@ -92,17 +99,17 @@ extern "C" __global__ void crop_resize_normalize(
     window(interp, antialias, box[0], box[2], oh, sy, (int)p[4], (int)p[6], &cy, &fy, &y0, &y1);
     window(interp, antialias, box[1], box[3], ow, sx, (int)p[5], (int)p[7], &cx, &fx, &x0, &x1);
     float wxsum = 0.0f, wysum = 0.0f;
-    for (int i = x0; i < x1; ++i) wxsum += filter_weight(interp, (i - cx + 0.5f) / fx);
+    for (int i = x0; i < x1; ++i) wxsum += filter_weight(interp, i + 0.5f - cx, fx);
     if (wxsum == 0.0f) wxsum = 1.0f;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int j = y0; j < y1; ++j) {
-        const float wy = filter_weight(interp, (j - cy + 0.5f) / fy);
+        const float wy = filter_weight(interp, j + 0.5f - cy, fy);
         wysum += wy;
         if (wy == 0.0f) continue;
         const unsigned char* row = src + j * rs;
         float h[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int i = x0; i < x1; ++i) {
-            const float wx = filter_weight(interp, (i - cx + 0.5f) / fx);
+            const float wx = filter_weight(interp, i + 0.5f - cx, fx);
             const unsigned char* px = row + i * cs;
             for (int c = 0; c < channels; ++c) h[c] += wx * px[c * chs];
         }

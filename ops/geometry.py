@@ -8,10 +8,13 @@ Resampling follows Pillow and torchvision's ``antialias=True``: for an output pi
 pixels, ``scale = length / out``, ``center = start + (o + 0.5) * scale``; when
 downsampling the filter is widened by ``scale`` (``fscale = max(scale, 1)``); source
 pixel ``j`` in ``[floor(center - support + 0.5), floor(center + support + 0.5))``,
-clipped to the pixels the filter may read, weighs ``filter((j - center + 0.5) / fscale)``
+clipped to the pixels the filter may read, weighs ``filter((j + 0.5 - center) / fscale)``
 and the weights are normalized to sum to 1. Filters: ``linear`` (triangle, support 1),
-``cubic`` (Keys a=-0.5, support 2), ``area`` (box, support 0.5) and ``nearest``
-(source pixel ``floor(center)``). ``filter_weights`` computes these weights; the CPU
+``cubic`` (Keys a=-0.5, support 2) and ``nearest`` (source pixel ``floor(center)``).
+``area`` weighs each source pixel by its overlap with the output pixel's footprint
+``[center - fscale/2, center + fscale/2)`` (an average over the area when
+downsampling, linear interpolation when upsampling; unlike Pillow's BOX, which counts
+whole pixels by their centers, it does not jump at ties). ``filter_weights`` computes these weights; the CPU
 path runs Pillow where it computes the same thing (uint8, 1 or 3 channels; Pillow
 rounds its horizontal pass to uint8 levels, which moves results by less than 1 level)
 and the NumPy matrices elsewhere; the GPU kernel (``gpuio.ops._kernels``) computes them per
@@ -35,7 +38,7 @@ __all__ = ["Resize", "CenterCrop", "RandomResizedCrop", "Flip", "resize", "cente
 
 INTERPOLATIONS = {"nearest": 0, "linear": 1, "cubic": 2, "area": 3}
 _SUPPORT = {"nearest": 0.0, "linear": 1.0, "cubic": 2.0, "area": 0.5}
-_PILLOW = {"nearest": Image.NEAREST, "linear": Image.BILINEAR, "cubic": Image.BICUBIC, "area": Image.BOX}
+_PILLOW = {"linear": Image.BILINEAR, "cubic": Image.BICUBIC}
 
 
 def _check_interp(interp: str) -> str:
@@ -51,15 +54,18 @@ def _size2(size: int | Sequence[int], what: str) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
-def _filter(interp: str, x: np.ndarray) -> np.ndarray:
+def _filter(interp: str, d: np.ndarray, fscale: float) -> np.ndarray:
+    """Weight of a source pixel whose center is ``d`` pixels from the output pixel's."""
+    x = np.abs(d / fscale)
     if interp == "linear":
-        return np.maximum(1.0 - np.abs(x), 0.0)
+        return np.maximum(1.0 - x, 0.0)
     if interp == "cubic":
-        a, ax = -0.5, np.abs(x)
-        near = ((a + 2.0) * ax - (a + 3.0)) * ax * ax + 1.0
-        far = (((ax - 5.0) * ax + 8.0) * ax - 4.0) * a
-        return np.where(ax < 1.0, near, np.where(ax < 2.0, far, 0.0))
-    return ((x > -0.5) & (x <= 0.5)).astype(np.float64)  # area
+        a = -0.5
+        near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+        far = (((x - 5.0) * x + 8.0) * x - 4.0) * a
+        return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
+    half = 0.5 * fscale  # area: the overlap of the pixel with the output pixel's footprint
+    return np.maximum(np.minimum(d + 0.5, half) - np.maximum(d - 0.5, -half), 0.0)
 
 
 def filter_weights(out: int, start: float, length: float, lo: int, hi: int, interp: str = "linear",
@@ -74,10 +80,13 @@ def filter_weights(out: int, start: float, length: float, lo: int, hi: int, inte
         pick = np.clip(np.floor(center), lo, hi - 1).astype(np.int64)
         return (j == pick[:, None]).astype(np.float32)
     fscale = max(scale, 1.0) if antialias else 1.0
-    support = _SUPPORT[interp] * fscale
-    first = np.maximum(np.floor(center - support + 0.5), lo)[:, None]
-    last = np.minimum(np.floor(center + support + 0.5), hi)[:, None]
-    w = _filter(interp, (j - center[:, None] + 0.5) / fscale) * ((j >= first) & (j < last))
+    if interp == "area":
+        first, last = np.floor(center - 0.5 * fscale), np.ceil(center + 0.5 * fscale)
+    else:
+        support = _SUPPORT[interp] * fscale
+        first, last = np.floor(center - support + 0.5), np.floor(center + support + 0.5)
+    inside = (j >= np.maximum(first, lo)[:, None]) & (j < np.minimum(last, hi)[:, None])
+    w = _filter(interp, j + 0.5 - center[:, None], fscale) * inside
     total = w.sum(axis=1, keepdims=True)
     return (w / np.where(total == 0.0, 1.0, total)).astype(np.float32)
 
@@ -112,7 +121,7 @@ def _resize_cpu(img: np.ndarray, out_hw: tuple[int, int], interp: str, antialias
     h, w, c = img.shape
     if (h, w) == tuple(out_hw):
         return img
-    if img.dtype == np.uint8 and c in (1, 3) and antialias and interp != "nearest":
+    if img.dtype == np.uint8 and c in (1, 3) and antialias and interp in _PILLOW:
         pil = Image.fromarray(np.ascontiguousarray(img[:, :, 0] if c == 1 else img))
         res = np.asarray(pil.resize((out_hw[1], out_hw[0]), _PILLOW[interp], reducing_gap=None))
         return res.reshape(out_hw[0], out_hw[1], c)
