@@ -4,9 +4,10 @@
 through ``stages`` (each ``payload -> payload``) and hands them back with ``get()`` in
 the order ``source`` made them, whatever order the workers finish in:
 
-- a feeder thread takes one token per payload from a semaphore of ``window`` tokens and
-  the consumer gives it back when it takes the payload, so at most ``window`` payloads
-  are in flight (queued, being worked on, or waiting for the consumer);
+- the consumer feeds: each ``get()`` first tops the pipeline up from ``source`` to
+  ``window`` payloads in flight (queued, being worked on, or waiting for the
+  consumer), so nothing runs ahead of the consumer by more than ``window`` and no
+  feeder thread is needed;
 - each stage has ``workers`` threads and a bounded input queue; a worker that finishes
   item ``s`` waits for its stage's turn to reach ``s`` before passing it on, so every
   queue holds items in source order (no reorder buffer is needed);
@@ -17,8 +18,8 @@ the order ``source`` made them, whatever order the workers finish in:
   blocking streams (``non_blocking=False``), so work on them is also ordered with
   respect to the legacy default stream;
 - an exception in a stage travels in order with its item (later stages pass it on
-  untouched) and ``get()`` raises it, after every earlier item was handed over; the
-  feeder stops feeding at the first error;
+  untouched) and ``get()`` returns it, after every earlier item was handed over; no
+  new payloads are fed after the first error;
 - ``close()`` stops every thread: blocking calls wake up every ``_POLL`` seconds to
   check the stop flag, and ``close`` joins them.
 
@@ -94,7 +95,10 @@ class Executor:
         for s in stages:
             self.stats.setdefault(s.name, StageStats())
         self._source = source
-        self._tokens = threading.Semaphore(max(1, window))
+        self._window = max(1, window)
+        self._fed = 0  # payloads taken from source
+        self._in_flight = 0
+        self._source_done = False
         self._queues = [queue.Queue(maxsize=max(1, window)) for _ in range(len(stages) + 1)]
         self._turn = [0] * len(stages)
         self._turn_cv = [threading.Condition() for _ in stages]
@@ -106,7 +110,6 @@ class Executor:
 
     # ---- lifetime ---------------------------------------------------------------------
     def start(self) -> None:
-        self._spawn(self._feed, f"{self._name}-feed")
         for i, stage in enumerate(self.stages):
             for j in range(1 if stage.gpu else max(1, stage.workers)):
                 self._spawn(self._work, f"{self._name}-{stage.name}-{j}", i)
@@ -117,8 +120,17 @@ class Executor:
         t.start()
 
     def close(self) -> None:
-        """Stop and join every thread (idempotent)."""
+        """Stop and join every thread (idempotent). Blocked threads are woken at once:
+        ``None`` in every queue ends a waiting worker, and tokens free the feeder."""
         self._stop.set()
+        for i, stage in enumerate(self.stages):
+            with self._turn_cv[i]:
+                self._turn_cv[i].notify_all()
+            for _ in range(1 if stage.gpu else max(1, stage.workers)):
+                try:
+                    self._queues[i].put_nowait(None)
+                except queue.Full:
+                    break  # a full queue has no waiting taker
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(_JOIN_S)
@@ -129,8 +141,30 @@ class Executor:
         return self._stop.is_set()
 
     # ---- consumer ---------------------------------------------------------------------
+    def _top_up(self) -> None:
+        while not self._source_done and self._in_flight < self._window and self._failed_seq is None:
+            item = Item(self._fed, None)
+            try:
+                item.payload = next(self._source)
+            except StopIteration:
+                self._source_done = True
+                return
+            except Exception as exc:  # a failing source reaches the consumer like a stage error
+                item.error, item.stage = exc, "order"
+                self._failed_seq = item.seq
+                self._source_done = True
+            self._queues[0].put_nowait(item)  # never full: it holds at most window items
+            self._fed += 1
+            self._in_flight += 1
+
     def get(self) -> Item | None:
-        """The next item in source order; raises its stage's error. ``None`` once closed."""
+        """The next item in source order (check ``item.error``); ``None`` once closed or
+        when the source is exhausted."""
+        if self._stop.is_set():
+            return None
+        self._top_up()
+        if self._in_flight == 0:
+            return None
         q = self._queues[-1]
         t0 = time.perf_counter()
         while True:
@@ -141,7 +175,7 @@ class Executor:
                 if self._stop.is_set():
                     return None
         self.wait_s += time.perf_counter() - t0
-        self._tokens.release()
+        self._in_flight -= 1
         return item
 
     # ---- threads ----------------------------------------------------------------------
@@ -154,24 +188,6 @@ class Executor:
                 pass
         return False
 
-    def _feed(self) -> None:
-        seq = 0
-        try:
-            for payload in self._source:
-                while not self._tokens.acquire(timeout=_POLL):
-                    if self._stop.is_set():
-                        return
-                if self._stop.is_set() or self._failed_seq is not None:
-                    return
-                if not self._put(self._queues[0], Item(seq, payload)):
-                    return
-                seq += 1
-        except Exception as exc:  # a failing source reaches the consumer like a stage error
-            item = Item(seq, None)
-            item.error, item.stage = exc, "order"
-            self._failed_seq = seq
-            self._put(self._queues[0], item)
-
     def _work(self, i: int) -> None:
         stage, stats = self.stages[i], self.stats[self.stages[i].name]
         inq, outq, cv = self._queues[i], self._queues[i + 1], self._turn_cv[i]
@@ -181,6 +197,8 @@ class Executor:
                 item = inq.get(timeout=_POLL)
             except queue.Empty:
                 continue
+            if item is None:  # woken by close()
+                return
             depth = inq.qsize()
             failed = self._failed_seq
             if item.error is None and (failed is None or item.seq < failed):

@@ -79,9 +79,10 @@ class Loader:
             counted and reported by ``stats()``).
 
     Output: a dict per batch. A field whose rows are arrays of one shape and dtype is
-    stacked into one array with a leading batch axis, on ``device``; raw bytes of an
+    stacked into one array with a leading batch axis, on ``device``, and with
+    ``output="torch"`` handed over as a tensor by DLPack (no copy). Raw bytes of an
     extent field (1-D uint8 rows, as read) and ragged fields stay lists, one value per
-    row. ``batch["index"]`` (int64, on ``device``) is each row's dataset position, -1 for
+    row, as the stages made them (NumPy/CuPy arrays, ``str``): no tensor per sample. ``batch["index"]`` (int64, on ``device``) is each row's dataset position, -1 for
     a padding row.
 
     Order and sharding, with ``N = len(index)``, ``B = batch_size``, ``W = world_size``
@@ -106,6 +107,11 @@ class Loader:
     the next ``for`` yield exactly the remaining batches of that epoch (the same rows,
     the same random draws: ops draw from ``batch.rng(row, salt)``, seeded by
     ``(seed, epoch, sample)``), after which the epoch advances as usual.
+
+    Threads: each pass runs its stage threads and ends them when it ends; the storage
+    readers' I/O threads are kept from one completed pass to the next, and end with
+    ``close()``, with a pass left early (``break``, an exception, Ctrl-C, the iterator
+    garbage collected) or when the loader is garbage collected.
 
     On a GPU the consumer's current stream (torch's, or CuPy's for ``output="numpy"``)
     waits on each batch's last CUDA event before the batch is handed over.
@@ -206,24 +212,26 @@ class Loader:
 
     # ---- iteration ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self.close()  # one pass at a time
+        if self._executor is not None:  # one pass at a time: stop one left running
+            self.close()
         epoch, start = self._epoch, self._resume
         self._resume, self._pos = 0, start
         return self._run(epoch, start)
 
     def _run(self, epoch: int, start: int) -> Iterator[dict[str, Any]]:
         order = epoch_order(len(self.index), self.shuffle, self.seed, epoch)
-        readers: dict[str, Reader] = {}
-        if self._host_fields:
-            readers["host"] = Reader("cpu")
-        if self._dev_fields:
-            readers["device"] = Reader(self.device)
+        if not self._readers:  # kept across completed passes, closed by close() and early exits
+            if self._host_fields:
+                self._readers["host"] = Reader("cpu")
+            if self._dev_fields:
+                self._readers["device"] = Reader(self.device)
+        readers = self._readers
         source = (_Work(k, *self.plan.rows(order, k)) for k in range(start, len(self.plan)))
         stages = self._stages(epoch, readers)
         window = self.prefetch + max(s.workers if not s.gpu else 1 for s in stages)
         ex = Executor(source, stages, window=window, device=self.device, stats=self._stage_stats,
                       name=f"gpuio-loader{self.rank}")
-        self._executor, self._readers = ex, readers
+        self._executor = ex
         completed = False
         t0 = time.perf_counter()
         try:
@@ -245,27 +253,27 @@ class Loader:
             completed = True
         finally:
             ex.close()
-            for r in readers.values():
-                r.close()
+            if not completed:
+                _close_readers(readers)
             with self._lock:
                 self._seconds += time.perf_counter() - t0
             if self._executor is ex:
-                self._executor, self._readers = None, {}
+                self._executor = None
             if completed and self._epoch == epoch:
                 self._epoch, self._pos = epoch + 1, 0
 
     def close(self) -> None:
         """Stop the running pass, if any; every loader thread has ended on return."""
-        ex, readers = self._executor, self._readers
+        ex = self._executor
         if ex is not None:
             ex.close()  # joins the stage threads before the readers go
-        for r in readers.values():
-            r.close()
+        _close_readers(self._readers)
 
     def __del__(self) -> None:
         ex = getattr(self, "_executor", None)
         if ex is not None:
             ex.close()
+        _close_readers(getattr(self, "_readers", {}))
 
     # ---- stages ------------------------------------------------------------------------
     def _stages(self, epoch: int, readers: dict[str, Reader]) -> list[Stage]:
@@ -275,7 +283,7 @@ class Loader:
             stages.append(Stage("parse", lambda w: self._parse(w, epoch), workers=cpu_workers))
         for op, name in zip(self.ops, self._op_names):
             stages.append(Stage(name, self._op_stage(op, name), workers=cpu_workers, gpu=self.device.is_cuda))
-        stages.append(Stage("collate", self._collate, workers=2, gpu=self.device.is_cuda))
+        stages.append(Stage("collate", self._collate, workers=1, gpu=self.device.is_cuda))
         return stages
 
     def _read_rows(self, src: np.ndarray, readers: dict[str, Reader]) -> dict[str, Any]:
@@ -466,6 +474,13 @@ class Loader:
             }
 
 
+def _close_readers(readers: dict[str, Reader]) -> None:
+    """Close and forget the readers (their I/O threads end here)."""
+    for r in readers.values():
+        r.close()
+    readers.clear()
+
+
 def _is_array(a: Any) -> bool:
     return isinstance(a, np.ndarray) or hasattr(a, "__cuda_array_interface__")
 
@@ -507,6 +522,4 @@ def _locate(index: SampleIndex, src: np.ndarray, fields: Sequence[str], err: Bas
 def _to_torch(v: Any, torch: Any) -> Any:
     if _is_array(v) and v.dtype.kind in "biufc":
         return torch.from_dlpack(v)
-    if isinstance(v, list):
-        return [_to_torch(x, torch) for x in v]
-    return v
+    return v  # lists stay lists of what the stages made: no tensor per sample

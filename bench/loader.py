@@ -1,0 +1,263 @@
+"""Loader benchmark: ``gpuio.Loader`` end to end against the raw storage read it is built
+on, ``torch.utils.data.DataLoader`` doing the same work, and DALI's CPU pipeline.
+
+    python bench/loader.py                     # quick: 1000 samples per dataset
+    python bench/loader.py --size tiny         # seconds; checks that it works
+    python bench/loader.py --json out/loader.json
+
+Datasets (made once under ``GPUIO_CACHE_DIR`` or ``~/.cache/gpuio``, read with a warm
+page cache): a file tree of ~100 KB random files, the same number of ``.npy`` arrays of
+~100 KB, and, when ``gpuio.ops`` has the image ops, a file tree of JPEGs. Every
+competitor reads one shuffled epoch in batches of ``--batch-size``; the figure is the
+best of ``--repeat`` epochs (the first, untimed, warms the cache and the workers).
+
+- ``raw read``: ``gpuio.Reader.read`` over the loader's own batches, one after another:
+  the floor the loader's overhead is measured against (target: < 10%);
+- ``gpuio.Loader``: the same batches through the executor, handed over as torch tensors;
+- ``torch DataLoader``: ``num_workers`` = cores, each sample read with ``os.pread``
+  (and, with ops, decoded with simplejpeg, cropped and resized with OpenCV, flipped and
+  normalized with NumPy), persistent workers;
+- ``DALI``: its CPU pipeline when ``nvidia.dali`` is installed, else "not installed".
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import gpuio
+from gpuio._bench.common import cache_dir, machine, print_table, write_json
+from gpuio._order import EpochPlan, epoch_order
+
+SIZES = {"full": 4000, "quick": 1000, "tiny": 96}  # samples per dataset
+FILE_BYTES = 100_000
+MEAN, STD = [123.7, 116.3, 103.5], [58.4, 57.1, 57.4]
+
+
+# ---- datasets --------------------------------------------------------------------------
+def make_datasets(root: str, n: int, images: bool) -> dict[str, str]:
+    root = os.path.join(root, f"loader-{n}")
+    paths = {"filetree": os.path.join(root, "tree"), "numpy": os.path.join(root, "npy")}
+    rng = np.random.default_rng(0)
+    if not os.path.exists(os.path.join(root, "done")):
+        for i in range(n):
+            d = os.path.join(paths["filetree"], f"c{i % 10}")
+            os.makedirs(d, exist_ok=True)
+            size = int(rng.integers(FILE_BYTES * 7 // 10, FILE_BYTES * 13 // 10))
+            with open(os.path.join(d, f"{i:06d}.jpg"), "wb") as f:
+                f.write(rng.bytes(size))
+        os.makedirs(paths["numpy"], exist_ok=True)
+        for i in range(n):
+            np.save(os.path.join(paths["numpy"], f"{i:06d}.npy"),
+                    rng.standard_normal(FILE_BYTES // 4, dtype=np.float32))
+        open(os.path.join(root, "done"), "w").close()
+    if images:
+        paths["jpeg"] = os.path.join(root, "jpeg")
+        if not os.path.exists(os.path.join(root, "done-jpeg")):
+            import simplejpeg
+
+            for i in range(n):
+                d = os.path.join(paths["jpeg"], f"c{i % 10}")
+                os.makedirs(d, exist_ok=True)
+                h, w = int(rng.integers(300, 500)), int(rng.integers(300, 500))
+                # smooth content compresses like a photo (~100 KB at quality 95)
+                y, x = np.mgrid[0:h, 0:w]
+                img = np.stack([(x * (c + 1) + y * (3 - c) + rng.integers(0, 40, (h, w))) % 256
+                                for c in range(3)], axis=-1).astype(np.uint8)
+                with open(os.path.join(d, f"{i:06d}.jpg"), "wb") as f:
+                    f.write(simplejpeg.encode_jpeg(img, quality=95))
+            open(os.path.join(root, "done-jpeg"), "w").close()
+    return paths
+
+
+def index_of(kind: str, path: str) -> gpuio.SampleIndex:
+    return gpuio.formats.numpy(path) if kind == "numpy" else gpuio.formats.filetree(path)
+
+
+def image_ops() -> list[Any] | None:
+    ops = gpuio.ops
+    if not all(hasattr(ops, n) for n in ("decode_image", "random_resized_crop", "flip", "normalize")):
+        return None
+    chain = [ops.decode_image(), ops.random_resized_crop(224), ops.flip(), ops.normalize(MEAN, STD)]
+    return [ops.Compose(chain)] if hasattr(ops, "Compose") else chain
+
+
+# ---- competitors -------------------------------------------------------------------------
+def timed_epochs(run_epoch, repeat: int) -> tuple[float, int, int]:
+    """Best epoch time of ``repeat`` timed epochs after one untimed one."""
+    run_epoch()
+    best, rows, nbytes = math.inf, 0, 0
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        rows, nbytes = run_epoch()
+        best = min(best, time.perf_counter() - t0)
+    return best, rows, nbytes
+
+
+def raw_read(reader: gpuio.Reader, index: gpuio.SampleIndex, batch: int, epoch: int = 0) -> tuple[int, int]:
+    plan = EpochPlan(len(index), batch, 1, 0, "partial")
+    order = epoch_order(len(index), True, 0, epoch)
+    rows = nbytes = 0
+    for k in range(len(plan)):
+        src, _ = plan.rows(order, k)
+        data = reader.read(index, src, "data")
+        rows += len(data)
+        nbytes += sum(len(d) for d in data)
+    return rows, nbytes
+
+
+def gpuio_epoch(loader: gpuio.Loader) -> tuple[int, int]:
+    rows = nbytes = 0
+    for b in loader:
+        rows += len(b["index"])
+        data = b["image"] if "image" in b else b["data"]
+        nbytes += sum(d.numel() * d.element_size() for d in data) if isinstance(data, list) else data.nbytes
+    return rows, nbytes
+
+
+class PreadDataset:
+    """A torch map-style dataset: sample i's extent with ``os.pread`` (plus image ops)."""
+
+    def __init__(self, index: gpuio.SampleIndex, images: bool) -> None:
+        ext = index.extents["data"]
+        self.paths = [index.files[f] for f in ext.file.tolist()]
+        self.offsets, self.lengths = ext.offset.tolist(), ext.length.tolist()
+        self.images = images
+        self.mean, self.istd = np.float32(MEAN), np.float32(1 / np.float32(STD))
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> Any:
+        fd = os.open(self.paths[i], os.O_RDONLY)
+        try:
+            data = os.pread(fd, self.lengths[i], self.offsets[i])
+        finally:
+            os.close(fd)
+        if not self.images:
+            return np.frombuffer(data, dtype=np.uint8)
+        import cv2
+        import simplejpeg
+
+        img = simplejpeg.decode_jpeg(data)
+        h, w = img.shape[:2]
+        rng = np.random.default_rng(i)  # RandomResizedCrop's box, as torchvision draws it
+        for _ in range(10):
+            area = h * w * rng.uniform(0.08, 1.0)
+            aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+            cw, ch = int(round(math.sqrt(area * aspect))), int(round(math.sqrt(area / aspect)))
+            if 0 < cw <= w and 0 < ch <= h:
+                top, left = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
+                break
+        else:
+            top, left, ch, cw = 0, 0, h, w
+        out = cv2.resize(img[top:top + ch, left:left + cw], (224, 224), interpolation=cv2.INTER_LINEAR)
+        if rng.random() < 0.5:
+            out = out[:, ::-1]
+        return ((out.astype(np.float32) - self.mean) * self.istd).transpose(2, 0, 1).copy()
+
+
+def _collate_list(items: list[Any]) -> list[Any]:
+    return items
+
+
+def torch_epoch(loader: Any) -> tuple[int, int]:
+    rows = nbytes = 0
+    for b in loader:
+        rows += len(b)
+        nbytes += sum(x.nbytes for x in b) if isinstance(b, list) else b.numel() * b.element_size()
+    return rows, nbytes
+
+
+def torch_loader(index: gpuio.SampleIndex, batch: int, workers: int, images: bool) -> Any:
+    import torch
+
+    return torch.utils.data.DataLoader(
+        PreadDataset(index, images), batch_size=batch, shuffle=True, num_workers=workers,
+        collate_fn=None if images else _collate_list, persistent_workers=workers > 0,
+        prefetch_factor=2 if workers > 0 else None)
+
+
+def dali_status() -> str:
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return "not installed"
+    return "installed (CPU pipeline not wired in this bench yet)"
+
+
+# ---- main ------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=sorted(SIZES), default="quick")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="loader threads (default: cores)")
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="torch DataLoader workers")
+    p.add_argument("--root", default=None, help="where datasets go (default: the gpuio cache dir)")
+    p.add_argument("--no-images", action="store_true", help="skip the JPEG pipeline")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    ops = None if args.no_images else image_ops()
+    n = SIZES[args.size]
+    paths = make_datasets(args.root or cache_dir(), n, images=ops is not None)
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, {info['gpus']} GPU(s); python {info['python']}")
+    print(f"{n} samples per dataset, batch {args.batch_size}, best of {args.repeat} epochs, warm page cache")
+    dali = dali_status()
+    rows_out: list[dict[str, Any]] = []
+    for kind, path in paths.items():
+        index = index_of(kind, path)
+        images = kind == "jpeg"
+        results: list[dict[str, Any]] = []
+
+        def add(name: str, measured: tuple[float, int, int]) -> None:
+            secs, rows, nbytes = measured
+            results.append({"dataset": kind, "pipeline": name, "samples_per_s": rows / secs,
+                            "MB_per_s": nbytes / secs / 1e6, "seconds": secs, "rows": rows})
+
+        with gpuio.Reader("cpu") as reader:
+            add("raw read (Reader.read)", timed_epochs(lambda: raw_read(reader, index, args.batch_size), args.repeat))
+        loader = gpuio.Loader(index, args.batch_size, fields=["data"], ops=ops if images else (),
+                              shuffle=True, threads=args.threads)
+        add("gpuio.Loader" + (" + image ops" if images else ""), timed_epochs(lambda: gpuio_epoch(loader),
+                                                                               args.repeat))
+        tl = torch_loader(index, args.batch_size, args.workers, images)
+        add(f"torch DataLoader ({args.workers} workers)" + (" + same ops" if images else ""),
+            timed_epochs(lambda: torch_epoch(tl), args.repeat))
+        del tl
+        results.append({"dataset": kind, "pipeline": "DALI CPU pipeline", "note": dali})
+        raw = results[0]["samples_per_s"]
+        ours = results[1]["samples_per_s"]
+        for r in results:
+            if "samples_per_s" in r:
+                r["vs_raw"] = r["samples_per_s"] / raw
+                r["vs_gpuio"] = r["samples_per_s"] / ours
+        if not images:
+            results[1]["overhead_vs_raw_pct"] = 100 * (raw / ours - 1)
+        rows_out.extend(results)
+    print()
+    print_table(rows_out, [("dataset", "dataset", "s"), ("pipeline", "pipeline", "s"),
+                           ("samples_per_s", "samples/s", ",.0f"), ("MB_per_s", "MB/s", ",.1f"),
+                           ("vs_raw", "x raw read", ".2f"), ("vs_gpuio", "x gpuio", ".2f"),
+                           ("note", "note", "s")])
+    for r in rows_out:
+        if "overhead_vs_raw_pct" in r:
+            verdict = "OK" if r["overhead_vs_raw_pct"] < 10 else "ABOVE the 10% target"
+            print(f"{r['dataset']}: loader overhead over the raw read {r['overhead_vs_raw_pct']:+.1f}% ({verdict})")
+    if ops is None and not args.no_images:
+        print("image ops: gpuio.ops has no decode_image/random_resized_crop/flip/normalize; JPEG pipeline skipped")
+    write_json(args.json, {"machine": info, "size": args.size, "batch_size": args.batch_size,
+                           "dali": dali, "results": rows_out})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
