@@ -72,13 +72,33 @@ class Normalize(Op):
 
             return FusedCropResizeNormalize([self])(batch)
         xp = batch.xp
-        rows = []
-        for img in images:
-            mean, inv_std = (xp.asarray(a) for a in self.channel_params(img.shape[2]))
-            v = (img.astype(xp.float32) - mean) * inv_std
-            rows.append(cast(xp, v.transpose(2, 0, 1) if self.layout == "CHW" else v, self.dtype))
-        batch.data[self.field] = stack_or_list(xp, rows)
+        same = all(img.shape == images[0].shape for img in images)
+        rows = [self._one(xp, img) for img in images] if not same else None
+        if same:
+            h, w, c = images[0].shape
+            shape = (c, h, w) if self.layout == "CHW" else (h, w, c)
+            out = xp.empty((len(images), *shape), dtype=self.dtype)
+            for row, img in enumerate(images):
+                self._one(xp, img, out[row])
+        batch.data[self.field] = out if same else rows
         return batch
+
+    def _one(self, xp: Any, img: Any, out: Any = None) -> Any:
+        """One HWC image normalized into ``out`` (allocated when None): two passes
+        over float32, written in the output layout."""
+        mean, inv_std = (xp.asarray(a) for a in self.channel_params(img.shape[2]))
+        src = img
+        if self.layout == "CHW":
+            src, mean, inv_std = img.transpose(2, 0, 1), mean[:, None, None], inv_std[:, None, None]
+        direct = self.dtype == "float32"
+        if out is None:
+            out = xp.empty(src.shape, dtype=self.dtype)
+        tmp = out if direct else xp.empty(src.shape, dtype=xp.float32)
+        xp.subtract(src, mean, out=tmp, dtype=xp.float32)
+        xp.multiply(tmp, inv_std, out=tmp)
+        if not direct:
+            out[...] = cast(xp, tmp, self.dtype)
+        return out
 
 
 def _gray(xp: Any, v: Any) -> Any:

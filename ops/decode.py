@@ -174,11 +174,14 @@ class DecodeImage(Op):
         for row, buf in enumerate(bufs):
             if images[row] is None:
                 try:
-                    img = decode_cpu(buf, self.color, int(batch.index[row]))
+                    images[row] = decode_cpu(buf, self.color, int(batch.index[row]))
                 except FormatError as exc:
                     batch.reject(row, exc)
-                    continue
-                images[row] = batch.xp.asarray(img) if batch.device.is_cuda else img
+        if batch.device.is_cuda:  # upload what the CPU decoded, on the batch's stream
+            cp = require("cupy")
+            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+            with cp.cuda.Device(batch.device.index), stream:
+                images = [cp.asarray(img) if isinstance(img, np.ndarray) else img for img in images]
         batch.data[self.out] = images
         batch.drop_rejected()
         return batch
