@@ -117,7 +117,7 @@ def gpuio_epoch(loader: gpuio.Loader) -> tuple[int, int]:
     for b in loader:
         rows += len(b["index"])
         data = b["image"] if "image" in b else b["data"]
-        nbytes += sum(d.numel() * d.element_size() for d in data) if isinstance(data, list) else data.nbytes
+        nbytes += sum(d.nbytes for d in data) if isinstance(data, list) else data.nbytes
     return rows, nbytes
 
 

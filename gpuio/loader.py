@@ -7,7 +7,8 @@
             images, labels = batch["image"], batch["label"]
 
 Stages (``gpuio._executor``): ``read`` (the batch's extents with ``gpuio.storage.read_fields``),
-``parse`` (when the index has a parser), one stage per op, ``collate``; they run
+``parse`` (when the index has a parser), one stage per op, ``collate`` (its own stage on a
+GPU, part of the last stage on the CPU); they run
 concurrently on threads, several batches in flight, and batch ``k`` is always yielded
 ``k``-th. Sample order and sharding follow ``gpuio._order`` (see ``Loader``).
 """
@@ -72,7 +73,7 @@ class Loader:
         rank, world_size: this process's shard (see below).
         last_batch: ``"partial"``, ``"drop"`` or ``"pad"`` (see below).
         prefetch: batches that may wait, finished, for the consumer; at most
-            ``prefetch + threads`` batches (``prefetch + 2`` on a GPU) are in flight.
+            ``prefetch + threads`` batches (``prefetch + 1`` on a GPU) are in flight.
         threads: worker threads per CPU stage (default: ``os.cpu_count()``).
         on_error: ``"raise"`` (the first bad sample stops the pass with a
             ``PipelineError``) or ``"skip"`` (bad samples are dropped from their batch,
@@ -278,12 +279,17 @@ class Loader:
     # ---- stages ------------------------------------------------------------------------
     def _stages(self, epoch: int, readers: dict[str, Reader]) -> list[Stage]:
         cpu_workers = self.threads
-        stages = [Stage("read", lambda w: self._read(w, readers, epoch), workers=2)]
+        # one read worker: a batch's reads already run on io_threads (gpuio.config)
+        stages = [Stage("read", lambda w: self._read(w, readers, epoch), workers=1)]
         if self._parsed:
             stages.append(Stage("parse", lambda w: self._parse(w, epoch), workers=cpu_workers))
         for op, name in zip(self.ops, self._op_names):
             stages.append(Stage(name, self._op_stage(op, name), workers=cpu_workers, gpu=self.device.is_cuda))
-        stages.append(Stage("collate", self._collate, workers=1, gpu=self.device.is_cuda))
+        if self.device.is_cuda:  # its own stream: the hand-off waits on its event
+            stages.append(Stage("collate", self._collate, workers=1, gpu=True))
+        else:  # on the CPU, collating in the last stage's worker saves a queue hop
+            last = stages[-1]
+            stages[-1] = Stage(last.name, lambda w, fn=last.fn: self._collate(fn(w)), last.workers)
         return stages
 
     def _read_rows(self, src: np.ndarray, readers: dict[str, Reader]) -> dict[str, Any]:

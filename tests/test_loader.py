@@ -176,7 +176,7 @@ def test_stats(tree):
     assert s["samples"] == rows == N
     assert s["bytes"] == tree.nbytes()
     assert s["samples_per_s"] > 0 and s["bytes_per_s"] > 0
-    assert set(s["stages"]) == {"read", "Slow", "collate"}
+    assert set(s["stages"]) == {"read", "Slow"}  # on the CPU, collate runs in the last stage
     assert s["stages"]["Slow"]["batches"] == len(ld)
     assert s["stages"]["Slow"]["ms_per_batch"] >= 45
     assert s["skipped"] == 0 and s["errors"] == []
