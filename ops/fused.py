@@ -75,7 +75,7 @@ class FusedCropResizeNormalize(Op):
             if isinstance(op, _Crop):
                 crop, good = op.boxes(batch, size)
                 ok &= good
-                sy, sx = box[:, 2] / size[:, 0], box[:, 3] / size[:, 1]
+                sy, sx = box[:, 2] / np.maximum(size[:, 0], 1), box[:, 3] / np.maximum(size[:, 1], 1)
                 box = np.stack([box[:, 0] + crop[:, 0] * sy, box[:, 1] + crop[:, 1] * sx,
                                 crop[:, 2] * sy, crop[:, 3] * sx], axis=1)
                 if not resampled:  # a crop of source pixels: the filter stays inside it
@@ -85,7 +85,9 @@ class FusedCropResizeNormalize(Op):
             if isinstance(op, RandomResizedCrop):
                 size[:] = op.size
             elif isinstance(op, Resize):
-                size = np.array([op.out_size(h, w) for h, w in size.tolist()], dtype=np.int64).reshape(n, 2)
+                size = np.array([op.out_size(h, w) if h > 0 and w > 0 else (0, 0) for h, w in size.tolist()],
+                                dtype=np.int64).reshape(n, 2)
+            size[~ok] = 0  # rejected rows: later ops skip them
             resampled = resampled or _resamples(op)
         flip = self.flip.flips(batch) if self.flip is not None else np.zeros(n, dtype=np.int64)
         return {"box": box, "clip": clip, "out_hw": size, "flip": flip, "ok": ok}

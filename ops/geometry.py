@@ -197,6 +197,9 @@ class _Crop(Op):
         out = np.zeros((len(hw), 4), dtype=np.int64)
         ok = np.ones(len(hw), dtype=bool)
         for row, (h, w) in enumerate(np.asarray(hw).tolist()):
+            if h <= 0 or w <= 0:  # rejected by an earlier crop of the same chain
+                ok[row] = False
+                continue
             try:
                 out[row] = self.box(batch, row, h, w)
             except DataError as exc:

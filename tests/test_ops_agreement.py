@@ -8,6 +8,7 @@ decoders' documented differences (IDCT and chroma upsampling: a few levels at ed
 """
 
 import glob
+import io
 
 import numpy as np
 import pytest
@@ -111,7 +112,6 @@ def test_decode_agreement(encoded, decoded, device):
     CPU decoder on the GPU (nvJPEG: IDCT and chroma-upsampling differences)."""
     if device == "cpu":
         from PIL import Image, ImageOps
-        import io
 
         others = [np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(b.tobytes()))).convert("RGB"))
                   for b in encoded]
@@ -129,9 +129,9 @@ def test_decode_agreement(encoded, decoded, device):
 def test_gpu_decode_bad_bytes_and_fallback(encoded):
     import cupy
 
-    png = __import__("io").BytesIO()
     from PIL import Image
 
+    png = io.BytesIO()
     Image.fromarray(np.zeros((8, 9, 3), np.uint8)).save(png, "PNG")
     bufs = [encoded[0], encoded[0][: len(encoded[0]) // 3], np.frombuffer(png.getvalue(), np.uint8)]
     with pytest.raises(FormatError, match="sample 1"):

@@ -97,8 +97,11 @@ def test_fused_op_on_cpu_runs_the_chain(decoded):
 
 
 def test_fused_plan_rejects_small_images(decoded):
-    chain = [ops.center_crop(1000), ops.normalize()]
+    chain = [ops.center_crop(1000), ops.resize(shorter=10), ops.center_crop(5), ops.normalize()]
     batch = fresh(decoded[:2])
     batch.on_error = "skip"
-    plan = FusedCropResizeNormalize(chain).plan(batch, _sizes(decoded[:2]))
-    assert not plan["ok"].any() and [i for i, _ in batch.errors] == [100, 101]
+    hw = _sizes(decoded[:2])
+    hw[1] = (1200, 1300)
+    plan = FusedCropResizeNormalize(chain).plan(batch, hw)
+    assert plan["ok"].tolist() == [False, True] and [i for i, _ in batch.errors] == [100]
+    assert plan["out_hw"][1].tolist() == [5, 5]
