@@ -3,8 +3,8 @@
 CPU: simplejpeg (libjpeg-turbo, releases the GIL) for JPEGs with 1 or 3 components,
 Pillow for everything else (CMYK JPEGs, PNG, and what Pillow reads). GPU: nvImageCodec
 decodes a whole batch per call (on the hardware JPEG decoder where the GPU has one);
-images it does not take (not a baseline 1/3-component JPEG: progressive, CMYK, PNG ...)
-or fails on go through the CPU path and are uploaded, without failing the batch.
+images it does not take (not a complete baseline 1/3-component JPEG: progressive, CMYK,
+truncated, PNG ...) or fails on go through the CPU path and are uploaded, without failing the batch.
 
 Output: HWC uint8 per sample; ``color="rgb"`` gives 3 channels (grayscale and CMYK
 JPEGs too), ``"gray"`` 1 channel, ``"unchanged"`` the file's own channels (1, 2, 3
@@ -193,8 +193,12 @@ class DecodeImage(Op):
         cp = require("cupy")
         rows = []
         for row, buf in enumerate(bufs):
-            info = jpeg_info(buf)
-            if info is not None and info.components in (1, 3) and not info.progressive:
+            data = _bytes(buf)
+            info = jpeg_info(data)
+            # a JPEG cut short (no end-of-image marker) goes to the CPU path, which
+            # rejects it, rather than to a decoder that may fill in the missing part
+            if info is not None and info.components in (1, 3) and not info.progressive \
+                    and data[-2] == 0xFF and data[-1] == 0xD9:
                 rows.append(row)
         if not rows:
             return
