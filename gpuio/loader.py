@@ -82,8 +82,9 @@ class Loader:
     Output: a dict per batch. A field whose rows are arrays of one shape and dtype is
     stacked into one array with a leading batch axis, on ``device``, and with
     ``output="torch"`` handed over as a tensor by DLPack (no copy). Raw bytes of an
-    extent field (1-D uint8 rows, as read) and ragged fields stay lists, one value per
-    row, as the stages made them (NumPy/CuPy arrays, ``str``): no tensor per sample. ``batch["index"]`` (int64, on ``device``) is each row's dataset position, -1 for
+    extent field (1-D uint8 rows, as read) and the index's ``Ragged`` fields (boxes,
+    keys) stay lists, one value per row, whatever the rows of one batch happen to be,
+    as the stages made them (NumPy/CuPy arrays, ``str``): no tensor per sample. ``batch["index"]`` (int64, on ``device``) is each row's dataset position, -1 for
     a padding row.
 
     Order and sharding, with ``N = len(index)``, ``B = batch_size``, ``W = world_size``
@@ -397,10 +398,16 @@ class Loader:
         if not isinstance(col, list) or not col:
             return col
         first = col[0]
+        if isinstance(first, np.generic):  # parsed scalars (labels): one array
+            if all(type(a) is type(first) for a in col):
+                col = np.asarray(col, dtype=first.dtype)
+                return xp.asarray(col) if cuda else col
+            return col
         if not _is_array(first):
             return col
-        if name in self.index.extents and first.ndim == 1 and first.dtype == np.uint8:
-            return col  # raw bytes as read: a list, whatever their lengths
+        if isinstance(self.index.values.get(name), Ragged) or (
+                name in self.index.extents and first.ndim == 1 and first.dtype == np.uint8):
+            return col  # ragged by nature (boxes, raw bytes): a list, even when a batch's rows agree
         shape, dtype = first.shape, first.dtype
         if any(not _is_array(a) or a.shape != shape or a.dtype != dtype for a in col):
             return col
