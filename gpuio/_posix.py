@@ -47,8 +47,9 @@ class PosixBackend:
 
     name = "posix"
 
-    def __init__(self, threads: int = 16, o_direct: bool = False) -> None:
+    def __init__(self, threads: int = 16, o_direct: bool = False, thread_name: str = "gpuio-read") -> None:
         self.threads = max(1, threads)
+        self.thread_name = thread_name
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self._flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         self._no_direct: set[str] = set()  # files whose filesystem refused O_DIRECT
@@ -185,7 +186,7 @@ class PosixBackend:
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gpuio-read")
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.thread_name)
             return self._pool
 
     def close(self) -> None:

@@ -224,9 +224,9 @@ class Loader:
         order = epoch_order(len(self.index), self.shuffle, self.seed, epoch)
         if not self._readers:  # kept across completed passes, closed by close() and early exits
             if self._host_fields:
-                self._readers["host"] = Reader("cpu")
+                self._readers["host"] = Reader("cpu", thread_name="gpuio-loader-read")
             if self._dev_fields:
-                self._readers["device"] = Reader(self.device)
+                self._readers["device"] = Reader(self.device, thread_name="gpuio-loader-read")
         readers = self._readers
         source = (_Work(k, *self.plan.rows(order, k)) for k in range(start, len(self.plan)))
         stages = self._stages(epoch, readers)

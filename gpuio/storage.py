@@ -40,7 +40,8 @@ class Reader:
     """
 
     def __init__(self, device: str | Device = "cpu", *, backend: str | None = None,
-                 threads: int | None = None, pool: BufferPool | None = None) -> None:
+                 threads: int | None = None, pool: BufferPool | None = None,
+                 thread_name: str = "gpuio-read") -> None:
         self.device = parse_device(device)
         check_cuda(self.device)
         backend = config.get("backend") if backend is None else backend
@@ -59,7 +60,7 @@ class Reader:
         elif backend == "posix":
             from gpuio._posix import PosixBackend
 
-            self.backend = PosixBackend(threads, config.get("o_direct"))
+            self.backend = PosixBackend(threads, config.get("o_direct"), thread_name)
         else:
             raise ConfigError(f"backend {backend!r}; choose auto, posix or kvikio")
         pinned = config.get("pinned")

@@ -37,7 +37,7 @@ def with_keys(index: SampleIndex) -> SampleIndex:
 
 def loader_threads():
     gc.collect()  # loaders left in reference cycles (a traceback holding a frame) end their threads here
-    return {t for t in threading.enumerate() if t.name.startswith(("gpuio-loader", "gpuio-read"))}
+    return {t for t in threading.enumerate() if t.name.startswith("gpuio-loader")}
 
 
 @pytest.fixture
