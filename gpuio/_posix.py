@@ -26,6 +26,9 @@ from gpuio.index import PathTable
 from gpuio.plan import ReadPlan
 
 
+_PARALLEL_COPY = 64 << 10  # mean read size from which cached copies run on several cores
+
+
 def open_error(path: str, exc: OSError) -> StorageError:
     """A gpuio error for a failed open, naming the file and the reason."""
     reason = {
@@ -87,11 +90,12 @@ class PosixBackend:
         if n == 0:
             return
         view = memoryview(lease.array)
-        files = paths.many(plan.task_file)
+        unique, inverse, counts = np.unique(plan.task_file, return_inverse=True, return_counts=True)
+        names = paths.many(unique)
+        files = [names[i] for i in inverse.tolist()]
+        owns = (counts[inverse] == 1).tolist()  # the task's file has no other task: open it alone
         offsets, lengths = plan.task_offset.tolist(), plan.task_length.tolist()
         dests, needs = plan.task_dest.tolist(), plan.task_need.tolist()
-        _, inverse, counts = np.unique(plan.task_file, return_inverse=True, return_counts=True)
-        owns = (counts[inverse] == 1).tolist()  # the task's file has no other task: open it alone
         shared: dict[str, int] = {}  # path -> fd, for files with several tasks
         tasks = itertools.count()
         errors: list[BaseException] = []
@@ -144,7 +148,12 @@ class PosixBackend:
             except BaseException as exc:  # handed to the caller below
                 errors.append(exc)
 
-        lanes = min(n, self.threads, os.cpu_count() or 1) if nowait else min(n, self.threads)
+        if not nowait:
+            lanes = min(n, self.threads)
+        elif plan.nbytes < _PARALLEL_COPY * n:
+            lanes = 1  # copies this short gain less from a second core than the GIL hand-offs cost
+        else:
+            lanes = min(n, self.threads, os.cpu_count() or 1)
         try:
             helpers = [self._executor().submit(fast_lane) for _ in range(lanes - 1)]
             fast_lane()

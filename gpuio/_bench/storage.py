@@ -80,6 +80,12 @@ def _batches(n: int, batch: int, order: np.ndarray) -> list[np.ndarray]:
     return [order[i: i + batch] for i in range(0, n, batch)]
 
 
+def _each(reader: gpuio.Reader, index: SampleIndex, batches: list[np.ndarray]) -> None:
+    """Read batch after batch, each dropped before the next as a training loop does."""
+    for b in batches:
+        reader.read(index, b)
+
+
 def _naive_files(paths: list[str]) -> None:
     for p in paths:
         with open(p, "rb") as f:
@@ -147,7 +153,7 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
     rows: list[dict[str, Any]] = []
     with gpuio.Reader("cpu") as reader:
         methods = {
-            "gpuio": lambda: [reader.read(index, b) for b in batches],
+            "gpuio": lambda: _each(reader, index, batches),
             "naive loop": (lambda: _naive_records(paths[0], offsets, lengths)) if packed
             else (lambda: _naive_files(paths)),
             "np.fromfile": (lambda: _fromfile_records(paths[0], offsets, lengths)) if packed
@@ -161,8 +167,10 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
             before = (lambda: drop_cache(all_files)) if cache == "cold" else None
             if cache == "warm":
                 _naive_files(all_files)
-            times = {m: best_time(fn, repeat if cache == "warm" else max(1, repeat - 1), before)
-                     for m, fn in methods.items()}
+            times = dict.fromkeys(methods, float("inf"))
+            for _ in range(repeat):  # rounds over all methods, so that drift hits them alike
+                for m, fn in methods.items():
+                    times[m] = min(times[m], best_time(fn, 1, before))
             for method, t in times.items():
                 rows.append({
                     "dataset": name, "cache": cache, "method": method, "seconds": t,
@@ -232,8 +240,7 @@ def _gpu_methods(index: SampleIndex, batches: list[np.ndarray], paths: list[str]
     reader = gpuio.Reader("cuda")
 
     def gpuio_cuda() -> None:
-        for b in batches:
-            reader.read(index, b)
+        _each(reader, index, batches)
         cupy.cuda.runtime.deviceSynchronize()
 
     return {"gpuio -> GPU": gpuio_cuda, "kvikio per file -> GPU": kvikio_per_file,
