@@ -1,9 +1,15 @@
-"""The ``posix`` backend: parallel ``os.preadv`` into one host batch buffer.
+"""The ``posix`` backend: parallel reads into one host batch buffer.
 
 Small files are latency-bound, so what matters is how many reads are in flight, not
-how many cores there are: ``io_threads`` (16 by default) readers each take the next
-task from a shared counter and issue ``preadv``, which releases the GIL. Large reads
-are split into ``task_size`` pieces so that page-cache copies run on several cores.
+how many cores there are: ``io_threads`` (16 by default) reader threads each take the
+next task from a shared counter. Large reads are split into ``task_size`` pieces so
+that page-cache copies run on several cores.
+
+Where the C accelerator (``_native.c``) was built, each reader thread runs the task
+loop in C with the GIL released for the whole batch. Otherwise the loop runs in
+Python around ``os.preadv``, which releases the GIL per call: then a few "fast lane"
+threads try each read with ``RWF_NOWAIT`` and only reads that would wait for the disk
+go to the other threads (see ``_read_python``).
 
 A file read by one task (the small-file case) is opened, read and closed by that
 task; a file read by several tasks of the batch (records packed in one file, a large
@@ -21,12 +27,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from gpuio.buffers import Lease
-from gpuio.errors import StorageError
+from gpuio.errors import ConfigError, StorageError
+
+try:
+    from gpuio import _native
+except ImportError:  # built at install where a C compiler exists; Python reads otherwise
+    _native = None
 from gpuio.index import PathTable
 from gpuio.plan import ReadPlan
 
 
 _PARALLEL_COPY = 64 << 10  # mean read size from which cached copies run on several cores
+
+
+def native_available() -> bool:
+    """Whether the C accelerator was built at install."""
+    return _native is not None
 
 
 def open_error(path: str, exc: OSError) -> StorageError:
@@ -50,12 +66,16 @@ class PosixBackend:
 
     name = "posix"
 
-    def __init__(self, threads: int = 16, o_direct: bool = False, thread_name: str = "gpuio-read") -> None:
+    def __init__(self, threads: int = 16, o_direct: bool = False, thread_name: str = "gpuio-read",
+                 native: bool | None = None) -> None:
         self.threads = max(1, threads)
+        self.native = _native is not None if native is None else native
+        if self.native and _native is None:
+            raise ConfigError("the C accelerator gpuio._native was not built (no C compiler at install?)")
         self.thread_name = thread_name
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self._flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-        self._no_direct: set[str] = set()  # files whose filesystem refused O_DIRECT
+        self._no_direct: set[str | bytes] = set()  # files whose filesystem refused O_DIRECT
         self._nowait = hasattr(os, "RWF_NOWAIT")  # cleared if the kernel refuses it
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -78,7 +98,61 @@ class PosixBackend:
             raise open_error(path, exc) from exc
 
     def read(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
-        """Fill the host buffer ``lease`` as the plan says; raise StorageError on any failure.
+        """Fill the host buffer ``lease`` as the plan says; raise StorageError on any failure."""
+        if len(plan) == 0:
+            return
+        if self.native:
+            self._read_native(plan, paths, lease)
+        else:
+            self._read_python(plan, paths, lease)
+
+    def _read_native(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
+        """Every reader thread runs the C task loop with the GIL released (``_native.c``):
+        first one thread per core copies what the page cache holds, then ``io_threads``
+        threads read the rest from the disk."""
+        n = len(plan)
+        unique, inverse, counts = np.unique(plan.task_file, return_inverse=True, return_counts=True)
+        names = tuple(paths.many_bytes(unique))
+        fds = np.full(len(unique), -1, dtype=np.int32)
+        stop = np.zeros(1, dtype=np.int32)
+        pending, npending, done = np.empty(n, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        direct = self.o_direct and not (self._no_direct & set(names))
+        common = (names, inverse.astype(np.int32), plan.task_offset, plan.task_length, plan.task_dest,
+                  plan.task_need, (counts > 1).astype(np.int8), fds)
+        tail = (pending, npending, done, lease.array.ctypes.data, self._flags | (os.O_DIRECT if direct else 0))
+        try:
+            todo = np.arange(n, dtype=np.int64)
+            results = self._run_phase(common, stop, todo, tail, nowait=True,
+                                      workers=min(n, self.threads, os.cpu_count() or 1))
+            if npending[0] and not any(r[0] for r in results):
+                todo = pending[: npending[0]].copy()
+                results = self._run_phase(common, stop, todo, tail, nowait=False, workers=min(len(todo), self.threads))
+        finally:
+            for fd in fds[fds >= 0].tolist():
+                os.close(fd)
+        failed = [r for r in results if r[0]]
+        if not failed:
+            return
+        status, task, err, got = min(failed, key=lambda r: r[1])
+        path = os.fsdecode(names[inverse[task]])
+        offset, need = int(plan.task_offset[task]), int(plan.task_need[task])
+        if status == 1 and direct and err == errno.EINVAL:  # this filesystem has no O_DIRECT
+            self._no_direct.update(names)
+            return self._read_native(plan, paths, lease)
+        if status == 1:
+            raise open_error(path, OSError(err, os.strerror(err)))
+        if status == 2:
+            raise StorageError(f"read failed: {os.strerror(err)}", path=path, offset=offset + got)
+        raise truncated_error(path, offset, need, got)
+
+    def _run_phase(self, common: tuple, stop: np.ndarray, todo: np.ndarray, tail: tuple, *, nowait: bool,
+                   workers: int) -> list[tuple[int, int, int, int]]:
+        args = (*common, np.zeros(1, dtype=np.int64), stop, todo, *tail, int(nowait))
+        futures = [self._executor().submit(_native.run, *args) for _ in range(workers - 1)]
+        return [_native.run(*args)] + [f.result() for f in futures]
+
+    def _read_python(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
+        """The same in Python, where the C accelerator was not built.
 
         A few "fast lane" threads (one per core) try each read with ``RWF_NOWAIT``,
         which copies what the page cache holds and never blocks; a read that would
@@ -87,8 +161,6 @@ class PosixBackend:
         sixteen threads to fight over the GIL.
         """
         n = len(plan)
-        if n == 0:
-            return
         view = memoryview(lease.array)
         unique, inverse, counts = np.unique(plan.task_file, return_inverse=True, return_counts=True)
         names = paths.many(unique)

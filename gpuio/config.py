@@ -38,6 +38,7 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "o_direct": (False, "bypass the page cache (O_DIRECT), where the filesystem allows"),
     "buffer_budget": (4 * GiB, "bytes of batch buffers one pool may hold, host and device together"),
     "backend": ("auto", "storage backend: auto, posix or kvikio"),
+    "native": (True, "posix reads in C with the GIL released, where the accelerator was built"),
     "pinned": ("auto", "pin host batch buffers: auto (when a GPU is present), true, false"),
     "max_open_files": (256, "kvikio CuFile handles kept open across batches"),
     "kvikio_compat": ("auto", "kvikio compat mode: auto, on (POSIX bounce) or off (GDS)"),

@@ -60,7 +60,10 @@ class Reader:
         elif backend == "posix":
             from gpuio._posix import PosixBackend
 
-            self.backend = PosixBackend(threads, config.get("o_direct"), thread_name)
+            from gpuio._posix import native_available
+
+            self.backend = PosixBackend(threads, config.get("o_direct"), thread_name,
+                                        native=config.get("native") and native_available())
         else:
             raise ConfigError(f"backend {backend!r}; choose auto, posix or kvikio")
         pinned = config.get("pinned")
@@ -170,7 +173,7 @@ _readers_lock = threading.Lock()
 def _default_reader(device: str | Device) -> Reader:
     device = parse_device(device)
     key = (device, config.get("backend"), config.get("io_threads"), config.get("o_direct"),
-           config.get("merge_gap"), config.get("task_size"))
+           config.get("merge_gap"), config.get("task_size"), config.get("native"))
     with _readers_lock:
         if key not in _readers:
             _readers[key] = Reader(device)

@@ -13,11 +13,21 @@ import gpuio
 from gpuio.buffers import BufferPool
 from gpuio.errors import BufferBudgetError, ConfigError, OutOfRangeError, StorageError
 from gpuio.index import Extents, SampleIndex
+from gpuio._posix import native_available
 from gpuio.storage import Reader
 
 from conftest import to_host
 
 SIZES = [0, 1, 511, 4095, 4096, 4097, 100_000, 3 << 20]
+
+
+@pytest.fixture(params=["native", "python"], autouse=True)
+def read_loop(request):
+    """Every test here runs with the C read loop and with the pure-Python one."""
+    if request.param == "native" and not native_available():
+        pytest.fail("the C accelerator gpuio._native was not built: is a C compiler installed?")
+    with gpuio.config.override(native=request.param == "native"):
+        yield request.param
 
 
 def write_files(root, sizes, seed=0):
