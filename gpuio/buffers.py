@@ -25,7 +25,7 @@ from gpuio import config
 from gpuio.device import Device, parse_device, require
 from gpuio.errors import BufferBudgetError
 
-__all__ = ["BufferPool", "Lease", "default_pool"]
+__all__ = ["BufferPool", "Lease", "default_pool", "pooled_empty"]
 
 
 def _round_capacity(nbytes: int) -> int:
@@ -176,3 +176,12 @@ def default_pool() -> BufferPool:
         if _default is None:
             _default = BufferPool()
         return _default
+
+
+def pooled_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialized host array from the default pool: big batch outputs reuse
+    memory that is already mapped (huge pages), instead of page-faulting in fresh
+    memory every batch. It returns to the pool when no view of it remains."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return default_pool().acquire(nbytes).array.view(dtype).reshape(shape)

@@ -65,7 +65,9 @@ class Loader:
         fields: fields to load (default: all of ``index.fields``). ``"index"`` is reserved.
         ops: ops applied in order (``gpuio.batch.Op``); an op's ``host_inputs`` names
             extent fields that must be read into host (pinned) memory; other extent
-            fields land on ``device`` (kvikio on a GPU).
+            fields land on ``device`` (kvikio on a GPU). Each decoder (an op with
+            ``host_inputs``) is a pipeline stage; each run of ops between decoders is
+            one ``ops.Compose`` stage (fused into one kernel on a GPU).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         output: ``"torch"`` (tensors by DLPack, no copy) or ``"numpy"`` (NumPy/CuPy arrays).
         shuffle, seed: a global permutation of ``len(index)`` per epoch,
@@ -149,10 +151,10 @@ class Loader:
         if "index" in self.fields:
             raise ConfigError("field name 'index' is reserved for the dataset positions of a batch's rows; "
                               "pass fields= without it")
-        self.ops = tuple(ops)
-        for op in self.ops:
+        for op in ops:
             if not callable(op):
                 raise ConfigError(f"ops must be callables batch -> batch, got {op!r}")
+        self.ops = _group_ops(ops)
         parser = index.parser
         self._parsed = tuple(f for f in self.fields
                              if parser is not None and f in parser.fields and f not in index.extents)
@@ -165,7 +167,7 @@ class Loader:
         on_device = self.device.is_cuda
         self._dev_fields = tuple(f for f in read if on_device and f in index.extents and f not in host)
         self._host_fields = tuple(f for f in read if f not in self._dev_fields)
-        names = [getattr(op, "name", None) or type(op).__name__ for op in self.ops]
+        names = [getattr(op, "name", None) or _op_name(op) for op in self.ops]
         self._op_names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
         self._epoch = 0
         self._pos = 0  # batches of the current epoch handed to the consumer
@@ -536,3 +538,34 @@ def _to_torch(v: Any, torch: Any) -> Any:
     if _is_array(v) and v.dtype.kind in "biufc":
         return torch.from_dlpack(v)
     return v  # lists stay lists of what the stages made: no tensor per sample
+
+
+def _op_name(op: Any) -> str:
+    inner = getattr(op, "ops", None)
+    return "+".join(type(o).__name__ for o in inner) if inner else type(op).__name__
+
+
+def _group_ops(ops: Sequence[Any]) -> tuple[Any, ...]:
+    """Pipeline stages from the ops: an op that reads host memory (a decoder) is a stage
+    of its own, so that decoding batch N+1 overlaps augmenting batch N; each run of
+    other ops becomes one ``ops.Compose`` stage, which on a GPU fuses crop, resize,
+    flip and normalize into one kernel."""
+    stages: list[Any] = []
+    run: list[Any] = []
+    for op in ops:
+        if getattr(op, "host_inputs", ()):
+            stages.extend(_compose(run))
+            run = []
+            stages.append(op)
+        else:
+            run.append(op)
+    stages.extend(_compose(run))
+    return tuple(stages)
+
+
+def _compose(run: list[Any]) -> list[Any]:
+    if len(run) <= 1:
+        return run
+    from gpuio.ops import Compose
+
+    return [Compose(run)]

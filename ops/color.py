@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuio.buffers import pooled_empty
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError
 
@@ -77,7 +78,8 @@ class Normalize(Op):
         if same:
             h, w, c = images[0].shape
             shape = (c, h, w) if self.layout == "CHW" else (h, w, c)
-            out = xp.empty((len(images), *shape), dtype=self.dtype)
+            out = (xp.empty((len(images), *shape), dtype=self.dtype) if xp is not np
+                   else pooled_empty((len(images), *shape), self.dtype))
             for row, img in enumerate(images):
                 self._one(xp, img, out[row])
         batch.data[self.field] = out if same else rows
