@@ -53,6 +53,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     rows = storage.measure(os.path.basename(os.path.normpath(path)), index, ceiling, batch=args.batch,
                            repeat=args.repeat, caches=_caches(args))
     storage.report("gpuio read benchmark", rows, args.out, {"dataset": path})
+    if not args.no_images:
+        from gpuio._bench import images
+
+        print()
+        images.main(["--root", path, "--batch", str(args.batch), "--epochs", "2"]
+                    + (["--out", args.out.replace(".json", "-images.json")] if args.out else []))
 
 
 def _caches(args: argparse.Namespace) -> tuple[str, ...]:
@@ -99,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch", type=int, default=256)
     bench.add_argument("--repeat", type=int, default=3)
     bench.add_argument("--warm-only", action="store_true", help="skip the cold page cache runs")
+    bench.add_argument("--no-images", action="store_true",
+                       help="skip the image pipeline (decode, random resized crop, flip, normalize)")
     bench.add_argument("--out", help="write the results as JSON here")
     bench.set_defaults(func=cmd_bench)
 
