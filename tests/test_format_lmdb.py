@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpuio
+from checkers import assert_gpu_read_matches_cpu
 from gpuio.errors import DataError, FormatError, GpuioError
 from gpuio.formats import lmdb
 
@@ -173,13 +174,6 @@ def test_truncations_and_meta_flips_raise_only_gpuio_errors(tmp_path, valid_env_
 
 @pytest.mark.gpu
 def test_gpu_read_matches_cpu(tmp_path):
-    import cupy
-
     env = _write_env(tmp_path / "env", _items(SIZES))
     index = lmdb(env)
-    rows = np.arange(len(index))[::-1]
-    cpu = gpuio.read(index, rows, "data", device="cpu")
-    gpu = gpuio.read(index, rows, "data", device="cuda")
-    for c, g in zip(cpu, gpu):
-        assert isinstance(g, cupy.ndarray)
-        np.testing.assert_array_equal(cupy.asnumpy(g), c)
+    assert_gpu_read_matches_cpu(index, "data")

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpuio
+from checkers import assert_gpu_read_matches_cpu
 from gpuio.errors import ConfigError, FormatError, GpuioError
 from gpuio.formats import recordio
 from gpuio.formats.recordio import MAGIC, RecordIOParser
@@ -252,13 +253,6 @@ def test_random_payloads_raise_only_gpuio_errors(tmp_path, payload, cflag):
 
 @pytest.mark.gpu
 def test_gpu_read_matches_cpu(tmp_path):
-    import cupy
-
     _write_file(tmp_path / "a.rec", _samples(12), idx_path=tmp_path / "a.idx")
     index = recordio(tmp_path / "a.rec", tmp_path / "a.idx")
-    rows = np.arange(len(index))[::-1]
-    cpu = gpuio.read(index, rows, "record", device="cpu")
-    gpu = gpuio.read(index, rows, "record", device="cuda")
-    for c, g in zip(cpu, gpu):
-        assert isinstance(g, cupy.ndarray)
-        np.testing.assert_array_equal(cupy.asnumpy(g), c)
+    assert_gpu_read_matches_cpu(index, "record")

@@ -14,6 +14,7 @@ from tfrecord.reader import tfrecord_loader
 from tfrecord.tools.tfrecord2idx import create_index
 
 import gpuio
+from checkers import assert_gpu_read_matches_cpu
 from gpuio.errors import ConfigError, DataError, FormatError, GpuioError
 from gpuio.formats import tfrecord
 from gpuio.formats.tfrecord import ExampleParser, masked_crc32c
@@ -281,13 +282,6 @@ def test_random_index_files_raise_only_gpuio_errors(tmp_path, text, valid_bytes)
 
 @pytest.mark.gpu
 def test_gpu_read_matches_cpu(dataset):
-    import cupy
-
     path, idx = dataset
     index = tfrecord(path, idx)
-    rows = np.arange(len(index))[::-1]
-    cpu = gpuio.read(index, rows, "data", device="cpu")
-    gpu = gpuio.read(index, rows, "data", device="cuda")
-    for c, g in zip(cpu, gpu):
-        assert isinstance(g, cupy.ndarray)
-        np.testing.assert_array_equal(cupy.asnumpy(g), c)
+    assert_gpu_read_matches_cpu(index, "data")
