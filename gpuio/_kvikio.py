@@ -44,7 +44,22 @@ def compat_mode_active() -> bool:
     d = kvikio.defaults
     if hasattr(d, "is_compat_mode_preferred"):
         return bool(d.is_compat_mode_preferred())
-    return bool(d.compat_mode())
+    mode = d.get("compat_mode") if hasattr(d, "get") else d.compat_mode()
+    if isinstance(mode, bool):  # kvikio < 24.10
+        return mode
+    if mode == kvikio.CompatMode.AUTO:  # falls back without libcufile or /run/udev
+        return not (_cufile_loads() and os.access("/run/udev", os.R_OK))
+    return mode == kvikio.CompatMode.ON
+
+
+def _cufile_loads() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcufile.so.0")
+    except OSError:
+        return False
+    return True
 
 
 class KvikioBackend:
@@ -57,6 +72,7 @@ class KvikioBackend:
                  max_open: int = 256) -> None:
         self._kvikio = require("kvikio")
         _configure(self._kvikio, threads, task_size, compat)
+        self.compat = compat_mode_active()
         self._handles = HandleCache(self._open, lambda f: f.close(), max_open)
         # Pool storages registered with cuFile, kept until close() so that none is freed
         # while registered. The pool reuses storages, so this stays small.
@@ -73,8 +89,8 @@ class KvikioBackend:
 
     def _register(self, lease: Lease) -> None:
         storage = lease._storage
-        if id(storage) not in self._registered and not compat_mode_active():
-            self._kvikio.buffer_register(storage.array)
+        if id(storage) not in self._registered and not self.compat:
+            self._kvikio.memory_register(storage.array)
             self._registered[id(storage)] = storage
 
     def read(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
@@ -118,6 +134,6 @@ class KvikioBackend:
 
     def close(self) -> None:
         for storage in self._registered.values():
-            self._kvikio.buffer_deregister(storage.array)
+            self._kvikio.memory_deregister(storage.array)
         self._registered.clear()
         self._handles.close()
