@@ -66,7 +66,7 @@ def webdataset(tar_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[st
                           np.frombuffer(lengths[k], dtype=np.int64).copy()) for f, k in wanted.items()}
     key_offsets = np.zeros(len(key_lengths) + 1, dtype=np.int64)
     np.cumsum(np.frombuffer(key_lengths, dtype=np.int64), out=key_offsets[1:])
-    values = {"__key__": Ragged(np.frombuffer(bytes(keys), dtype=np.uint8).copy(), key_offsets, "str")}
+    values = {"__key__": Ragged(np.frombuffer(keys, dtype=np.uint8).copy(), key_offsets, "str")}
     return SampleIndex(PathTable.from_paths(paths), extents, values,
                        meta={"format": "webdataset", "fields": list(fields)})
 
@@ -219,7 +219,7 @@ def _members(fd: int, path: str, size: int) -> Iterator[tuple[int, int, int, str
     _check_sums(headers, header_at, path)
 
 
-_CHECK = 65536  # headers per bulk checksum check
+_CHECK = 8192  # headers per bulk checksum check (4 MiB of headers)
 _WINDOW = 64 << 10
 
 
@@ -227,7 +227,7 @@ def _check_sums(headers: bytearray, header_at: array, path: str) -> None:
     """Verify the checksums of a run of headers (concatenated in ``headers``)."""
     if not header_at:
         return
-    blocks = np.frombuffer(bytes(headers), dtype=np.uint8).reshape(-1, _BLOCK)
+    blocks = np.frombuffer(headers, dtype=np.uint8).reshape(-1, _BLOCK)
     computed = blocks.sum(axis=1, dtype=np.int64) - blocks[:, 148:156].sum(axis=1, dtype=np.int64) + 8 * 32
     stored = _octal_fields(blocks[:, 148:156])
     bad = np.flatnonzero(computed != stored)
