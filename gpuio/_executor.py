@@ -136,10 +136,6 @@ class Executor:
                 t.join(_JOIN_S)
         self._threads.clear()
 
-    @property
-    def closed(self) -> bool:
-        return self._stop.is_set()
-
     # ---- consumer ---------------------------------------------------------------------
     def _top_up(self) -> None:
         while not self._source_done and self._in_flight < self._window and self._failed_seq is None:

@@ -105,11 +105,6 @@ class BufferPool:
     def held_bytes(self) -> int:
         return self._held
 
-    @property
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(s.capacity for s in self._free)
-
     def acquire(self, nbytes: int, device: str | Device = "cpu", *, pinned: bool = False) -> Lease:
         """Lend a buffer of at least ``nbytes`` bytes on ``device``."""
         device = parse_device(device)

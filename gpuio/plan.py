@@ -42,11 +42,6 @@ class ReadPlan:
     def __len__(self) -> int:
         return len(self.task_file)
 
-    @property
-    def payload(self) -> int:
-        """Bytes the samples asked for (overlaps counted once per sample)."""
-        return int(self.sample_length.sum())
-
 
 def build_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, *, gap: int = 4096,
                align: int = 1, task_size: int = 4 << 20) -> ReadPlan:
