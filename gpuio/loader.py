@@ -335,7 +335,7 @@ class Loader:
         def parse(rows: np.ndarray) -> dict[str, list[Any]]:
             src = w.src[rows]
             records = [w.data[parser.source][r] for r in rows.tolist()]
-            paths = [self.index.files[i] for i in ext.file[src].tolist()]
+            paths = self.index.files.many(ext.file[src])
             return parser.parse(records, src, paths, ext.offset[src])
 
         rows = np.arange(len(w.src))

@@ -152,7 +152,7 @@ def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Se
         host = reader if not reader.device.is_cuda else _default_reader("cpu")
         records = host.read(index, rows, parser.source)
         ext = index.extents[parser.source]
-        paths = [index.files[i] for i in ext.file[rows].tolist()]
+        paths = index.files.many(ext.file[rows])
         values = parser.parse(records, rows, paths, ext.offset[rows])
         out.update({f: values[f] for f in parsed})
     for f in fields:
