@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -166,8 +167,12 @@ def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Se
     return {f: out[f] for f in fields}
 
 
-_readers: dict[tuple[Any, ...], Reader] = {}
+# The readers behind gpuio.read, one per device and settings, the most recent few kept.
+# A reader dropped here ends its threads once no caller uses it any more (the thread
+# pool's workers exit when the pool is garbage collected).
+_readers: OrderedDict[tuple[Any, ...], Reader] = OrderedDict()
 _readers_lock = threading.Lock()
+_READERS_KEPT = 4
 
 
 def _default_reader(device: str | Device) -> Reader:
@@ -175,9 +180,13 @@ def _default_reader(device: str | Device) -> Reader:
     key = (device, config.get("backend"), config.get("io_threads"), config.get("o_direct"),
            config.get("merge_gap"), config.get("task_size"), config.get("native"))
     with _readers_lock:
-        if key not in _readers:
-            _readers[key] = Reader(device)
-        return _readers[key]
+        reader = _readers.get(key)
+        if reader is None:
+            reader = _readers[key] = Reader(device)
+            while len(_readers) > _READERS_KEPT:
+                _readers.popitem(last=False)
+        _readers.move_to_end(key)
+        return reader
 
 
 def read(index: SampleIndex, indices: Sequence[int] | np.ndarray, field: str = "data",

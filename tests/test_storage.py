@@ -265,3 +265,26 @@ def test_gpu_backends_agree_with_cpu(tmp_path, backend, compat):
                 out = reader.read(index, rows)
                 assert all(isinstance(a, cupy.ndarray) for a in out)
                 assert [cupy.asnumpy(a).tobytes() for a in out] == [c.tobytes() for c in cpu]
+
+
+def test_gpuio_read_keeps_few_readers_alive(tmp_path):
+    """Each distinct setting makes a reader for gpuio.read; only the last four are kept,
+    and the threads of the others end."""
+    import gc
+    import threading
+
+    def reader_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("gpuio-read")]
+
+    paths, blobs = write_files(tmp_path, [200_000] * 16)
+    index = file_index(paths, [200_000] * 16)
+    peak = 0
+    for threads in range(2, 24):
+        with gpuio.config.override(io_threads=threads):
+            assert gpuio.read(index, range(16))[3].tobytes() == blobs[3]
+        peak = max(peak, len(reader_threads()))
+    gc.collect()
+    helpers = max(1, (os.cpu_count() or 1) - 1)  # cached copies: one lane per core
+    assert len(reader_threads()) <= 4 * helpers
+    if (os.cpu_count() or 1) > 1:
+        assert peak > 0, "the reads ran on reader threads"
