@@ -89,15 +89,18 @@ def image_ops() -> list[Any] | None:
 
 
 # ---- competitors -------------------------------------------------------------------------
-def timed_epochs(run_epoch, repeat: int) -> tuple[float, int, int]:
-    """Best epoch time of ``repeat`` timed epochs after one untimed one."""
-    run_epoch()
-    best, rows, nbytes = math.inf, 0, 0
+def timed_rounds(epochs: dict[str, Any], repeat: int) -> dict[str, tuple[float, int, int]]:
+    """Best epoch time of each competitor over ``repeat`` rounds (after one untimed
+    epoch each); a round runs every competitor once, so that machine drift hits all alike."""
+    for run_epoch in epochs.values():
+        run_epoch()
+    best = {name: (math.inf, 0, 0) for name in epochs}
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        rows, nbytes = run_epoch()
-        best = min(best, time.perf_counter() - t0)
-    return best, rows, nbytes
+        for name, run_epoch in epochs.items():
+            t0 = time.perf_counter()
+            rows, nbytes = run_epoch()
+            best[name] = min(best[name], (time.perf_counter() - t0, rows, nbytes))
+    return best
 
 
 def raw_read(reader: gpuio.Reader, index: gpuio.SampleIndex, batch: int, epoch: int = 0) -> tuple[int, int]:
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="quick")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=4)
     p.add_argument("--threads", type=int, default=None, help="loader threads (default: cores)")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="torch DataLoader workers")
     p.add_argument("--root", default=None, help="where datasets go (default: the gpuio cache dir)")
@@ -223,15 +226,17 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"dataset": kind, "pipeline": name, "samples_per_s": rows / secs,
                             "MB_per_s": nbytes / secs / 1e6, "seconds": secs, "rows": rows})
 
-        with gpuio.Reader("cpu") as reader:
-            add("raw read (Reader.read)", timed_epochs(lambda: raw_read(reader, index, args.batch_size), args.repeat))
         loader = gpuio.Loader(index, args.batch_size, fields=["data"], ops=ops if images else (),
                               shuffle=True, threads=args.threads)
-        add("gpuio.Loader" + (" + image ops" if images else ""), timed_epochs(lambda: gpuio_epoch(loader),
-                                                                               args.repeat))
         tl = torch_loader(index, args.batch_size, args.workers, images)
-        add(f"torch DataLoader ({args.workers} workers)" + (" + same ops" if images else ""),
-            timed_epochs(lambda: torch_epoch(tl), args.repeat))
+        with gpuio.Reader("cpu") as reader:
+            epochs = {"raw read (Reader.read)": lambda: raw_read(reader, index, args.batch_size),
+                      "gpuio.Loader" + (" + image ops" if images else ""): lambda: gpuio_epoch(loader),
+                      f"torch DataLoader ({args.workers} workers)" + (" + same ops" if images else ""):
+                          lambda: torch_epoch(tl)}
+            for name, measured in timed_rounds(epochs, args.repeat).items():
+                add(name, measured)
+        loader.close()
         del tl
         results.append({"dataset": kind, "pipeline": "DALI CPU pipeline", "note": dali})
         raw = results[0]["samples_per_s"]
