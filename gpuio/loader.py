@@ -65,9 +65,10 @@ class Loader:
         fields: fields to load (default: all of ``index.fields``). ``"index"`` is reserved.
         ops: ops applied in order (``gpuio.batch.Op``); an op's ``host_inputs`` names
             extent fields that must be read into host (pinned) memory; other extent
-            fields land on ``device`` (kvikio on a GPU). Each decoder (an op with
-            ``host_inputs``) is a pipeline stage; each run of ops between decoders is
-            one ``ops.Compose`` stage (fused into one kernel on a GPU).
+            fields land on ``device`` (kvikio on a GPU). On the CPU the ops run as one
+            stage; on a GPU each decoder (an op with ``host_inputs``) is a stage and
+            each run of ops between decoders one ``ops.Compose`` stage, fused into one
+            kernel.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         output: ``"torch"`` (tensors by DLPack, no copy) or ``"numpy"`` (NumPy/CuPy arrays).
         shuffle, seed: a global permutation of ``len(index)`` per epoch,
@@ -154,7 +155,7 @@ class Loader:
         for op in ops:
             if not callable(op):
                 raise ConfigError(f"ops must be callables batch -> batch, got {op!r}")
-        self.ops = _group_ops(ops)
+        self.ops = _group_ops(ops, self.device.is_cuda)
         parser = index.parser
         self._parsed = tuple(f for f in self.fields
                              if parser is not None and f in parser.fields and f not in index.extents)
@@ -545,11 +546,15 @@ def _op_name(op: Any) -> str:
     return "+".join(type(o).__name__ for o in inner) if inner else type(op).__name__
 
 
-def _group_ops(ops: Sequence[Any]) -> tuple[Any, ...]:
-    """Pipeline stages from the ops: an op that reads host memory (a decoder) is a stage
-    of its own, so that decoding batch N+1 overlaps augmenting batch N; each run of
-    other ops becomes one ``ops.Compose`` stage, which on a GPU fuses crop, resize,
-    flip and normalize into one kernel."""
+def _group_ops(ops: Sequence[Any], gpu: bool) -> tuple[Any, ...]:
+    """Pipeline stages from the ops. On the CPU all ops form one ``ops.Compose`` stage
+    (its ``threads`` workers each take a whole batch through the chain; more stages
+    would only add hand-offs). On a GPU an op that reads host memory (a decoder) is a
+    stage of its own, on its own stream, so that decoding batch N+1 overlaps augmenting
+    batch N, and each run of other ops becomes one ``Compose`` stage, which fuses crop,
+    resize, flip and normalize into one kernel."""
+    if not gpu:
+        return tuple(_compose(list(ops)))
     stages: list[Any] = []
     run: list[Any] = []
     for op in ops:
