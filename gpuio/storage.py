@@ -163,7 +163,7 @@ def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Se
             out[f] = reader.read(index, rows, f)
         else:
             col = index.values[f]
-            out[f] = [col[i] for i in rows.tolist()] if isinstance(col, Ragged) else col[rows]
+            out[f] = col.rows(rows) if isinstance(col, Ragged) else col[rows]
     return {f: out[f] for f in fields}
 
 

@@ -73,22 +73,27 @@ class Normalize(Op):
 
             return FusedCropResizeNormalize([self])(batch)
         xp = batch.xp
+        params: dict[int, tuple[Any, Any]] = {}  # channels -> (mean, 1/std), once per batch
+        for img in images:
+            c = img.shape[2]
+            if c not in params:
+                params[c] = tuple(xp.asarray(a) for a in self.channel_params(c))
         same = all(img.shape == images[0].shape for img in images)
-        rows = [self._one(xp, img) for img in images] if not same else None
+        rows = [self._one(xp, img, params[img.shape[2]]) for img in images] if not same else None
         if same:
             h, w, c = images[0].shape
             shape = (c, h, w) if self.layout == "CHW" else (h, w, c)
             out = (xp.empty((len(images), *shape), dtype=self.dtype) if xp is not np
                    else pooled_empty((len(images), *shape), self.dtype))
             for row, img in enumerate(images):
-                self._one(xp, img, out[row])
+                self._one(xp, img, params[c], out[row])
         batch.data[self.field] = out if same else rows
         return batch
 
-    def _one(self, xp: Any, img: Any, out: Any = None) -> Any:
-        """One HWC image normalized into ``out`` (allocated when None): two passes
-        over float32, written in the output layout."""
-        mean, inv_std = (xp.asarray(a) for a in self.channel_params(img.shape[2]))
+    def _one(self, xp: Any, img: Any, params: tuple[Any, Any], out: Any = None) -> Any:
+        """One HWC image normalized into ``out`` (allocated when None) with
+        ``params`` = (mean, 1/std): two passes over float32, in the output layout."""
+        mean, inv_std = params
         src = img
         if self.layout == "CHW":
             src, mean, inv_std = img.transpose(2, 0, 1), mean[:, None, None], inv_std[:, None, None]

@@ -227,3 +227,25 @@ def test_load_of_a_non_index_file(tmp_path):
         with pytest.raises(FormatError) as err:
             SampleIndex.load(tmp_path / name)
         assert err.value.path == str(tmp_path / name)
+
+
+@pytest.mark.parametrize("kind", ["array", "bytes", "str"])
+def test_ragged_rows_equal_one_by_one(kind):
+    rng = np.random.default_rng(4)
+    if kind == "array":
+        items = [rng.standard_normal((int(rng.integers(0, 4)), 4)).astype(np.float32) for _ in range(30)]
+        col = Ragged.from_list(items, dtype=np.float32, row_shape=(4,))
+    elif kind == "bytes":
+        col = Ragged.from_list([rng.bytes(int(rng.integers(0, 9))) for _ in range(30)], kind="bytes")
+    else:
+        col = Ragged.from_list(["ä" * int(rng.integers(0, 5)) + str(i) for i in range(30)], kind="str")
+    rows = np.array([29, 0, 5, 5, 17, 3])
+    got, want = col.rows(rows), [col[i] for i in rows.tolist()]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if kind == "array":
+            np.testing.assert_array_equal(g, w)
+            assert g.shape == w.shape
+        else:
+            assert g == w and type(g) is type(w)
+    assert col.rows(np.array([], dtype=np.int64)) == []
