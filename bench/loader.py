@@ -7,7 +7,7 @@ on, ``torch.utils.data.DataLoader`` doing the same work, and DALI's CPU pipeline
 
 Datasets (made once under ``GPUIO_CACHE_DIR`` or ``~/.cache/gpuio``, read with a warm
 page cache): a file tree of ~100 KB random files, the same number of ``.npy`` arrays of
-~100 KB, and, when ``gpuio.ops`` has the image ops, a file tree of JPEGs. Every
+~100 KB, and, when ``gpuio.ops`` has the image ops, ``gpuio.sample`` JPEGs. Every
 competitor reads one shuffled epoch in batches of ``--batch-size``; the figure is the
 best of ``--repeat`` epochs (the first, untimed, warms the cache and the workers).
 
@@ -58,21 +58,12 @@ def make_datasets(root: str, n: int, images: bool) -> dict[str, str]:
             np.save(os.path.join(paths["numpy"], f"{i:06d}.npy"),
                     rng.standard_normal(FILE_BYTES // 4, dtype=np.float32))
         open(os.path.join(root, "done"), "w").close()
-    if images:
+    if images:  # the gpuio sample generator: ImageNet-like JPEGs
+        from gpuio.sample import make_image_tree
+
         paths["jpeg"] = os.path.join(root, "jpeg")
         if not os.path.exists(os.path.join(root, "done-jpeg")):
-            import simplejpeg
-
-            for i in range(min(n, JPEGS_MAX)):
-                d = os.path.join(paths["jpeg"], f"c{i % 10}")
-                os.makedirs(d, exist_ok=True)
-                h, w = int(rng.integers(300, 500)), int(rng.integers(300, 500))
-                # smooth content compresses like a photo (~100 KB at quality 95)
-                y, x = np.mgrid[0:h, 0:w]
-                img = np.stack([(x * (c + 1) + y * (3 - c) + rng.integers(0, 40, (h, w))) % 256
-                                for c in range(3)], axis=-1).astype(np.uint8)
-                with open(os.path.join(d, f"{i:06d}.jpg"), "wb") as f:
-                    f.write(simplejpeg.encode_jpeg(img, quality=95))
+            make_image_tree(paths["jpeg"], count=min(n, JPEGS_MAX), seed=0)
             open(os.path.join(root, "done-jpeg"), "w").close()
     return paths
 
