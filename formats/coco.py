@@ -7,8 +7,11 @@ per image, **sorted by image id**. Fields:
 - ``boxes``: float32 ``[n, 4]`` per image (``Ragged``), ``xywh`` (COCO's left, top,
   width, height) or ``ltrb`` (left, top, right, bottom), in pixels or, with
   ``normalized=True``, divided by the image width (x) and height (y);
-- ``labels``: int32 ``[n]``, category ids remapped to ``1..K`` in sorted category-id
-  order (as DALI's COCO reader does); ``category_ids``: the raw int64 ids;
+- ``labels``: int32 ``[n]``, category ids numbered ``1..K`` in the order the file's
+  ``categories`` list gives them, whatever the ids (DALI's COCO reader's rule: the
+  first listed category is 1); ``category_ids``: the raw int64 ids. The index's
+  ``meta["category_ids"]`` lists the ids in that order, so label ``l`` is
+  ``meta["category_ids"][l - 1]``;
 - ``image_id`` (int64), ``width`` and ``height`` (int64, pixels).
 
 Annotations keep their order in the JSON file within an image (the order of
@@ -85,11 +88,12 @@ def coco(image_root: str | os.PathLike[str], annotations: str | os.PathLike[str]
     if dup.size:
         raise FormatError(f"image id {img_ids[dup[0]]} appears twice in 'images'", path=ann_path)
 
-    cat_ids = np.array(sorted(_int(c, "id", ann_path, f"category {k}") for k, c in enumerate(cats)),
-                       dtype=np.int64)
-    dup = np.flatnonzero(np.diff(cat_ids) == 0)
+    cat_ids = np.array([_int(c, "id", ann_path, f"category {k}") for k, c in enumerate(cats)], dtype=np.int64)
+    cat_order = np.argsort(cat_ids, kind="stable")  # to look ids up; labels follow the file's order
+    sorted_cat_ids = cat_ids[cat_order]
+    dup = np.flatnonzero(np.diff(sorted_cat_ids) == 0)
     if dup.size:
-        raise FormatError(f"category id {cat_ids[dup[0]]} appears twice in 'categories'", path=ann_path)
+        raise FormatError(f"category id {sorted_cat_ids[dup[0]]} appears twice in 'categories'", path=ann_path)
 
     # annotations, as arrays in file order
     n_ann = len(anns)
@@ -120,8 +124,9 @@ def coco(image_root: str | os.PathLike[str], annotations: str | os.PathLike[str]
         k = bad[0]
         raise FormatError(f"annotation id {ann_ids[k]} names image id {ann_img[k]}, which is not in 'images'",
                           path=ann_path)
-    label = np.searchsorted(cat_ids, ann_cat)
-    bad = np.flatnonzero((label >= len(cat_ids)) | (cat_ids[np.minimum(label, len(cat_ids) - 1)] != ann_cat)
+    found = np.searchsorted(sorted_cat_ids, ann_cat)
+    bad = np.flatnonzero((found >= len(cat_ids))
+                         | (sorted_cat_ids[np.minimum(found, len(cat_ids) - 1)] != ann_cat)
                          if len(cat_ids) else np.ones(n_ann, dtype=bool))
     if bad.size:
         k = bad[0]
@@ -146,7 +151,7 @@ def coco(image_root: str | os.PathLike[str], annotations: str | os.PathLike[str]
 
     values: dict[str, np.ndarray | Ragged] = {
         "boxes": Ragged(boxes.astype(np.float32), ann_offsets),
-        "labels": Ragged((label[keep] + 1).astype(np.int32), ann_offsets),
+        "labels": Ragged((cat_order[found[keep]] + 1).astype(np.int32), ann_offsets),
         "category_ids": Ragged(ann_cat[keep], ann_offsets),
         "image_id": img_ids,
         "width": widths,

@@ -87,7 +87,7 @@ def test_fields_bytes_boxes_labels_match_pycocotools(dataset):
     assert len(index) == 4
     assert {"data", "boxes", "labels", "category_ids", "image_id", "width", "height"} <= set(index.fields)
     assert index.values["image_id"].tolist() == [2, 5, 9, 11]  # sorted by image id
-    label_of = {c: k + 1 for k, c in enumerate(sorted(CATEGORY_IDS))}  # {1: 1, 3: 2, 7: 3, 90: 4}
+    label_of = {c: k + 1 for k, c in enumerate(CATEGORY_IDS)}  # file order: {90: 1, 3: 2, 7: 3, 1: 4}
     for i, image_id in enumerate([2, 5, 9, 11]):
         sample = index[i]
         info = api.imgs[image_id]
@@ -102,7 +102,23 @@ def test_fields_bytes_boxes_labels_match_pycocotools(dataset):
         assert sample["labels"].tolist() == [label_of[a["category_id"]] for a in anns]
     assert index[1]["labels"].tolist() == [3, 2]  # image 5: categories 7, 3 in file order
     assert index[2]["boxes"].shape == (0, 4)  # image 9 has no annotations
-    assert index.meta["category_ids"] == [1, 3, 7, 90]
+    assert index.meta["category_ids"] == CATEGORY_IDS
+
+
+def test_labels_number_categories_in_file_order_as_dali(tmp_path):
+    # DALI's readers.coco (checked with nvidia-dali 2.4 on the CPU) numbers categories
+    # 1, 2, ... in the order 'categories' lists them; ids [90, 1, 7, 1] give [3, 2, 5, 2]
+    listed = [3, 1, 90, 11, 7]
+    anns = [{"id": 300 + k, "image_id": 9, "category_id": c, "bbox": [0, 0, 1, 1], "iscrowd": 0}
+            for k, c in enumerate([90, 1, 7, 1])]
+    root, ann = _write_dataset(tmp_path, extra_anns=anns, mutate=lambda d: d.update(
+        categories=[{"id": c, "name": f"c{c}"} for c in listed]))
+    index = coco(root, ann)
+    assert index[2]["category_ids"].tolist() == [90, 1, 7, 1]
+    assert index[2]["labels"].tolist() == [3, 2, 5, 2]
+    assert index.meta["category_ids"] == listed
+    labels = index.values["labels"].values
+    np.testing.assert_array_equal(np.asarray(listed)[labels - 1], index.values["category_ids"].values)
 
 
 def test_batch_read_gives_exact_file_bytes(dataset):
