@@ -29,6 +29,15 @@ Masks (``masks=``) stay compact in the index:
   RLE ``counts`` strings back to back) and ``mask_rle_sizes`` (int64 ``[n]``, their
   lengths). ``decode_masks(sample)`` turns a sample into uint8 ``[n, H, W]`` masks
   (0/1) at read time; a whole dataset of pixel masks is never held.
+
+A polygon needs an even number of coordinates, at least 4 (two points). A polygon of
+two points (a line, no area) is accepted, as DALI and pycocotools accept it: DALI keeps
+it in its polygon outputs and pycocotools rasterizes it to no pixels. ``"polygons"``
+keeps it as written and ``"pixelwise"`` rasterizes it like pycocotools; with either,
+``meta["degenerate_polygons"]`` counts such polygons (0 in a clean file). One rule
+differs on purpose: pycocotools' ``frPyObjects`` takes a list whose *first* polygon has
+4 numbers for a box ``[x, y, w, h]`` (and then fails), so a polygon's meaning would
+depend on its place in the list; gpuio reads every polygon as a polygon.
 """
 
 from __future__ import annotations
@@ -157,10 +166,17 @@ def coco(image_root: str | os.PathLike[str], annotations: str | os.PathLike[str]
         "width": widths,
         "height": heights,
     }
+    meta: dict[str, Any] = {"format": "coco", "root": root, "annotations": os.path.abspath(ann_path),
+                            "box_format": box_format, "normalized": normalized, "masks": masks,
+                            "category_ids": cat_ids.tolist()}
     if masks == "polygons":
-        values.update(_polygons(anns, keep, row, ann_offsets, ann_ids, widths, heights, normalized, ann_path))
+        mask_values, meta["degenerate_polygons"] = _polygons(anns, keep, row, ann_offsets, ann_ids, widths,
+                                                             heights, normalized, ann_path)
+        values.update(mask_values)
     elif masks == "pixelwise":
-        values.update(_rles(anns, keep, row, ann_offsets, ann_ids, widths, heights, ann_path))
+        mask_values, meta["degenerate_polygons"] = _rles(anns, keep, row, ann_offsets, ann_ids, widths,
+                                                         heights, ann_path)
+        values.update(mask_values)
 
     sizes = np.empty(len(names), dtype=np.int64)
     for k, name in enumerate(names):
@@ -173,10 +189,7 @@ def coco(image_root: str | os.PathLike[str], annotations: str | os.PathLike[str]
     n = len(names)
     index = SampleIndex(PathTable.from_paths(names, root=root),
                         {"data": Extents(np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int64), sizes)},
-                        values,
-                        meta={"format": "coco", "root": root, "annotations": os.path.abspath(ann_path),
-                              "box_format": box_format, "normalized": normalized, "masks": masks,
-                              "category_ids": cat_ids.tolist()})
+                        values, meta=meta)
     if skip_empty:
         index = index.take(np.flatnonzero(counts))
     if len(index) == 0:
@@ -255,15 +268,15 @@ def _segmentation(a: Any, path: str, ann_id: int) -> Any:
 
 
 def _polygon_list(seg: Any, path: str, ann_id: int) -> list[np.ndarray]:
-    """The polygons of a list-of-polygons segmentation as float64 [v, 2] arrays."""
+    """The polygons of a list-of-polygons segmentation as float64 [v, 2] arrays, v >= 2."""
     out = []
     for poly in seg:
         try:
             xy = np.asarray(poly, dtype=np.float64)
         except (TypeError, ValueError) as exc:
             raise FormatError(f"annotation id {ann_id}: a polygon must be a list of numbers", path=path) from exc
-        if xy.ndim != 1 or xy.size % 2 or xy.size < 6:
-            raise FormatError(f"annotation id {ann_id}: a polygon needs an even number (>= 6) of "
+        if xy.ndim != 1 or xy.size % 2 or xy.size < 4:
+            raise FormatError(f"annotation id {ann_id}: a polygon needs an even number (>= 4) of "
                               f"coordinates x0, y0, x1, y1, ...; got {xy.size}", path=path)
         out.append(xy.reshape(-1, 2))
     return out
@@ -271,7 +284,8 @@ def _polygon_list(seg: Any, path: str, ann_id: int) -> list[np.ndarray]:
 
 def _polygons(anns: list[Any], keep: np.ndarray, row: np.ndarray, ann_offsets: np.ndarray,
               ann_ids: np.ndarray, widths: np.ndarray, heights: np.ndarray, normalized: bool,
-              path: str) -> dict[str, Ragged]:
+              path: str) -> tuple[dict[str, Ragged], int]:
+    """DALI's polygon layout and the number of two-point polygons."""
     verts: list[np.ndarray] = []
     poly_ann: list[int] = []  # position of the polygon's annotation in `keep`
     for pos, k in enumerate(keep.tolist()):
@@ -300,8 +314,9 @@ def _polygons(anns: list[Any], keep: np.ndarray, row: np.ndarray, ann_offsets: n
     base = vert_offsets[poly_img]
     table = np.stack([poly_ann_a - ann_offsets[poly_img], vstart[:-1] - base, vstart[1:] - base],
                      axis=1).astype(np.int32)
-    return {"polygons": Ragged(table.reshape(-1, 3), poly_offsets),
-            "vertices": Ragged(vertices.astype(np.float32).reshape(-1, 2), vert_offsets)}
+    return ({"polygons": Ragged(table.reshape(-1, 3), poly_offsets),
+             "vertices": Ragged(vertices.astype(np.float32).reshape(-1, 2), vert_offsets)},
+            int(np.count_nonzero(nv == 2)))
 
 
 def _check_compressed_rle(counts: str, total: int, path: str, ann_id: int) -> None:
@@ -333,16 +348,22 @@ def _check_compressed_rle(counts: str, total: int, path: str, ann_id: int) -> No
 
 
 def _rles(anns: list[Any], keep: np.ndarray, row: np.ndarray, ann_offsets: np.ndarray, ann_ids: np.ndarray,
-          widths: np.ndarray, heights: np.ndarray, path: str) -> dict[str, Ragged]:
+          widths: np.ndarray, heights: np.ndarray, path: str) -> tuple[dict[str, Ragged], int]:
+    """Compressed RLE strings and the number of two-point polygons."""
     from pycocotools import mask as cmask
 
     strings: list[bytes] = []
+    degenerate = 0
     for k in keep.tolist():
         ann_id = int(ann_ids[k])
         seg = _segmentation(anns[k], path, ann_id)
         h, w = int(heights[row[k]]), int(widths[row[k]])
         if isinstance(seg, list):
-            polys = [xy.ravel().tolist() for xy in _polygon_list(seg, path, ann_id)]
+            polys = _polygon_list(seg, path, ann_id)
+            degenerate += sum(len(xy) == 2 for xy in polys)
+            # a repeated last vertex rasterizes alike and keeps frPyObjects from taking
+            # a 4-number first polygon for a box
+            polys = [(np.vstack([xy, xy[-1:]]) if len(xy) == 2 else xy).ravel().tolist() for xy in polys]
             rle = cmask.merge(cmask.frPyObjects(polys, h, w)) if polys else cmask.encode(
                 np.zeros((h, w, 1), dtype=np.uint8, order="F"))[0]
         elif isinstance(seg, dict) and isinstance(seg.get("counts"), (list, str)) and seg.get("size") == [h, w]:
@@ -363,5 +384,5 @@ def _rles(anns: list[Any], keep: np.ndarray, row: np.ndarray, ann_offsets: np.nd
     blob = np.frombuffer(b"".join(strings), dtype=np.uint8).copy()
     cum = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=cum[1:])
-    return {"mask_rle": Ragged(blob, cum[ann_offsets], "bytes"),
-            "mask_rle_sizes": Ragged(sizes, ann_offsets)}
+    return ({"mask_rle": Ragged(blob, cum[ann_offsets], "bytes"),
+             "mask_rle_sizes": Ragged(sizes, ann_offsets)}, degenerate)
