@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import gpuio
+import gpuio.sample
 from gpuio._bench import storage
 from gpuio.cli import main
 
@@ -43,3 +47,35 @@ def test_storage_bench_covers_three_datasets(tmp_path):
     assert datasets == {"small files", "large files", "packed records"}
     gpuio_rows = [r for r in result["rows"] if r["method"] == "gpuio"]
     assert len(gpuio_rows) == 3 and all(r["seconds"] > 0 for r in gpuio_rows)
+
+
+def test_cold_drop_flushes_fresh_files_and_checks_that_it_took(tmp_path):
+    from gpuio._bench.common import drop_cache, resident_fraction
+
+    path = tmp_path / "fresh.bin"
+    path.write_bytes(bytes(range(256)) * 4096)  # 1 MiB of dirty pages, never flushed
+    assert resident_fraction([str(path)]) == 1.0
+    assert drop_cache([str(path)]) == 0.0
+    assert resident_fraction([str(path)]) == 0.0
+
+
+def test_cold_rows_whose_drop_cannot_take_are_failed_measurements():
+    # tmpfs pages cannot leave memory: every cold row must say so and carry no figures
+    root = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        gpuio.sample.make_image_tree(root, count=8, progress=False)
+        index = gpuio.formats.filetree(root)
+        rows = storage.measure("shm", index, [], batch=4, repeat=1, caches=("warm", "cold"))
+    finally:
+        shutil.rmtree(root)
+    cold = [r for r in rows if r["cache"] == "cold"]
+    assert cold and all("still in the page cache" in r["failed"] and "GB/s" not in r for r in cold)
+    assert all(r["GB/s"] > 0 and "failed" not in r for r in rows if r["cache"] == "warm")
+
+
+def test_a_cold_row_faster_than_its_ceiling_is_not_a_result():
+    assert storage._failure("cold", 0.0, 1.0, 2.0, is_ceiling=False).startswith("faster than its own ceiling")
+    assert storage._failure("cold", 0.0, 2.0, 1.0, is_ceiling=False) is None
+    assert storage._failure("cold", 0.0, 1.0, 1.0, is_ceiling=True) is None
+    assert storage._failure("warm", 0.5, 1.0, 2.0, is_ceiling=False) is None
+

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import platform
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 import gpuio
 
@@ -50,22 +54,62 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def drop_cache(paths: Sequence[str]) -> None:
-    """Evict the files' pages from the page cache (POSIX_FADV_DONTNEED)."""
+def drop_cache(paths: Sequence[str]) -> float:
+    """Evict the files' pages from the page cache and return the fraction of their
+    pages still resident afterwards (0.0 when the drop took). Dirty pages (a file just
+    written) survive ``POSIX_FADV_DONTNEED``, so each file is flushed first."""
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    return resident_fraction(paths)
 
 
-def best_time(fn: Callable[[], Any], repeat: int, before: Callable[[], None] | None = None) -> float:
-    """Fastest of ``repeat`` runs of ``fn`` in seconds (``before`` runs untimed first)."""
+def resident_fraction(paths: Sequence[str]) -> float:
+    """Fraction of the files' pages in the page cache, by ``mincore`` on a read-only
+    mapping of each (mapping faults nothing in)."""
+    libc = _libc()
+    page = os.sysconf("SC_PAGE_SIZE")
+    resident = total = 0
+    for path in paths:
+        size = os.path.getsize(path)
+        if not size:
+            continue
+        pages = (size + page - 1) // page
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr is None or addr == ctypes.c_void_p(-1).value:
+                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+            try:
+                vec = (ctypes.c_ubyte * pages)()
+                if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+                resident += int((np.frombuffer(vec, dtype=np.uint8) & 1).sum())
+            finally:
+                libc.munmap(ctypes.c_void_p(addr), size)
+        finally:
+            os.close(fd)
+        total += pages
+    return resident / total if total else 0.0
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def best_time(fn: Callable[[], Any], repeat: int) -> float:
+    """Fastest of ``repeat`` runs of ``fn`` in seconds."""
     best = float("inf")
     for _ in range(repeat):
-        if before is not None:
-            before()
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)

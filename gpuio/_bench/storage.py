@@ -137,10 +137,21 @@ def _sequential(paths: list[str], buf: np.ndarray) -> None:
                 pos += n
 
 
+RESIDENT_LIMIT = 0.01  # fraction of pages that may stay cached after a drop for a cold run to count
+
+
 def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: int = 256,
             repeat: int = 3, caches: tuple[str, ...] = ("warm", "cold"), packed: bool = False,
             baseline: str = "naive loop") -> list[dict[str, Any]]:
-    """Time every method over one dataset (one sample per file unless ``packed``)."""
+    """Time every method over one dataset (one sample per file unless ``packed``).
+
+    Methods run in ``repeat`` rounds, each round starting with the next method, and
+    each keeps its best time. Before every cold run the files are flushed and dropped
+    from the page cache, and the drop is checked; a cold row whose drop did not take,
+    or that beats its own sequential ceiling, is a failed measurement: it carries
+    ``failed`` (the reason) instead of figures."""
+    from tqdm import tqdm
+
     ext = index.extents["data"]
     paths = index.files.many(np.arange(len(index.files)))
     total, n = int(ext.length.sum()), len(index)
@@ -163,21 +174,50 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
             methods[ceiling] = lambda: _sequential(ceiling_paths, seq_buf)
         if gpuio.cuda_available():
             methods.update(_gpu_methods(index, batches, paths))
+        names = list(methods)
         for cache in caches:
-            before = (lambda: drop_cache(all_files)) if cache == "cold" else None
             if cache == "warm":
                 _naive_files(all_files)
-            times = dict.fromkeys(methods, float("inf"))
-            for _ in range(repeat):  # rounds over all methods, so that drift hits them alike
-                for m, fn in methods.items():
-                    times[m] = min(times[m], best_time(fn, 1, before))
+            times = dict.fromkeys(names, float("inf"))
+            resident = dict.fromkeys(names, 0.0)
+            with tqdm(total=repeat * len(names), desc=f"{name}, {cache} page cache", unit="run",
+                      leave=False) as bar:
+                for r in range(repeat):
+                    for m in names[r % len(names):] + names[:r % len(names)]:
+                        if cache == "cold":
+                            resident[m] = max(resident[m], drop_cache(all_files))
+                        t0 = time.perf_counter()
+                        methods[m]()
+                        times[m] = min(times[m], time.perf_counter() - t0)
+                        bar.update()
+            failed = {m: _failure(cache, resident[m], times[m], times[ceiling] if ceiling else None, m == ceiling)
+                      for m in names}
             for method, t in times.items():
-                rows.append({
-                    "dataset": name, "cache": cache, "method": method, "seconds": t,
-                    "GB/s": total / t / 1e9, "files/s": n / t if n > 16 else None,
-                    "vs baseline": times[baseline] / t, "vs ceiling": times[ceiling] / t if ceiling else None,
-                })
+                row: dict[str, Any] = {"dataset": name, "cache": cache, "method": method}
+                if failed[method] or (ceiling and failed[ceiling]):
+                    rows.append({**row, "seconds_measured": t,
+                                 "failed": failed[method] or f"its ceiling failed: {failed[ceiling]}"})
+                    continue
+                base = times[baseline] if not failed[baseline] else None
+                rows.append({**row, "seconds": t, "GB/s": total / t / 1e9, "files/s": n / t if n > 16 else None,
+                             "vs baseline": base / t if base else None,
+                             "vs ceiling": times[ceiling] / t if ceiling else None})
     return rows
+
+
+def _failure(cache: str, resident: float, t: float, t_ceiling: float | None, is_ceiling: bool) -> str | None:
+    """Why a row is not a result, or None. Only cold rows are judged: from a warm page
+    cache several threads copy faster than one sequential reader, so there the
+    sequential read is a reference, not a bound."""
+    if cache != "cold":
+        return None
+    if resident > RESIDENT_LIMIT:
+        return (f"{resident:.0%} of the files' pages were still in the page cache after flushing and "
+                f"dropping them, so this cold run read from memory")
+    if t_ceiling is not None and not is_ceiling and t < t_ceiling:
+        return (f"faster than its own ceiling ({t:.3f} s against {t_ceiling:.3f} s for one sequential read "
+                f"of the same bytes), so some of its reads did not come from the disk")
+    return None
 
 
 COLUMNS = [("dataset", "dataset", ""), ("cache", "cache", ""), ("method", "method", ""),
@@ -193,7 +233,11 @@ def report(title: str, rows: list[dict[str, Any]], out: str | None, extra: dict[
     info = machine()
     print(f"{title} on {info.get('gpu', 'no GPU')}, {info['cpu']} ({info['cores']} cores), "
           f"io_threads={gpuio.config.get('io_threads')}")
-    print_table(rows, COLUMNS)
+    print_table([{**r, "note": "FAILED, see below" if r.get("failed") else ""} for r in rows],
+                COLUMNS + [("note", "note", "s")])
+    for r in rows:
+        if r.get("failed"):
+            print(f"failed measurement, not a result: {r['dataset']}, {r['cache']}, {r['method']}: {r['failed']}")
     result = {"machine": info, "settings": gpuio.config.settings(), "rows": rows, **(extra or {})}
     if cuda:
         from gpuio._kvikio import compat_mode_active
