@@ -30,13 +30,12 @@ import gpuio
 from gpuio.batch import Batch, Op
 
 
-class FromNpy(Op):
-    """The raw bytes of each ``.npy`` sample viewed as its recorded dtype and shape
-    (no copy; NumPy or CuPy alike), as float32 rows."""
+class AsFloat32(Op):
+    """Each sample's array (``formats.numpy`` gives the stored dtype and shape) as
+    float32 (NumPy or CuPy alike; no copy when it is float32 already)."""
 
     def __call__(self, batch: Batch) -> Batch:
-        batch.data["data"] = [d.view(np.dtype(t)).reshape(tuple(int(x) for x in s)).astype(np.float32)
-                              for d, s, t in zip(batch.data["data"], batch.data["shape"], batch.data["dtype"])]
+        batch.data["data"] = [d.astype(np.float32, copy=False) for d in batch.data["data"]]
         return batch
 
 
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
 
     index = gpuio.formats.numpy(root)
-    loader = gpuio.Loader(index, args.batch_size, ops=[FromNpy()], device=device, shuffle=True, seed=0,
+    loader = gpuio.Loader(index, args.batch_size, ops=[AsFloat32()], device=device, shuffle=True, seed=0,
                           rank=rank, world_size=world, last_batch=args.last_batch, threads=args.threads)
     dim = int(np.prod(index.values["shape"][0]))
     model = torch.nn.parallel.DistributedDataParallel(

@@ -1,8 +1,10 @@
 """NumPy ``.npy`` files: one sample per file, the extent pointing at the array bytes.
 
-Only the header is read at index time (versions 1.0, 2.0 and 3.0), so a GPU reader
-can land the array bytes straight in device memory and view them with the recorded
-dtype and shape.
+Only the header is read at index time (versions 1.0, 2.0 and 3.0; its ``descr`` read
+by NumPy's own ``descr_to_dtype``, so padded structured dtypes come out as ``np.load``
+makes them). After a read the bytes are viewed as the stored array (the index's field
+decoder ``"array"``, ``gpuio._fielddecode``): on a GPU they land in device memory and
+are viewed there, with no copy through the host.
 """
 
 from __future__ import annotations
@@ -41,14 +43,13 @@ def parse_npy_header(head: bytes, path: str) -> tuple[np.dtype, tuple[int, ...],
     text = head[start: start + hlen]
     try:
         header = ast.literal_eval(text.decode("utf-8" if major == 3 else "latin1"))
-        dtype = np.dtype(header["descr"] if not isinstance(header["descr"], list)
-                         else [tuple(f) for f in header["descr"]])
+        dtype = np.lib.format.descr_to_dtype(header["descr"])
         shape = tuple(int(d) for d in header["shape"])
         fortran = bool(header["fortran_order"])
     except (ValueError, SyntaxError, KeyError, TypeError, UnicodeDecodeError, MemoryError,
             RecursionError) as exc:
         raise FormatError(f"malformed .npy header {text[:80]!r}: {exc}", path=path, offset=start) from exc
-    if any(d < 0 for d in shape) or dtype.hasobject:
+    if any(d < 0 for d in shape) or dtype.hasobject or dtype.subdtype is not None:
         raise FormatError(f"unsupported .npy array: shape {shape}, dtype {dtype}", path=path, offset=start)
     return dtype, shape, fortran, start + hlen
 
@@ -57,9 +58,14 @@ def numpy(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
           rows: slice | None = None) -> SampleIndex:
     """Index ``.npy`` files: a directory (searched recursively, sorted) or a list.
 
-    Field ``data`` holds the array bytes (C or Fortran order as stored); ``shape``
-    (int64) and ``dtype`` (str) describe them. ``rows=slice(a, b)`` keeps only those
-    rows of the leading axis of each C-order array, so only their bytes are read.
+    Field ``data`` is the array as ``np.load`` gives it: its stored dtype, shape and
+    order (a Fortran-order file gives a Fortran-order array), a view of the bytes read
+    (NumPy on the CPU, CuPy on a GPU). ``shape`` (int64), ``dtype`` (the header's
+    ``descr``: ``'<f4'``, or a list of fields as text) and ``fortran_order`` (bool)
+    describe it. ``gpuio.read(index, rows)`` gives the raw bytes instead. In a
+    ``Loader`` batch, arrays of one shape and dtype stack into one ``[B, ...]``
+    array (C order). ``rows=slice(a, b)`` keeps only those rows of the leading axis of
+    each C-order array, so only their bytes are read.
     """
     if isinstance(root_or_files, (str, os.PathLike)):
         root = os.fspath(root_or_files)
@@ -73,7 +79,7 @@ def numpy(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
         paths = [os.fspath(p) for p in root_or_files]
         if not paths:
             raise DataError("no samples: an empty list of .npy files was given")
-    offsets, lengths, shapes, dtypes = [], [], [], []
+    offsets, lengths, shapes, dtypes, fortran_order = [], [], [], [], []
     for path in paths:
         try:
             with open(path, "rb") as f:
@@ -103,8 +109,11 @@ def numpy(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
         offsets.append(start)
         lengths.append(nbytes)
         shapes.append(shape)
-        dtypes.append(dtype.str if dtype.names is None else str(dtype.descr))
+        dtypes.append(dtype.str if dtype.names is None else str(np.lib.format.dtype_to_descr(dtype)))
+        fortran_order.append(fortran)
     n = len(paths)
     extents = Extents(np.arange(n, dtype=np.int32), np.asarray(offsets), np.asarray(lengths))
-    values = {"shape": Ragged.from_list(shapes, dtype=np.int64), "dtype": Ragged.from_list(dtypes, kind="str")}
-    return SampleIndex(PathTable.from_paths(paths), {"data": extents}, values, meta={"format": "numpy"})
+    values = {"shape": Ragged.from_list(shapes, dtype=np.int64), "dtype": Ragged.from_list(dtypes, kind="str"),
+              "fortran_order": np.asarray(fortran_order, dtype=bool)}
+    return SampleIndex(PathTable.from_paths(paths), {"data": extents}, values,
+                       meta={"format": "numpy", "decode": {"data": "array"}})

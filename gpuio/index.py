@@ -246,7 +246,8 @@ class SampleIndex:
     """Per sample, the byte extents of its fields plus cheap metadata.
 
     ``len(index)`` samples; ``index[i]`` reads sample ``i`` synchronously and returns
-    its fields as host values (``bytes`` for extent fields); ``index.fields`` names
+    its fields as host values (``bytes`` for extent fields, unless the format decodes
+    them: ``gpuio._fielddecode``); ``index.fields`` names
     them. Batches are read with ``gpuio.read(index, indices, field, device)``.
     """
 
@@ -316,7 +317,8 @@ class SampleIndex:
 
         i = self._check_sample(i)
         row = read_fields(self, np.array([i]), self.fields, device="cpu")
-        return {name: _host_value(col[0]) for name, col in row.items()}
+        decoded = self.meta.get("decode") or {}  # decoded fields hold values, not bytes
+        return {name: _host_value(col[0], raw=name not in decoded) for name, col in row.items()}
 
     # ---- persistence --------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -385,8 +387,8 @@ class SampleIndex:
         )
 
 
-def _host_value(value: Any) -> Any:
-    if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
+def _host_value(value: Any, raw: bool = True) -> Any:
+    if raw and isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
         return value.tobytes()
     if isinstance(value, np.generic):
         return value.item()

@@ -29,6 +29,7 @@ from gpuio.errors import ConfigError, DataError, PipelineError
 from gpuio.index import Ragged, SampleIndex
 from gpuio.storage import Reader, read_fields
 from gpuio._executor import Executor, Stage, StageStats
+from gpuio._fielddecode import decoded_fields, host_decoded_fields
 from gpuio._order import EpochPlan, epoch_order
 
 __all__ = ["Loader"]
@@ -84,7 +85,9 @@ class Loader:
 
     Output: a dict per batch. A field whose rows are arrays of one shape and dtype is
     stacked into one array with a leading batch axis, on ``device``, and with
-    ``output="torch"`` handed over as a tensor by DLPack (no copy). Raw bytes of an
+    ``output="torch"`` handed over as a tensor by DLPack (no copy): arrays a format
+    decodes (``formats.numpy``'s ``data``, webdataset's ``npy``) and scalars (labels,
+    webdataset's ``cls``) alike. Raw bytes of an
     extent field (1-D uint8 rows, as read) and the index's ``Ragged`` fields (boxes,
     keys) stay lists, one value per row, whatever the rows of one batch happen to be,
     as the stages made them (NumPy/CuPy arrays, ``str``): no tensor per sample. ``batch["index"]`` (int64, on ``device``) is each row's dataset position, -1 for
@@ -163,11 +166,13 @@ class Loader:
         if self._parsed and parser.source not in read:
             read.append(parser.source)
         host = {f for op in self.ops for f in getattr(op, "host_inputs", ())}
+        host.update(host_decoded_fields(index))  # int, str, json ... decode on the host
         if self._parsed:
             host.add(parser.source)
         on_device = self.device.is_cuda
         self._dev_fields = tuple(f for f in read if on_device and f in index.extents and f not in host)
         self._host_fields = tuple(f for f in read if f not in self._dev_fields)
+        self._raw_fields = set(index.extents) - set(decoded_fields(index))  # bytes, not decoded values
         names = [getattr(op, "name", None) or _op_name(op) for op in self.ops]
         self._op_names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
         self._epoch = 0
@@ -409,7 +414,7 @@ class Loader:
         if not _is_array(first):
             return col
         if isinstance(self.index.values.get(name), Ragged) or (
-                name in self.index.extents and first.ndim == 1 and first.dtype == np.uint8):
+                name in self._raw_fields and first.ndim == 1 and first.dtype == np.uint8):
             return col  # ragged by nature (boxes, raw bytes): a list, even when a batch's rows agree
         shape, dtype = first.shape, first.dtype
         if any(not _is_array(a) or a.shape != shape or a.dtype != dtype for a in col):
@@ -536,7 +541,7 @@ def _locate(index: SampleIndex, src: np.ndarray, fields: Sequence[str], err: Bas
 
 
 def _to_torch(v: Any, torch: Any) -> Any:
-    if _is_array(v) and v.dtype.kind in "biufc":
+    if _is_array(v) and v.dtype.kind in "biufc" and v.dtype.isnative:
         return torch.from_dlpack(v)
     return v  # lists stay lists of what the stages made: no tensor per sample
 

@@ -25,6 +25,7 @@ from gpuio import config
 from gpuio.buffers import BufferPool, Lease, default_pool
 from gpuio.device import Device, check_cuda, cuda_available, parse_device, require
 from gpuio.errors import ConfigError, OutOfRangeError
+from gpuio._fielddecode import decode, decoded_fields
 from gpuio.index import Ragged, SampleIndex
 from gpuio.plan import build_plan
 
@@ -138,14 +139,16 @@ def _check_rows(index: SampleIndex, rows: Sequence[int] | np.ndarray) -> np.ndar
 
 def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Sequence[str],
                 device: str | Device = "cpu", *, reader: Reader | None = None) -> dict[str, Any]:
-    """Several fields of ``rows``: extent fields as lists of uint8 arrays, dense value
-    fields as arrays with one row per sample, ragged and parsed fields as lists."""
+    """Several fields of ``rows``: extent fields as lists of uint8 arrays (decoded, as
+    ``index.meta["decode"]`` says, by ``gpuio._fielddecode``), dense value fields as
+    arrays with one row per sample, ragged and parsed fields as lists."""
     rows = _check_rows(index, rows)
     unknown = [f for f in fields if f not in index.fields]
     if unknown:
         raise ConfigError(f"unknown field(s) {unknown}; this index has {list(index.fields)}")
     reader = reader or _default_reader(device)
     out: dict[str, Any] = {}
+    decoded = decoded_fields(index)
     parser = index.parser
     parsed = [f for f in fields if parser is not None and f in parser.fields and f not in index.extents]
     if parsed:
@@ -161,6 +164,8 @@ def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Se
             continue
         if f in index.extents:
             out[f] = reader.read(index, rows, f)
+            if f in decoded:
+                out[f] = decode(index, f, rows, out[f])
         else:
             col = index.values[f]
             out[f] = col.rows(rows) if isinstance(col, Ragged) else col[rows]

@@ -38,9 +38,8 @@ def _worker(rank: int, root: str, store: str, out: str, last_batch: str) -> None
             rows.append(batch["index"])
             steps += 1
             for i, data in zip(batch["index"].tolist(), batch["data"]):
-                if i >= 0:  # each real row carries its own sample's bytes
-                    assert np.array_equal(data.view(np.float32),
-                                          np.load(index.extent(i).file))
+                if i >= 0:  # each real row carries its own sample's array
+                    assert np.array_equal(np.asarray(data), np.load(index.extent(i).file))
         local = torch.cat(rows)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(WORLD)]
         dist.all_gather(sizes, torch.tensor([len(local)]))

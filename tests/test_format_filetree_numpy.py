@@ -112,10 +112,14 @@ def _write(path, arr, version=None) -> None:
         np.lib.format.write_array(f, arr, version=version, allow_pickle=False)
 
 
-def _view(sample) -> np.ndarray:
-    """Rebuild the array from one index row, as a GPU reader would from its bytes."""
-    dtype = np.dtype(eval(sample["dtype"]) if sample["dtype"].startswith("[") else sample["dtype"])
-    return np.frombuffer(sample["data"], dtype=dtype).reshape(tuple(sample["shape"].tolist()))
+def _assert_same_array(got, want) -> None:
+    """``got`` is what ``np.load`` gives: dtype (field names, itemsize), shape, order, bytes."""
+    assert isinstance(got, np.ndarray)
+    assert got.dtype == want.dtype and got.dtype.names == want.dtype.names
+    assert got.dtype.itemsize == want.dtype.itemsize and got.shape == want.shape
+    assert got.flags.f_contiguous == want.flags.f_contiguous and got.flags.c_contiguous == want.flags.c_contiguous
+    assert got.tobytes(order="A") == want.tobytes(order="A")
+    np.testing.assert_array_equal(got, want)
 
 
 def test_header_versions_and_layouts(tmp_path):
@@ -132,6 +136,8 @@ def test_header_versions_and_layouts(tmp_path):
         "fortran.npy": (np.asfortranarray(rng.integers(0, 100, (4, 6)).astype(np.uint16)), None),
         "scalar.npy": (np.array(3.25), None),
         "struct.npy": (np.array([(1, b"ab"), (2, b"cd")], dtype=[("id", "<u4"), ("tag", "S2")]), None),
+        "bytes.npy": (np.arange(7, dtype=np.uint8), None),
+        "empty.npy": (np.zeros((0, 3), dtype=np.float64), None),
     }
     for name, (arr, version) in arrays.items():
         _write(tmp_path / name, arr, version)
@@ -142,18 +148,80 @@ def test_header_versions_and_layouts(tmp_path):
     index = npy_format(tmp_path)
     names = [os.path.basename(p) for p in index.files]
     assert names == sorted(arrays)
+    raw_bytes = gpuio.read(index, np.arange(len(index)))  # gpuio.read keeps the raw bytes
     for i, name in enumerate(names):
-        arr = arrays[name][0]
         s = index[i]
-        order = "F" if name == "fortran.npy" else "C"
-        assert s["data"] == arr.tobytes(order=order)
-        assert tuple(s["shape"].tolist()) == arr.shape
-        if order == "C":
-            np.testing.assert_array_equal(_view(s), arr)
-        else:
-            np.testing.assert_array_equal(_view(s | {"shape": s["shape"][::-1]}).T, arr)
+        _assert_same_array(s["data"], np.load(tmp_path / name, max_header_size=1 << 20))
+        assert tuple(s["shape"].tolist()) == arrays[name][0].shape
+        assert s["fortran_order"] is (name == "fortran.npy")
+        assert raw_bytes[i].tobytes() == arrays[name][0].tobytes(order="A")
         e = index.extent(i)
         assert e.offset + e.length == os.path.getsize(tmp_path / name)
+
+
+def test_fortran_order_comes_back_as_np_load_gives_it(tmp_path):
+    """Issue 10.1: the sample is the Fortran-order array, not its bytes read in C order."""
+    want = np.asfortranarray(np.random.default_rng(3).standard_normal((5, 7)))
+    np.save(tmp_path / "fortran_f64.npy", want)
+    got = npy_format(tmp_path / "fortran_f64.npy")[0]["data"]
+    _assert_same_array(got, np.load(tmp_path / "fortran_f64.npy"))
+    assert got.flags.f_contiguous and not got.flags.c_contiguous
+    np.testing.assert_array_equal(got[:, 1], want[:, 1])
+
+
+def test_structured_dtype_with_padding(tmp_path):
+    """Issue 10.2: the header's ('', '|V3') padding entry is padding, not a field f1."""
+    dtype = np.dtype({"names": ["a", "b", "c"], "formats": ["<i4", "u1", "<f8"],
+                      "offsets": [0, 4, 8], "itemsize": 16})
+    want = np.zeros(4, dtype=dtype)
+    want["a"], want["b"], want["c"] = [1, -2, 3, 4], [5, 6, 7, 8], [0.5, 1.5, -2.5, 9.0]
+    np.save(tmp_path / "padded.npy", want)
+    assert b"('', '|V3')" in (tmp_path / "padded.npy").read_bytes()[:128]
+    index = npy_format(tmp_path / "padded.npy")
+    got = index[0]["data"]
+    _assert_same_array(got, np.load(tmp_path / "padded.npy"))
+    assert got.dtype.names == ("a", "b", "c") and got.dtype.itemsize == 16
+    np.testing.assert_array_equal(got["c"], want["c"])
+    index.save(tmp_path / "padded.gpuio")  # the dtype survives a saved index
+    _assert_same_array(gpuio.SampleIndex.load(tmp_path / "padded.gpuio")[0]["data"], want)
+
+
+def test_loader_stacks_arrays_and_keeps_ragged_lists(tmp_path, device):
+    """Issue 11.4: one [B, ...] array per batch when shapes and dtypes agree, on the
+    loader's device (on a GPU the bytes land there and are viewed there); lists of
+    arrays otherwise."""
+    from conftest import to_host
+
+    rng = np.random.default_rng(5)
+    (tmp_path / "same").mkdir()
+    (tmp_path / "ragged").mkdir()
+    same = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(6)]
+    same[2] = np.asfortranarray(same[2])  # order does not change the values in a batch
+    for k, a in enumerate(same):
+        np.save(tmp_path / "same" / f"{k}.npy", a)
+    ragged = [np.arange(k + 1, dtype=np.int16) * k for k in range(5)]
+    for k, a in enumerate(ragged):
+        np.save(tmp_path / "ragged" / f"{k}.npy", a)
+    for output in ("numpy", "torch"):
+        loader = gpuio.Loader(npy_format(tmp_path / "same"), 4, device=device, output=output, threads=1)
+        assert loader._dev_fields == (("data",) if device == "cuda" else ())  # storage -> GPU, no host copy
+        batches = list(loader)
+        assert [len(b["index"]) for b in batches] == [4, 2]
+        data = batches[0]["data"]
+        if output == "torch":
+            assert data.device.type == device and data.dtype.is_floating_point
+            data = data.cpu().numpy()
+        else:
+            assert (device == "cuda") == hasattr(data, "__cuda_array_interface__")
+            data = to_host(data)
+        assert data.shape == (4, 3, 4) and data.dtype == np.float32
+        np.testing.assert_array_equal(data, np.stack(same[:4]))
+        np.testing.assert_array_equal(to_host(batches[1]["data"]) if output == "numpy"
+                                      else batches[1]["data"].cpu().numpy(), np.stack(same[4:]))
+    batch = next(iter(gpuio.Loader(npy_format(tmp_path / "ragged"), 5, device=device, output="numpy")))
+    assert isinstance(batch["data"], list) and len(batch["data"]) == 5
+    for got, want in zip(batch["data"], ragged):
+        _assert_same_array(to_host(got), want)
 
 
 def test_rows_reads_only_those_bytes(tmp_path):
@@ -163,10 +231,10 @@ def test_rows_reads_only_those_bytes(tmp_path):
     part = npy_format(tmp_path / "a.npy", rows=slice(3, 6))
     assert part.extent(0).offset == full.extent(0).offset + 3 * 7 * 4
     assert part.extent(0).length == 3 * 7 * 4
-    assert part[0]["data"] == arr[3:6].tobytes()
+    _assert_same_array(part[0]["data"], arr[3:6])
     assert part[0]["shape"].tolist() == [3, 7]
-    assert npy_format(tmp_path / "a.npy", rows=slice(8, 100))[0]["data"] == arr[8:].tobytes()
-    assert npy_format(tmp_path / "a.npy", rows=slice(-2, None))[0]["data"] == arr[-2:].tobytes()
+    _assert_same_array(npy_format(tmp_path / "a.npy", rows=slice(8, 100))[0]["data"], arr[8:])
+    _assert_same_array(npy_format(tmp_path / "a.npy", rows=slice(-2, None))[0]["data"], arr[-2:])
     with pytest.raises(FormatError, match="step"):
         npy_format(tmp_path / "a.npy", rows=slice(0, 6, 2))
     _write(tmp_path / "f.npy", np.asfortranarray(arr))
