@@ -10,7 +10,8 @@ from gpuio.formats.lmdb import lmdb
 from gpuio.formats.numpy import numpy
 from gpuio.formats.recordio import recordio
 from gpuio.formats.tfrecord import tfrecord
+from gpuio.formats.video import video
 from gpuio.formats.webdataset import webdataset
 from gpuio.index import concat
 
-__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "concat"]
+__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "video", "concat"]

@@ -16,12 +16,14 @@ from gpuio.ops.decode import DecodeImage, decode_image
 from gpuio.ops.fused import Compose, FusedCropResizeNormalize, fused_crop_resize_normalize, fused_reference
 from gpuio.ops.geometry import (CenterCrop, Flip, RandomResizedCrop, Resize, center_crop, flip,
                                 random_resized_crop, resize)
+from gpuio.ops.video import DecodeVideo, decode_video
 
 __all__ = [
     "CenterCrop",
     "ColorJitter",
     "Compose",
     "DecodeImage",
+    "DecodeVideo",
     "Flip",
     "FusedCropResizeNormalize",
     "Normalize",
@@ -30,6 +32,7 @@ __all__ = [
     "center_crop",
     "color_jitter",
     "decode_image",
+    "decode_video",
     "flip",
     "fused_crop_resize_normalize",
     "fused_reference",

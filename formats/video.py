@@ -1,0 +1,249 @@
+"""Video files: one sample per clip, read as the byte span of the clip's packets.
+
+Clips follow DALI's ``readers.video``: a clip starting at frame ``f0`` holds frames
+``f0, f0 + stride, ..., f0 + (sequence_length - 1) * stride`` (presentation order,
+counted from 0), clips start every ``step`` frames, and clips that would run past the
+last frame are left out. Labels are those of ``formats.filetree`` (sorted class
+folders, or ``path label`` lines of ``file_list``); a plain list of files is labelled
+by position.
+
+Indexing demuxes each file once with PyAV (FFmpeg), without decoding: per video packet
+its byte position, size, presentation time and keyframe flag. A clip's ``data`` extent
+is the byte span from the keyframe at or before ``f0`` through the last packet, in
+decode order, that its frames need. With B-frames the frames up to the clip's last
+one in presentation order can need packets later in decode order; the span runs to
+the latest of them. The packets of one clip are not always back to back: other streams
+(audio, subtitles) are interleaved with them. The span is read whole, as one extent,
+and the decoder takes the video packets out of it by the offsets stored per clip; an
+audio track adds its own few kB per clip to the read.
+
+Fields:
+    ``data``: the clip's packet span (bytes).
+    ``label`` (int64), ``file`` (int64: the video's number in sorted order), ``frame``
+        (int64: ``f0``).
+    ``packets``: per clip an int32 ``[P, 4]`` table, one row per video packet of the
+        span in decode order: byte offset in ``data``, size, the frame number it
+        carries (-1 for a packet the container marks as not shown), and the clip slot
+        ``j`` of that frame (-1 when the clip does not keep it).
+    ``codec``: per clip the decoder's parameters from the container header (decoder
+        name, size, pixel format, colour description, reorder depth) as JSON, a
+        newline and the codec's extradata bytes (``ops.video.codec_header`` parses it).
+
+Both per-clip tables are stored for every clip (a ``SampleIndex`` holds only
+per-sample columns): 16 bytes per packet of the span plus the header (tens of bytes
+for H.264, up to a few kB for x265's HEVC) per clip, well under 0.1 % of the bytes a
+clip reads. ``ops.decode_video`` turns these fields into frames.
+
+Errors at index time (``FormatError`` naming the file): no video stream, a file the
+demuxer cannot open (an MP4 cut short loses its ``moov`` box), packets that run past
+the end of the file or fewer packets than the header declares (a file cut short), and
+containers that give no byte position or timestamp per packet.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from gpuio.device import require
+from gpuio.errors import ConfigError, DataError, FormatError, StorageError
+from gpuio.formats.filetree import filetree
+from gpuio.index import Extents, PathTable, Ragged, SampleIndex
+
+__all__ = ["video", "VIDEO_EXTENSIONS"]
+
+VIDEO_EXTENSIONS = (".mp4", ".m4v", ".mov", ".mkv", ".webm")
+_EBML, _SEGMENT = b"\x1a\x45\xdf\xa3", b"\x18\x53\x80\x67"
+_MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip")
+_BLOCK_HEADER = 32  # most bytes between a packet's stated position and its data
+
+
+def video(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+          sequence_length: int, stride: int = 1, step: int | None = None,
+          file_list: str | os.PathLike[str] | None = None,
+          extensions: Sequence[str] = VIDEO_EXTENSIONS) -> SampleIndex:
+    """Index the clips of the videos under ``root_or_files`` (a directory of class
+    folders, or with ``file_list`` its ``path label`` lines) or of a list of files.
+
+    ``sequence_length`` frames per clip, ``stride`` frames apart; a clip starts every
+    ``step`` frames (default ``sequence_length``). See the module docstring for the
+    fields and the clip rule.
+    """
+    for name, value in (("sequence_length", sequence_length), ("stride", stride),
+                        ("step", sequence_length if step is None else step)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    step = sequence_length if step is None else int(step)
+    if isinstance(root_or_files, (str, os.PathLike)):
+        tree = filetree(root_or_files, extensions, file_list)
+        files, labels, meta = tree.files, tree.values["label"], dict(tree.meta)
+    else:
+        paths = [os.path.abspath(os.fspath(p)) for p in root_or_files]
+        if not paths:
+            raise DataError("no samples: an empty list of video files was given")
+        files, labels, meta = PathTable.from_paths(paths), np.arange(len(paths), dtype=np.int64), {}
+    meta.update(format="video", sequence_length=int(sequence_length), stride=int(stride), step=step)
+
+    av = require("av")
+    parts = [_clips(_demux(av, path), f, sequence_length, stride, step)
+             for f, path in enumerate(files)]
+    clip_file = np.concatenate([p[0] for p in parts])
+    if not len(clip_file):
+        raise DataError(f"no samples: no video has {(sequence_length - 1) * stride + 1} frames "
+                        f"(sequence_length={sequence_length}, stride={stride})", path=files[0])
+    extents = Extents(clip_file, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]))
+    tables = [t for p in parts for t in p[4]]
+    headers = [p[5] for p in parts for _ in range(len(p[0]))]
+    values = {
+        "label": labels[clip_file],
+        "file": clip_file.astype(np.int64),
+        "frame": np.concatenate([p[3] for p in parts]),
+        "packets": Ragged.from_list(tables, dtype=np.int32, row_shape=(4,)),
+        "codec": Ragged.from_list(headers, kind="bytes"),
+    }
+    return SampleIndex(files, {"data": extents}, values, meta=meta)
+
+
+class _Stream(NamedTuple):
+    """One file's video packets in decode order, and its decoder parameters."""
+
+    pos: np.ndarray  # int64 byte offset of each packet's data
+    size: np.ndarray  # int64 bytes
+    frame: np.ndarray  # int64 frame number (presentation order), -1 if not shown
+    key: np.ndarray  # bool keyframe
+    header: bytes  # the ``codec`` field value
+
+
+def _ebml_size(mm: mmap.mmap, at: int) -> tuple[int, int]:
+    """An EBML element size at byte ``at``: (value, bytes it takes); value -1 when
+    unknown (all ones)."""
+    first = mm[at] if at < len(mm) else 0
+    width = 9 - first.bit_length()
+    if not first or at + width > len(mm):
+        return -1, 1
+    value = int.from_bytes(mm[at:at + width], "big") & ((1 << (7 * width)) - 1)
+    return (-1 if value == (1 << (7 * width)) - 1 else value), width
+
+
+def _container_end(mm: mmap.mmap) -> int:
+    """Where the file's top-level structure says it ends (bytes): the end of the last
+    ISO-BMFF box (MP4, MOV) or of the Matroska/WebM segment; 0 when the file does not
+    say (another container, a segment of unknown size)."""
+    if mm[:4] == _EBML:
+        size, width = _ebml_size(mm, 4)
+        segment = 4 + width + size
+        if size < 0 or mm[segment:segment + 4] != _SEGMENT:
+            return 0
+        size, width = _ebml_size(mm, segment + 4)
+        return segment + 4 + width + size if size >= 0 else 0
+    if mm[4:8] not in _MP4_BOXES:
+        return 0
+    at = 0
+    while at + 8 <= len(mm):
+        size = int.from_bytes(mm[at:at + 4], "big")
+        if size == 1:
+            size = int.from_bytes(mm[at + 8:at + 16], "big")
+        elif size == 0:  # the last box runs to the end of the file
+            return len(mm)
+        if size < 8:
+            return 0
+        at += size
+    return at
+
+
+def _demux(av, path: str) -> _Stream:
+    """Demux ``path`` once (no decoding) and check each packet's bytes lie where the
+    container says."""
+    try:
+        container = av.open(path)
+    except av.FFmpegError as exc:
+        raise FormatError(f"cannot open as a video file (cut short, or not a video): {exc}", path=path) from exc
+    with container:
+        if not container.streams.video:
+            raise FormatError("no video stream in this file", path=path)
+        stream = container.streams.video[0]
+        cc = stream.codec_context
+        params = {"decoder": cc.codec.name, "width": cc.width, "height": cc.height, "pix_fmt": cc.pix_fmt,
+                  "reorder_depth": cc.reorder_depth, "colorspace": int(cc.colorspace),
+                  "color_range": int(cc.color_range), "color_primaries": int(cc.color_primaries),
+                  "color_trc": int(cc.color_trc)}
+        header = json.dumps(params, separators=(",", ":")).encode() + b"\n" + (cc.extradata or b"")
+        declared = stream.frames
+        pos, size, pts, key, shown = [], [], [], [], []
+        try:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                file_size = len(mm)
+                end = _container_end(mm)
+                if end > file_size:
+                    raise FormatError(f"file cut short: the container's headers say it runs to byte {end}, "
+                                      f"the file has {file_size} bytes", path=path, offset=file_size)
+                for packet in container.demux(stream):
+                    if packet.size == 0:  # the demuxer's end-of-stream marker
+                        continue
+                    d = len(pos)
+                    if packet.pos is None or packet.pos < 0 or packet.pts is None:
+                        raise FormatError(f"the container gives no byte position or timestamp for video packet "
+                                          f"{d}; remux it to MP4 or Matroska", path=path)
+                    # Matroska's position is the block's, a few header bytes before the frame
+                    data = bytes(packet)
+                    at = mm.find(data, packet.pos, packet.pos + _BLOCK_HEADER + packet.size)
+                    if at < 0:
+                        end = packet.pos + packet.size
+                        if end > file_size:
+                            raise FormatError(f"file cut short: video packet {d} ends at byte {end}, the file "
+                                              f"has {file_size} bytes", path=path, offset=packet.pos)
+                        raise FormatError(f"video packet {d} ({packet.size} bytes) is not stored verbatim at "
+                                          f"its position (compressed or laced frames)", path=path, offset=packet.pos)
+                    pos.append(at)
+                    size.append(packet.size)
+                    pts.append(packet.pts)
+                    key.append(packet.is_keyframe)
+                    shown.append(not packet.is_discard)
+        except av.FFmpegError as exc:
+            raise FormatError(f"cannot demux (cut short or corrupt): {exc}", path=path) from exc
+        except OSError as exc:
+            raise StorageError(f"cannot read: {exc.strerror or exc}", path=path) from exc
+    if declared and len(pos) != declared:
+        raise FormatError(f"file cut short: the header declares {declared} video frames, "
+                          f"{len(pos)} packets were found", path=path)
+    shown_ = np.array(shown, dtype=bool)
+    pts_ = np.array(pts, dtype=np.int64)
+    # frame numbers: the rank of each shown packet's timestamp (presentation order)
+    frame = np.full(len(pos), -1, dtype=np.int64)
+    by_time = np.flatnonzero(shown_)[np.argsort(pts_[shown_], kind="stable")]
+    frame[by_time] = np.arange(len(by_time))
+    return _Stream(np.array(pos, dtype=np.int64), np.array(size, dtype=np.int64), frame,
+                   np.array(key, dtype=bool), header)
+
+
+def _clips(s: _Stream, file_id: int, length: int, stride: int, step: int):
+    """The clips of one file: file ids, span offsets and lengths, first frames, packet
+    tables, codec header."""
+    n = int((s.frame >= 0).sum())
+    starts = np.arange(0, max(n - (length - 1) * stride, 0), step, dtype=np.int64)
+    decode_at = np.empty(n, dtype=np.int64)  # decode position of each frame
+    decode_at[s.frame[s.frame >= 0]] = np.flatnonzero(s.frame >= 0)
+    # the last packet (in decode order) needed to show every frame up to frame p
+    last_needed = np.maximum.accumulate(decode_at) if n else decode_at
+    key_frames = np.sort(s.frame[s.key & (s.frame >= 0)])
+    ends = s.pos + s.size
+    offsets, lengths, tables = [], [], []
+    for f0 in starts.tolist():
+        f_last = f0 + (length - 1) * stride
+        k = np.searchsorted(key_frames, f0, side="right") - 1
+        first = int(decode_at[key_frames[k]]) if k >= 0 else 0
+        rows = slice(first, int(last_needed[f_last]) + 1)
+        lo, hi = int(s.pos[rows].min()), int(ends[rows].max())
+        frames = s.frame[rows]
+        kept = (frames >= f0) & (frames <= f_last) & ((frames - f0) % stride == 0)
+        slot = np.where(kept, (frames - f0) // stride, -1)
+        tables.append(np.stack([s.pos[rows] - lo, s.size[rows], frames, slot], axis=1))
+        offsets.append(lo)
+        lengths.append(hi - lo)
+    return (np.full(len(starts), file_id, dtype=np.int32), np.array(offsets, dtype=np.int64),
+            np.array(lengths, dtype=np.int64), starts, tables, s.header)

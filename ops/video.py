@@ -1,0 +1,242 @@
+"""Video decoding: ``decode_video``, clips of ``formats.video`` to RGB frames.
+
+Each sample's ``data`` is its clip's packet span, ``packets`` the table of the video
+packets in it (offset, size, frame number, clip slot) and ``codec`` the decoder
+parameters from the container header (see ``formats.video``). The decoder is fed the
+packets from the keyframe on, in decode order, and the clip keeps the pictures whose
+frame numbers it asks for: ``frames``, uint8 ``[F, H, W, 3]`` RGB per sample, in clip
+order. Where the batch's clips agree in shape their frames are views into one
+``[B, F, H, W, 3]`` array, which the Loader hands over without a copy.
+
+CPU: PyAV (FFmpeg's decoders, libdav1d for AV1). Clips decode in parallel on a thread
+pool (FFmpeg runs with the GIL released). Packets whose pictures the clip does not keep
+are sent with ``skip_frame="NONREF"``, so a non-reference picture nobody looks at is
+not decoded at all; every picture the clip keeps, and every reference picture, is
+decoded as FFmpeg decodes it from the start of the file, and converted to RGB by the
+same ``VideoFrame.to_ndarray(format="rgb24")`` call (the frame's own colour space; with
+``size`` the same call with ``width``/``height``, swscale's bilinear filter). The frames
+equal, bit for bit, those of decoding the whole file with PyAV.
+
+GPU: PyNvVideoCodec (NVDEC). H.264/HEVC packets are turned into Annex B (FFmpeg's
+``*_mp4toannexb`` bitstream filters on the host: parameter sets from the extradata go in
+front of the keyframe), the decoder returns NV12 surfaces in device memory, and a CuPy
+kernel converts the kept ones to RGB (BT.601 or BT.709 as the stream says, limited or
+full range) into one ``[B, F, H, W, 3]`` device array; ``size`` resizes it bilinearly
+on the GPU. NVDEC's pictures equal FFmpeg's (decoding is exact for these codecs); the
+colour conversion differs from swscale's by rounding (a level or two).
+
+A packet the decoder rejects, or a frame it does not return, is a ``FormatError``
+naming the sample, the frame number and the packet's byte offset in the clip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from gpuio.batch import Batch, Op
+from gpuio.device import require
+from gpuio.errors import ConfigError, FormatError
+
+__all__ = ["DecodeVideo", "decode_video", "CodecHeader", "codec_header", "decode_clip"]
+
+
+class CodecHeader(NamedTuple):
+    """What a decoder needs from the container header (``formats.video``)."""
+
+    decoder: str  # FFmpeg decoder name: h264, hevc, vp9, libdav1d ...
+    width: int  # pixels
+    height: int  # pixels
+    pix_fmt: str
+    reorder_depth: int
+    colorspace: int  # FFmpeg AVColorSpace
+    color_range: int  # FFmpeg AVColorRange
+    color_primaries: int
+    color_trc: int
+    extradata: bytes
+
+
+_headers: dict[bytes, CodecHeader] = {}
+# FFmpeg decoders that read skip_frame for each packet as it is decoded (libdav1d reads
+# it as it drains its queue, which drops pictures that were asked for)
+_SKIP_PER_PACKET = {"h264", "hevc", "vp9"}
+
+
+def codec_header(blob: Any) -> CodecHeader:
+    """Parse a ``codec`` field value (JSON, a newline, the extradata)."""
+    blob = bytes(blob)
+    header = _headers.get(blob)
+    if header is None:
+        text, _, extradata = blob.partition(b"\n")
+        try:
+            header = CodecHeader(**json.loads(text), extradata=extradata)
+        except (ValueError, TypeError) as exc:
+            raise FormatError(f"bad codec header in the index: {exc}") from exc
+        if len(_headers) > 1024:
+            _headers.clear()
+        _headers[blob] = header
+    return header
+
+
+def _context(av: Any, header: CodecHeader, threads: int) -> Any:
+    ctx = av.CodecContext.create(header.decoder, "r")
+    ctx.width, ctx.height, ctx.pix_fmt = header.width, header.height, header.pix_fmt
+    ctx.reorder_depth = header.reorder_depth
+    ctx.colorspace, ctx.color_range = header.colorspace, header.color_range
+    ctx.color_primaries, ctx.color_trc = header.color_primaries, header.color_trc
+    if header.extradata:
+        ctx.extradata = header.extradata
+    ctx.thread_count = threads
+    ctx.thread_type = "AUTO" if threads != 1 else "SLICE"
+    return ctx
+
+
+def _table(packets: Any) -> np.ndarray:
+    table = np.asarray(packets)
+    if table.ndim != 2 or table.shape[1] != 4:
+        raise ConfigError(f"packets table of shape {table.shape}; decode_video needs the 'packets' field "
+                          f"of formats.video ([P, 4] int32 per clip)")
+    return table
+
+
+def clip_length(packets: Any) -> int:
+    """Frames the clip keeps (one more than its highest slot)."""
+    slots = _table(packets)[:, 3]
+    return int(slots.max()) + 1 if len(slots) else 0
+
+
+def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | None = None,
+                out: np.ndarray | None = None, sample: object = None, threads: int = 1) -> np.ndarray:
+    """Decode one clip on the CPU: ``[F, H, W, 3]`` uint8 RGB (``size=(h, w)`` resizes).
+
+    ``data``, ``packets`` and ``codec`` are one sample's fields of ``formats.video``;
+    ``out`` (optional) receives the frames; ``threads`` are FFmpeg's own threads for
+    this clip.
+    """
+    av = require("av")
+    table = _table(packets)
+    header = codec_header(codec)
+    buf = memoryview(np.ascontiguousarray(np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray)
+                                          else data)).cast("B")
+    count = clip_length(table)
+    slot_of = {int(f): int(j) for f, j in table[:, 2:4].tolist() if j >= 0}
+    h, w = size if size is not None else (header.height, header.width)
+    frames = out if out is not None else np.empty((count, h, w, 3), np.uint8)
+    filled = np.zeros(count, dtype=bool)
+    resize = {"width": w, "height": h} if size is not None else {}
+    ctx = _context(av, header, threads)
+    rows = table.tolist()
+    skips = header.decoder in _SKIP_PER_PACKET
+    bad_row = 0
+
+    def keep(pictures: list[Any]) -> None:
+        for picture in pictures:
+            j = slot_of.get(picture.pts, -1)
+            if j < 0:
+                continue
+            rgb = picture.to_ndarray(format="rgb24", **resize)
+            if rgb.shape != frames.shape[1:]:
+                raise FormatError(f"frame {picture.pts} is {rgb.shape[1]}x{rgb.shape[0]} pixels, the clip's other "
+                                  f"frames {frames.shape[2]}x{frames.shape[1]}", sample=sample)
+            frames[j] = rgb
+            filled[j] = True
+
+    try:
+        for bad_row, (offset, length, frame, slot) in enumerate(rows):
+            packet = av.Packet(buf[offset: offset + length])
+            # pictures come back with the packet's pts: the frame number (negative: not shown)
+            packet.pts = packet.dts = frame if frame >= 0 else -1 - bad_row
+            if skips:
+                ctx.skip_frame = "DEFAULT" if slot >= 0 else "NONREF"
+            keep(ctx.decode(packet))
+        bad_row = len(rows)
+        keep(ctx.decode(None))
+    except av.FFmpegError as exc:
+        where = rows[min(bad_row, len(rows) - 1)]
+        raise FormatError(f"cannot decode frame {where[2]} (packet at byte {where[0]} of the clip): {exc}",
+                          sample=sample) from exc
+    if not filled.all():
+        missing = int(np.flatnonzero(~filled)[0])
+        frame = next(f for f, j in slot_of.items() if j == missing)
+        raise FormatError(f"the decoder gave no picture for frame {frame} (clip slot {missing}); "
+                          f"a packet of the clip is corrupt", sample=sample)
+    return frames
+
+
+_pool_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    """One pool per process (made anew after fork)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="gpuio-video"))
+        return _pool[1]
+
+
+class DecodeVideo(Op):
+    """Decode clips (``formats.video``) into ``out``: uint8 ``[F, H, W, 3]`` RGB per
+    row, ``size=(h, w)`` pixels when given. Reads ``field`` (host memory), ``packets``
+    and ``codec``; drops ``packets`` and ``codec`` from the batch."""
+
+    def __init__(self, size: tuple[int, int] | None = None, field: str = "data", out: str = "frames") -> None:
+        if size is not None:
+            if len(size) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
+                                     for v in size):
+                raise ConfigError(f"size {size!r}; give (height, width) in pixels or None")
+            size = (int(size[0]), int(size[1]))
+        self.size, self.field, self.out = size, field, out
+        self.host_inputs = (field,)
+
+    def __call__(self, batch: Batch) -> Batch:
+        for name in ("packets", "codec"):
+            if name not in batch.data:
+                raise ConfigError(f"decode_video needs the field {name!r} of formats.video in the batch; "
+                                  f"load it (Loader fields=...)")
+        shapes = [self._shape(p, c) for p, c in zip(batch.data["packets"], batch.data["codec"])]
+        if batch.device.is_cuda:
+            from gpuio.ops._nvdec import decode_batch
+
+            frames = decode_batch(batch, self.field, shapes, self.size)
+        else:
+            frames = self._decode_cpu(batch, shapes)
+        batch.data[self.out] = frames
+        del batch.data["packets"], batch.data["codec"]
+        batch.drop_rejected()
+        return batch
+
+    def _shape(self, packets: Any, codec: Any) -> tuple[int, int, int, int]:
+        header = codec_header(codec)
+        h, w = self.size if self.size is not None else (header.height, header.width)
+        return clip_length(packets), h, w, 3
+
+    def _decode_cpu(self, batch: Batch, shapes: list[tuple[int, ...]]) -> list[Any]:
+        data, packets, codecs = batch.data[self.field], batch.data["packets"], batch.data["codec"]
+        block = np.empty((len(shapes), *shapes[0]), np.uint8) if len(set(shapes)) == 1 else None
+        # few clips: FFmpeg's own threads; many: one thread per clip
+        threads = max(1, (os.cpu_count() or 1) // max(1, len(shapes)))
+
+        def one(row: int) -> Any:
+            try:
+                return decode_clip(data[row], packets[row], codecs[row], self.size,
+                                   None if block is None else block[row], int(batch.index[row]), threads)
+            except FormatError as exc:
+                return exc
+
+        results = list(_executor().map(one, range(len(shapes))))
+        for row, result in enumerate(results):
+            if isinstance(result, FormatError):
+                batch.reject(row, result)
+        return results
+
+
+def decode_video(size: tuple[int, int] | None = None, field: str = "data", out: str = "frames") -> DecodeVideo:
+    """See ``DecodeVideo``."""
+    return DecodeVideo(size, field, out)
