@@ -13,6 +13,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from gpuio._fork import keep_forever, renew_after_fork
+
 
 class HandleCache:
     def __init__(self, open_fn: Callable[[str], Any], close_fn: Callable[[Any], None],
@@ -23,6 +25,15 @@ class HandleCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, list[Any]] = OrderedDict()  # key -> [handle, users]
         self._doomed: dict[int, list[Any]] = {}  # evicted while in use
+        renew_after_fork(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: forget the parent's handles (cuFile ones must not be closed
+        here) and a lock a parent's thread may have held; handles reopen on demand."""
+        keep_forever([entry[0] for entry in (*self._entries.values(), *self._doomed.values())])
+        self._lock = threading.Lock()
+        self._entries.clear()
+        self._doomed.clear()
 
     def acquire(self, key: str) -> Any:
         with self._lock:

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from gpuio._fork import renew_after_fork
 from gpuio.buffers import Lease
 from gpuio.errors import ConfigError, StorageError
 
@@ -78,6 +79,12 @@ class PosixBackend:
         self._no_direct: set[str | bytes] = set()  # files whose filesystem refused O_DIRECT
         self._nowait = hasattr(os, "RWF_NOWAIT")  # cleared if the kernel refuses it
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        renew_after_fork(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's reader threads are gone; a new pool starts on demand."""
+        self._pool = None
         self._pool_lock = threading.Lock()
 
     @property

@@ -5,6 +5,12 @@ allocate, so released buffers are kept and reused. The pool never holds more tha
 budget: cached buffers are freed to make room, a request that cannot fit even in an
 empty pool raises ``BufferBudgetError`` naming the budget and the request, and a request
 that fits but finds the budget taken by buffers still in use waits for one to return.
+The process-wide pool (``default_pool()``) takes its budget from ``gpuio.config`` at
+each request, so an override of ``buffer_budget`` applies exactly where it is in force.
+
+In a forked child each pool starts empty: buffers lent or cached before the fork stay
+the parent's (host buffers are private, copy-on-write mappings), and when the parent
+had CUDA in use, host buffers are not pinned (no CUDA call is allowed there).
 
 A ``Lease`` goes back to the pool when the last array viewing it is garbage collected,
 so arrays handed to users (and tensors made from them by DLPack) stay valid as long as
@@ -21,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from gpuio import config
+from gpuio import _fork, config
 from gpuio.device import Device, parse_device, require
-from gpuio.errors import BufferBudgetError
+from gpuio.errors import BufferBudgetError, DeviceError
 
 __all__ = ["BufferPool", "Lease", "default_pool", "pooled_empty"]
 
@@ -55,7 +61,7 @@ class _Storage:
             # Anonymous mmap: page aligned (O_DIRECT's rule) and, where the kernel has
             # transparent huge pages, backed by 2 MiB pages, so that filling a fresh
             # batch buffer costs few page faults and TLB misses.
-            self._mem = mmap.mmap(-1, capacity)
+            self._mem = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE)  # a forked child gets a copy
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 self._mem.madvise(mmap.MADV_HUGEPAGE)
             self.array = np.frombuffer(self._mem, dtype=np.uint8, count=capacity)
@@ -72,7 +78,7 @@ class Lease:
         self._storage = storage
         self.nbytes = nbytes
         self.device = storage.device
-        weakref.finalize(self, pool._give_back, storage)
+        weakref.finalize(self, pool._give_back, storage, pool._generation)
 
     @property
     def __array_interface__(self) -> dict[str, Any]:
@@ -92,30 +98,57 @@ class Lease:
 
 
 class BufferPool:
-    """Reusable batch buffers, at most ``budget`` bytes per pool (default from config)."""
+    """Reusable batch buffers, at most ``budget`` bytes per pool. With ``budget=None``
+    the pool follows the ``buffer_budget`` setting in force at each ``acquire``."""
 
     def __init__(self, budget: int | None = None, *, wait_s: float = 60.0) -> None:
-        self.budget = int(config.get("buffer_budget") if budget is None else budget)
+        self._budget = None if budget is None else int(budget)
         self.wait_s = wait_s
         self._lock = threading.Condition()
         self._free: list[_Storage] = []
         self._held = 0  # bytes allocated, in use or free
+        self._generation = 0  # forks seen: a buffer lent in an earlier one is not ours
+        _fork.renew_after_fork(self)
+
+    def _after_fork(self) -> None:
+        _fork.keep_forever([s for s in self._free if s.device.is_cuda or s.pinned])
+        self._lock = threading.Condition()  # a parent's thread may have held it
+        self._free = []
+        self._held = 0
+        self._generation += 1
+
+    @property
+    def budget(self) -> int:
+        """Bytes this pool may hold now."""
+        return int(config.get("buffer_budget")) if self._budget is None else self._budget
 
     @property
     def held_bytes(self) -> int:
         return self._held
 
+    def charge(self, nbytes: int) -> int:
+        """Bytes of the budget that a buffer of ``nbytes`` takes (sizes are rounded up
+        so that they repeat, unless the rounded size would not fit the budget)."""
+        capacity = _round_capacity(max(int(nbytes), 1))
+        return capacity if capacity <= self.budget else int(nbytes)
+
     def acquire(self, nbytes: int, device: str | Device = "cpu", *, pinned: bool = False) -> Lease:
         """Lend a buffer of at least ``nbytes`` bytes on ``device``."""
         device = parse_device(device)
-        pinned = pinned and not device.is_cuda
+        if device.is_cuda and _fork.parent_used_cuda:
+            raise DeviceError(
+                "this process was forked from one that had CUDA in use, and CUDA cannot be used "
+                "in such a child; start worker processes with the 'spawn' method (torch DataLoader: "
+                "multiprocessing_context='spawn') or read with device='cpu' there")
+        pinned = pinned and not device.is_cuda and not _fork.parent_used_cuda
+        budget = self.budget
         capacity = _round_capacity(max(int(nbytes), 1))
-        if capacity > self.budget:
+        if capacity > budget:
             capacity = int(nbytes)
-        if capacity > self.budget:
+        if capacity > budget:
             raise BufferBudgetError(
                 f"a batch buffer of {nbytes:,} bytes was requested, but the buffer budget is "
-                f"{self.budget:,} bytes; raise it with gpuio.config.override(buffer_budget=...) "
+                f"{budget:,} bytes; raise it with gpuio.config.override(buffer_budget=...) "
                 f"or GPUIO_BUFFER_BUDGET, or use a smaller batch")
         deadline = time.monotonic() + self.wait_s
         with self._lock:
@@ -126,16 +159,16 @@ class BufferPool:
                     best = min(fit, key=lambda s: s.capacity)
                     self._free.remove(best)
                     return Lease(self, best, int(nbytes))
-                while self._free and self._held + capacity > self.budget:
+                while self._free and self._held + capacity > budget:
                     self._held -= self._free.pop(0).capacity
-                if self._held + capacity <= self.budget:
+                if self._held + capacity <= budget:
                     self._held += capacity
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise BufferBudgetError(
                         f"waited {self.wait_s:.0f} s for {capacity:,} bytes of batch buffer, but "
-                        f"{self._held:,} of the {self.budget:,}-byte budget stay in use; release "
+                        f"{self._held:,} of the {budget:,}-byte budget stay in use; release "
                         f"references to old batches or raise buffer_budget")
                 self._lock.wait(left)
         try:
@@ -147,7 +180,11 @@ class BufferPool:
             raise
         return Lease(self, storage, int(nbytes))
 
-    def _give_back(self, storage: _Storage) -> None:
+    def _give_back(self, storage: _Storage, generation: int) -> None:
+        if generation != self._generation:  # lent before this process forked: the parent's
+            if storage.device.is_cuda or storage.pinned:
+                _fork.keep_forever([storage])
+            return
         with self._lock:
             self._free.append(storage)
             self._lock.notify_all()
@@ -161,11 +198,12 @@ class BufferPool:
 
 
 _default: BufferPool | None = None
-_default_lock = threading.Lock()
+_default_lock = _fork.RenewedLock()
 
 
 def default_pool() -> BufferPool:
-    """The process-wide pool that ``gpuio.read`` uses."""
+    """The process-wide pool that ``gpuio.read`` uses; its budget is the setting in force
+    at each request."""
     global _default
     with _default_lock:
         if _default is None:

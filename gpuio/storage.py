@@ -14,7 +14,6 @@ and one copy otherwise.
 from __future__ import annotations
 
 import importlib.util
-import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from gpuio import config
+from gpuio._fork import RenewedLock
 from gpuio.buffers import BufferPool, Lease, default_pool
 from gpuio.device import Device, check_cuda, cuda_available, parse_device, require
 from gpuio.errors import ConfigError, OutOfRangeError
@@ -176,7 +176,7 @@ def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Se
 # A reader dropped here ends its threads once no caller uses it any more (the thread
 # pool's workers exit when the pool is garbage collected).
 _readers: OrderedDict[tuple[Any, ...], Reader] = OrderedDict()
-_readers_lock = threading.Lock()
+_readers_lock = RenewedLock()  # free in a forked child, whoever held it at the fork
 _READERS_KEPT = 4
 
 
