@@ -8,7 +8,16 @@ whole record, framing included) or from one scan of the file.
 
 CRCs are checked at index time: a scan always checks each length CRC (the length
 decides where the next record starts); ``verify=True`` also checks every payload CRC,
-and with an index file reads each indexed record's framing. Reads never re-check.
+and with an index file reads each indexed record's framing. Reads never re-check. An
+index file must cover its data file exactly (records back to back from byte 0 to the
+end); one that does not (empty, cut short, made for another file) is an error.
+
+Compressed files (``TFRecordOptions`` ``GZIP``/``ZLIB``: the whole file one gzip or
+zlib stream) cannot be read in place: records are extents of uncompressed bytes.
+``compression="gzip"``/``"zlib"`` decompresses each file once into
+``<cache_dir>/tfrecord/`` (``gpuio.config`` ``cache_dir``, default ``~/.cache/gpuio``;
+reused while the source's size and mtime are unchanged) and indexes that copy; without
+it a compressed file is a ``FormatError`` that says so.
 
 With ``features``, the payload is parsed after the read as a ``tf.train.Example``
 by a small protobuf decoder (``ExampleParser``); bytes features come back as views
@@ -17,16 +26,19 @@ into the batch buffer.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
 import warnings
+import zlib
 from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError
 from gpuio.index import Extents, PathTable, SampleIndex, register_parser
 
@@ -36,6 +48,8 @@ _KINDS = ("bytes", "int64", "float")
 _KIND_FIELD = {"bytes": 1, "float": 2, "int64": 3}  # Feature's oneof field numbers
 _HEADER = 12  # uint64 length + uint32 length CRC
 _FRAMING = 16  # header + uint32 payload CRC
+_COMPRESSIONS = ("gzip", "zlib")
+_CHUNK = 4 << 20  # bytes per decompression step
 
 
 def masked_crc32c(data: Any) -> int:
@@ -50,7 +64,8 @@ def masked_crc32c(data: Any) -> int:
 
 def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
              index_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str] | None] | None = None,
-             features: Mapping[str, str] | None = None, verify: bool = False) -> SampleIndex:
+             features: Mapping[str, str] | None = None, verify: bool = False,
+             compression: str | None = None) -> SampleIndex:
     """Index the records of one or more TFRecord files, in file then record order.
 
     ``index_paths``: one ``tfrecord2idx`` index file per data file (``None`` entries,
@@ -60,8 +75,15 @@ def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     payload is the extent field ``record`` and every named feature is a field, parsed
     after the read: ``bytes`` as a uint8 view into the batch buffer (a list of views
     when the list has several values), ``int64``/``float`` as an ``int64``/``float32``
-    scalar when the list holds one value, else an array. Field ``record_number`` is
-    the record's position in its file.
+    scalar when the list holds one value, else an array; a feature with no value
+    (``tf.train.Feature()``) or an empty list gives an empty list (``bytes``) or an
+    empty array, as TensorFlow parses it. Field ``record_number`` is the record's
+    position in its file.
+
+    ``compression``: ``None`` for plain files, ``"gzip"`` or ``"zlib"`` for files
+    written with that ``TFRecordOptions`` compression, which are decompressed once
+    into the cache folder (see the module docstring); the index's files are then the
+    decompressed copies, and ``index.meta["decompressed_from"]`` lists the originals.
     """
     paths = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
     if not paths:
@@ -73,6 +95,12 @@ def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     index_paths = [None if p is None else os.fspath(p) for p in index_paths]
     if len(index_paths) != len(paths):
         raise ConfigError(f"{len(index_paths)} index files for {len(paths)} TFRecord files; give one per file")
+    if compression not in (None, *_COMPRESSIONS):
+        raise ConfigError(f"compression={compression!r}; choose None, 'gzip' or 'zlib'")
+    meta: dict[str, Any] = {"format": "tfrecord", "verified": bool(verify)}
+    if compression is not None:
+        meta["decompressed_from"] = [os.path.abspath(p) for p in paths]
+        paths = [_decompressed(p, compression) for p in paths]
     parser = ExampleParser(dict(features)) if features is not None else None
     if parser is not None and {"record", "record_number"} & set(parser.fields):
         raise ConfigError("feature names 'record' and 'record_number' are taken by the index's own fields")
@@ -86,8 +114,7 @@ def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     extents = Extents(np.concatenate(files), np.concatenate(offsets), np.concatenate(lengths))
     field = "data" if parser is None else "record"
     return SampleIndex(PathTable.from_paths([os.path.abspath(p) for p in paths]), {field: extents},
-                       {"record_number": np.concatenate(numbers)}, parser,
-                       meta={"format": "tfrecord", "verified": bool(verify)})
+                       {"record_number": np.concatenate(numbers)}, parser, meta=meta)
 
 
 def _records(path: str, index_path: str | None, verify: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -99,6 +126,7 @@ def _records(path: str, index_path: str | None, verify: bool) -> tuple[np.ndarra
     except OSError as exc:
         raise DataError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc
     try:
+        _refuse_compressed(mm, size, path)
         if index_path is None:
             return _scan(mm, size, path, verify)
         start, total = _read_index(index_path, path, size)
@@ -141,8 +169,8 @@ def _check_header(mm: Any, size: int, pos: int, k: int, path: str) -> int:
         raise FormatError(f"length CRC mismatch (stored {stored:#010x}, computed {computed:#010x})",
                           path=path, sample=f"record {k}", offset=pos)
     if pos + _FRAMING + n > size:
-        raise FormatError(f"truncated record: {n} payload bytes announced, the file ends "
-                          f"{size - pos - _FRAMING} bytes after the header", path=path,
+        raise FormatError(f"truncated record: the header announces {n} payload bytes and a 4-byte CRC, "
+                          f"the file has {size - pos - _HEADER} bytes after the header", path=path,
                           sample=f"record {k}", offset=pos)
     return n
 
@@ -171,7 +199,96 @@ def _read_index(index_path: str, path: str, size: int) -> tuple[np.ndarray, np.n
         raise FormatError(f"index file {index_path} line {k + 1}: record of {int(total[k])} bytes at byte "
                           f"{int(start[k])} does not fit the file ({size} bytes; a record has at least "
                           f"{_FRAMING})", path=path, sample=f"record {k}", offset=int(start[k]))
+    ends = start + total
+    gap = np.flatnonzero(start != np.concatenate(([0], ends[:-1])))
+    covered = int(ends[-1]) if len(ends) else 0
+    if gap.size or covered != size:
+        where = (f"line {int(gap[0]) + 1} starts at byte {int(start[gap[0]])}, where the records before end "
+                 f"at byte {int(ends[gap[0] - 1]) if gap[0] else 0}" if gap.size
+                 else f"its {len(start)} records end at byte {covered}")
+        raise FormatError(f"index file {index_path} does not cover the data file ({size} bytes): {where}; "
+                          f"rebuild it (tfrecord2idx) or pass no index file to scan the data",
+                          path=path, offset=int(start[gap[0]]) if gap.size else covered)
     return start.copy(), total.copy()
+
+
+def _compression_of(head: bytes) -> str | None:
+    """``"gzip"`` or ``"zlib"`` when ``head`` starts such a stream (RFC 1952 magic;
+    RFC 1950's deflate method byte 0x78 and header check), else ``None``."""
+    if head[:2] == b"\x1f\x8b":
+        return "gzip"
+    if len(head) >= 2 and head[0] == 0x78 and (head[0] << 8 | head[1]) % 31 == 0:
+        return "zlib"
+    return None
+
+
+def _refuse_compressed(mm: Any, size: int, path: str) -> None:
+    """A file whose first bytes are no valid record header but a gzip/zlib stream is
+    a compressed TFRecord: say so, and how to read it."""
+    if size < _HEADER or struct.unpack_from("<I", mm, 8)[0] == _crc_at(mm, 0, 8):
+        return
+    kind = _compression_of(bytes(mm[:2]))
+    if kind is not None:
+        raise FormatError(f"the file is a {kind}-compressed TFRecord (TFRecordOptions compression "
+                          f"{kind.upper()}), whose records cannot be read in place; pass "
+                          f"compression={kind!r} to decompress it once into the cache folder",
+                          path=path, offset=0)
+
+
+def _decompressed(path: str, compression: str) -> str:
+    """The uncompressed copy of ``path`` in the cache folder, made once."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise DataError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc
+    folder = os.path.join(config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio"),
+                          "tfrecord")
+    tag = hashlib.sha256(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{compression}".encode()).hexdigest()[:24]
+    out = os.path.join(folder, f"{tag}-{os.path.basename(path)}")
+    if os.path.exists(out):
+        return out
+    tmp = f"{out}.{os.getpid()}.part"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            _inflate(src, dst, compression, path)
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise DataError(f"cannot decompress into {folder}: {exc.strerror or exc}", path=path) from exc
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out
+
+
+def _inflate(src: Any, dst: Any, compression: str, path: str) -> None:
+    """Copy ``src``'s decompressed bytes to ``dst``: one or more gzip members, or one
+    zlib stream."""
+    found = _compression_of(src.read(2))
+    if found != compression:
+        raise FormatError(f"compression={compression!r}, but the file does not start a {compression} stream "
+                          f"(it looks {found + '-compressed' if found else 'uncompressed'})", path=path, offset=0)
+    src.seek(0)
+    wbits = 16 + zlib.MAX_WBITS if compression == "gzip" else zlib.MAX_WBITS
+    d, at = zlib.decompressobj(wbits), 0  # at: where the current stream starts
+    try:
+        while chunk := src.read(_CHUNK):
+            while chunk:
+                if d.eof:  # gzip allows several members; nothing may follow a zlib stream
+                    if compression == "zlib":
+                        raise FormatError(f"{os.fstat(src.fileno()).st_size - at} bytes after the end of the "
+                                          f"zlib stream", path=path, offset=at)
+                    d = zlib.decompressobj(wbits)
+                dst.write(d.decompress(chunk))
+                chunk = d.unused_data if d.eof else b""
+                if d.eof:
+                    at = src.tell() - len(chunk)
+        dst.write(d.flush())
+    except zlib.error as exc:
+        raise FormatError(f"bad {compression} data ({exc})", path=path, offset=at) from None
+    if not d.eof:
+        raise FormatError(f"the {compression} stream ends early: the file is cut short", path=path,
+                          offset=src.tell())
 
 
 def _int_table(path: str, columns: int) -> np.ndarray:
@@ -242,12 +359,12 @@ def _signed(v: int) -> int:
 def _feature(buf: memoryview, record: np.ndarray, start: int, end: int, kind: str, name: str) -> Any:
     """Decode a ``Feature`` message of the expected ``kind``."""
     want = _KIND_FIELD[kind]
-    found = None
+    found = (want, start, start)  # no kind set (tf.train.Feature()): an empty list, as TensorFlow reads it
     for number, wire, a, b in _fields(buf, start, end):
         if number in (1, 2, 3) and wire == 2:
             found = (number, a, b)
-    if found is None or found[0] != want:
-        got = "no value" if found is None else next(k for k, f in _KIND_FIELD.items() if f == found[0])
+    if found[0] != want:
+        got = next(k for k, f in _KIND_FIELD.items() if f == found[0])
         raise _Bad(f"feature {name!r} holds {got}, expected {kind}", start)
     _, a, b = found
     items: list[Any] = []
@@ -283,7 +400,7 @@ def _feature(buf: memoryview, record: np.ndarray, start: int, end: int, kind: st
 class ExampleParser:
     """Parses TFRecord payloads as ``tf.train.Example`` and returns ``features``
     (``{name: "bytes" | "int64" | "float"}``); a missing feature or another kind is
-    a ``FormatError``."""
+    a ``FormatError``, a feature with no kind set an empty value."""
 
     name = "tfrecord.example"
     source = "record"

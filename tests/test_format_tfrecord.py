@@ -160,13 +160,121 @@ def test_hand_written_protobuf_variants(tmp_path):
     sample = index[0]
     np.testing.assert_array_equal(sample["i"], [-7, 9])
     np.testing.assert_array_equal(sample["f"], np.array([1.5, -2.0], dtype=np.float32))
-    with pytest.raises(FormatError, match="feature 'e' holds no value, expected bytes") as err:
-        tfrecord(path, features={"e": "bytes"})[0]
-    assert err.value.sample == 0 and err.value.offset == 12
+    assert tfrecord(path, features={"e": "bytes"})[0]["e"] == []  # an entry without a value: empty
     with pytest.raises(FormatError, match="feature 'missing' missing"):
         tfrecord(path, features={"missing": "int64"})[0]
     with pytest.raises(FormatError, match="feature 'i' holds int64, expected float"):
         tfrecord(path, features={"i": "float"})[0]
+
+
+def _write_payloads(path, payloads):
+    """Frame serialized protobufs as TFRecords, with the tfrecord package's CRC."""
+    with open(path, "wb") as f:
+        for payload in payloads:
+            header = struct.pack("<Q", len(payload))
+            f.write(header + tfrecord_pkg.TFRecordWriter.masked_crc(header) + payload
+                    + tfrecord_pkg.TFRecordWriter.masked_crc(payload))
+    return path
+
+
+def test_feature_with_no_kind_is_empty(tmp_path):
+    """Issue 10.3: tf.train.Feature() (no kind set) parses as an empty list, as
+    TensorFlow's parser and DALI's variable-length reader read it."""
+    from tfrecord import example_pb2
+
+    examples = []
+    for k in range(3):
+        ex = example_pb2.Example()
+        feats = ex.features.feature
+        feats["label"].int64_list.value.append(k)
+        if k == 1:
+            for name in ("maybe_i", "maybe_f", "maybe_b"):
+                feats[name].CopyFrom(example_pb2.Feature())
+        else:
+            feats["maybe_i"].int64_list.value.extend([k, -k])
+            feats["maybe_f"].float_list.value.extend([k / 2, 1.0])
+            feats["maybe_b"].bytes_list.value.extend([b"x" * k, b"yz"])
+        examples.append(ex)
+    path = _write_payloads(tmp_path / "maybe.tfrecord", [ex.SerializeToString() for ex in examples])
+    empty = examples[1].features.feature["maybe_i"]
+    assert empty.WhichOneof("kind") is None and empty.SerializeToString() == b""
+    index = tfrecord(path, features={"label": "int64", "maybe_i": "int64", "maybe_f": "float",
+                                     "maybe_b": "bytes"}, verify=True)
+    s = index[1]
+    assert s["label"] == 1
+    assert s["maybe_i"].dtype == np.int64 and s["maybe_i"].shape == (0,)
+    assert s["maybe_f"].dtype == np.float32 and s["maybe_f"].shape == (0,)
+    assert s["maybe_b"] == []
+    for k in (0, 2):
+        assert index[k]["maybe_i"].tolist() == [k, -k]
+        assert index[k]["maybe_f"].tolist() == [k / 2, 1.0]
+        assert [b.tobytes() for b in index[k]["maybe_b"]] == [b"x" * k, b"yz"]
+
+
+@pytest.mark.parametrize("compression", ["gzip", "zlib"])
+def test_compressed_files(tmp_path, compression, monkeypatch):
+    """Issue 10.4: TFRecordOptions GZIP/ZLIB files are one gzip/zlib stream of the
+    plain file; without compression= they are refused with a message that says so."""
+    import gzip
+    import zlib
+
+    monkeypatch.setenv("GPUIO_CACHE_DIR", os.fspath(tmp_path / "cache"))
+    plain = _write(tmp_path / "plain.tfrecord", _examples(25, seed=4))
+    raw = plain.read_bytes()
+    packed = tmp_path / f"data.tfrecord.{compression}"
+    packed.write_bytes(gzip.compress(raw) if compression == "gzip" else zlib.compress(raw))
+    if compression == "gzip":  # the tfrecord package reads the same file
+        want = [bytes(r) for r in tfrecord_pkg.reader.tfrecord_iterator(os.fspath(packed), compression_type="gzip")]
+    else:
+        want = [bytes(r) for r in tfrecord_pkg.reader.tfrecord_iterator(os.fspath(plain))]
+    assert len(want) == 25
+    with pytest.raises(FormatError, match=f"{compression}-compressed TFRecord .*compression='{compression}'") as err:
+        tfrecord(packed)
+    assert err.value.path == os.fspath(packed) and err.value.offset == 0
+    index = tfrecord(packed, compression=compression, features=FEATURES, verify=True)
+    assert index.meta["decompressed_from"] == [os.fspath(packed)]
+    assert index.files[0].startswith(os.fspath(tmp_path / "cache" / "tfrecord"))
+    assert [r.tobytes() for r in gpuio.read(index, np.arange(25), "record")] == want
+    _assert_matches_loader(index, plain)
+    copy = index.files[0]
+    assert tfrecord(packed, compression=compression).files[0] == copy  # decompressed once
+    other = "zlib" if compression == "gzip" else "gzip"
+    with pytest.raises(FormatError, match=f"does not start a {other} stream .*looks {compression}-compressed"):
+        tfrecord(packed, compression=other)
+    with pytest.raises(FormatError, match="does not start a .* stream .*looks uncompressed"):
+        tfrecord(plain, compression=compression)
+    cut = tmp_path / f"cut.{compression}"
+    cut.write_bytes(packed.read_bytes()[: packed.stat().st_size // 2])
+    with pytest.raises(FormatError, match="ends early") as err:
+        tfrecord(cut, compression=compression)
+    assert err.value.path == os.fspath(cut)
+    with pytest.raises(ConfigError, match="compression="):
+        tfrecord(plain, compression="bz2")
+
+
+def test_index_file_must_cover_the_data_file(dataset, tmp_path):
+    """Issue 10.12: an index file that does not cover its data file (empty, cut in
+    half, or with a gap) is an error, not a shorter dataset."""
+    path, idx = dataset
+    size = path.stat().st_size
+    lines = idx.read_text().splitlines()
+    table = np.loadtxt(idx, dtype=np.int64)
+    bad = tmp_path / "bad.idx"
+    bad.write_text("")
+    with pytest.raises(FormatError, match=rf"does not cover the data file \({size} bytes\): its 0 records "
+                                          r"end at byte 0; rebuild it") as err:
+        tfrecord(path, bad)
+    assert err.value.path == os.fspath(path) and err.value.offset == 0
+    bad.write_text("\n".join(lines[:20]) + "\n")
+    end = int(table[19].sum())
+    with pytest.raises(FormatError, match=f"its 20 records end at byte {end}") as err:
+        tfrecord(path, bad)
+    assert err.value.offset == end
+    bad.write_text("\n".join(lines[:5] + lines[6:]) + "\n")
+    with pytest.raises(FormatError, match=f"line 6 starts at byte {table[6, 0]}, where the records before "
+                                          f"end at byte {table[5, 0]}"):
+        tfrecord(path, bad)
+    assert len(tfrecord(path, idx)) == 40
 
 
 def _flip(path, pos):
@@ -192,7 +300,10 @@ def test_length_crc_and_truncation(dataset):
     starts = np.loadtxt(idx, dtype=np.int64)[:, 0]
     size = path.stat().st_size
     os.truncate(path, size - 3)
-    with pytest.raises(FormatError, match="record 39 at byte .*truncated record") as err:
+    n = size - int(starts[39]) - 16  # the last record's payload bytes
+    with pytest.raises(FormatError, match=f"record 39 at byte .*truncated record: the header announces {n} "
+                                          f"payload bytes and a 4-byte CRC, the file has {n + 1} bytes "
+                                          f"after the header") as err:
         tfrecord(path)
     assert err.value.offset == starts[39]
     with pytest.raises(FormatError, match="does not fit the file") as err:
@@ -215,8 +326,10 @@ def test_bad_index_files(dataset, tmp_path):
     bad.write_text(f"{path.stat().st_size + 10} 100\n")
     with pytest.raises(FormatError, match="line 1: .*does not fit"):
         tfrecord(path, bad)
-    first = np.loadtxt(idx, dtype=np.int64)[0]
-    bad.write_text(f"{first[0]} {first[1] + 4}\n")
+    table = np.loadtxt(idx, dtype=np.int64)
+    table[0, 1] += 4  # still covers the file, but record 0 is not 4 bytes longer
+    table[1] += [4, -4]
+    np.savetxt(bad, table, fmt="%d")
     with pytest.raises(FormatError, match="gives .* bytes for this record, its header says"):
         tfrecord(path, bad, verify=True)
     with pytest.raises(ConfigError, match="index files for"):
