@@ -163,10 +163,11 @@ def _members(fd: int, path: str, size: int) -> Iterator[tuple[int, int, int, str
     headers, header_at = bytearray(), array("q")
     while True:
         if pos + _BLOCK > size:
-            if pos == size and pos:
-                break  # archive without end-of-archive blocks
+            # a file that ends right after a member (a cut at a header boundary) would
+            # otherwise pass for a shorter archive
             raise FormatError(f"truncated tar: {size - pos} bytes where a {_BLOCK}-byte header or the "
-                              f"end-of-archive block should be", path=path, offset=pos)
+                              f"end-of-archive blocks should be (the file is cut short, or was written "
+                              f"without its end-of-archive blocks)", path=path, offset=pos)
         if not win_at <= pos <= win_at + len(win) - _BLOCK:
             win_at, win = pos, os.pread(fd, _WINDOW, pos)
         block = win[pos - win_at: pos - win_at + _BLOCK]

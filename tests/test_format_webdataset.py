@@ -182,6 +182,23 @@ def test_truncated_and_bad_headers(tmp_path):
     assert err.value.offset == 0
 
 
+def test_cut_at_a_header_boundary_is_reported(tmp_path):
+    """Issue 10.12: a tar cut exactly where a member's header starts lacks its
+    end-of-archive blocks; that is an error, not a shorter dataset (tarfile itself
+    reads such a file silently as 9 of 16 samples)."""
+    tar = _write_tar(tmp_path / "a.tar", _samples(16))
+    assert len(webdataset(tar, fields=("jpg", "cls"))) == 16
+    header_at = webdataset(tar).extent(9, "jpg").offset - 512  # sample 9's first member
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(tar.read_bytes()[:header_at])
+    with tarfile.open(cut) as tf:
+        assert len(tf.getmembers()) == 9 * 3
+    with pytest.raises(FormatError, match="truncated tar: 0 bytes where a 512-byte header or the "
+                                          "end-of-archive blocks should be") as err:
+        webdataset(cut, fields=("jpg", "cls"))
+    assert err.value.path == str(cut) and err.value.offset == header_at
+
+
 def test_argument_and_file_errors(tmp_path):
     tar = _write_tar(tmp_path / "a.tar", _samples(1))
     with pytest.raises(ConfigError):
