@@ -7,6 +7,7 @@ Every format function is named after its module (``formats.lmdb`` is the functio
 from gpuio.formats.coco import coco
 from gpuio.formats.filetree import filetree
 from gpuio.formats.lmdb import lmdb
+from gpuio.formats.manifest import manifest
 from gpuio.formats.numpy import numpy
 from gpuio.formats.recordio import recordio
 from gpuio.formats.tfrecord import tfrecord
@@ -14,4 +15,4 @@ from gpuio.formats.video import video
 from gpuio.formats.webdataset import webdataset
 from gpuio.index import concat
 
-__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "video", "concat"]
+__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "video", "manifest", "concat"]

@@ -11,11 +11,16 @@ On a GPU batch, ``Compose`` runs crop -> resize -> flip -> normalize as one fuse
 kernel launch per batch; on the CPU each op runs on its own (the reference path).
 """
 
+from gpuio.ops.audio import (DecodeAudio, NonsilentRegion, PreemphasisFilter, Slice, decode_audio,
+                             nonsilent_region, preemphasis_filter, slice)
 from gpuio.ops.color import ColorJitter, Normalize, color_jitter, normalize
 from gpuio.ops.decode import DecodeImage, decode_image
 from gpuio.ops.fused import Compose, FusedCropResizeNormalize, fused_crop_resize_normalize, fused_reference
 from gpuio.ops.geometry import (CenterCrop, Flip, RandomResizedCrop, Resize, center_crop, flip,
                                 random_resized_crop, resize)
+from gpuio.ops.ragged import NormalizeAxes, Pad, normalize_axes, pad
+from gpuio.ops.spectral import (MFCC, MelFilterBank, Spectrogram, ToDecibels, mel_filter_bank, mfcc,
+                                spectrogram, to_decibels)
 from gpuio.ops.video import DecodeVideo, decode_video
 
 __all__ = [
@@ -39,4 +44,24 @@ __all__ = [
     "normalize",
     "random_resized_crop",
     "resize",
+    "DecodeAudio",
+    "NonsilentRegion",
+    "PreemphasisFilter",
+    "Slice",
+    "decode_audio",
+    "nonsilent_region",
+    "preemphasis_filter",
+    "slice",
+    "NormalizeAxes",
+    "Pad",
+    "normalize_axes",
+    "pad",
+    "MFCC",
+    "MelFilterBank",
+    "Spectrogram",
+    "ToDecibels",
+    "mel_filter_bank",
+    "mfcc",
+    "spectrogram",
+    "to_decibels",
 ]
