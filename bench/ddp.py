@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import gpuio
+from gpuio._bench.common import write_json
 from gpuio.batch import Batch, Op
 
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--last-batch", default="partial", choices=["partial", "drop", "pad"])
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", help="rank 0 writes the result here")
+    p.add_argument("--out", help="rank 0 writes the results as JSON here")
     args = p.parse_args(argv)
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -120,9 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                   "exactly_once": bool(ok), "stats_rank0": loader.stats()}
         print(f"samples/s per rank: {', '.join(f'{r:,.0f}' for r in rates)}; total {sum(rates):,.0f}")
         print(f"exactly-once across ranks: {'OK' if ok else 'FAILED'}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1, default=str)
+        write_json(args.out, json.loads(json.dumps(result, default=str)))
     dist.barrier()
     dist.destroy_process_group()
     if tmp is not None:

@@ -25,6 +25,6 @@ cat "$OUT/machine.txt"
 python3 -m pytest -q -rs tests > "$OUT/tests.log" 2>&1; echo "tests: exit $?"; tail -n 5 "$OUT/tests.log"
 python3 -m pytest -q -rs -m gpu tests > "$OUT/tests-gpu.log" 2>&1; echo "gpu tests: exit $?"; tail -n 3 "$OUT/tests-gpu.log"
 python3 bench/storage.py --size "$SIZE" --root /tmp/gpuio-bench --out "$OUT/storage.json" > "$OUT/storage.txt" 2>&1
-python3 bench/loader.py --size "$SIZE" --json "$OUT/loader.json" > "$OUT/loader.txt" 2>&1
+python3 bench/loader.py --size "$SIZE" --out "$OUT/loader.json" > "$OUT/loader.txt" 2>&1
 python3 bench/images.py --count 2000 --out "$OUT/images.json" > "$OUT/images.txt" 2>&1
 tail -n 30 "$OUT/storage.txt" "$OUT/loader.txt" "$OUT/images.txt"

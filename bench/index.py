@@ -218,7 +218,9 @@ def main(argv: list[str] | None = None) -> None:
               f"(n={a.n}, directory tree: {dir_files} files)")
         out_dir = os.path.join(tmp, "indexes")
         os.makedirs(out_dir)
-        for case in cases:
+        from tqdm import tqdm
+
+        for case in tqdm(cases, desc="indexing", unit="dataset"):
             rows.append(run_child(case, made[case], out_dir))
     print()
     print_table(rows, [("case", "dataset", "s"), ("samples", "samples", "d"), ("index_s", "index s", ".2f"),

@@ -3,7 +3,7 @@ on, ``torch.utils.data.DataLoader`` doing the same work, and DALI's CPU pipeline
 
     python bench/loader.py                     # quick: 1000 samples per dataset
     python bench/loader.py --size tiny         # seconds; checks that it works
-    python bench/loader.py --json out/loader.json
+    python bench/loader.py --out out/loader.json
 
 Datasets (made once under ``GPUIO_CACHE_DIR`` or ``~/.cache/gpuio``, read with a warm
 page cache): a file tree of ~100 KB random files, the same number of ``.npy`` arrays of
@@ -47,14 +47,16 @@ def make_datasets(root: str, n: int, images: bool) -> dict[str, str]:
     paths = {"filetree": os.path.join(root, "tree"), "numpy": os.path.join(root, "npy")}
     rng = np.random.default_rng(0)
     if not os.path.exists(os.path.join(root, "done")):
-        for i in range(n):
+        from tqdm import tqdm
+
+        for i in tqdm(range(n), desc="writing the file tree", unit="file"):
             d = os.path.join(paths["filetree"], f"c{i % 10}")
             os.makedirs(d, exist_ok=True)
             size = int(rng.integers(FILE_BYTES * 7 // 10, FILE_BYTES * 13 // 10))
             with open(os.path.join(d, f"{i:06d}.jpg"), "wb") as f:
                 f.write(rng.bytes(size))
         os.makedirs(paths["numpy"], exist_ok=True)
-        for i in range(n):
+        for i in tqdm(range(n), desc="writing the .npy files", unit="file"):
             np.save(os.path.join(paths["numpy"], f"{i:06d}.npy"),
                     rng.standard_normal(FILE_BYTES // 4, dtype=np.float32))
         open(os.path.join(root, "done"), "w").close()
@@ -84,14 +86,17 @@ def image_ops() -> list[Any] | None:
 def timed_rounds(epochs: dict[str, Any], repeat: int) -> dict[str, tuple[float, int, int]]:
     """Best epoch time of each competitor over ``repeat`` rounds (after one untimed
     epoch each); a round runs every competitor once, so that machine drift hits all alike."""
-    for run_epoch in epochs.values():
-        run_epoch()
+    from tqdm import tqdm
+
     best = {name: (math.inf, 0, 0) for name in epochs}
-    for _ in range(repeat):
-        for name, run_epoch in epochs.items():
-            t0 = time.perf_counter()
-            rows, nbytes = run_epoch()
-            best[name] = min(best[name], (time.perf_counter() - t0, rows, nbytes))
+    with tqdm(total=(repeat + 1) * len(epochs), desc="epochs", unit="epoch", leave=False) as bar:
+        for timed in [False] + [True] * repeat:
+            for name, run_epoch in epochs.items():
+                t0 = time.perf_counter()
+                rows, nbytes = run_epoch()
+                if timed:
+                    best[name] = min(best[name], (time.perf_counter() - t0, rows, nbytes))
+                bar.update()
     return best
 
 
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="torch DataLoader workers")
     p.add_argument("--root", default=None, help="where datasets go (default: the gpuio cache dir)")
     p.add_argument("--no-images", action="store_true", help="skip the JPEG pipeline")
-    p.add_argument("--json", default=None)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
     ops = None if args.no_images else image_ops()
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['dataset']}: loader overhead over the raw read {r['overhead_vs_raw_pct']:+.1f}% ({verdict})")
     if ops is None and not args.no_images:
         print("image ops: gpuio.ops has no decode_image/random_resized_crop/flip/normalize; JPEG pipeline skipped")
-    write_json(args.json, {"machine": info, "size": args.size, "batch_size": args.batch_size,
+    write_json(args.out, {"machine": info, "size": args.size, "batch_size": args.batch_size,
                            "dali": dali, "results": rows_out})
     return 0
 

@@ -11,22 +11,9 @@ import time
 import numpy as np
 
 import gpuio
+from gpuio._bench.common import SAMPLE_COUNT, cache_dir, sample_root
 from gpuio.errors import GpuioError
-
-SAMPLE_COUNT = 2000
-
-
-def sample_root(count: int = SAMPLE_COUNT, seed: int = 0) -> str:
-    """The built-in sample dataset (ImageNet-like JPEGs), generated on first use."""
-    from gpuio._bench.common import cache_dir
-    from gpuio.sample import make_image_tree
-
-    root = os.path.join(cache_dir(), f"sample-images-{count}-{seed}")
-    if not os.path.exists(os.path.join(root, ".complete")):
-        print(f"generating the sample dataset ({count} JPEGs) in {root}", file=sys.stderr)
-        make_image_tree(root, count=count, seed=seed, progress=True)
-        open(os.path.join(root, ".complete"), "w").close()
-    return root
+from gpuio.sample import make_image_tree
 
 
 def _index_for(path: str) -> gpuio.SampleIndex:
@@ -36,13 +23,13 @@ def _index_for(path: str) -> gpuio.SampleIndex:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from gpuio._bench import storage
-    from gpuio._bench.common import cache_dir
+    from gpuio._bench import images, storage
 
+    out = args.out or os.path.join(cache_dir(), "results", "bench-storage.json" if args.storage else "bench.json")
     if args.storage:
-        storage.run(args.root, args.size, args.batch, args.repeat, _caches(args), args.out)
+        storage.run(args.root, args.size or "full", args.batch, args.repeat, _caches(args), out)
         return
-    path = args.path or sample_root(args.count)
+    path = args.path or sample_root(args.count or SAMPLE_COUNT)
     index = _index_for(path)
     paths = index.files.many(np.arange(len(index.files)))
     ceiling = []
@@ -52,13 +39,27 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(f"{len(index)} samples, {index.nbytes() / 1e6:.1f} MB, from {path}")
     rows = storage.measure(os.path.basename(os.path.normpath(path)), index, ceiling, batch=args.batch,
                            repeat=args.repeat, caches=_caches(args))
-    storage.report("gpuio read benchmark", rows, args.out, {"dataset": path})
+    storage.report("gpuio read benchmark", rows, out, {"dataset": path})
     if not args.no_images:
-        from gpuio._bench import images
-
         print()
-        images.main(["--root", path, "--batch", str(args.batch), "--epochs", "2"]
-                    + (["--out", args.out.replace(".json", "-images.json")] if args.out else []))
+        images.main(["--root", path, "--batch", str(args.batch), "--epochs", "2",
+                     "--out", os.path.splitext(out)[0] + "-images.json"])
+
+
+def _check_bench_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse flags that the chosen benchmark would ignore."""
+    if args.storage:
+        ignored = [flag for flag, value in (("PATH", args.path), ("--count", args.count),
+                                           ("--no-images", args.no_images)) if value]
+        why = "--storage makes and reads its own datasets"
+    else:
+        ignored = [flag for flag, value in (("--size", args.size), ("--root", args.root)) if value]
+        why = "they apply to --storage only (the sample dataset's size is --count)"
+        if args.path and args.count:
+            ignored.append("--count")
+            why = "--count sizes the sample dataset, not a PATH given"
+    if ignored:
+        parser.error(f"{', '.join(ignored)}: not used here: {why}")
 
 
 def _caches(args: argparse.Namespace) -> tuple[str, ...]:
@@ -69,9 +70,14 @@ def cmd_sample(args: argparse.Namespace) -> None:
     print(sample_root(args.count, args.seed) if args.out is None else _make(args))
 
 
-def _make(args: argparse.Namespace) -> str:
-    from gpuio.sample import make_image_tree
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
+
+def _make(args: argparse.Namespace) -> str:
     return make_image_tree(args.out, count=args.count, seed=args.seed, progress=True)
 
 
@@ -93,26 +99,28 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuio", description="Training data from storage into GPU tensors.")
+    parser.add_argument("--version", action="version", version=f"gpuio {gpuio.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="measure read throughput against the simple ways and the ceilings")
     bench.add_argument("path", nargs="?", help="a file tree or a saved index (default: the sample dataset)")
     bench.add_argument("--storage", action="store_true",
                        help="the full storage benchmark: small files, large files, packed records")
-    bench.add_argument("--size", choices=("tiny", "quick", "full"), default="full", help="dataset size for --storage")
+    bench.add_argument("--size", choices=("tiny", "quick", "full"), help="dataset size for --storage (default: full)")
     bench.add_argument("--root", help="where --storage makes its datasets (default: the cache folder)")
-    bench.add_argument("--count", type=int, default=SAMPLE_COUNT, help="images in the sample dataset")
-    bench.add_argument("--batch", type=int, default=256)
-    bench.add_argument("--repeat", type=int, default=3)
+    bench.add_argument("--count", type=_positive, help=f"images in the sample dataset (default: {SAMPLE_COUNT})")
+    bench.add_argument("--batch", type=_positive, default=256)
+    bench.add_argument("--repeat", type=_positive, default=3)
     bench.add_argument("--warm-only", action="store_true", help="skip the cold page cache runs")
     bench.add_argument("--no-images", action="store_true",
                        help="skip the image pipeline (decode, random resized crop, flip, normalize)")
-    bench.add_argument("--out", help="write the results as JSON here")
+    bench.add_argument("--out", help="the results as JSON here, the chart beside it as PNG "
+                       "(default: results/bench.json in the cache folder)")
     bench.set_defaults(func=cmd_bench)
 
     sample = sub.add_parser("sample", help="generate the sample dataset and print its path")
     sample.add_argument("--out", help="folder to write to (default: the cache folder)")
-    sample.add_argument("--count", type=int, default=SAMPLE_COUNT)
+    sample.add_argument("--count", type=_positive, default=SAMPLE_COUNT)
     sample.add_argument("--seed", type=int, default=0)
     sample.set_defaults(func=cmd_sample)
 
@@ -122,7 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        _check_bench_args(parser, args)
     t0 = time.perf_counter()
     try:
         args.func(args)

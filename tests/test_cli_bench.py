@@ -7,6 +7,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+from PIL import Image
+
 import gpuio
 import gpuio.sample
 from gpuio._bench import storage
@@ -34,6 +37,52 @@ def test_bench_on_a_tree_prints_every_method_and_writes_json(tmp_path, capsys, m
     rows = json.loads(out_json.read_text())["rows"]
     assert {(r["cache"], r["method"]) for r in rows} >= {("warm", "gpuio"), ("cold", "gpuio")}
     assert all(r["GB/s"] > 0 for r in rows)
+    for chart in (tmp_path / "r.png", tmp_path / "r-images.png"):  # charts beside the JSON
+        assert f"wrote {chart}" in text
+        with Image.open(chart) as im:
+            assert im.format == "PNG" and im.width >= 800
+
+
+def test_bench_writes_json_and_chart_into_the_cache_folder_by_default(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GPUIO_CACHE_DIR", str(tmp_path / "cache"))
+    main(["sample", "--out", str(tmp_path / "s"), "--count", "20"])
+    assert main(["bench", str(tmp_path / "s"), "--repeat", "1", "--batch", "8", "--warm-only", "--no-images"]) == 0
+    results = tmp_path / "cache" / "results"
+    assert json.loads((results / "bench.json").read_text())["rows"]
+    text = capsys.readouterr().out
+    assert f"wrote {results / 'bench.json'}" in text and f"wrote {results / 'bench.png'}" in text
+
+
+def test_bench_refuses_flags_it_would_ignore(tmp_path, capsys):
+    for argv, flag in ((["bench", "--size", "tiny"], "--size"), (["bench", "--root", str(tmp_path)], "--root"),
+                       (["bench", "--storage", "--count", "10"], "--count"),
+                       (["bench", str(tmp_path), "--count", "10"], "--count")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and f"{flag}: not used here" in capsys.readouterr().err
+
+
+def test_version_and_a_sample_of_no_images_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"gpuio {gpuio.__version__}"
+    with pytest.raises(SystemExit) as exc:
+        main(["sample", "--count", "0"])
+    assert exc.value.code == 2 and "--count: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_bench_fails_with_the_whole_error_when_gpuio_s_own_row_fails(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GPUIO_CACHE_DIR", str(tmp_path / "cache"))
+    tree = tmp_path / "s"
+    main(["sample", "--out", str(tree), "--count", "12"])
+    bad = sorted(tree.rglob("*.jpg"))[3]
+    bad.write_bytes(b"\xff\xd8 not a JPEG after all " * 20)  # every decoder refuses it
+    assert main(["bench", str(tree), "--repeat", "1", "--batch", "4", "--warm-only"]) == 1
+    captured = capsys.readouterr()
+    assert "gpuio cpu (Loader + ops.Compose)" in captured.out  # the table still shows every row
+    err = captured.err
+    assert "gpuio's own pipeline failed: gpuio cpu (Loader + ops.Compose): PipelineError" in err
+    assert str(bad) in err and len(err) > 200  # the whole error, with the file it is about
 
 
 def test_bench_on_a_missing_path_is_a_gpuio_error(tmp_path, capsys):

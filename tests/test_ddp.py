@@ -96,7 +96,7 @@ def test_torchrun_example(tmp_path):
     out = tmp_path / "ddp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(REPO, "bench", "ddp.py"), "--samples", "37", "--batch-size", "4",
-           "--threads", "2", "--json", str(out)]
+           "--threads", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "exactly-once across ranks: OK" in proc.stdout

@@ -7,6 +7,7 @@ import json
 import mmap
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,6 +15,12 @@ from typing import Any
 import numpy as np
 
 import gpuio
+from gpuio.errors import GpuioError
+from gpuio.sample import make_image_tree
+
+
+class BenchError(GpuioError):
+    """gpuio's own row of a benchmark failed: the run has no result to show."""
 
 
 def cache_dir() -> str:
@@ -21,6 +28,20 @@ def cache_dir() -> str:
     path = gpuio.config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio")
     os.makedirs(path, exist_ok=True)
     return path
+
+
+SAMPLE_COUNT = 2000
+
+
+def sample_root(count: int = SAMPLE_COUNT, seed: int = 0) -> str:
+    """The built-in sample dataset (ImageNet-like JPEGs) in the cache folder, generated
+    on first use."""
+    root = os.path.join(cache_dir(), f"sample-images-{count}-{seed}")
+    if not os.path.exists(os.path.join(root, ".complete")):
+        print(f"generating the sample dataset ({count} JPEGs) in {root}", file=sys.stderr)
+        make_image_tree(root, count=count, seed=seed, progress=True)
+        open(os.path.join(root, ".complete"), "w").close()
+    return root
 
 
 def machine() -> dict[str, Any]:

@@ -23,28 +23,41 @@ import numpy as np
 
 import gpuio
 from gpuio import ops
-from gpuio._bench.common import machine, print_table, write_json
+from gpuio._bench.chart import Group, write_chart
+from gpuio._bench.common import BenchError, machine, print_table, sample_root, write_json
 
 MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
 STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 
-def _rounds(runs: dict[str, Any], epochs: int, count: int) -> dict[str, float]:
-    """Images/s of each competitor's fastest pass. One untimed pass each first (workers,
-    decoders and caches warm up), then ``epochs`` rounds that run every competitor once,
-    so that drift of the machine hits them alike."""
+def _rounds(runs: dict[str, Any], epochs: int, count: int) -> tuple[dict[str, float], dict[str, str]]:
+    """Images/s of each competitor's fastest pass, and the error of each that failed.
+    One untimed pass each first (workers, decoders and caches warm up), then ``epochs``
+    rounds that run every competitor once, so that drift of the machine hits them
+    alike. A competitor that fails drops out with its whole error; the others go on."""
+    from tqdm import tqdm
+
     best = dict.fromkeys(runs, float("inf"))
-    for timed in [False] + [True] * epochs:
-        for name, run in runs.items():
-            seen = 0
-            t0 = time.perf_counter()
-            for images in run():
-                seen += int(images.shape[0])
-            if timed:
-                best[name] = min(best[name], time.perf_counter() - t0)
-            if seen != count:
-                raise RuntimeError(f"{name}: a pass yielded {seen} images, expected {count}")
-    return {name: count / t for name, t in best.items()}
+    failed: dict[str, str] = {}
+    with tqdm(total=(epochs + 1) * len(runs), desc="image pipelines", unit="pass", leave=False) as bar:
+        for timed in [False] + [True] * epochs:
+            for name, run in runs.items():
+                bar.update()
+                if name in failed:
+                    continue
+                try:
+                    seen = 0
+                    t0 = time.perf_counter()
+                    for images in run():
+                        seen += int(images.shape[0])
+                    if seen != count:
+                        raise RuntimeError(f"a pass yielded {seen} images, expected {count}")
+                except Exception as exc:  # a competitor's failure is a result to report, not a crash
+                    failed[name] = f"{type(exc).__name__}: {exc}"
+                    continue
+                if timed:
+                    best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: count / t for name, t in best.items() if name not in failed}, failed
 
 
 def gpuio_loader(root: str, batch: int, device: str) -> Any:
@@ -182,8 +195,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
-    from gpuio.cli import sample_root
-
     root = args.root or sample_root(args.count)
     count = len(gpuio.formats.filetree(root))
     info = machine()
@@ -208,14 +219,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except ImportError as exc:
             row["note"] = f"not installed ({exc.name})"
         rows.append(row)
-    try:
-        speeds = _rounds(runs, args.epochs, count)
-    except RuntimeError as exc:  # e.g. a decoder that refuses some of the JPEGs
-        speeds = {}
-        print(f"a competitor failed: {exc}"[:200])
+    speeds, failed = _rounds(runs, args.epochs, count)
     for row in rows:
         if row["name"] in speeds:
             row["images_s"] = speeds[row["name"]]
+        if row["name"] in failed:
+            row["note"], row["error"] = "failed (below)", failed[row["name"]]
     base = next((r.get("images_s") for r in rows if r["name"].startswith("torch DataLoader")), None)
     for r in rows:
         if r.get("images_s") and base:
@@ -224,7 +233,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        ("ratio", "vs torch DataLoader", ".2f"), ("note", "note", "s")])
     payload = {"benchmark": "images", "machine": info, "dataset": {"root": root, "images": count},
                "batch": args.batch, "epochs": args.epochs, "results": rows}
+    for name, error in failed.items():
+        print(f"{name} failed: {error}")
     write_json(args.out, payload)
+    if args.out:
+        chart = Group("decode, random resized crop 224, flip, normalize", [(r["name"], r.get("images_s")) for r in rows],
+                      notes={r["name"]: r["note"] for r in rows if r.get("note")})
+        print(f"wrote {write_chart(os.path.splitext(args.out)[0] + '.png', 'gpuio image pipeline benchmark', 'images/s', [chart])}")
+    ours = {name: error for name, error in failed.items() if name.startswith("gpuio")}
+    if ours:
+        raise BenchError("gpuio's own pipeline failed: " + "; ".join(f"{n}: {e}" for n, e in ours.items()))
     return payload
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import gpuio
+from gpuio._bench.chart import Group, write_chart
 from gpuio._bench.common import best_time, cache_dir, drop_cache, machine, print_table, write_json
 from gpuio.index import Extents, SampleIndex
 
@@ -114,8 +115,10 @@ def concat_files(paths: list[str], out: str) -> str:
     tree as one file, for the sequential-read ceiling."""
     total = sum(os.path.getsize(p) for p in paths)
     if not os.path.exists(out) or os.path.getsize(out) != total:
+        from tqdm import tqdm
+
         with open(out + ".tmp", "wb") as dst:
-            for p in paths:
+            for p in tqdm(paths, desc="one file of the same bytes, for the ceiling", unit="file", leave=False):
                 with open(p, "rb") as src:
                     dst.write(src.read())
             dst.flush()
@@ -246,7 +249,26 @@ def report(title: str, rows: list[dict[str, Any]], out: str | None, extra: dict[
         print("kvikio:", "COMPAT MODE (POSIX reads + bounce buffers, no GDS)" if result["kvikio_compat_mode"]
               else "GDS active")
     write_json(out, result)
+    if out:
+        print(f"wrote {write_chart(os.path.splitext(out)[0] + '.png', title, 'GB/s', _groups(rows))}")
     return result
+
+
+def _groups(rows: list[dict[str, Any]]) -> list[Group]:
+    """One chart panel per dataset and cache: a bar per method, the ceiling as a line."""
+    groups: dict[tuple[str, str], Group] = {}
+    for r in rows:
+        key = (r["dataset"], r["cache"])
+        if key not in groups:
+            groups[key] = Group(f"{r['dataset']}, {r['cache']} page cache" if r["dataset"] != "-" else r["method"], [])
+        g = groups[key]
+        if "ceiling" in r["method"] and r["dataset"] != "-":
+            g.ceiling = r.get("GB/s")
+            continue
+        g.bars.append((r["method"], r.get("GB/s")))
+        if r.get("failed"):
+            g.notes[r["method"]] = "failed measurement (see the JSON)"
+    return list(groups.values())
 
 
 def run(root: str | None = None, size: str = "full", batch: int = 256, repeat: int = 3,
