@@ -9,6 +9,13 @@ with one, are skipped.
 Only headers are read: each field's extent points at the member's bytes inside the
 tar, so a batch is read straight from the shards. Compressed tars (``.tar.gz``...)
 cannot be read in place and are refused.
+
+After the read, fields are decoded by their last extension as the webdataset package's
+default decoders do (``webdataset.autodecode.basichandlers``): ``txt``, ``text``,
+``transcript`` -> ``str``; ``cls``, ``cls2``, ``index``, ``inx``, ``id`` -> ``int``;
+``json``, ``jsn`` -> the JSON object; ``npy`` -> array; ``npz`` -> dict of arrays.
+Every other extension stays bytes, pickles and torch files included (on purpose:
+loading them runs code; decode them yourself if you trust the data).
 """
 
 from __future__ import annotations
@@ -27,16 +34,27 @@ __all__ = ["webdataset"]
 _COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd",
                b"\x04\x22\x4d\x18": "lz4"}
 _BLOCK = 512
+# last extension -> field decoder (gpuio._fielddecode), as the webdataset package decodes them
+_DECODERS = {"txt": "str", "text": "str", "transcript": "str", "cls": "int", "cls2": "int", "index": "int",
+             "inx": "int", "id": "int", "json": "json", "jsn": "json", "npy": "npy", "npz": "npz"}
 
 
 def webdataset(tar_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-               fields: Sequence[str] = ("jpg", "cls"), missing: str = "error") -> SampleIndex:
+               fields: Sequence[str] = ("jpg", "cls"), missing: str = "error",
+               decode: bool = True) -> SampleIndex:
     """Index the samples of one or more tar shards, concatenated in the order given.
 
     Each name in ``fields`` (an extension such as ``"jpg"`` or ``"seg.png"``) becomes
     an extent field holding that member's bytes; ``__key__`` holds each sample's key
     (``str``). A sample without one of ``fields`` raises ``FormatError`` naming the tar
     and key (``missing="error"``) or is left out (``missing="skip"``).
+
+    With ``decode=True``, ``index[i]`` and the ``Loader`` give fields decoded by their
+    extension (see the module docstring: ``cls`` an ``int``, ``txt`` a ``str``, ...;
+    a value that does not decode is a ``FormatError`` naming the tar, byte offset and
+    sample), and a batch's ``int`` fields stack into one int64 label array; other
+    fields are the member's bytes. ``decode=False`` keeps bytes everywhere;
+    ``gpuio.read`` always gives bytes.
     """
     if isinstance(fields, str):
         fields = (fields,)
@@ -67,8 +85,9 @@ def webdataset(tar_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[st
     key_offsets = np.zeros(len(key_lengths) + 1, dtype=np.int64)
     np.cumsum(np.frombuffer(key_lengths, dtype=np.int64), out=key_offsets[1:])
     values = {"__key__": Ragged(np.frombuffer(keys, dtype=np.uint8).copy(), key_offsets, "str")}
+    decoders = {f: _DECODERS[f.rsplit(".", 1)[-1]] for f in fields if decode and f.rsplit(".", 1)[-1] in _DECODERS}
     return SampleIndex(PathTable.from_paths(paths), extents, values,
-                       meta={"format": "webdataset", "fields": list(fields)})
+                       meta={"format": "webdataset", "fields": list(fields), "decode": decoders})
 
 
 def _scan(path: str, t: int, wanted: dict[str, int], skip: bool, tar_id: array, offsets: list[array],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import os
 import tarfile
 
@@ -54,7 +55,7 @@ def test_fields_keys_and_exact_bytes(tmp_path):
         key = f"shard/{i:06d}"
         assert s["__key__"] == key
         assert s["jpg"] == payload[key + ".jpg"]
-        assert s["cls"] == payload[key + ".cls"]
+        assert s["cls"] == int(payload[key + ".cls"])  # decoded, as the webdataset package does
         assert s["seg.png"] == payload[key + ".seg.png"]
     # extents point into the tar itself
     raw = (tmp_path / "a.tar").read_bytes()
@@ -73,7 +74,91 @@ def test_long_names_and_formats(tmp_path, fmt):
     tar = _write_tar(tmp_path / "a.tar", members, fmt)
     index = webdataset(tar, fields=("txt",))
     assert [index[i]["__key__"] for i in range(len(index))] == [m[0].rsplit(".", 1)[0] for m in members]
-    assert [index[i]["txt"] for i in range(len(index))] == [m[1] for m in members]
+    assert [index[i]["txt"] for i in range(len(index))] == [m[1].decode() for m in members]
+
+
+def _decodable_samples(n):
+    rng = np.random.default_rng(9)
+    members = []
+    for k in range(n):
+        buf = io.BytesIO()
+        np.save(buf, rng.standard_normal((2, 3)).astype(np.float32) * k)
+        ragged = io.BytesIO()
+        np.save(ragged, np.arange(k + 1, dtype=np.int16))
+        members += [(f"s/{k:04d}.jpg", rng.integers(0, 256, 50 + k, dtype=np.uint8).tobytes()),
+                    (f"s/{k:04d}.cls", f"{k % 4}".encode()),
+                    (f"s/{k:04d}.cls2", f" {-k}\n".encode()),  # int() takes blanks, as in the package
+                    (f"s/{k:04d}.index", str(10 ** 12 + k).encode()),
+                    (f"s/{k:04d}.txt", f"caption {k} ✓".encode()),
+                    (f"s/{k:04d}.json", json.dumps({"k": k, "tags": ["a"] * k}).encode()),
+                    (f"s/{k:04d}.npy", buf.getvalue()),
+                    (f"s/{k:04d}.seq.npy", ragged.getvalue()),
+                    (f"s/{k:04d}.seg.png", b"png" * k)]
+    return members
+
+
+DECODED = ("jpg", "cls", "cls2", "index", "txt", "json", "npy", "seq.npy", "seg.png")
+
+
+def test_decoded_fields_match_the_webdataset_package(tmp_path):
+    """Issue 11.5: the common extensions decode as webdataset's default decoders
+    decode them; undeclared extensions stay bytes."""
+    import webdataset as wds  # the reference reader (test extra)
+    tar = _write_tar(tmp_path / "d.tar", _decodable_samples(7))
+    index = webdataset(tar, fields=DECODED)
+    ref = list(wds.WebDataset(os.fspath(tar), shardshuffle=False).decode())
+    assert len(ref) == len(index) == 7
+    for i, want in enumerate(ref):
+        got = index[i]
+        assert got["__key__"] == want["__key__"]
+        for field in DECODED:
+            if field in ("npy", "seq.npy"):
+                assert got[field].dtype == want[field].dtype
+                np.testing.assert_array_equal(got[field], want[field])
+            else:
+                assert type(got[field]) is type(want[field]) and got[field] == want[field], field
+    raw = webdataset(tar, fields=DECODED, decode=False)
+    assert raw[3]["cls"] == b"3" and raw[3]["txt"] == "caption 3 ✓".encode()
+    assert [b.tobytes() for b in gpuio.read(index, [3], "cls")] == [b"3"]  # gpuio.read: bytes
+
+
+def test_loader_stacks_decoded_labels_and_arrays(tmp_path, device):
+    """Ints become one int64 label array on the loader's device, same-shape npy arrays
+    one [B, ...] array; str, JSON objects, ragged arrays and bytes stay lists."""
+    from conftest import to_host
+
+    tar = _write_tar(tmp_path / "d.tar", _decodable_samples(7))
+    index = webdataset(tar, fields=DECODED)
+    fields = [f for f in DECODED if f != "index"]  # the Loader's own "index" field takes that name
+    batches = list(gpuio.Loader(index, 4, fields=fields, device=device, output="numpy", threads=1))
+    b = batches[0]
+    assert to_host(b["cls"]).dtype == np.int64 and to_host(b["cls"]).tolist() == [0, 1, 2, 3]
+    assert to_host(b["index"]).tolist() == [0, 1, 2, 3]
+    assert to_host(b["cls2"]).tolist() == [0, -1, -2, -3]
+    assert to_host(b["npy"]).shape == (4, 2, 3)
+    np.testing.assert_array_equal(to_host(b["npy"])[2], index[2]["npy"])
+    assert b["txt"] == [f"caption {k} ✓" for k in range(4)]
+    assert b["json"][3] == {"k": 3, "tags": ["a"] * 3}
+    assert [to_host(a).tolist() for a in b["seq.npy"]] == [list(range(k + 1)) for k in range(4)]
+    assert isinstance(b["jpg"], list) and to_host(b["jpg"][1]).tobytes() == index[1]["jpg"]
+    torch_batch = next(iter(gpuio.Loader(index, 4, fields=fields, device=device, output="torch", threads=1)))
+    assert torch_batch["cls"].device.type == device and torch_batch["cls"].tolist() == [0, 1, 2, 3]
+    assert str(torch_batch["index"].dtype) == "torch.int64"
+
+
+def test_undecodable_value_names_tar_sample_and_offset(tmp_path):
+    tar = _write_tar(tmp_path / "a.tar", [("0.cls", b"1"), ("1.cls", b"one"), ("2.json", b"{"), ("3.pyd", b"x")])
+    index = webdataset(tar, fields=("cls",), missing="skip")
+    assert index[0]["cls"] == 1
+    with pytest.raises(FormatError, match="cannot decode 'cls' as int") as err:
+        index[1]
+    assert err.value.path == str(tar) and err.value.sample == 1
+    assert err.value.offset == index.extent(1, "cls").offset
+    with pytest.raises(gpuio.errors.PipelineError, match="cannot decode 'cls'"):
+        list(gpuio.Loader(index, 2, output="numpy"))
+    with pytest.raises(FormatError, match="cannot decode 'json' as json"):
+        webdataset(tar, fields=("json",), missing="skip")[0]
+    assert webdataset(tar, fields=("pyd",), missing="skip")[0]["pyd"] == b"x"  # pickles stay bytes, on purpose
 
 
 def test_key_field_split_rules(tmp_path):
