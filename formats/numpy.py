@@ -46,10 +46,10 @@ def parse_npy_header(head: bytes, path: str) -> tuple[np.dtype, tuple[int, ...],
         dtype = np.lib.format.descr_to_dtype(header["descr"])
         shape = tuple(int(d) for d in header["shape"])
         fortran = bool(header["fortran_order"])
-    except (ValueError, SyntaxError, KeyError, TypeError, UnicodeDecodeError, MemoryError,
+    except (ValueError, SyntaxError, KeyError, IndexError, TypeError, UnicodeDecodeError, MemoryError,
             RecursionError) as exc:
         raise FormatError(f"malformed .npy header {text[:80]!r}: {exc}", path=path, offset=start) from exc
-    if any(d < 0 for d in shape) or dtype.hasobject or dtype.subdtype is not None:
+    if any(d < 0 for d in shape) or dtype.hasobject or dtype.subdtype is not None or not dtype.itemsize:
         raise FormatError(f"unsupported .npy array: shape {shape}, dtype {dtype}", path=path, offset=start)
     return dtype, shape, fortran, start + hlen
 

@@ -225,6 +225,16 @@ def test_loader_stacks_arrays_and_keeps_ragged_lists(tmp_path, device):
 
 
 def test_rows_reads_only_those_bytes(tmp_path):
+@pytest.mark.parametrize("descr", ["()", "('<f4',)", "[()]", "[('a',)]", "[1]", "[(1, '<f4')]",
+                                   "[('a', '<f4', (-1,))]", "[('a', '<f4'), ('a', '<f4')]", "{}", "'V0'",
+                                   "'O'", "[('a', 'O')]", "(('<f4', (2,)), (3,))", "'nope'"])
+def test_odd_header_descrs_raise_format_errors(descr):
+    text = ("{'descr': %s, 'fortran_order': False, 'shape': (2,), }" % descr).encode()
+    with pytest.raises(FormatError) as err:
+        parse_npy_header(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text, "odd.npy")
+    assert err.value.path == "odd.npy" and err.value.offset == 10
+
+
     arr = np.arange(10 * 7, dtype="<i4").reshape(10, 7)
     _write(tmp_path / "a.npy", arr)
     full = npy_format(tmp_path / "a.npy")
