@@ -1,13 +1,34 @@
 """File trees: one sample per file, labelled by its class folder.
 
 ``root/<class>/<...>/<file>``: classes are the sub-folders of ``root`` in sorted order
-and a file's label is its class's position, as torchvision's ``ImageFolder`` and
-DALI's file reader number them. Files come in sorted path order.
+and a file's label is its class's position. Samples come exactly as torchvision's
+``ImageFolder`` lists them: class by class; within a class, folder by folder in the
+sorted order of their paths as strings (so ``sub 2/`` and ``sub-x/`` come between
+``sub/`` and ``sub/deeper/``, since ``' ' < '-' < '/'``), and within a folder its files
+sorted by name. Names compare as Python strings (code points), upper case first.
+Links to folders are followed, as ``ImageFolder`` follows them. Entries at the top
+that are not folders are no samples.
+
+Symbolic links that lead nowhere are skipped and counted, never raised as ``OSError``:
+
+- a file-named link that cannot be followed (a dangling link, a link loop) counts in
+  ``meta["broken_links"]``; ``ImageFolder`` lists it and fails when it is read;
+- a folder that is (a link to) one of its own ancestors (``class/loop -> .``) is not
+  entered and counts in ``meta["directory_loops"]``; ``ImageFolder`` recurses into it
+  until the system refuses the path (40 links deep), listing each file again at every
+  level. A link to a folder that is no ancestor is followed, so its files appear under
+  both paths, as in ``ImageFolder``.
+
+Either kind of skip also raises a ``UserWarning`` naming the first entry. A folder that
+cannot be listed is a ``DataError`` (``ImageFolder``'s walk leaves it out unseen), and a
+class folder with no files keeps its label number (``ImageFolder`` refuses it).
 """
 
 from __future__ import annotations
 
+import heapq
 import os
+import warnings
 from array import array
 from collections.abc import Sequence
 
@@ -43,17 +64,55 @@ class _Files:
         return PathTable(np.frombuffer(bytes(self.blob), dtype=np.uint8), offsets, root)
 
 
-def _walk(top: str, rel: str, extensions: tuple[str, ...], out: _Files) -> None:
-    try:
-        entries = sorted(os.scandir(top), key=lambda e: e.name)
-    except OSError as exc:
-        raise DataError(f"cannot list directory: {exc.strerror or exc}", path=top) from exc
-    for entry in entries:
-        name = f"{rel}{entry.name}"
-        if entry.is_dir():
-            _walk(entry.path, name + "/", extensions, out)
-        elif entry.name.lower().endswith(extensions):
-            out.add(name, entry.stat().st_size)
+class _Skipped:
+    """Relative paths of the entries a walk skipped."""
+
+    def __init__(self) -> None:
+        self.broken_links: list[str] = []
+        self.directory_loops: list[str] = []
+
+
+def _walk_class(top: str, rel: str, extensions: tuple[str, ...], root: os.stat_result, out: _Files,
+                skipped: _Skipped) -> None:
+    """Add the files under the class folder ``top`` (``rel`` from the root) in
+    ImageFolder's order. A heap keyed by relative path yields the folders in sorted
+    path order, since a folder's path sorts before its sub-folders'. Each heap entry
+    carries the (device, inode) of the folder and those above it, to refuse loops."""
+    heap: list[tuple[str, str, tuple[tuple[int, int], ...]]] = []
+
+    def enter(rel: str, path: str, st: os.stat_result, ancestors: tuple[tuple[int, int], ...]) -> None:
+        ident = (st.st_dev, st.st_ino)
+        if ident in ancestors:
+            skipped.directory_loops.append(rel)
+        else:
+            heapq.heappush(heap, (rel, path, ancestors + (ident,)))
+
+    enter(rel, top, os.stat(top), ((root.st_dev, root.st_ino),))
+    while heap:
+        rel, path, ancestors = heapq.heappop(heap)
+        try:
+            with os.scandir(path) as it:
+                entries = list(it)
+        except OSError as exc:
+            raise DataError(f"cannot list directory: {exc.strerror or exc}", path=path) from exc
+        files = []
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir()  # follows links; a link loop raises ELOOP
+            except OSError:
+                is_dir = False
+            if is_dir:
+                enter(f"{rel}/{entry.name}", entry.path, entry.stat(), ancestors)
+            elif entry.name.lower().endswith(extensions):
+                files.append(entry)
+        files.sort(key=lambda e: e.name)
+        for entry in files:
+            try:
+                size = entry.stat().st_size
+            except OSError:  # a dangling link or a link loop
+                skipped.broken_links.append(f"{rel}/{entry.name}")
+                continue
+            out.add(f"{rel}/{entry.name}", size)
 
 
 def filetree(root: str | os.PathLike[str], extensions: Sequence[str] = IMAGE_EXTENSIONS,
@@ -72,11 +131,13 @@ def filetree(root: str | os.PathLike[str], extensions: Sequence[str] = IMAGE_EXT
     if file_list is not None:
         labels = _read_file_list(os.fspath(file_list), root, files)
     else:
-        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+        classes = _class_folders(root)
+        root_st = os.stat(root)
+        skipped = _Skipped()
         class_counts = []
         for cls in classes:
             before = len(files)
-            _walk(os.path.join(root, cls), cls + "/", exts, files)
+            _walk_class(os.path.join(root, cls), cls, exts, root_st, files, skipped)
             class_counts.append(len(files) - before)
         labels = np.repeat(np.arange(len(classes), dtype=np.int64), class_counts)
     if not len(files):
@@ -86,10 +147,30 @@ def filetree(root: str | os.PathLike[str], extensions: Sequence[str] = IMAGE_EXT
     n = len(files)
     extents = Extents(np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int64),
                       np.frombuffer(files.sizes, dtype=np.int64))
-    meta = {"format": "filetree", "root": root}
+    meta: dict[str, object] = {"format": "filetree", "root": root}
     if file_list is None:
-        meta["classes"] = classes
+        meta.update(classes=classes, broken_links=len(skipped.broken_links),
+                    directory_loops=len(skipped.directory_loops))
+        for kind, where in (("broken links", skipped.broken_links), ("directory loops", skipped.directory_loops)):
+            if where:
+                warnings.warn(f"{root}: skipped {len(where)} {kind}, the first {where[0]!r}", stacklevel=2)
     return SampleIndex(files.table(root), {"data": extents}, {"label": labels}, meta=meta)
+
+
+def _class_folders(root: str) -> list[str]:
+    """Sorted names of the folders (or links to folders) in ``root``."""
+    classes = []
+    try:
+        with os.scandir(root) as it:
+            for entry in it:
+                try:
+                    if entry.is_dir():
+                        classes.append(entry.name)
+                except OSError:  # a link loop: not a folder
+                    pass
+    except OSError as exc:
+        raise DataError(f"cannot list directory: {exc.strerror or exc}", path=root) from exc
+    return sorted(classes)
 
 
 def _read_file_list(path: str, root: str, out: _Files) -> np.ndarray:
