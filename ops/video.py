@@ -43,7 +43,7 @@ from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 
-__all__ = ["DecodeVideo", "decode_video", "CodecHeader", "codec_header", "decode_clip"]
+__all__ = ["DecodeVideo", "decode_video", "CodecHeader", "codec_header", "decode_clip", "annexb_packets"]
 
 
 class CodecHeader(NamedTuple):
@@ -201,12 +201,7 @@ class DecodeVideo(Op):
                 raise ConfigError(f"decode_video needs the field {name!r} of formats.video in the batch; "
                                   f"load it (Loader fields=...)")
         shapes = [self._shape(p, c) for p, c in zip(batch.data["packets"], batch.data["codec"])]
-        if batch.device.is_cuda:
-            from gpuio.ops._nvdec import decode_batch
-
-            frames = decode_batch(batch, self.field, shapes, self.size)
-        else:
-            frames = self._decode_cpu(batch, shapes)
+        frames = self._decode_gpu(batch, shapes) if batch.device.is_cuda else self._decode_cpu(batch, shapes)
         batch.data[self.out] = frames
         del batch.data["packets"], batch.data["codec"]
         batch.drop_rejected()
@@ -219,22 +214,186 @@ class DecodeVideo(Op):
 
     def _decode_cpu(self, batch: Batch, shapes: list[tuple[int, ...]]) -> list[Any]:
         data, packets, codecs = batch.data[self.field], batch.data["packets"], batch.data["codec"]
-        block = np.empty((len(shapes), *shapes[0]), np.uint8) if len(set(shapes)) == 1 else None
+        block = np.empty((len(shapes), *shapes[0]), np.uint8) if shapes and len(set(shapes)) == 1 else None
         # few clips: FFmpeg's own threads; many: one thread per clip
         threads = max(1, (os.cpu_count() or 1) // max(1, len(shapes)))
 
         def one(row: int) -> Any:
-            try:
-                return decode_clip(data[row], packets[row], codecs[row], self.size,
-                                   None if block is None else block[row], int(batch.index[row]), threads)
-            except FormatError as exc:
-                return exc
+            return decode_clip(data[row], packets[row], codecs[row], self.size,
+                               None if block is None else block[row], int(batch.index[row]), threads)
 
-        results = list(_executor().map(one, range(len(shapes))))
-        for row, result in enumerate(results):
-            if isinstance(result, FormatError):
-                batch.reject(row, result)
-        return results
+        return _run_rows(batch, one, len(shapes))
+
+    def _decode_gpu(self, batch: Batch, shapes: list[tuple[int, ...]]) -> list[Any]:
+        """NVDEC for the clips it takes (one decoder per clip, clips in parallel), the
+        CPU path for the rest, uploaded; then one resize launch for the batch."""
+        cp = require("cupy")
+        nvc = require("PyNvVideoCodec")
+        data, packets, codecs = batch.data[self.field], batch.data["packets"], batch.data["codec"]
+        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+        device = batch.device.index
+        native = [(n, codec_header(c).height, codec_header(c).width, 3) for (n, *_), c in zip(shapes, codecs)]
+        with cp.cuda.Device(device):
+            block = cp.empty((len(shapes), *native[0]), cp.uint8) if shapes and len(set(native)) == 1 else None
+
+            def one(row: int) -> Any:
+                header = codec_header(codecs[row])
+                out = block[row] if block is not None else cp.empty(native[row], cp.uint8)
+                with cp.cuda.Device(device), stream:
+                    if header.decoder in _NVDEC_CODECS and header.pix_fmt in _NVDEC_FORMATS:
+                        return _decode_clip_nvdec(nvc, cp, data[row], packets[row], header, out, device,
+                                                  stream, int(batch.index[row]))
+                    out.set(decode_clip(data[row], packets[row], codecs[row], sample=int(batch.index[row])))
+                    return out
+
+            clips = _run_rows(batch, one, len(shapes))
+            if self.size is None:
+                return clips
+            from gpuio.ops.geometry import Resize
+
+            frames = [f for clip in clips if not isinstance(clip, FormatError) for f in clip]
+            if not frames:
+                return clips
+            flat = Batch({"image": frames}, np.zeros(len(frames), np.int64), np.zeros(len(frames), np.uint64),
+                         batch.device, stream=stream)
+            resized = iter(Resize(self.size, antialias=False)(flat).data["image"])
+            h, w = self.size
+            return [clip if isinstance(clip, FormatError)
+                    else cp.stack([next(resized) for _ in range(len(clip))]).reshape(len(clip), h, w, 3)
+                    for clip in clips]
+
+
+def _run_rows(batch: Batch, decode_row: Any, rows: int) -> list[Any]:
+    """``decode_row(row)`` for every row on the pool; a row whose clip is bad is
+    rejected (its place in the list holds the error)."""
+
+    def one(row: int) -> Any:
+        try:
+            return decode_row(row)
+        except FormatError as exc:
+            return exc
+
+    results = list(_executor().map(one, range(rows)))
+    for row, result in enumerate(results):
+        if isinstance(result, FormatError):
+            batch.reject(row, result)
+    return results
+
+
+# ---- NVDEC -----------------------------------------------------------------------------------
+
+_NVDEC_CODECS = {"h264": "H264", "hevc": "HEVC", "vp9": "VP9", "libdav1d": "AV1", "av1": "AV1"}
+_NVDEC_FORMATS = ("yuv420p", "yuvj420p")
+_START = b"\0\0\0\1"
+
+
+def _nal_units(x: bytes, at: int, count: int) -> tuple[int, list[bytes]]:
+    """``count`` NAL units, each after a 2-byte length, from byte ``at``; returns
+    where they end and the units."""
+    units = []
+    for _ in range(count):
+        n = int.from_bytes(x[at:at + 2], "big")
+        if at + 2 + n > len(x):
+            raise FormatError(f"bad avcC/hvcC extradata in the index: a parameter set of {n} bytes at byte {at} "
+                              f"runs past its {len(x)} bytes")
+        units.append(x[at + 2:at + 2 + n])
+        at += 2 + n
+    return at, units
+
+
+def _parameter_sets(header: CodecHeader) -> tuple[int, bytes]:
+    """(NAL length size, the parameter sets as Annex B) of an avcC / hvcC extradata;
+    (0, b"") when the stream is Annex B already (no such extradata)."""
+    x = header.extradata
+    if len(x) < (23 if header.decoder == "hevc" else 7) or x[0] != 1:
+        return 0, b""
+    if header.decoder == "h264":
+        at, units = _nal_units(x, 6, x[5] & 31)  # sequence parameter sets
+        units += _nal_units(x, at + 1, x[at] if at < len(x) else 0)[1]  # picture parameter sets
+        return (x[4] & 3) + 1, b"".join(_START + u for u in units)
+    at, units = 23, []
+    for _ in range(x[22]):  # arrays of VPS, SPS, PPS, SEI
+        at, more = _nal_units(x, at + 3, int.from_bytes(x[at + 1:at + 3], "big"))
+        units += more
+    return (x[21] & 3) + 1, b"".join(_START + u for u in units)
+
+
+def annexb_packets(data: Any, packets: Any, codec: Any) -> list[bytes]:
+    """The clip's video packets as the NVDEC parser takes them: H.264/HEVC NAL units
+    with start codes instead of length fields and the parameter sets in front of the
+    first packet; AV1 with the configuration OBUs in front; VP9 as stored."""
+    return _annexb(_bytes(data), _table(packets), codec_header(codec))
+
+
+def _bytes(data: Any) -> bytes:
+    return np.ascontiguousarray(data, dtype=np.uint8).tobytes() if isinstance(data, np.ndarray) else bytes(data)
+
+
+def _annexb(buf: bytes, table: np.ndarray, header: CodecHeader) -> list[bytes]:
+    raw = [buf[o:o + n] for o, n in table[:, :2].tolist()]
+    if header.decoder in ("libdav1d", "av1"):
+        if raw and len(header.extradata) > 4:
+            raw[0] = header.extradata[4:] + raw[0]
+        return raw
+    size, prefix = _parameter_sets(header) if header.decoder in ("h264", "hevc") else (0, b"")
+    if not size:
+        return raw
+    out = []
+    for k, packet in enumerate(raw):
+        parts = [prefix] if k == 0 else []
+        at = 0
+        while at + size <= len(packet):
+            n = int.from_bytes(packet[at:at + size], "big")
+            if at + size + n > len(packet):
+                raise FormatError(f"frame {table[k, 2]}: a NAL unit of {n} bytes runs past its packet "
+                                  f"({len(packet)} bytes, at packet byte {at})")
+            parts += [_START, packet[at + size:at + size + n]]
+            at += size + n
+        out.append(b"".join(parts))
+    return out
+
+
+def _decode_clip_nvdec(nvc: Any, cp: Any, data: Any, packets: Any, header: CodecHeader, out: Any,
+                       device: int, stream: Any, sample: int) -> Any:
+    """One clip on NVDEC into ``out`` (``[F, H, W, 3]`` uint8 on the GPU)."""
+    table = _table(packets)
+    slot_of = {int(f): int(j) for f, j in table[:, 2:4].tolist() if j >= 0}
+    filled = np.zeros(len(out), dtype=bool)
+    units = _annexb(_bytes(data), table, header)
+    errors = (getattr(nvc, "PyNvVCException", RuntimeError), RuntimeError, ValueError)
+    try:  # the decoder works on the batch's stream: copies out of its surfaces are ordered after it
+        decoder = nvc.CreateDecoder(gpuid=device, codec=getattr(nvc.cudaVideoCodec, _NVDEC_CODECS[header.decoder]),
+                                    cudacontext=cp.cuda.driver.ctxGetCurrent(), cudastream=stream.ptr,
+                                    usedevicememory=True, outputColorType=nvc.OutputColorType.RGB)
+    except errors as exc:
+        raise FormatError(f"NVDEC cannot take this {header.decoder} stream: {exc}", sample=sample) from exc
+
+    def keep(pictures: list[Any]) -> None:
+        for picture in pictures:
+            j = slot_of.get(int(picture.getPTS()), -1)
+            if j >= 0:
+                out[j] = cp.asarray(picture).reshape(out.shape[1:])
+                filled[j] = True
+
+    row = 0
+    try:
+        for row, unit in enumerate(units):
+            host = np.frombuffer(unit, np.uint8)  # NVDEC reads it during Decode
+            packet = nvc.PacketData()
+            packet.bsl_data, packet.bsl = host.ctypes.data, host.size
+            packet.pts = int(table[row, 2]) if table[row, 2] >= 0 else -1 - row
+            keep(decoder.Decode(packet))
+        row = len(units)
+        keep(decoder.Decode(nvc.PacketData()))  # an empty packet: end of stream, flush
+    except errors as exc:
+        frame = table[min(row, len(table) - 1), 2]
+        raise FormatError(f"NVDEC cannot decode frame {frame}: {exc}", sample=sample) from exc
+    if not filled.all():
+        missing = int(np.flatnonzero(~filled)[0])
+        frame = next(f for f, j in slot_of.items() if j == missing)
+        raise FormatError(f"NVDEC gave no picture for frame {frame} (clip slot {missing}); "
+                          f"a packet of the clip is corrupt", sample=sample)
+    return out
 
 
 def decode_video(size: tuple[int, int] | None = None, field: str = "data", out: str = "frames") -> DecodeVideo:
