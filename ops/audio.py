@@ -20,6 +20,7 @@ in bench/RESULTS.md). Resample offline with soxr where the difference matters.
 
 from __future__ import annotations
 
+import importlib
 import io
 import math
 import struct
@@ -34,20 +35,20 @@ from gpuio.errors import ConfigError, DependencyError, FormatError
 from gpuio.ops.ragged import pack, rows_of, segment_reduce, unpack
 
 __all__ = ["DecodeAudio", "PreemphasisFilter", "NonsilentRegion", "Slice", "decode_audio",
-           "preemphasis_filter", "nonsilent_region", "slice", "AUDIO_EXTENSIONS"]
+           "preemphasis_filter", "nonsilent_region", "slice", "AUDIO_EXTENSIONS", "audio_dependency"]
 
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".opus", ".mp3")
 _DTYPES = ("float32", "float64", "int16", "int32")
 _BORDERS = ("zero", "clamp", "reflect")
 
 
-def _soundfile() -> Any:
+def audio_dependency(module: str) -> Any:
+    """Import ``module`` (soundfile, scipy.*), or say that the ``audio`` extra has it."""
     try:
-        import soundfile
+        return importlib.import_module(module)
     except ImportError as exc:
-        raise DependencyError(f"decode_audio needs 'soundfile' ({exc}); install it with pip install "
+        raise DependencyError(f"audio ops need {module!r} ({exc}); install it with pip install "
                               f"'gpuio[audio]'") from exc
-    return soundfile
 
 
 def _wav_shortfall(buf: memoryview) -> tuple[int, int] | None:
@@ -68,10 +69,8 @@ def _wav_shortfall(buf: memoryview) -> tuple[int, int] | None:
 
 
 def _resample(x: np.ndarray, rate: float, target: float) -> np.ndarray:
-    from scipy.signal import resample_poly
-
     up, down = _ratio(rate, target)
-    return resample_poly(x, up, down, axis=0).astype(x.dtype, copy=False)
+    return audio_dependency("scipy.signal").resample_poly(x, up, down, axis=0).astype(x.dtype, copy=False)
 
 
 def _ratio(rate: float, target: float) -> tuple[int, int]:
@@ -111,7 +110,7 @@ class DecodeAudio(Op):
         self.host_inputs = (field,)
 
     def __call__(self, batch: Batch) -> Batch:
-        sf = _soundfile()
+        sf = audio_dependency("soundfile")
         bufs = batch.data[self.field]
         offsets = batch.data.get(self.offset_field) if self.offset_field else None
         durations = batch.data.get(self.duration_field) if self.duration_field else None

@@ -20,6 +20,7 @@ import numpy as np
 
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError, FormatError
+from gpuio.ops.audio import audio_dependency
 from gpuio.ops.ragged import pack, rows_of, segment_reduce, unpack
 
 __all__ = ["Spectrogram", "MelFilterBank", "ToDecibels", "MFCC", "spectrogram", "mel_filter_bank",
@@ -137,9 +138,7 @@ class Spectrogram(Op):
             return batch
         frames, counts = self.frames(xp, rows)
         if xp is np:
-            import scipy.fft
-
-            spec = scipy.fft.rfft(frames, n=self.nfft, axis=1)
+            spec = audio_dependency("scipy.fft").rfft(frames, n=self.nfft, axis=1)
         else:
             spec = xp.fft.rfft(frames, n=self.nfft, axis=1)[: int(counts.sum())]
         power = spec.real ** 2 + spec.imag ** 2 if self.power == 2 else xp.abs(spec)
