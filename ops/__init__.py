@@ -13,6 +13,7 @@ kernel launch per batch; on the CPU each op runs on its own (the reference path)
 
 from gpuio.ops.audio import (DecodeAudio, NonsilentRegion, PreemphasisFilter, Slice, decode_audio,
                              nonsilent_region, preemphasis_filter, slice)
+from gpuio.ops.cmn import crop_mirror_normalize
 from gpuio.ops.color import ColorJitter, Normalize, color_jitter, normalize
 from gpuio.ops.decode import DecodeImage, decode_image
 from gpuio.ops.fused import Compose, FusedCropResizeNormalize, fused_crop_resize_normalize, fused_reference
@@ -36,6 +37,7 @@ __all__ = [
     "Resize",
     "center_crop",
     "color_jitter",
+    "crop_mirror_normalize",
     "decode_image",
     "decode_video",
     "flip",
