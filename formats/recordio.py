@@ -14,14 +14,19 @@ The extent field ``record`` spans a record's parts from its first magic; the par
 (``RecordIOParser``) checks the framing after the read and produces ``data`` (a view
 into the batch buffer for single-part records, rejoined bytes otherwise), ``label``
 (float32, shape ``[max(1, flag)]``) and ``id`` (int). With an ``.idx`` file
-(``key<TAB>offset`` lines) nothing of the ``.rec`` is read at index time: a record's
-extent runs to the next indexed offset (or the end of the file) and may hold padding.
+(``key<TAB>offset`` lines) only the last record's headers are read at index time: a
+record's extent runs to the next indexed offset (or the end of the file) and may hold
+padding. An ``.idx`` must cover its ``.rec``: the last indexed record must end where
+the file ends (an empty ``.idx`` fits only an empty file), and the parser refuses an
+extent that holds more than its record, so an ``.idx`` that leaves records out is an
+error, never fewer samples.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from array import array
 from collections.abc import Sequence
@@ -29,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuio.errors import ConfigError, DataError, FormatError
+from gpuio.errors import ConfigError, DataError, FormatError, StorageError
 from gpuio.formats.tfrecord import _int_table
 from gpuio.index import Extents, PathTable, SampleIndex, register_parser
 
@@ -66,10 +71,7 @@ def recordio(rec_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
         raise ConfigError(f"{len(idx_paths)} .idx files for {len(paths)} .rec files; give one per file")
     files, offsets, lengths, keys = [], [], [], []
     for k, (path, idx) in enumerate(zip(paths, idx_paths)):
-        try:
-            size = os.path.getsize(path)
-        except OSError as exc:
-            raise DataError(f"cannot read .rec file: {exc.strerror or exc}", path=path) from exc
+        size = _rec_size(path)
         key, off, length = _scan(path, size) if idx is None else _from_idx(idx, path, size)
         files.append(np.full(len(off), k, dtype=np.int32))
         offsets.append(off)
@@ -78,6 +80,23 @@ def recordio(rec_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     return SampleIndex(PathTable.from_paths([os.path.abspath(p) for p in paths]),
                        {"record": Extents(np.concatenate(files), np.concatenate(offsets), np.concatenate(lengths))},
                        {"key": np.concatenate(keys)}, RecordIOParser(), meta={"format": "recordio"})
+
+
+def _rec_size(path: str) -> int:
+    """Size in bytes of the ``.rec`` file ``path``, checked to be a regular file that
+    this process can open for reading."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not wait
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise StorageError(f"cannot read .rec file: {getattr(exc, 'strerror', None) or exc}", path=path) from exc
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a device, FIFO or socket"
+        raise DataError(f"a .rec must be a regular file, this is {kind}", path=path)
+    return st.st_size
 
 
 def _from_idx(idx: str, path: str, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -94,8 +113,26 @@ def _from_idx(idx: str, path: str, size: int) -> tuple[np.ndarray, np.ndarray, n
     distinct = np.ones(len(starts), dtype=bool)
     distinct[1:] = starts[1:] != starts[:-1]  # np.unique would be slower
     starts = starts[distinct]
+    _check_covers(idx, path, size, key, offset, starts)
     ends = np.append(starts[1:], size)
     return key, offset, ends[np.searchsorted(starts, offset)] - offset
+
+
+def _check_covers(idx: str, path: str, size: int, key: np.ndarray, offset: np.ndarray, starts: np.ndarray) -> None:
+    """Raise unless the last indexed record (at ``starts[-1]``) ends where the file
+    does: an ``.idx`` cut short would otherwise lose the records after it."""
+    hint = "rebuild it (im2rec) or pass no .idx to scan the .rec"
+    if not len(starts):
+        if size:
+            raise FormatError(f"index file {idx} lists no records, the file has {size} bytes; {hint}", path=path)
+        return
+    k = int(np.flatnonzero(offset == starts[-1])[0])
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        end = _record_end(mm, size, int(starts[-1]), path, f"record {k}")
+    if (end + 3) & ~3 < size:
+        raise FormatError(f"index file {idx} does not cover the data file ({size} bytes): its last record "
+                          f"(line {k + 1}, key {int(key[k])}) ends at byte {end}; {hint}", path=path,
+                          sample=f"record {k}", offset=end)
 
 
 def _scan(path: str, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -103,29 +140,33 @@ def _scan(path: str, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     starts, lengths = array("q"), array("q")
     if size:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            pos, first = 0, -1  # ``first``: start of the open multi-part record
+            pos = 0
             while pos < size:
-                k = len(starts)
-                cflag, n = _part(mm, size, pos, path, f"record {k}")
-                if cflag in (0, 1) and first >= 0:
-                    raise FormatError(f"a new record (cflag {cflag}) inside the multi-part record that "
-                                      f"starts at byte {first}", path=path, sample=f"record {k}", offset=pos)
-                if cflag in (2, 3) and first < 0:
-                    raise FormatError(f"a continuation part (cflag {cflag}) where a record should start",
-                                      path=path, sample=f"record {k}", offset=pos)
-                if cflag == 1:
-                    first = pos
-                elif cflag in (0, 3):
-                    start = pos if cflag == 0 else first
-                    starts.append(start)
-                    lengths.append(pos + 8 + n - start)
-                    first = -1
-                pos += 8 + ((n + 3) & ~3)
-            if first >= 0:
-                raise FormatError("the file ends inside a multi-part record", path=path,
-                                  sample=f"record {len(starts)}", offset=first)
+                end = _record_end(mm, size, pos, path, f"record {len(starts)}")
+                starts.append(pos)
+                lengths.append(end - pos)
+                pos = (end + 3) & ~3
     off = np.frombuffer(starts, dtype=np.int64)
     return np.arange(len(off), dtype=np.int64), off, np.frombuffer(lengths, dtype=np.int64)
+
+
+def _record_end(buf: Any, size: int, pos: int, path: str, sample: object) -> int:
+    """End (before padding) of the record whose first part is at ``pos`` of the file
+    mapped as ``buf`` (``size`` bytes), after checking its parts' flags."""
+    start = pos
+    cflag, n = _part(buf, size, pos, path, sample)
+    if cflag in (2, 3):
+        raise FormatError(f"a continuation part (cflag {cflag}) where a record should start", path=path,
+                          sample=sample, offset=pos)
+    while cflag in (1, 2):
+        pos += 8 + ((n + 3) & ~3)
+        if pos >= size:
+            raise FormatError("the file ends inside a multi-part record", path=path, sample=sample, offset=start)
+        cflag, n = _part(buf, size, pos, path, sample)
+        if cflag in (0, 1):
+            raise FormatError(f"a new record (cflag {cflag}) inside the multi-part record that starts at byte "
+                              f"{start}", path=path, sample=sample, offset=pos)
+    return pos + 8 + n
 
 
 def _part(buf: Any, size: int, pos: int, path: str, sample: object, base: int = 0) -> tuple[int, int]:
@@ -138,6 +179,9 @@ def _part(buf: Any, size: int, pos: int, path: str, sample: object, base: int = 
     if magic != MAGIC:
         raise FormatError(f"bad magic {magic:#010x}, expected {MAGIC:#010x}", path=path, sample=sample,
                           offset=base + pos)
+    if lrecord >> 29 > 3:
+        raise FormatError(f"bad cflag {lrecord >> 29} (0 to 3: whole, first, middle, last part)", path=path,
+                          sample=sample, offset=base + pos)
     n = lrecord & _LENGTH_MASK
     if pos + 8 + n > size:
         raise FormatError(f"truncated part: {n} payload bytes announced, {size - pos - 8} present",
@@ -182,17 +226,18 @@ class RecordIOParser:
         rejoined with the magic between them."""
         size = len(record)
         cflag, n = _part(record, size, 0, path, sample, base)
-        if cflag == 0:
-            return record[8: 8 + n]
-        if cflag != 1:
+        if cflag not in (0, 1):
             raise FormatError(f"record starts with a continuation part (cflag {cflag})", path=path,
                               sample=sample, offset=base)
         parts, pos = [record[8: 8 + n]], 8 + ((n + 3) & ~3)
-        while cflag != 3:
+        while cflag in (1, 2):
             cflag, n = _part(record, size, pos, path, sample, base)
             if cflag not in (2, 3):
                 raise FormatError(f"part with cflag {cflag} inside a multi-part record", path=path,
                                   sample=sample, offset=base + pos)
             parts += [np.frombuffer(_MAGIC_BYTES, dtype=np.uint8), record[pos + 8: pos + 8 + n]]
             pos += 8 + ((n + 3) & ~3)
-        return np.concatenate(parts)
+        if pos < size:  # an .idx that skips a record gives its bytes to the record before
+            raise FormatError(f"{size - pos} bytes follow the record in its extent: the .idx leaves out the "
+                              f"record at byte {base + pos}", path=path, sample=sample, offset=base + pos)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)

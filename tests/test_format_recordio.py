@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import pickle
 import struct
 
 import numpy as np
@@ -11,7 +14,7 @@ from hypothesis import strategies as st
 
 import gpuio
 from checkers import assert_gpu_read_matches_cpu
-from gpuio.errors import ConfigError, FormatError, GpuioError
+from gpuio.errors import ConfigError, DataError, FormatError, GpuioError, StorageError
 from gpuio.formats import recordio
 from gpuio.formats.recordio import MAGIC, RecordIOParser
 
@@ -204,6 +207,93 @@ def test_bad_headers_and_idx(tmp_path):
         recordio(path, idx)
     with pytest.raises(ConfigError):
         recordio([path, path], idx)
+
+
+def test_directory_fifo_and_bad_path_name_the_path(tmp_path):
+    samples = _samples(3)
+    _write_file(tmp_path / "a.rec", samples, idx_path=tmp_path / "a.idx")
+    (tmp_path / "dir.rec").mkdir()
+    os.mkfifo(tmp_path / "fifo.rec")
+    for idx in (None, tmp_path / "a.idx"):
+        with pytest.raises(DataError, match="a .rec must be a regular file, this is a directory") as err:
+            recordio(tmp_path / "dir.rec", idx)
+        assert err.value.path == str(tmp_path / "dir.rec")
+        with pytest.raises(DataError, match="this is a device, FIFO or socket") as err:
+            recordio(tmp_path / "fifo.rec", idx)  # must not wait for a writer
+        assert err.value.path == str(tmp_path / "fifo.rec")
+    with pytest.raises(StorageError, match="No such file"):
+        recordio(tmp_path / "missing.rec")
+    with pytest.raises(StorageError, match="cannot read .rec file"):
+        recordio(str(tmp_path / "nul\0.rec"))
+
+
+def _in_child_without_capabilities(fn):
+    """``fn()``'s result or raised exception (as ``(type name, str, path)``), computed in
+    a forked child that dropped every capability (capset(2)), so that file permissions
+    hold even when the tests run as root (CAP_DAC_OVERRIDE would bypass them)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+            if ctypes.CDLL(None, use_errno=True).capset(header, (ctypes.c_uint32 * 6)()) != 0:
+                raise OSError(ctypes.get_errno(), "capset failed")
+            try:
+                out = ("ok", repr(fn()), None)
+            except Exception as exc:
+                out = (type(exc).__name__, str(exc), getattr(exc, "path", None))
+            os.write(write_end, pickle.dumps(out))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        out = pickle.loads(f.read())
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_unreadable_rec_names_the_path(tmp_path):
+    _write_file(tmp_path / "a.rec", _samples(3), idx_path=tmp_path / "a.idx")
+    os.chmod(tmp_path / "a.rec", 0)
+    for idx in (None, tmp_path / "a.idx"):
+        kind, message, path = _in_child_without_capabilities(lambda: len(recordio(tmp_path / "a.rec", idx)))
+        assert kind == "StorageError" and path == str(tmp_path / "a.rec")
+        assert "cannot read .rec file: Permission denied" in message
+
+
+def test_idx_that_does_not_cover_the_file(tmp_path):
+    samples = _samples(20, seed=8)
+    offsets = _write_file(tmp_path / "a.rec", samples, idx_path=tmp_path / "a.idx")
+    size = (tmp_path / "a.rec").stat().st_size
+    lines = (tmp_path / "a.idx").read_text().splitlines(keepends=True)
+    assert len(recordio(tmp_path / "a.rec", tmp_path / "a.idx")) == 20
+    (tmp_path / "cut.idx").write_text("".join(lines[:11]))  # cut in half: 11 of 20 records
+    with pytest.raises(FormatError, match=rf"cut\.idx does not cover the data file \({size} bytes\): its last "
+                                          r"record \(line 11, key 10\) ends at byte") as err:
+        recordio(tmp_path / "a.rec", tmp_path / "cut.idx")
+    assert err.value.path == str(tmp_path / "a.rec") and offsets[10] < err.value.offset <= offsets[11]
+    (tmp_path / "empty.idx").write_text("")
+    with pytest.raises(FormatError, match=f"empty.idx lists no records, the file has {size} bytes"):
+        recordio(tmp_path / "a.rec", tmp_path / "empty.idx")
+    # an .idx that leaves out a record in the middle: the record before it refuses the extra bytes
+    (tmp_path / "gap.idx").write_text("".join(lines[:5] + lines[6:]))
+    index = recordio(tmp_path / "a.rec", tmp_path / "gap.idx")
+    _assert_sample(index[3], samples[3])
+    _assert_sample(index[5], samples[6])
+    with pytest.raises(FormatError, match="the .idx leaves out the record at byte") as err:
+        index[4]
+    assert err.value.offset == offsets[5]
+    (tmp_path / "e.rec").write_bytes(b"")
+    assert len(recordio(tmp_path / "e.rec", tmp_path / "empty.idx")) == 0
+
+
+def test_bad_cflag_is_refused(tmp_path):
+    path = tmp_path / "a.rec"
+    with open(path, "wb") as f:
+        _write_rec(f, _pack(1.0, 1, b"abcd"))
+        f.write(struct.pack("<II", MAGIC, 5 << 29 | 4) + b"wxyz")
+    with pytest.raises(FormatError, match="record 1 at byte 36: bad cflag 5"):
+        recordio(path)
 
 
 @pytest.fixture(scope="module")
