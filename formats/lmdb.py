@@ -19,6 +19,7 @@ from array import array
 import numpy as np
 
 from gpuio.errors import DataError, FormatError
+from gpuio.formats._files import regular_file_size
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["lmdb"]
@@ -30,19 +31,20 @@ def lmdb(path: str | os.PathLike[str]) -> SampleIndex:
 
     Fields: ``key`` (``bytes``, a ``Ragged`` of kind ``"bytes"``) and ``data`` (the
     value's bytes in the data file), in key order. The environment is opened read-only
-    without the lock file and closed before returning.
+    without the lock file and closed before returning. Paths that are not UTF-8 work
+    (LMDB gets the path's bytes).
     """
     import lmdb as _lmdb
 
     path = os.path.abspath(os.fspath(path))
     subdir = os.path.isdir(path)
     data_file = os.path.join(path, "data.mdb") if subdir else path
+    size = regular_file_size(data_file, "LMDB data file")
+    if size == 0:  # LMDB itself answers "Bad file descriptor"
+        raise FormatError("empty LMDB data file (0 bytes); an environment holds at least its two meta pages",
+                          path=data_file, offset=0)
     try:
-        size = os.stat(data_file).st_size
-    except OSError as exc:
-        raise DataError(f"cannot open LMDB data file: {exc.strerror or exc}", path=data_file) from exc
-    try:
-        env = _lmdb.open(path, subdir=subdir, readonly=True, lock=False, readahead=False,
+        env = _lmdb.open(os.fsencode(path), subdir=subdir, readonly=True, lock=False, readahead=False,
                          create=False, max_dbs=0)
     except _lmdb.Error as exc:
         raise FormatError(f"not a readable LMDB environment: {exc}", path=data_file, offset=0) from exc

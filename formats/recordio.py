@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 import struct
 from array import array
 from collections.abc import Sequence
@@ -34,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from gpuio.errors import ConfigError, DataError, FormatError, StorageError
+from gpuio.errors import ConfigError, DataError, FormatError
+from gpuio.formats._files import regular_file_size
 from gpuio.formats.tfrecord import _int_table
 from gpuio.index import Extents, PathTable, SampleIndex, register_parser
 
@@ -71,7 +71,7 @@ def recordio(rec_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
         raise ConfigError(f"{len(idx_paths)} .idx files for {len(paths)} .rec files; give one per file")
     files, offsets, lengths, keys = [], [], [], []
     for k, (path, idx) in enumerate(zip(paths, idx_paths)):
-        size = _rec_size(path)
+        size = regular_file_size(path, ".rec file")
         key, off, length = _scan(path, size) if idx is None else _from_idx(idx, path, size)
         files.append(np.full(len(off), k, dtype=np.int32))
         offsets.append(off)
@@ -80,23 +80,6 @@ def recordio(rec_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     return SampleIndex(PathTable.from_paths([os.path.abspath(p) for p in paths]),
                        {"record": Extents(np.concatenate(files), np.concatenate(offsets), np.concatenate(lengths))},
                        {"key": np.concatenate(keys)}, RecordIOParser(), meta={"format": "recordio"})
-
-
-def _rec_size(path: str) -> int:
-    """Size in bytes of the ``.rec`` file ``path``, checked to be a regular file that
-    this process can open for reading."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not wait
-        try:
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
-        raise StorageError(f"cannot read .rec file: {getattr(exc, 'strerror', None) or exc}", path=path) from exc
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a device, FIFO or socket"
-        raise DataError(f"a .rec must be a regular file, this is {kind}", path=path)
-    return st.st_size
 
 
 def _from_idx(idx: str, path: str, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

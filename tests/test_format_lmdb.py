@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import gpuio
 from checkers import assert_gpu_read_matches_cpu
-from gpuio.errors import DataError, FormatError, GpuioError
+from gpuio.errors import DataError, FormatError, GpuioError, StorageError
 from gpuio.formats import lmdb
 
 # empty, tiny (leaf page), around the overflow threshold (~2 KiB with 4 KiB pages),
@@ -112,14 +112,41 @@ def test_index_is_arrays_not_objects(tmp_path):
 
 
 def test_missing_and_not_lmdb(tmp_path):
-    with pytest.raises(DataError, match="cannot open"):
+    with pytest.raises(StorageError, match="cannot read LMDB data file: No such file") as err:
         lmdb(tmp_path / "nope")
+    assert err.value.path == str(tmp_path / "nope")
     bogus = tmp_path / "bogus"
     bogus.mkdir()
     (bogus / "data.mdb").write_bytes(b"\x00" * 20000)
     with pytest.raises(FormatError, match="not a readable LMDB environment") as err:
         lmdb(bogus)
     assert err.value.path.endswith("data.mdb") and err.value.offset == 0
+
+
+def test_path_that_is_not_utf8(tmp_path):
+    env_dir = os.path.join(os.fsencode(tmp_path), b"caf\xe9 \xff")  # Latin-1 bytes, not UTF-8
+    _write_env(env_dir, _items([10, 5000]))
+    path = os.fsdecode(env_dir)  # str with surrogate escapes, as os.listdir gives it
+    with pytest.raises(UnicodeEncodeError):
+        path.encode("utf-8")
+    index = lmdb(path)
+    assert index.files[0] == os.path.join(path, "data.mdb")
+    _check_against_lmdb(index, env_dir)
+
+
+def test_empty_or_odd_data_file_names_it(tmp_path):
+    env = _write_env(tmp_path / "env", _items([10]))
+    os.truncate(env / "data.mdb", 0)
+    with pytest.raises(FormatError, match="empty LMDB data file") as err:
+        lmdb(env)
+    assert err.value.path == str(env / "data.mdb") and err.value.offset == 0
+    (tmp_path / "dirs" / "data.mdb").mkdir(parents=True)
+    with pytest.raises(DataError, match="must be a regular file, this is a directory") as err:
+        lmdb(tmp_path / "dirs")
+    assert err.value.path == str(tmp_path / "dirs" / "data.mdb")
+    os.mkfifo(tmp_path / "fifo.mdb")
+    with pytest.raises(DataError, match="this is a device, FIFO or socket"):
+        lmdb(tmp_path / "fifo.mdb")  # must not wait for a writer
 
 
 def test_truncated_data_file(tmp_path):

@@ -215,7 +215,7 @@ def test_directory_fifo_and_bad_path_name_the_path(tmp_path):
     (tmp_path / "dir.rec").mkdir()
     os.mkfifo(tmp_path / "fifo.rec")
     for idx in (None, tmp_path / "a.idx"):
-        with pytest.raises(DataError, match="a .rec must be a regular file, this is a directory") as err:
+        with pytest.raises(DataError, match="a .rec file must be a regular file, this is a directory") as err:
             recordio(tmp_path / "dir.rec", idx)
         assert err.value.path == str(tmp_path / "dir.rec")
         with pytest.raises(DataError, match="this is a device, FIFO or socket") as err:
