@@ -11,7 +11,9 @@ per image, **sorted by image id**. Fields:
   ``categories`` list gives them, whatever the ids (DALI's COCO reader's rule: the
   first listed category is 1); ``category_ids``: the raw int64 ids. The index's
   ``meta["category_ids"]`` lists the ids in that order, so label ``l`` is
-  ``meta["category_ids"][l - 1]``;
+  ``meta["category_ids"][l - 1]``. An annotation whose category is not listed, and a
+  category id listed twice, are errors, since either means a broken file (DALI gives
+  the first label 0, and the second its first listing's number, skipping one);
 - ``image_id`` (int64), ``width`` and ``height`` (int64, pixels).
 
 Annotations keep their order in the JSON file within an image (the order of
