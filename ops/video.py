@@ -104,10 +104,33 @@ def _table(packets: Any) -> np.ndarray:
     return table
 
 
-def clip_length(packets: Any) -> int:
+def _clip_length(packets: Any) -> int:
     """Frames the clip keeps (one more than its highest slot)."""
     slots = _table(packets)[:, 3]
     return int(slots.max()) + 1 if len(slots) else 0
+
+
+class _Slots:
+    """Where each kept frame goes in the clip, and which places are filled."""
+
+    def __init__(self, table: np.ndarray, sample: object) -> None:
+        self.slot_of = {int(f): int(j) for f, j in table[:, 2:4].tolist() if j >= 0}
+        self.filled = np.zeros(len(self.slot_of), dtype=bool)
+        self.sample = sample
+
+    def take(self, frame: int) -> int:
+        """The slot of frame number ``frame`` (marked filled), -1 if the clip does not keep it."""
+        j = self.slot_of.get(frame, -1)
+        if j >= 0:
+            self.filled[j] = True
+        return j
+
+    def check(self, decoder: str) -> None:
+        if not self.filled.all():
+            missing = int(np.flatnonzero(~self.filled)[0])
+            frame = next(f for f, j in self.slot_of.items() if j == missing)
+            raise FormatError(f"{decoder} gave no picture for frame {frame} (clip slot {missing}); "
+                              f"a packet of the clip is corrupt", sample=self.sample)
 
 
 def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | None = None,
@@ -123,11 +146,9 @@ def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | Non
     header = codec_header(codec)
     buf = memoryview(np.ascontiguousarray(np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray)
                                           else data)).cast("B")
-    count = clip_length(table)
-    slot_of = {int(f): int(j) for f, j in table[:, 2:4].tolist() if j >= 0}
+    slots = _Slots(table, sample)
     h, w = size if size is not None else (header.height, header.width)
-    frames = out if out is not None else np.empty((count, h, w, 3), np.uint8)
-    filled = np.zeros(count, dtype=bool)
+    frames = out if out is not None else np.empty((len(slots.filled), h, w, 3), np.uint8)
     resize = {"width": w, "height": h} if size is not None else {}
     ctx = _context(av, header, threads)
     rows = table.tolist()
@@ -136,7 +157,7 @@ def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | Non
 
     def keep(pictures: list[Any]) -> None:
         for picture in pictures:
-            j = slot_of.get(picture.pts, -1)
+            j = slots.take(picture.pts)
             if j < 0:
                 continue
             rgb = picture.to_ndarray(format="rgb24", **resize)
@@ -144,7 +165,6 @@ def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | Non
                 raise FormatError(f"frame {picture.pts} is {rgb.shape[1]}x{rgb.shape[0]} pixels, the clip's other "
                                   f"frames {frames.shape[2]}x{frames.shape[1]}", sample=sample)
             frames[j] = rgb
-            filled[j] = True
 
     try:
         for bad_row, (offset, length, frame, slot) in enumerate(rows):
@@ -160,11 +180,7 @@ def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | Non
         where = rows[min(bad_row, len(rows) - 1)]
         raise FormatError(f"cannot decode frame {where[2]} (packet at byte {where[0]} of the clip): {exc}",
                           sample=sample) from exc
-    if not filled.all():
-        missing = int(np.flatnonzero(~filled)[0])
-        frame = next(f for f, j in slot_of.items() if j == missing)
-        raise FormatError(f"the decoder gave no picture for frame {frame} (clip slot {missing}); "
-                          f"a packet of the clip is corrupt", sample=sample)
+    slots.check("the decoder")
     return frames
 
 
@@ -210,7 +226,7 @@ class DecodeVideo(Op):
     def _shape(self, packets: Any, codec: Any) -> tuple[int, int, int, int]:
         header = codec_header(codec)
         h, w = self.size if self.size is not None else (header.height, header.width)
-        return clip_length(packets), h, w, 3
+        return _clip_length(packets), h, w, 3
 
     def _decode_cpu(self, batch: Batch, shapes: list[tuple[int, ...]]) -> list[Any]:
         data, packets, codecs = batch.data[self.field], batch.data["packets"], batch.data["codec"]
@@ -357,8 +373,7 @@ def _decode_clip_nvdec(nvc: Any, cp: Any, data: Any, packets: Any, header: Codec
                        device: int, stream: Any, sample: int) -> Any:
     """One clip on NVDEC into ``out`` (``[F, H, W, 3]`` uint8 on the GPU)."""
     table = _table(packets)
-    slot_of = {int(f): int(j) for f, j in table[:, 2:4].tolist() if j >= 0}
-    filled = np.zeros(len(out), dtype=bool)
+    slots = _Slots(table, sample)
     units = _annexb(_bytes(data), table, header)
     errors = (getattr(nvc, "PyNvVCException", RuntimeError), RuntimeError, ValueError)
     try:  # the decoder works on the batch's stream: copies out of its surfaces are ordered after it
@@ -370,10 +385,9 @@ def _decode_clip_nvdec(nvc: Any, cp: Any, data: Any, packets: Any, header: Codec
 
     def keep(pictures: list[Any]) -> None:
         for picture in pictures:
-            j = slot_of.get(int(picture.getPTS()), -1)
+            j = slots.take(int(picture.getPTS()))
             if j >= 0:
                 out[j] = cp.asarray(picture).reshape(out.shape[1:])
-                filled[j] = True
 
     row = 0
     try:
@@ -388,11 +402,7 @@ def _decode_clip_nvdec(nvc: Any, cp: Any, data: Any, packets: Any, header: Codec
     except errors as exc:
         frame = table[min(row, len(table) - 1), 2]
         raise FormatError(f"NVDEC cannot decode frame {frame}: {exc}", sample=sample) from exc
-    if not filled.all():
-        missing = int(np.flatnonzero(~filled)[0])
-        frame = next(f for f, j in slot_of.items() if j == missing)
-        raise FormatError(f"NVDEC gave no picture for frame {frame} (clip slot {missing}); "
-                          f"a packet of the clip is corrupt", sample=sample)
+    slots.check("NVDEC")
     return out
 
 
