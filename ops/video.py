@@ -17,13 +17,16 @@ same ``VideoFrame.to_ndarray(format="rgb24")`` call (the frame's own colour spac
 ``size`` the same call with ``width``/``height``, swscale's bilinear filter). The frames
 equal, bit for bit, those of decoding the whole file with PyAV.
 
-GPU: PyNvVideoCodec (NVDEC). H.264/HEVC packets are turned into Annex B (FFmpeg's
-``*_mp4toannexb`` bitstream filters on the host: parameter sets from the extradata go in
-front of the keyframe), the decoder returns NV12 surfaces in device memory, and a CuPy
-kernel converts the kept ones to RGB (BT.601 or BT.709 as the stream says, limited or
-full range) into one ``[B, F, H, W, 3]`` device array; ``size`` resizes it bilinearly
-on the GPU. NVDEC's pictures equal FFmpeg's (decoding is exact for these codecs); the
-colour conversion differs from swscale's by rounding (a level or two).
+GPU: PyNvVideoCodec (NVDEC), one decoder per clip, clips in parallel. H.264/HEVC
+packets are rewritten to Annex B on the host (start codes for the length fields, the
+avcC/hvcC parameter sets in front of the first packet; ``annexb_packets``), AV1 gets its
+configuration OBUs in front, VP9 goes as stored. The decoder works on the batch's CUDA
+stream and converts to RGB itself (``OutputColorType.RGB``, the colour matrix the stream
+signals); the kept pictures are copied into one ``[B, F, H, W, 3]`` device array, and
+``size`` resizes them all in one bilinear launch (``ops.resize``). Clips in another
+codec or pixel format (4:4:4, 10-bit) decode on the CPU and are uploaded. NVDEC's
+pictures equal FFmpeg's (decoding is exact for these codecs); its RGB conversion rounds
+differently from swscale's.
 
 A packet the decoder rejects, or a frame it does not return, is a ``FormatError``
 naming the sample, the frame number and the packet's byte offset in the clip.

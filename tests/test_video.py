@@ -249,9 +249,23 @@ def test_corrupt_packet_names_file_and_frame(tree, tmp_path):
     assert loader.stats()["skipped"] == 1 and f"frame {frame}" in loader.stats()["errors"][0]
 
 
-@pytest.mark.parametrize("name", ["cut.mp4", "cut.mkv"])
+def remux_faststart(src, dst) -> None:
+    """``src`` with its ``moov`` box in front (the packets stay the same)."""
+    with av.open(str(src)) as inp, av.open(str(dst), "w", options={"movflags": "faststart"}) as out:
+        stream = out.add_stream_from_template(inp.streams.video[0])
+        for packet in inp.demux(inp.streams.video[0]):
+            if packet.size:
+                packet.stream = stream
+                out.mux(packet)
+
+
+@pytest.mark.parametrize("name", ["cut.mp4", "cut_faststart.mp4", "cut.mkv"])
 def test_file_cut_short_is_an_index_error(tree, tmp_path, name):
     src = tree / ("a/h264_bframes_audio.mp4" if name.endswith("mp4") else "c/av1.mkv")
+    if "faststart" in name:
+        remux_faststart(src, tmp_path / "whole.mp4")
+        assert len(video([tmp_path / "whole.mp4"], sequence_length=2)) == FRAMES // 2
+        src = tmp_path / "whole.mp4"
     data = src.read_bytes()
     (tmp_path / name).write_bytes(data[: len(data) * 2 // 3])
     with pytest.raises(FormatError, match=rf"{name}.*cut short"):
