@@ -27,7 +27,8 @@ from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 
-__all__ = ["DecodeImage", "decode_image", "jpeg_info", "JpegInfo", "orient", "COLORS"]
+__all__ = ["DecodeImage", "decode_image", "decode_cpu", "decode_region", "region_decodable", "jpeg_info", "JpegInfo",
+           "orient", "COLORS"]
 
 COLORS = ("rgb", "gray", "unchanged")
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
@@ -39,6 +40,8 @@ class JpegInfo(NamedTuple):
     components: int  # 1 gray, 3 YCbCr/RGB, 4 CMYK/YCCK; 0 if no frame header was found
     progressive: bool
     orientation: int  # EXIF orientation 1-8 (1 when absent)
+    height: int = 0  # pixels, as stored (before the EXIF orientation); 0 if unknown
+    width: int = 0
 
 
 def _exif_orientation(seg: memoryview) -> int:
@@ -71,7 +74,7 @@ def jpeg_info(buf: Any) -> JpegInfo | None:
     data = memoryview(_bytes(buf)).cast("B")
     if len(data) < 4 or data[0] != 0xFF or data[1] != 0xD8:
         return None
-    pos, components, progressive, orientation = 2, 0, False, 1
+    pos, components, progressive, orientation, height, width = 2, 0, False, 1, 0, 0
     while pos + 4 <= len(data):
         if data[pos] != 0xFF:
             break
@@ -88,10 +91,11 @@ def jpeg_info(buf: Any) -> JpegInfo | None:
         seg = data[pos + 4: pos + 2 + length]
         if marker in _SOF and len(seg) >= 6:
             components, progressive = seg[5], marker in _PROGRESSIVE
+            height, width = (seg[1] << 8) | seg[2], (seg[3] << 8) | seg[4]
         elif marker == 0xE1 and bytes(seg[:6]) == b"Exif\0\0":
             orientation = _exif_orientation(seg[6:])
         pos += 2 + length
-    return JpegInfo(components, progressive, orientation)
+    return JpegInfo(components, progressive, orientation, height, width)
 
 
 def orient(img: Any, orientation: int) -> Any:
@@ -143,6 +147,41 @@ def decode_cpu(buf: Any, color: str, sample: int) -> np.ndarray:
     if img.ndim == 2:
         img = img[:, :, None]
     return np.ascontiguousarray(orient(img, orientation if 1 <= orientation <= 8 else 1))
+
+
+try:
+    from gpuio import _jpeg
+except ImportError:  # built at install where libjpeg's headers exist; else whole-image decodes only
+    _jpeg = None
+
+# columns decoded beyond each side of a region: libjpeg upsamples chroma at a cropped
+# edge as at the image's edge, which would change the region's outermost pixels
+_EDGE = 4
+
+
+def region_decodable(data: np.ndarray, info: JpegInfo | None) -> bool:
+    """Whether ``decode_region`` takes this image: a complete (ends with EOI) 1- or
+    3-component JPEG without EXIF rotation, and the region decoder is built."""
+    return (_jpeg is not None and info is not None and info.components in (1, 3) and info.orientation == 1
+            and info.height > 0 and info.width > 0 and data[-2] == 0xFF and data[-1] == 0xD9)
+
+
+def decode_region(data: np.ndarray, info: JpegInfo, color: str, region: tuple[int, int, int, int], denom: int,
+                  sample: int) -> np.ndarray:
+    """Pixels ``y0:y1, x0:x1`` (``region``) of a JPEG that ``region_decodable`` takes,
+    DCT-scaled by 1/``denom`` (1, 2, 4, 8; the scaled image has ``ceil(size / denom)``
+    pixels per side), HWC uint8 as ``decode_cpu`` gives (a view). Rows below the region
+    are not decoded at all, rows above and columns beside it are not IDCT'd."""
+    y0, x0, y1, x1 = region
+    lo, hi = max(0, x0 - _EDGE), min(-(-info.width // denom), x1 + _EDGE)
+    gray = color == "gray" or (color == "unchanged" and info.components == 1)
+    try:
+        raw, xoff, width = _jpeg.decode_jpeg(data, gray, denom, y0, lo, y1, hi)
+    except ValueError as exc:
+        raise FormatError(f"cannot decode image ({len(data)} bytes): {exc}", sample=sample) from exc
+    channels = 1 if gray else 3
+    img = np.frombuffer(raw, np.uint8, count=(y1 - y0) * width * channels).reshape(y1 - y0, width, channels)
+    return img[:, x0 - xoff: x1 - xoff]
 
 
 _local = threading.local()

@@ -6,11 +6,19 @@ by one kernel launch per batch on the GPU: it composes the chain's per-sample
 parameters (each op draws its random numbers exactly as when it runs alone) into a
 source box, the source pixels the filter may read, the output size and a flip flag,
 then reads the decoded pixels once and writes the normalized batch once. On a CPU
-batch it runs the ops one by one (the reference path). ``fused_reference`` is the
-kernel's math in NumPy, so that the algorithm is tested without a GPU.
+batch the same plan runs in C (``gpuio/_cpuops.c``: one call per batch, the GIL
+released) for the linear, area and nearest filters into float32 or uint8; otherwise
+(or where the C module was not built) the ops run one by one. ``fused_reference`` is
+the kernel's math in NumPy, so that the algorithm is tested without a GPU.
 
-``Compose(ops)`` runs ops in order, dropping rejected rows between them, and on a GPU
-batch swaps every fusable chain for the fused op.
+``DecodeFused`` puts a ``decode_image`` in front of a fused chain on the CPU: each JPEG
+is decoded only where the chain's filter reads (the crop's rows and columns), and at
+1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling) when the crop keeps at least the output's
+size (times 1.5) at that scale.
+
+``Compose(ops)`` runs ops in order, dropping rejected rows between them, and swaps
+every fusable chain for the fused op (and, on the CPU, a decoder in front of one for
+``DecodeFused``).
 """
 
 from __future__ import annotations
@@ -21,11 +29,18 @@ from typing import Any
 import numpy as np
 
 from gpuio.batch import Batch, Op
-from gpuio.errors import ConfigError
+from gpuio.buffers import pooled_empty
+from gpuio.errors import ConfigError, FormatError
 from gpuio.ops.color import Normalize, cast, stack_or_list
-from gpuio.ops.geometry import CenterCrop, Flip, RandomResizedCrop, Resize, _Crop, _sizes, resample
+from gpuio.ops.decode import DecodeImage, decode_cpu, decode_region, jpeg_info, region_decodable
+from gpuio.ops.geometry import INTERPOLATIONS, CenterCrop, Flip, RandomResizedCrop, Resize, _Crop, _sizes, resample
 
-__all__ = ["Compose", "FusedCropResizeNormalize", "fused_crop_resize_normalize", "fused_reference"]
+try:
+    from gpuio import _cpuops
+except ImportError:  # built at install where a C compiler exists; else the CPU ops run one by one
+    _cpuops = None
+
+__all__ = ["Compose", "DecodeFused", "FusedCropResizeNormalize", "fused_crop_resize_normalize", "fused_reference"]
 
 _GEOMETRY = (CenterCrop, RandomResizedCrop, Resize)
 
@@ -92,26 +107,144 @@ class FusedCropResizeNormalize(Op):
         flip = self.flip.flips(batch) if self.flip is not None else np.zeros(n, dtype=np.int64)
         return {"box": box, "clip": clip, "out_hw": size, "flip": flip, "ok": ok}
 
+    def runs_in_c(self) -> bool:
+        """Whether a CPU batch runs through ``gpuio._cpuops`` (else op by op)."""
+        return _cpuops is not None and self.interp != "cubic" and self.normalize.dtype != "float16"
+
     def __call__(self, batch: Batch) -> Batch:
         images = batch.data[self.field]
-        if not batch.device.is_cuda or len(images) == 0 or any(img.dtype != np.uint8 for img in images):
+        if len(images) == 0 or any(img.dtype != np.uint8 for img in images) \
+                or not (batch.device.is_cuda or self.runs_in_c()):
             for op in self.ops:
                 batch = op(batch)
                 batch.drop_rejected()
             return batch
-        from gpuio.ops._kernels import crop_resize_normalize
-
         plan = self.plan(batch, _sizes(images))
         keep = plan.pop("ok")
         batch.drop_rejected()
         images = [img for img, k in zip(images, keep.tolist()) if k]
         plan = {k: v[keep] for k, v in plan.items()}
-        mean, inv_std = self.normalize.channel_params(images[0].shape[2] if images else 1)
-        batch.data[self.field] = crop_resize_normalize(
-            batch, images, plan["box"], plan["clip"], plan["out_hw"], plan["flip"], interp=self.interp,
-            antialias=self.antialias, mean=mean, inv_std=inv_std, layout=self.normalize.layout,
-            dtype=self.normalize.dtype)
+        batch.data[self.field] = self.run_plan(batch, images, plan)
         return batch
+
+    def run_plan(self, batch: Batch, images: list[Any], plan: dict[str, np.ndarray]) -> Any:
+        """The chain's output for uint8 HWC ``images`` and their ``plan`` (rows all kept)."""
+        if not images:
+            return []
+        channels = images[0].shape[2]
+        mean, inv_std = self.normalize.channel_params(channels)
+        args = dict(interp=self.interp, antialias=self.antialias, layout=self.normalize.layout,
+                    dtype=self.normalize.dtype)
+        if batch.device.is_cuda:
+            from gpuio.ops._kernels import crop_resize_normalize
+
+            return crop_resize_normalize(batch, images, plan["box"], plan["clip"], plan["out_hw"], plan["flip"],
+                                         mean=mean, inv_std=inv_std, **args)
+        if not self.runs_in_c() or any(img.ndim != 3 or img.shape[2] != channels for img in images):
+            return fused_reference(images, plan, mean, inv_std, **args)
+        out_hw = plan["out_hw"]
+        sizes = out_hw[:, 0] * out_hw[:, 1] * channels
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        out = pooled_empty((int(sizes.sum()),), self.normalize.dtype)
+        _cpuops.resample(images, np.ascontiguousarray(plan["box"], np.float64),
+                         np.ascontiguousarray(plan["clip"], np.int64), np.ascontiguousarray(out_hw, np.int64),
+                         offsets, np.ascontiguousarray(plan["flip"], np.int64), mean, inv_std, out,
+                         INTERPOLATIONS[self.interp], self.antialias, self.normalize.layout == "CHW",
+                         self.normalize.dtype == "uint8")
+        chw = self.normalize.layout == "CHW"
+        shapes = [(channels, h, w) if chw else (h, w, channels) for h, w in out_hw.tolist()]
+        if all(shape == shapes[0] for shape in shapes):
+            return out.reshape(len(images), *shapes[0])
+        return [out[o: o + n].reshape(shape) for o, n, shape in zip(offsets.tolist(), sizes.tolist(), shapes)]
+
+
+def _denom(box: np.ndarray, out_hw: np.ndarray) -> int:
+    """The largest DCT scale 1/d (d = 8, 4, 2) that keeps the box at least 1.5x
+    ``out_hw``: the resize after it then smooths the scaled IDCT's sharper edges (at
+    1x, small images differed from a full decode by up to 2.2 levels on average)."""
+    for d in (8, 4, 2):
+        if box[2] >= 1.5 * d * out_hw[0] and box[3] >= 1.5 * d * out_hw[1]:
+            return d
+    return 1
+
+
+class DecodeFused(Op):
+    """``decode`` (a ``decode_image``) then ``fused`` on its output; see the module
+    docstring. Outputs equal those of the two ops in turn, up to the DCT scaling (when
+    it applies: within 1.5 levels on average). Corrupt data in rows below a crop is
+    never read, so it is not an error here (a truncated file still is). On a GPU batch
+    the two ops run in turn."""
+
+    def __init__(self, decode: DecodeImage, fused: FusedCropResizeNormalize) -> None:
+        if decode.out != fused.field:
+            raise ConfigError(f"the decoder writes {decode.out!r}, the fused chain reads {fused.field!r}")
+        self.decode, self.fused, self.host_inputs = decode, fused, decode.host_inputs
+        self.ops = [decode, *fused.ops]
+
+    def __call__(self, batch: Batch) -> Batch:
+        if batch.device.is_cuda or not self.fused.runs_in_c():
+            batch = self.decode(batch)
+            batch.drop_rejected()
+            return self.fused(batch)
+        color = self.decode.color
+        images, infos, hw, bad = [], [], [], []
+        for row, buf in enumerate(batch.data[self.decode.field]):
+            data = np.ascontiguousarray(buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8))
+            info = jpeg_info(data)
+            if region_decodable(data, info):  # decoded below, once the plan says where
+                images.append(data)
+                infos.append(info)
+                hw.append((info.height, info.width))
+                continue
+            try:
+                img = decode_cpu(data, color, int(batch.index[row]))
+            except FormatError as exc:
+                batch.reject(row, exc)
+                bad.append(row)
+                img = np.zeros((0, 0, 1), np.uint8)
+            images.append(img)
+            infos.append(None)
+            hw.append(img.shape[:2])
+        keep = _keep(len(images), bad)
+        batch.drop_rejected()
+        images, infos = _take(images, keep), _take(infos, keep)
+        plan = self.fused.plan(batch, np.array(_take(hw, keep), np.int64).reshape(-1, 2))
+        keep = plan.pop("ok")
+        batch.drop_rejected()
+        images, infos = _take(images, keep), _take(infos, keep)
+        plan = {k: v[keep].copy() for k, v in plan.items()}
+        bad = []
+        for row, info in enumerate(infos):
+            if info is None:
+                continue
+            d = _denom(plan["box"][row], plan["out_hw"][row])
+            y0, x0, y1, x1 = plan["clip"][row].tolist()
+            region = (y0 // d, x0 // d, min(-(-y1 // d), -(-info.height // d)), min(-(-x1 // d), -(-info.width // d)))
+            try:
+                images[row] = decode_region(images[row], info, color, region, d, int(batch.index[row]))
+            except FormatError as exc:
+                batch.reject(row, exc)
+                bad.append(row)
+                continue
+            plan["box"][row] = plan["box"][row] / d - [region[0], region[1], 0, 0]
+            plan["clip"][row] = [0, 0, region[2] - region[0], region[3] - region[1]]
+        if bad:
+            keep = _keep(len(images), bad)
+            batch.drop_rejected()
+            images = _take(images, keep)
+            plan = {k: v[keep] for k, v in plan.items()}
+        batch.data[self.fused.field] = self.fused.run_plan(batch, images, plan)
+        return batch
+
+
+def _keep(n: int, bad: list[int]) -> np.ndarray:
+    keep = np.ones(n, dtype=bool)
+    keep[bad] = False
+    return keep
+
+
+def _take(values: list[Any], keep: np.ndarray) -> list[Any]:
+    return [v for v, k in zip(values, keep.tolist()) if k]
 
 
 def fused_reference(images: Sequence[np.ndarray], plan: dict[str, np.ndarray], mean: np.ndarray,
@@ -155,18 +288,35 @@ def _fuse(ops: list[Op]) -> list[Op]:
     return out
 
 
+def _fuse_decode(ops: list[Op]) -> list[Op]:
+    """``ops`` with each ``decode_image`` followed by a fused chain on its output
+    replaced by ``DecodeFused``."""
+    out: list[Op] = []
+    for op in ops:
+        if isinstance(op, FusedCropResizeNormalize) and out and isinstance(out[-1], DecodeImage) \
+                and out[-1].out == op.field:
+            out[-1] = DecodeFused(out[-1], op)
+        else:
+            out.append(op)
+    return out
+
+
 class Compose(Op):
-    """Run ``ops`` in order, dropping the rows they reject after each. On a GPU batch
-    (``fuse=True``) each chain ``[crop | resize]* -> [flip] -> normalize`` runs as one
-    fused kernel. ``host_inputs`` lists the fields its ops need in host memory."""
+    """Run ``ops`` in order, dropping the rows they reject after each. With
+    ``fuse=True`` each chain ``[crop | resize]* -> [flip] -> normalize`` runs as one
+    fused op (a kernel on a GPU batch, C on a CPU batch), on the CPU together with a
+    ``decode_image`` right before it. ``host_inputs`` lists the fields its ops need in
+    host memory."""
 
     def __init__(self, ops: Sequence[Op], *, fuse: bool = True) -> None:
-        self.ops = list(ops)
+        # a Compose inside (crop_mirror_normalize) is opened, so that its chain fuses with the ops around it
+        self.ops = [o for op in ops for o in (op.ops if isinstance(op, Compose) else [op])]
         self.fused = _fuse(self.ops) if fuse else self.ops
+        self.fused_cpu = _fuse_decode(self.fused)
         self.host_inputs = tuple(dict.fromkeys(f for op in self.ops for f in getattr(op, "host_inputs", ())))
 
     def __call__(self, batch: Batch) -> Batch:
-        for op in self.fused if batch.device.is_cuda else self.ops:
+        for op in self.fused if batch.device.is_cuda else self.fused_cpu:
             batch = op(batch)
             batch.drop_rejected()
         return batch

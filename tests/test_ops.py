@@ -46,7 +46,7 @@ def pillow_rgb(buf, exif=True):
 def test_decode_baseline_progressive_equal_pillow(pixels):
     bufs = [encode(pixels, quality=90), encode(pixels, quality=85, progressive=True),
             encode(pixels, quality=95, subsampling=0)]
-    assert jpeg_info(bufs[0]) == (3, False, 1) and jpeg_info(bufs[1]) == (3, True, 1)
+    assert jpeg_info(bufs[0]) == (3, False, 1, 120, 160) and jpeg_info(bufs[1]) == (3, True, 1, 120, 160)
     out = ops.decode_image()(make_batch(bufs)).data["image"]
     for buf, img in zip(bufs, out):
         assert img.shape == (120, 160, 3) and img.dtype == np.uint8 and img.flags.c_contiguous

@@ -1,0 +1,182 @@
+"""The CPU fast paths of gpuio.ops: the C resampler (``gpuio._cpuops``) against the NumPy
+reference, region and DCT-scaled JPEG decoding (``gpuio._jpeg``) against whole-image
+decoding, and ``DecodeFused`` against decoding then running the chain op by op. Real
+JPEGs written with Pillow."""
+
+import glob
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gpuio import ops
+from gpuio.batch import Batch, sample_seeds
+from gpuio.errors import FormatError
+from gpuio.ops import decode, fused
+from gpuio.ops.decode import decode_cpu, decode_region, jpeg_info, region_decodable
+from gpuio.ops.fused import DecodeFused, FusedCropResizeNormalize, fused_reference
+from gpuio.ops.geometry import _sizes
+from gpuio.sample import make_image_tree, sample_image
+
+MEAN, STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
+
+
+def make_batch(values, field="data", on_error="raise", seed=4):
+    index = np.arange(len(values))
+    return Batch({field: list(values)}, index, sample_seeds(seed, 0, index), on_error=on_error)
+
+
+def encode(pixels, **kw):
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "JPEG", **kw)
+    return np.frombuffer(buf.getvalue(), np.uint8)
+
+
+@pytest.fixture(scope="module")
+def jpegs():
+    """JPEGs of every layout the region decoder takes (4:2:0, 4:2:2, 4:4:4, gray,
+    progressive, odd sizes) plus the sample generator's (CMYK, EXIF-rotated ...)."""
+    rng = np.random.default_rng(3)
+    out = []
+    for h, w, kw in [(120, 160, {}), (97, 131, {"subsampling": 1}), (150, 90, {"subsampling": 0}),
+                     (101, 203, {"progressive": True}), (333, 517, {"quality": 80})]:
+        out.append(encode(sample_image(rng, h, w), quality=kw.pop("quality", 90), **kw))
+    out.append(encode(sample_image(rng, 130, 170)[:, :, 0]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tree_jpegs(tmp_path_factory):
+    root = make_image_tree(tmp_path_factory.mktemp("imgs"), count=40, classes=2, seed=7, progress=False)
+    return [np.fromfile(p, np.uint8) for p in sorted(glob.glob(f"{root}/*/*.jpg"))]
+
+
+def levels(a, b, normalize):
+    """|a - b| in 0-255 pixel levels."""
+    scale = 1.0 if normalize.dtype == "uint8" else np.asarray(STD, np.float32)
+    if normalize.layout == "CHW" and normalize.dtype != "uint8":
+        scale = np.reshape(scale, (-1, 1, 1))
+    return np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) * scale
+
+
+CHAINS = {
+    "rrc-flip": lambda: [ops.random_resized_crop(64), ops.flip(), ops.normalize(MEAN, STD)],
+    "resize-area-hwc": lambda: [ops.resize((40, 56), interp="area"), ops.normalize(MEAN, STD, layout="HWC")],
+    "nearest-vflip-u8": lambda: [ops.random_resized_crop(48, interp="nearest"), ops.flip(False, p=1.0),
+                                 ops.normalize(0, 1, dtype="uint8")],
+    "shorter-ragged": lambda: [ops.resize(shorter=50), ops.normalize(MEAN, STD)],
+    "crop-resize-crop": lambda: [ops.center_crop(60), ops.resize(shorter=50), ops.center_crop((40, 50)),
+                                 ops.normalize(MEAN, STD)],
+}
+
+
+@pytest.mark.skipif(fused._cpuops is None, reason="gpuio._cpuops was not built (no C compiler)")
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_c_resampler_matches_reference(jpegs, name):
+    images = [decode_cpu(b, "rgb", i) for i, b in enumerate(jpegs)]
+    images[1] = images[1][::-1, ::2]  # a strided view
+    chain = CHAINS[name]()
+    op = FusedCropResizeNormalize(chain)
+    out = op(make_batch(images, field="image")).data["image"]
+    plan = op.plan(make_batch(images, field="image"), _sizes(images))
+    mean, inv_std = chain[-1].channel_params(3)
+    ref = fused_reference(images, plan, mean, inv_std, interp=op.interp, antialias=op.antialias,
+                          layout=chain[-1].layout, dtype=chain[-1].dtype)
+    assert type(out) is type(ref) and len(out) == len(ref)
+    for got, want in zip(out, ref):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        bound = 1.0 if chain[-1].dtype == "uint8" else 1e-3  # uint8: a different rounding of x.5
+        assert levels(got, want, chain[-1]).max() <= bound
+
+
+@pytest.mark.skipif(decode._jpeg is None, reason="gpuio._jpeg was not built (no libjpeg headers)")
+def test_region_decode_equals_whole_decode(jpegs):
+    rng = np.random.default_rng(0)
+    for k, data in enumerate(jpegs):
+        info = jpeg_info(data)
+        assert region_decodable(data, info)
+        whole = decode_cpu(data, "rgb", k)
+        h, w = whole.shape[:2]
+        assert (info.height, info.width) == (h, w)
+        for _ in range(12):
+            y0, x0 = int(rng.integers(0, h - 1)), int(rng.integers(0, w - 1))
+            y1, x1 = int(rng.integers(y0 + 1, h + 1)), int(rng.integers(x0 + 1, w + 1))
+            got = decode_region(data, info, "rgb", (y0, x0, y1, x1), 1, k)
+            np.testing.assert_array_equal(got, whole[y0:y1, x0:x1])
+        gray = decode_region(data, info, "gray", (0, 0, h, w), 1, k)
+        np.testing.assert_array_equal(gray, decode_cpu(data, "gray", k))
+
+
+@pytest.mark.skipif(decode._jpeg is None, reason="gpuio._jpeg was not built (no libjpeg headers)")
+def test_dct_scaled_decode_then_resize_is_close_to_full_decode(jpegs):
+    """A 1/2, 1/4, 1/8 decode of a large image resized to 1/d of its size or less
+    agrees with the full decode resized likewise within a couple of levels on average."""
+    data = jpegs[4]  # 333 x 517
+    info = jpeg_info(data)
+    whole = decode_cpu(data, "rgb", 0)
+    for d, out_hw in [(2, (160, 250)), (4, (80, 120)), (8, (40, 60))]:
+        sh, sw = -(-info.height // d), -(-info.width // d)
+        small = decode_region(data, info, "rgb", (0, 0, sh, sw), d, 0)
+        assert small.shape == (sh, sw, 3)
+        chain = lambda: [ops.resize(out_hw), ops.normalize(0, 1, layout="HWC")]  # noqa: E731
+        a = ops.Compose(chain())(make_batch([whole], field="image")).data["image"]
+        plan_box = np.array([[0, 0, info.height / d, info.width / d]])
+        b = fused_reference([small], {"box": plan_box, "clip": np.array([[0, 0, sh, sw]]),
+                                      "out_hw": np.array([out_hw]), "flip": np.zeros(1, np.int64)},
+                            np.zeros(3, np.float32), np.ones(3, np.float32), layout="HWC")
+        diff = np.abs(a - b)
+        assert diff.mean() < 1.5, (d, diff.mean())
+
+
+def run(chain, bufs, fuse, on_error="raise"):
+    pipe = ops.Compose([ops.decode_image()] + chain, fuse=fuse)
+    return pipe(make_batch(bufs, on_error=on_error))
+
+
+@pytest.mark.parametrize("name", ["rrc-flip", "resize-area-hwc", "shorter-ragged", "crop-resize-crop"])
+def test_decode_fused_matches_decode_then_ops(monkeypatch, tree_jpegs, jpegs, name):
+    """Region decoding plus the C resampler against decoding whole images and running
+    the ops one by one (Pillow): within the 1 level Pillow's rounding allows when no DCT
+    scaling applies; with it (the default) within 1.5 levels on average per image."""
+    bufs = tree_jpegs + jpegs
+    pipe = ops.Compose([ops.decode_image()] + CHAINS[name]())
+    assert isinstance(pipe.fused_cpu[0], DecodeFused) and len(pipe.fused_cpu) == 1
+    want = run(CHAINS[name](), bufs, fuse=False).data["image"]
+    scaled = pipe(make_batch(bufs)).data["image"]
+    monkeypatch.setattr(fused, "_denom", lambda box, out_hw: 1)
+    got = pipe(make_batch(bufs)).data["image"]
+    assert len(got) == len(want) == len(scaled) == len(bufs)
+    for g, s, w in zip(got, scaled, want):
+        assert g.shape == s.shape == w.shape
+        d = levels(g, w, CHAINS[name]()[-1])
+        assert d.max() <= 1.0 + 1e-3 and d.mean() < 0.5
+        assert levels(s, w, CHAINS[name]()[-1]).mean() < 1.5
+
+
+def test_decode_fused_without_c_modules_matches(monkeypatch, tree_jpegs):
+    """Where neither C module was built the same pipeline decodes whole images and runs
+    the ops one by one."""
+    want = run(CHAINS["rrc-flip"](), tree_jpegs, fuse=False).data["image"]
+    monkeypatch.setattr(fused, "_cpuops", None)
+    monkeypatch.setattr(decode, "_jpeg", None)
+    got = run(CHAINS["rrc-flip"](), tree_jpegs, fuse=True).data["image"]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_decode_fused_bad_samples(monkeypatch, tree_jpegs):
+    """Corrupt and truncated JPEGs are errors naming the sample; with on_error="skip"
+    the other rows come out as decode-then-ops gives them."""
+    monkeypatch.setattr(fused, "_denom", lambda box, out_hw: 1)
+    good = [b for b in tree_jpegs if region_decodable(b, jpeg_info(b))][:6]
+    corrupt = good[1].copy()
+    scan = corrupt.tobytes().index(b"\xff\xda") + 40
+    corrupt[scan: scan + 64] = 0xFF  # bad entropy-coded data in the first rows, EOI intact
+    bufs = [good[0], corrupt, good[2], good[3][: len(good[3]) // 2], np.frombuffer(b"not an image", np.uint8)]
+    for bad in (1, 3, 4):
+        with pytest.raises(FormatError, match="sample 1"):
+            run(CHAINS["rrc-flip"](), [good[0], bufs[bad]], fuse=True)
+    batch = run(CHAINS["rrc-flip"](), bufs, fuse=True, on_error="skip")
+    assert batch.index.tolist() == [0, 2] and sorted(i for i, _ in batch.errors) == [1, 3, 4]
+    want = run(CHAINS["rrc-flip"](), [bufs[0], good[5], bufs[2]], fuse=False).data["image"]
+    assert levels(batch.data["image"], want[[0, 2]], CHAINS["rrc-flip"]()[-1]).max() <= 1.0 + 1e-3
