@@ -65,3 +65,11 @@ def test_crop_mirror_normalize_checks_its_arguments():
         ops.crop_mirror_normalize(224, mirror=2)
     with pytest.raises(ConfigError, match="layout"):
         ops.crop_mirror_normalize(224, layout="NCHW")
+
+
+def test_crop_mirror_normalize_fuses_with_the_ops_around_it():
+    from gpuio.ops.fused import FusedCropResizeNormalize
+
+    chain = ops.Compose([ops.random_resized_crop(224), ops.crop_mirror_normalize(224, MEAN, STD, mirror=0.5)])
+    assert len(chain.fused) == 1 and isinstance(chain.fused[0], FusedCropResizeNormalize)
+    assert [type(o).__name__ for o in chain.fused[0].ops] == ["RandomResizedCrop", "CenterCrop", "Flip", "Normalize"]

@@ -1,0 +1,82 @@
+"""What a ``Loader``'s ops read and make, checked when the loader is made, and the
+batch dict whose missing keys say where the data went.
+
+Ops name their input field ``field`` and what they make ``out`` (or ``*_out``), as
+``decode_image(field="data", out="image")`` does; the check follows the ops in
+order and stops at the first op that names no input (a user's op may make anything).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from gpuio.errors import ConfigError
+from gpuio.index import SampleIndex
+
+
+def flat_ops(ops: Iterable[Any]) -> list[Any]:
+    """The ops in the order they run, with ``Compose``-like containers opened."""
+    out: list[Any] = []
+    for op in ops:
+        inner = getattr(op, "ops", None)
+        if inner is not None and not isinstance(getattr(op, "field", None), str):
+            out.extend(flat_ops(inner))
+        else:
+            out.append(op)
+    return out
+
+
+def _made(op: Any) -> list[str]:
+    names = []
+    for attr, value in getattr(op, "__dict__", {}).items():
+        if attr == "out" or attr.endswith("_out"):
+            names.extend([value] if isinstance(value, str) else [v for v in value or () if isinstance(v, str)])
+    return names
+
+
+def check_op_fields(ops: Sequence[Any], fields: Sequence[str], index: SampleIndex) -> None:
+    """Raise ``ConfigError`` naming the op, the field it reads and the fields there
+    are, when an op would read a field that neither ``fields`` nor an earlier op gives."""
+    have = list(fields)
+    for op in flat_ops(ops):
+        field = getattr(op, "field", None)
+        if not isinstance(field, str):
+            return
+        if field not in have:
+            name = type(op).__name__
+            why = (f"fields={list(fields)} leaves it out" if field in index.fields
+                   else f"this index has no field {field!r}")
+            raise ConfigError(f"{name} reads field {field!r}, but {why}; the ops get {have} "
+                              f"(the index offers {list(index.fields)}). Name one of them with "
+                              f"{name}'s field= argument, or list {field!r} in the Loader's fields=")
+        have.extend(f for f in _made(op) if f not in have)
+
+
+def consumed_fields(ops: Sequence[Any], fields: Sequence[str]) -> dict[str, str]:
+    """Encoded fields that a decoder turns into another field: ``{field: note}``, the
+    note saying where their content went. The loader hands these over only when asked
+    for by name (``fields=``)."""
+    notes = {}
+    for op in flat_ops(ops):
+        field, made = getattr(op, "field", None), _made(op)
+        if field in fields and getattr(op, "host_inputs", ()) and made and field not in made:
+            notes[field] = (f"this batch has no {field!r}: {type(op).__name__} decoded it into {made[0]!r} "
+                            f"(batch[{made[0]!r}]); the encoded bytes come too when the Loader's fields= "
+                            f"names {field!r}")
+    return notes
+
+
+class LoaderBatch(dict):
+    """One batch as the ``Loader`` yields it: a dict of fields (plus ``index``) whose
+    missing keys raise a ``KeyError`` that says where the data went."""
+
+    def __init__(self, data: dict[str, Any], notes: dict[str, str]) -> None:
+        super().__init__(data)
+        self.notes = notes
+
+    def __missing__(self, key: str) -> Any:
+        raise KeyError(self.notes.get(key, f"this batch has no {key!r}; it has {list(self)}"))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles as a plain dict
+        return (dict, (dict(self),))
