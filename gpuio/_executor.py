@@ -16,7 +16,8 @@ the order ``source`` made them, whatever order the workers finish in:
   ``get()`` returns that event so the consumer's stream can wait on it. A host stage
   that receives an item with an event synchronizes on it first. The streams are
   blocking streams (``non_blocking=False``), so work on them is also ordered with
-  respect to the legacy default stream;
+  respect to the legacy default stream. What a GPU stage reads of its input stays
+  alive until its stream has passed that work (``Stage.holds``);
 - an exception in a stage travels in order with its item (later stages pass it on
   untouched) and ``get()`` returns it, after every earlier item was handed over; no
   new payloads are fed after the first error;
@@ -36,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuio._deferred import release_after
 from gpuio.device import Device, require
 
 _POLL = 0.05  # seconds between stop-flag checks in blocking calls
@@ -63,12 +65,18 @@ class StageStats:
 
 @dataclass
 class Stage:
-    """One step: ``fn(payload) -> payload`` on ``workers`` threads (1 for a GPU stage)."""
+    """One step: ``fn(payload) -> payload`` on ``workers`` threads (1 for a GPU stage).
+
+    ``holds(payload)``, for a GPU stage, returns what of the payload the stage's kernels
+    may read (arrays made on earlier stages' streams): it is kept alive until the
+    stage's stream has passed the stage's work (``gpuio._deferred``), so that no
+    other stream gets that memory while the reads are queued."""
 
     name: str
     fn: Callable[[Any], Any]
     workers: int = 1
     gpu: bool = False
+    holds: Callable[[Any], Any] | None = None
 
 
 class Item:
@@ -235,7 +243,12 @@ class Executor:
                 stream = cp.cuda.Stream(non_blocking=False)
             if item.event is not None:
                 stream.wait_event(item.event)
-            with stream:
-                item.payload = stage.fn(item.payload)
+            held = stage.holds(item.payload) if stage.holds is not None else None
+            try:
+                with stream:
+                    item.payload = stage.fn(item.payload)
+            finally:  # also when the stage failed after queuing work
+                if held is not None:
+                    release_after((stream.ptr,), held, self.device.index)
             item.event = stream.record()
         return stream

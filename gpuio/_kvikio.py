@@ -7,59 +7,83 @@ batch buffer is a CuPy array and no host copy is made by gpuio.
 kvikio's default of one I/O thread is far too low for many small extents, so its thread
 pool and task size come from gpuio's ``io_threads`` and ``task_size``. ``CuFile``
 handles are cached across batches (opening one costs two descriptors and a cuFile
-handle registration) and each batch buffer is registered with cuFile once.
+handle registration). Each device batch buffer is registered with cuFile once, by the
+buffer pool that owns it (``_Storage.register_gds``), and deregistered when the pool
+frees it.
+
+``import kvikio`` loads libkvikio, libcufile and rapids-logger; ``load()`` does it on
+first use and turns a failure into a ``DependencyError`` that names the library and
+the pip package that brings it (``kvikio_problem()`` gives the same reason as text, for
+``backend="auto"`` and ``gpuio info``).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
+import re
+from types import ModuleType
 from typing import Any
 
 from gpuio._handles import HandleCache
 from gpuio._posix import open_error, truncated_error
 from gpuio.buffers import Lease
-from gpuio.device import require
-from gpuio.errors import StorageError
+from gpuio.errors import DependencyError, DeviceError, StorageError
 from gpuio.index import PathTable
 from gpuio.plan import ReadPlan
 
+__all__ = ["KvikioBackend", "compat_mode_active", "kvikio_problem", "load"]
+
+# a shared library or module kvikio loads -> the pip package that brings it
+_PACKAGES = {
+    "libcufile": "nvidia-cufile (CUDA 13) or nvidia-cufile-cu12 (CUDA 12)",
+    "libkvikio": "libkvikio-cu13 or libkvikio-cu12",
+    "librapids_logger": "rapids-logger",
+    "libcuda": "the NVIDIA driver (not a pip package)",
+    "libcudart": "nvidia-cuda-runtime (CUDA 13) or nvidia-cuda-runtime-cu12",
+    "cuda": "cuda-pathfinder",
+    "kvikio": "kvikio-cu13 or kvikio-cu12",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> ModuleType:
+    """``kvikio`` with ``kvikio.defaults`` imported (``import kvikio`` alone does not
+    import that submodule), or a ``DependencyError`` naming what is missing."""
+    try:
+        kvikio = importlib.import_module("kvikio")
+        importlib.import_module("kvikio.defaults")
+    except (ImportError, OSError, RuntimeError) as exc:  # cuda.pathfinder: RuntimeError
+        text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        found = re.search(r"\b(lib[A-Za-z0-9_]+)\.so", text)
+        missing = found.group(1) if found else (getattr(exc, "name", None) or "").split(".")[0]
+        package = _PACKAGES.get(missing)
+        hint = f"; {missing} comes from the pip package {package}" if package else ""
+        raise DependencyError(f"kvikio cannot be loaded ({text}){hint}; pip install 'gpuio[cu13]' "
+                              f"(or [cu12]) installs kvikio and what it loads") from exc
+    return kvikio
+
+
+def kvikio_problem() -> str | None:
+    """Why kvikio cannot be used here (the ``load()`` error), or None when it loads."""
+    try:
+        load()
+    except DependencyError as exc:
+        return str(exc)
+    return None
+
 
 def _configure(kvikio: Any, threads: int, task_size: int, compat: str) -> None:
-    mode = {"auto": "AUTO", "on": "ON", "off": "OFF"}[compat]
-    d = kvikio.defaults
-    values = {"num_threads": threads, "task_size": task_size,
-              "compat_mode": getattr(kvikio.CompatMode, mode)}
-    if hasattr(d, "set"):  # kvikio >= 25.04
-        for key, value in values.items():
-            d.set(key, value)
-    else:
-        d.num_threads_reset(threads)
-        d.task_size_reset(task_size)
-        d.compat_mode_reset(values["compat_mode"])
+    mode = {"auto": kvikio.CompatMode.AUTO, "on": kvikio.CompatMode.ON, "off": kvikio.CompatMode.OFF}[compat]
+    kvikio.defaults.set({"num_threads": threads, "task_size": task_size, "compat_mode": mode})
 
 
 def compat_mode_active() -> bool:
-    """True when kvikio reads through POSIX and a bounce buffer instead of GDS."""
-    kvikio = require("kvikio")
-    d = kvikio.defaults
-    if hasattr(d, "is_compat_mode_preferred"):
-        return bool(d.is_compat_mode_preferred())
-    mode = d.get("compat_mode") if hasattr(d, "get") else d.compat_mode()
-    if isinstance(mode, bool):  # kvikio < 24.10
-        return mode
-    if mode == kvikio.CompatMode.AUTO:  # falls back without libcufile or /run/udev
-        return not (_cufile_loads() and os.access("/run/udev", os.R_OK))
-    return mode == kvikio.CompatMode.ON
-
-
-def _cufile_loads() -> bool:
-    import ctypes
-
-    try:
-        ctypes.CDLL("libcufile.so.0")
-    except OSError:
-        return False
-    return True
+    """True when kvikio reads through POSIX and a bounce buffer instead of GDS (with
+    ``compat_mode`` AUTO, kvikio decides this from libcufile and the driver)."""
+    kvikio = load()
+    return bool(kvikio.defaults.is_compat_mode_preferred())
 
 
 class KvikioBackend:
@@ -70,32 +94,32 @@ class KvikioBackend:
 
     def __init__(self, threads: int = 16, task_size: int = 4 << 20, compat: str = "auto",
                  max_open: int = 256) -> None:
-        self._kvikio = require("kvikio")
+        self._kvikio = load()
         _configure(self._kvikio, threads, task_size, compat)
         self.compat = compat_mode_active()
         self._handles = HandleCache(self._open, lambda f: f.close(), max_open)
-        # Pool storages registered with cuFile, kept until close() so that none is freed
-        # while registered. The pool reuses storages, so this stays small.
-        self._registered: dict[int, Any] = {}
 
     def _open(self, path: str) -> Any:
+        kvikio = self._kvikio
         try:
             os.stat(path)
             if not os.access(path, os.R_OK):
                 raise PermissionError(13, "Permission denied", path)
         except OSError as exc:
             raise open_error(path, exc) from exc
-        return self._kvikio.CuFile(path, "r")
-
-    def _register(self, lease: Lease) -> None:
-        storage = lease._storage
-        if id(storage) not in self._registered and not self.compat:
-            self._kvikio.memory_register(storage.array)
-            self._registered[id(storage)] = storage
+        try:
+            return kvikio.CuFile(path, "r")
+        except (RuntimeError, ValueError, OSError) as exc:  # kvikio reports open failures as RuntimeError
+            raise StorageError(f"cuFile cannot open the file: {exc}", path=path, offset=0) from exc
 
     def read(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
         """Fill the device buffer ``lease`` as the plan says."""
-        self._register(lease)
+        if not self.compat:
+            try:
+                lease._storage.register_gds(self._kvikio)
+            except RuntimeError as exc:
+                raise DeviceError(f"cuFile cannot register a {lease.nbytes:,}-byte batch buffer for "
+                                  f"GPUDirect Storage: {exc}; kvikio_compat='on' (GPUIO_KVIKIO_COMPAT=on) reads without GDS") from exc
         buf = lease.array
         files = [paths[i] for i in plan.task_file.tolist()]
         sizes: dict[str, int] = {}
@@ -114,18 +138,23 @@ class KvikioBackend:
                     raise truncated_error(path, off, need, max(0, sizes[path] - off))
                 length = min(length, sizes[path] - off)
                 handle = self._handles.acquire(path)
-                pending.append((path, handle, off, length,
-                                handle.pread(buf[dest: dest + length], length, off)))
+                try:
+                    future = handle.pread(buf[dest: dest + length], length, off)
+                except (RuntimeError, ValueError, OSError) as exc:
+                    self._handles.release(path, handle)
+                    raise StorageError(f"cuFile read of {length} bytes failed: {exc}", path=path,
+                                       offset=off) from exc
+                pending.append((path, handle, off, length, future))
         finally:
             first_error: BaseException | None = None
-            for path, handle, off, length, fut in pending:
+            for path, handle, off, length, future in pending:
                 try:
-                    got = fut.get()
+                    got = future.get()
                     if got < length:
                         raise truncated_error(path, off, length, got)
                 except StorageError as exc:
                     first_error = first_error or exc
-                except RuntimeError as exc:  # kvikio reports I/O failures as RuntimeError
+                except (RuntimeError, ValueError, OSError) as exc:  # kvikio reports I/O failures as RuntimeError
                     first_error = first_error or StorageError(f"cuFile read failed: {exc}", path=path, offset=off)
                 finally:
                     self._handles.release(path, handle)
@@ -133,7 +162,5 @@ class KvikioBackend:
             raise first_error
 
     def close(self) -> None:
-        for storage in self._registered.values():
-            self._kvikio.memory_deregister(storage.array)
-        self._registered.clear()
+        """Close the cached file handles (the buffer pool owns the GDS registrations)."""
         self._handles.close()

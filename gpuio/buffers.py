@@ -28,10 +28,14 @@ from typing import Any
 import numpy as np
 
 from gpuio import _fork, config
+from gpuio._deferred import reap
 from gpuio.device import Device, parse_device, require
 from gpuio.errors import BufferBudgetError, DeviceError
 
 __all__ = ["BufferPool", "Lease", "default_pool", "pooled_empty"]
+
+
+_POLL_S = 0.005  # how often a waiting acquire checks given-back device buffers
 
 
 def _round_capacity(nbytes: int) -> int:
@@ -43,20 +47,31 @@ def _round_capacity(nbytes: int) -> int:
 
 
 class _Storage:
-    """One allocation: host (plain or pinned) or device memory, 4 KiB aligned."""
+    """One allocation: host (plain or pinned) or device memory, 4 KiB aligned.
+
+    Device and pinned memory are allocations of their own (``cudaMalloc``,
+    ``cudaHostAlloc`` of exactly ``capacity`` bytes), not pieces of CuPy's pools: the
+    budget counts what is really held, freeing one gives the memory back, cuFile
+    registers exactly this allocation, and CuPy's pool never hands it to a stream.
+    A device buffer given back is reused only once ``events`` (recorded on the
+    releasing threads' streams) have passed; see ``gpuio._deferred``.
+    """
 
     def __init__(self, capacity: int, device: Device, pinned: bool) -> None:
         self.capacity = capacity
         self.device = device
         self.pinned = pinned
+        self.events: list[Any] = []
+        self._gds_deregister: Any = None  # kvikio.memory_deregister once registered
         if device.is_cuda:
             cp = require("cupy")
             with cp.cuda.Device(device.index):
-                self.array = cp.empty(capacity, dtype=cp.uint8)  # 256-byte aligned or better
+                self._mem = cp.cuda.Memory(capacity)  # 256-byte aligned or better
+                self.array = cp.ndarray((capacity,), cp.uint8, cp.cuda.MemoryPointer(self._mem, 0))
         elif pinned:
             cp = require("cupy")
-            self._mem = cp.cuda.alloc_pinned_memory(capacity)  # page aligned
-            self.array = np.frombuffer(self._mem, dtype=np.uint8, count=capacity)
+            self._mem = cp.cuda.PinnedMemory(capacity)  # page aligned
+            self.array = np.frombuffer(cp.cuda.PinnedMemoryPointer(self._mem, 0), dtype=np.uint8, count=capacity)
         else:
             # Anonymous mmap: page aligned (O_DIRECT's rule) and, where the kernel has
             # transparent huge pages, backed by 2 MiB pages, so that filling a fresh
@@ -65,6 +80,56 @@ class _Storage:
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 self._mem.madvise(mmap.MADV_HUGEPAGE)
             self.array = np.frombuffer(self._mem, dtype=np.uint8, count=capacity)
+
+    def idle(self) -> bool:
+        """No stream still uses this buffer (always true for host memory)."""
+        self.events = [e for e in self.events if not e.done]
+        return not self.events
+
+    def register_gds(self, kvikio: Any) -> None:
+        """Register this device buffer with cuFile (once; ``close`` deregisters it).
+        ``memory_register`` covers the whole allocation, which is exactly this buffer."""
+        if self._gds_deregister is None:
+            kvikio.memory_register(self.array)
+            self._gds_deregister = kvikio.memory_deregister
+
+    def close(self) -> int:
+        """Free the memory now (the pool evicts it); returns its capacity in bytes."""
+        for e in self.events:
+            e.synchronize()
+        if self._gds_deregister is not None:
+            self._gds_deregister(self.array)
+            self._gds_deregister = None
+        self.array = self._mem = None
+        return self.capacity
+
+    def device_array(self, nbytes: int, owner: Any) -> Any:
+        """A CuPy uint8 array over the first ``nbytes``, built on the pointer (CuPy
+        synchronizes the current stream when it takes ``__cuda_array_interface__``).
+        It keeps ``owner`` alive; when it and its views are gone, an event on the
+        releasing thread's current stream guards the buffer's reuse."""
+        cp = require("cupy")
+        user = _User()
+        gone = weakref.finalize(user, self._record_release)
+        gone.atexit = False
+        user.owner = owner
+        mem = cp.cuda.UnownedMemory(self.array.data.ptr, nbytes, user, self.device.index)
+        return cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+
+    def _record_release(self) -> None:
+        if _fork.parent_used_cuda:  # a forked child's copy of the parent's buffer: no CUDA here
+            return
+        cp = require("cupy")
+        with cp.cuda.Device(self.device.index):
+            event = cp.cuda.Event(block=False, disable_timing=True)
+            event.record(cp.cuda.get_current_stream())
+        self.events.append(event)
+
+
+class _User:
+    """Owner of one ``Lease.array`` on the device: it holds the lease."""
+
+    __slots__ = ("owner", "__weakref__")
 
 
 class Lease:
@@ -85,15 +150,10 @@ class Lease:
         return self._storage.array[: self.nbytes].__array_interface__
 
     @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return self._storage.array[: self.nbytes].__cuda_array_interface__
-
-    @property
     def array(self) -> Any:
         """A fresh array over the buffer; it (and its views) keep the lease alive."""
         if self.device.is_cuda:
-            cp = require("cupy")
-            return cp.asarray(self)
+            return self._storage.device_array(self.nbytes, self)
         return np.asarray(self)
 
 
@@ -153,14 +213,16 @@ class BufferPool:
         deadline = time.monotonic() + self.wait_s
         with self._lock:
             while True:
+                if device.is_cuda:
+                    reap()  # batches whose streams are done return their buffers first
                 fit = [s for s in self._free if s.device == device and s.pinned == pinned
-                       and nbytes <= s.capacity <= 2 * capacity]
+                       and nbytes <= s.capacity <= 2 * capacity and s.idle()]
                 if fit:
                     best = min(fit, key=lambda s: s.capacity)
                     self._free.remove(best)
                     return Lease(self, best, int(nbytes))
                 while self._free and self._held + capacity > budget:
-                    self._held -= self._free.pop(0).capacity
+                    self._held -= self._free.pop(0).close()
                 if self._held + capacity <= budget:
                     self._held += capacity
                     break
@@ -170,7 +232,7 @@ class BufferPool:
                         f"waited {self.wait_s:.0f} s for {capacity:,} bytes of batch buffer, but "
                         f"{self._held:,} of the {budget:,}-byte budget stay in use; release "
                         f"references to old batches or raise buffer_budget")
-                self._lock.wait(left)
+                self._lock.wait(min(left, _POLL_S))  # given-back device buffers turn idle unnotified
         try:
             storage = _Storage(capacity, device, pinned)
         except BaseException:

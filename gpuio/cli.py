@@ -91,10 +91,27 @@ def cmd_info(args: argparse.Namespace) -> None:
             found = importlib.util.find_spec(pkg) is not None
         except ModuleNotFoundError:
             found = False
+        if pkg == "kvikio" and found:
+            print(f"  {pkg:18s} {_kvikio_report()}")
+            continue
         print(f"  {pkg:18s} {'installed' if found else 'not installed'}")
     print("settings:")
     for name, value in gpuio.config.settings().items():
         print(f"  {name:16s} {value!r:12}  {gpuio.config.DEFAULTS[name][1]}")
+
+
+def _kvikio_report() -> str:
+    """Whether kvikio loads (an installed kvikio may not: libcufile missing ...), and
+    whether its reads would use GPUDirect Storage."""
+    from gpuio._kvikio import compat_mode_active, kvikio_problem, load
+
+    problem = kvikio_problem()
+    if problem is not None:
+        return f"installed, cannot be loaded: the GPU backend 'auto' uses posix. {problem}"
+    kvikio = load()
+    mode = kvikio.defaults.get("compat_mode")
+    how = "compat mode: POSIX reads + bounce buffers, no GDS" if compat_mode_active() else "GDS"
+    return f"{kvikio.__version__} loads; compat_mode {mode!s} -> {how}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ from gpuio.device import Device, check_cuda, parse_device, require
 from gpuio.errors import ConfigError, DataError, PipelineError
 from gpuio.index import Ragged, SampleIndex
 from gpuio.storage import Reader, read_fields
+from gpuio._deferred import hand_over
 from gpuio._executor import Executor, Stage, StageStats
 from gpuio._fielddecode import decoded_fields, host_decoded_fields
 from gpuio._order import EpochPlan, epoch_order
@@ -122,7 +123,10 @@ class Loader:
     garbage collected) or when the loader is garbage collected.
 
     On a GPU the consumer's current stream (torch's, or CuPy's for ``output="numpy"``)
-    waits on each batch's last CUDA event before the batch is handed over.
+    waits on each batch's last CUDA event before the batch is handed over, and a
+    batch's GPU memory is reused only after that stream has passed the point where the
+    consumer dropped the batch (``gpuio._deferred``): use a batch on that stream, or
+    order other streams after it (``torch.Tensor.record_stream``).
     """
 
     def __init__(self, index: SampleIndex, batch_size: int, *, fields: Sequence[str] | None = None,
@@ -293,9 +297,10 @@ class Loader:
         if self._parsed:
             stages.append(Stage("parse", lambda w: self._parse(w, epoch), workers=cpu_workers))
         for op, name in zip(self.ops, self._op_names):
-            stages.append(Stage(name, self._op_stage(op, name), workers=cpu_workers, gpu=self.device.is_cuda))
+            stages.append(Stage(name, self._op_stage(op, name), workers=cpu_workers, gpu=self.device.is_cuda,
+                                holds=_columns))
         if self.device.is_cuda:  # its own stream: the hand-off waits on its event
-            stages.append(Stage("collate", self._collate, workers=1, gpu=True))
+            stages.append(Stage("collate", self._collate, workers=1, gpu=True, holds=_columns))
         else:  # on the CPU, collating in the last stage's worker saves a queue hop
             last = stages[-1]
             stages[-1] = Stage(last.name, lambda w, fn=last.fn: self._collate(fn(w)), last.workers)
@@ -430,12 +435,15 @@ class Loader:
         torch = require("torch") if self.output == "torch" else None
         if event is not None:  # the consumer's stream waits for the batch's kernels
             cp = require("cupy")
-            with cp.cuda.Device(self.device.index):
+            device = self.device.index
+            with cp.cuda.Device(device):
                 if torch is not None:
-                    ptr = torch.cuda.current_stream(self.device.index).cuda_stream
-                    cp.cuda.ExternalStream(ptr, self.device.index).wait_event(event)
+                    consumer = torch.cuda.current_stream(device).cuda_stream
                 else:
-                    cp.cuda.get_current_stream().wait_event(event)
+                    consumer = cp.cuda.get_current_stream().ptr
+                cp.cuda.runtime.streamWaitEvent(consumer, event.ptr)
+            # the memory goes back only after the consumer's stream is done with it
+            out = {name: _hand_over(v, consumer, device, cp) for name, v in out.items()}
         if torch is None:
             return out
         return {name: _to_torch(v, torch) for name, v in out.items()}
@@ -538,6 +546,21 @@ def _locate(index: SampleIndex, src: np.ndarray, fields: Sequence[str], err: Bas
             if err.offset is None or lo <= err.offset <= lo + n:
                 return int(s)
     return None
+
+
+def _columns(w: _Work) -> list[Any]:
+    """A GPU stage's input: the batch's columns as they are before it runs (lists copied)."""
+    return [list(col) if isinstance(col, list) else col for col in w.batch.data.values()]
+
+
+def _hand_over(v: Any, stream: int, device: int, cp: Any) -> Any:
+    """``v`` (a CuPy array, or a list of values) for the consumer on ``stream``; see
+    ``gpuio._deferred.hand_over``."""
+    if isinstance(v, cp.ndarray):
+        return hand_over(v, stream, device)
+    if isinstance(v, list):
+        return [hand_over(a, stream, device) if isinstance(a, cp.ndarray) else a for a in v]
+    return v
 
 
 def _to_torch(v: Any, torch: Any) -> Any:

@@ -13,7 +13,6 @@ and one copy otherwise.
 
 from __future__ import annotations
 
-import importlib.util
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -37,8 +36,8 @@ class Reader:
 
     ``backend`` is ``"posix"`` (host memory; to reach a GPU, a pinned buffer and one
     copy), ``"kvikio"`` (cuFile straight into GPU memory; needs ``device="cuda"``) or
-    ``"auto"`` (kvikio for GPU destinations when installed, else posix). Settings not
-    given come from ``gpuio.config`` when the reader is made.
+    ``"auto"`` (kvikio for GPU destinations when it loads, else posix, with the reason
+    in ``fallback``). Settings not given come from ``gpuio.config`` when the reader is made.
     """
 
     def __init__(self, device: str | Device = "cpu", *, backend: str | None = None,
@@ -47,9 +46,14 @@ class Reader:
         self.device = parse_device(device)
         check_cuda(self.device)
         backend = config.get("backend") if backend is None else backend
-        if backend == "auto":
-            kvikio_ok = importlib.util.find_spec("kvikio") is not None
-            backend = "kvikio" if self.device.is_cuda and kvikio_ok else "posix"
+        self.fallback: str | None = None  # why "auto" did not pick kvikio for a GPU reader
+        if backend == "auto" and self.device.is_cuda:
+            from gpuio._kvikio import kvikio_problem  # imports kvikio: only for GPU readers
+
+            self.fallback = kvikio_problem()
+            backend = "posix" if self.fallback else "kvikio"
+        elif backend == "auto":
+            backend = "posix"
         threads = config.get("io_threads") if threads is None else threads
         if backend == "kvikio":
             if not self.device.is_cuda:

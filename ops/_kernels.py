@@ -19,7 +19,7 @@ from gpuio.batch import Batch
 from gpuio.device import require
 from gpuio.errors import ConfigError
 
-__all__ = ["crop_resize_normalize", "SOURCE"]
+__all__ = ["crop_resize_normalize", "SOURCE", "OPTIONS"]
 
 # params, int64 per sample: src address, row / column / channel strides (bytes),
 # clip y0, x0, y1, x1 (source pixels the filter may read), out h, out w,
@@ -101,6 +101,8 @@ extern "C" __global__ void crop_resize_normalize(
     float wxsum = 0.0f, wysum = 0.0f;
     for (int i = x0; i < x1; ++i) wxsum += filter_weight(interp, i + 0.5f - cx, fx);
     if (wxsum == 0.0f) wxsum = 1.0f;
+    /* loops over c run to the constant 4 (unrolled, c < channels inside), so that acc
+       and h stay in registers: a runtime bound would put them in a stack frame */
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int j = y0; j < y1; ++j) {
         const float wy = filter_weight(interp, j + 0.5f - cy, fy);
@@ -111,14 +113,18 @@ extern "C" __global__ void crop_resize_normalize(
         for (int i = x0; i < x1; ++i) {
             const float wx = filter_weight(interp, i + 0.5f - cx, fx);
             const unsigned char* px = row + i * cs;
-            for (int c = 0; c < channels; ++c) h[c] += wx * px[c * chs];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) if (c < channels) h[c] += wx * px[c * chs];
         }
-        for (int c = 0; c < channels; ++c)   /* horizontal pass clipped to 0-255, as Pillow */
-            acc[c] += wy * fminf(fmaxf(h[c] / wxsum, 0.0f), 255.0f);
+#pragma unroll
+        for (int c = 0; c < 4; ++c)   /* horizontal pass clipped to 0-255, as Pillow */
+            if (c < channels) acc[c] += wy * fminf(fmaxf(h[c] / wxsum, 0.0f), 255.0f);
     }
     if (wysum == 0.0f) wysum = 1.0f;
     out_t* o = out + p[10];
-    for (int c = 0; c < channels; ++c) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        if (c >= channels) break;
         const float v = fminf(fmaxf(acc[c] / wysum, 0.0f), 255.0f);
         const long long idx = chw ? (long long)c * oh * ow + pix : (long long)pix * channels + c;
         store(o + idx, (v - mean[c]) * inv_std[c]);
@@ -126,18 +132,18 @@ extern "C" __global__ void crop_resize_normalize(
 }
 """
 
-_KIND = {"float32": 0, "float16": 1, "uint8": 2}
+# output dtype -> the compile options of its kernel (CI compiles each with nvcc)
+OPTIONS = {"float32": ("-DOUT_KIND=0",), "float16": ("-DOUT_KIND=1",), "uint8": ("-DOUT_KIND=2",)}
 _INTERP = {"nearest": 0, "linear": 1, "cubic": 2, "area": 3}
 _lock = threading.Lock()
-_compiled: dict[int, Any] = {}
+_compiled: dict[str, Any] = {}
 
 
 def _kernel(cp: Any, dtype: str) -> Any:
-    kind = _KIND[dtype]
     with _lock:
-        if kind not in _compiled:
-            _compiled[kind] = cp.RawKernel(SOURCE, "crop_resize_normalize", options=(f"-DOUT_KIND={kind}",))
-        return _compiled[kind]
+        if dtype not in _compiled:
+            _compiled[dtype] = cp.RawKernel(SOURCE, "crop_resize_normalize", options=OPTIONS[dtype])
+        return _compiled[dtype]
 
 
 def crop_resize_normalize(batch: Batch, images: list[Any], boxes: np.ndarray, clips: np.ndarray,
@@ -170,18 +176,21 @@ def crop_resize_normalize(batch: Batch, images: list[Any], boxes: np.ndarray, cl
     params[:, 8:10] = out_hw
     params[:, 10] = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     params[:, 11] = flips
-    stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-    with cp.cuda.Device(batch.device.index), stream:
-        out = cp.empty(int(sizes.sum()), dtype=dtype)
-        args = (cp.asarray(params), cp.asarray(np.asarray(boxes, np.float32)),
-                cp.asarray(np.asarray(mean, np.float32)), cp.asarray(np.asarray(inv_std, np.float32)),
-                out, np.int32(channels), np.int32(_INTERP[interp]), np.int32(antialias),
-                np.int32(layout == "CHW"))
-        threads = 256
-        pixels = int((out_hw[:, 0] * out_hw[:, 1]).max())
-        _kernel(cp, dtype)(((pixels + threads - 1) // threads, n), (threads,), args)
+    with cp.cuda.Device(batch.device.index):
+        # picked inside the device context: the current stream is per device
+        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+        with stream:
+            out = cp.empty(int(sizes.sum()), dtype=dtype)
+            args = (cp.asarray(params), cp.asarray(np.asarray(boxes, np.float32)),
+                    cp.asarray(np.asarray(mean, np.float32)), cp.asarray(np.asarray(inv_std, np.float32)),
+                    out, np.int32(channels), np.int32(_INTERP[interp]), np.int32(antialias),
+                    np.int32(layout == "CHW"))
+            threads = 256
+            pixels = int((out_hw[:, 0] * out_hw[:, 1]).max())
+            _kernel(cp, dtype)(((pixels + threads - 1) // threads, n), (threads,), args)
     if (out_hw == out_hw[0]).all():
         h, w = (int(v) for v in out_hw[0])
         return out.reshape((n, channels, h, w) if layout == "CHW" else (n, h, w, channels))
     shapes = [(channels, h, w) if layout == "CHW" else (h, w, channels) for h, w in out_hw.tolist()]
     return [out[o: o + s].reshape(shape) for o, s, shape in zip(params[:, 10].tolist(), sizes.tolist(), shapes)]
+

@@ -218,9 +218,10 @@ class DecodeImage(Op):
                     batch.reject(row, exc)
         if batch.device.is_cuda:  # upload what the CPU decoded, on the batch's stream
             cp = require("cupy")
-            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-            with cp.cuda.Device(batch.device.index), stream:
-                images = [cp.asarray(img) if isinstance(img, np.ndarray) else img for img in images]
+            with cp.cuda.Device(batch.device.index):  # the current stream is per device: pick it inside
+                stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+                with stream:
+                    images = [cp.asarray(img) if isinstance(img, np.ndarray) else img for img in images]
         batch.data[self.out] = images
         batch.drop_rejected()
         return batch
@@ -241,9 +242,7 @@ class DecodeImage(Op):
                 rows.append(row)
         if not rows:
             return
-        spec = {"rgb": nvimgcodec.ColorSpec.RGB, "gray": nvimgcodec.ColorSpec.GRAY,
-                "unchanged": nvimgcodec.ColorSpec.UNCHANGED}[self.color]
-        params = nvimgcodec.DecodeParams(color_spec=spec, apply_exif_orientation=True)
+        params = _decode_params(nvimgcodec, self.color)
         with cp.cuda.Device(batch.device.index):
             stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
             decoded = _gpu_decoder(nvimgcodec, batch.device.index).decode(
@@ -257,6 +256,14 @@ class DecodeImage(Op):
                 if self.color == "rgb" and arr.shape[2] == 1:
                     arr = cp.broadcast_to(arr, arr.shape[:2] + (3,))
                 images[row] = arr
+
+
+def _decode_params(nvimgcodec: Any, color: str) -> Any:
+    """nvImageCodec's decode parameters for ``color``. Its ColorSpec has no RGB: SRGB
+    gives interleaved RGB. Only the member needed is looked up."""
+    spec = (nvimgcodec.ColorSpec.SRGB if color == "rgb" else nvimgcodec.ColorSpec.GRAY if color == "gray"
+            else nvimgcodec.ColorSpec.UNCHANGED)
+    return nvimgcodec.DecodeParams(color_spec=spec, apply_exif_orientation=True)
 
 
 def decode_image(field: str = "data", out: str = "image", color: str = "rgb") -> DecodeImage:

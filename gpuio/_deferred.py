@@ -1,0 +1,105 @@
+"""Deferred frees: GPU memory outlives the stream work that reads it.
+
+CuPy's memory pool gives a freed block back to the arena of the stream that allocated
+it, and the next allocation on that stream may overwrite it at once, while another
+stream (the next pipeline stage's, or torch's) may still have reads of it queued. So
+gpuio never drops the last reference to GPU memory that crossed to another stream
+directly: it keeps it here until that stream has passed an event recorded after its
+last use, and only then drops it (the memory goes back to CuPy's pool, to
+nvImageCodec, or, for a batch buffer, to gpuio's pool).
+
+Two places cross streams:
+
+- a pipeline stage on its stream reads arrays made on an earlier stage's stream and
+  drops them: ``release_after([stage stream], arrays)`` right after the stage's work
+  is queued;
+- the loader hands arrays to the consumer (torch's current stream, or CuPy's for
+  ``output="numpy"``): ``hand_over`` gives the consumer a CuPy array on the same
+  memory whose owner, when the consumer drops it and every view and DLPack tensor
+  made from it, records an event on the consumer's stream and passes the original to
+  ``release_after``. Work the consumer queues on other streams is the consumer's to
+  order (as with ``torch.Tensor.record_stream``).
+
+Entries are checked (``cudaEventQuery``, no wait) on every new entry; ``reap()``
+checks them too. CuPy is imported only when a GPU path calls in.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from gpuio import _fork
+from gpuio.device import require
+
+__all__ = ["hand_over", "reap", "release_after"]
+
+_lock = threading.Lock()
+_pending: list[tuple[list[Any], Any]] = []  # (events, what they keep alive)
+
+
+def release_after(streams: Iterable[int], obj: Any, device: int) -> None:
+    """Keep ``obj`` (arrays, or anything that holds them) alive until each stream in
+    ``streams`` (``cudaStream_t`` handles as ints; 0 is the legacy default stream) on
+    GPU ``device`` has finished the work queued on it so far."""
+    if _fork.parent_used_cuda:  # the parent's memory, in a forked child: no CUDA call is allowed
+        _fork.keep_forever([obj])
+        return
+    cp = require("cupy")
+    events = []
+    with cp.cuda.Device(device):
+        for ptr in streams:
+            event = cp.cuda.Event(block=False, disable_timing=True)
+            cp.cuda.runtime.eventRecord(event.ptr, ptr)
+            events.append(event)
+    with _lock:
+        _pending.append((events, obj))
+    reap()
+
+
+def reap() -> int:
+    """Drop what no stream still needs; returns how many entries are still waiting."""
+    with _lock:
+        done = [entry for entry in _pending if all(e.done for e in entry[0])]
+        for entry in done:
+            _pending.remove(entry)
+        left = len(_pending)
+    del done  # outside the lock: dropping may run finalizers that call release_after
+    return left
+
+
+def wait_oldest() -> bool:
+    """Block until the oldest entry's events have passed, then reap; False when none waits."""
+    with _lock:
+        events = _pending[0][0] if _pending else None
+    if events is None:
+        return False
+    for e in events:
+        e.synchronize()
+    reap()
+    return True
+
+
+class _Owner:
+    """What a handed-over array's memory belongs to; see ``hand_over``."""
+
+    __slots__ = ("__weakref__",)
+
+
+def hand_over(array: Any, stream: int, device: int) -> Any:
+    """A CuPy array on the memory of ``array`` for a consumer working on ``stream``
+    (a ``cudaStream_t`` as int). When it, its views and the DLPack tensors made from it
+    are all gone, an event is recorded on ``stream`` and ``array`` is released once the
+    event has passed. Arrays of zero bytes come back as they are."""
+    if array.nbytes == 0:
+        return array
+    cp = require("cupy")
+    owner = _Owner()
+    done = weakref.finalize(owner, lambda: release_after((stream,), array, device))
+    done.atexit = False  # at exit CUDA may be gone; the process frees everything anyway
+    base = array.data.mem
+    mem = cp.cuda.UnownedMemory(base.ptr, base.size, owner, device)
+    return cp.ndarray(array.shape, array.dtype, cp.cuda.MemoryPointer(mem, array.data.ptr - base.ptr),
+                      strides=array.strides)

@@ -1,0 +1,302 @@
+"""What gpuio uses of CuPy, kvikio and nvImageCodec, checked against the installed
+packages on a machine without a GPU (run by tests/test_offline_gpu.py in a virtual
+environment that has the GPU wheels; nothing here touches a driver).
+
+``python tests/gpu_contract.py`` prints a JSON report: ``problems`` (each a line that
+names the use and what is missing) and ``checked`` (how many uses were resolved).
+
+The uses come from gpuio's source (``scan``): every attribute chain and call rooted at
+the names gpuio gives these modules (``cp``/``cupy``, ``kvikio``, ``nvimgcodec``,
+``nvc``), the keyword arguments of those calls (and whether the library marks them
+deprecated), and the modules gpuio imports (``require("...")``,
+``import_module("...")``), so that a new use is checked without editing this file.
+Methods called on objects the libraries return are not visible to the scan; they are
+listed in ``METHODS``. Then the parts of gpuio's GPU code that need no driver run for
+real: kvikio loading and configuration, cuFile open errors, ``gpuio info``, the
+nvImageCodec decode parameters, and the CuPy arrays gpuio builds on raw pointers.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("gpuio", "ops", "formats")
+# the names gpuio's code gives these modules -> the module
+ALIASES = {"cp": "cupy", "cupy": "cupy", "kvikio": "kvikio", "nvimgcodec": "nvidia.nvimgcodec",
+           "nvc": "PyNvVideoCodec"}
+# modules whose import needs the driver (PyNvVideoCodec loads libnvidia-encode and
+# libcuda): their uses are looked up in the strings of their extension modules, where
+# pybind11 keeps every function, class, member and keyword name. A linker may store a
+# name as the tail of a longer string, so this finds only names that are nowhere.
+STATIC = {"PyNvVideoCodec"}
+# methods of objects the libraries return (the scan only sees module attributes):
+# "module.Class.method" -> keywords gpuio passes
+METHODS = {
+    "nvidia.nvimgcodec.Decoder.decode": ("params", "cuda_stream"),
+    "kvikio.CuFile.pread": (),
+    "kvikio.CuFile.close": (),
+    "cupy.ndarray.set": ("stream",),
+    "cupy.cuda.Stream.wait_event": (),
+    "cupy.cuda.Stream.record": (),
+    "cupy.cuda.Stream.synchronize": (),
+    "cupy.cuda.Event.record": (),
+    "cupy.cuda.Event.synchronize": (),
+    "cupy.cuda.Event.done": (),
+}
+
+
+def _chain(node: ast.AST) -> tuple[str, list[str]] | None:
+    """``("cupy", ["cuda", "Stream"])`` for ``cp.cuda.Stream``; None if not rooted at an alias."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id in ALIASES and parts:
+        return ALIASES[node.id], parts[::-1]
+    return None
+
+
+def scan(root: Path = ROOT) -> dict[str, Any]:
+    """Uses in gpuio's source: ``{"modules": [...], "uses": [{"module", "attrs", "keywords", "where"}]}``."""
+    modules: set[str] = set()
+    uses: dict[tuple[str, str], dict[str, Any]] = {}
+    for top in SOURCES:
+        for path in sorted((root / top).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            inner: set[int] = set()  # attribute nodes inside a longer chain
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+                    fn = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                    if fn in ("require", "import_module") and node.args and isinstance(node.args[0], ast.Constant) \
+                            and str(node.args[0].value).split(".")[0] in {m.split(".")[0] for m in ALIASES.values()}:
+                        modules.add(str(node.args[0].value))
+                if isinstance(node, ast.Attribute):
+                    inner.add(id(node.value))
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Attribute) or id(node) in inner:
+                    continue
+                found = _chain(node)
+                if found is None:
+                    continue
+                key = (found[0], ".".join(found[1]))
+                use = uses.setdefault(key, {"module": found[0], "attrs": found[1], "keywords": set(),
+                                            "where": f"{path.relative_to(root)}:{node.lineno}"})
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call):
+                    found = _chain(node.func)
+                    if found is not None:
+                        use = uses[(found[0], ".".join(found[1]))]
+                        use["keywords"].update(k.arg for k in node.keywords if k.arg is not None)
+    return {"modules": sorted(modules),
+            "uses": [dict(u, keywords=sorted(u["keywords"])) for u in uses.values()]}
+
+
+def _parameters(obj: Any) -> set[str] | None:
+    """Parameter names of a callable: from its signature, else from the signatures and
+    ``Args:`` sections in its docstrings (Cython and pybind11 objects); None if unknown."""
+    try:
+        params = inspect.signature(obj).parameters.values()
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            return None if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) else {"**"}
+        return {p.name for p in params}
+    except (TypeError, ValueError):
+        pass
+    docs = [getattr(obj, "__doc__", None) or ""]
+    if inspect.isclass(obj):
+        docs.append(getattr(obj.__init__, "__doc__", None) or "")
+    names: set[str] = set()
+    for doc in docs:
+        for params in re.findall(r"^\s*(?:\d+\.\s*)?[\w.]+\((.*)\)", doc, re.M):
+            names.update(re.findall(r"(?:^|,)\s*\*{0,2}(\w+)\s*(?=[:=,]|$)", params))
+        section = re.search(r"Args:\n((?:\s+.*\n?)+)", doc)
+        if section:
+            names.update(re.findall(r"^\s+(\w+) \(", section.group(1), re.M))
+    return names - {"self"} or None
+
+
+def _resolve(module: Any, attrs: list[str]) -> Any:
+    obj = module
+    for a in attrs:
+        obj = getattr(obj, a)
+    return obj
+
+
+def check_uses(report: dict[str, Any]) -> None:
+    found = scan()
+    loaded = {}
+    for use in [u for u in found["uses"] if u["module"] in STATIC]:
+        _check_static(use, report)
+    for name in sorted((set(ALIASES.values()) | set(found["modules"])) - STATIC):
+        try:
+            loaded[name] = importlib.import_module(name)
+        except Exception as exc:  # any import failure is a finding to report
+            report["problems"].append(f"import {name}: {type(exc).__name__}: {exc}")
+    uses = found["uses"] + [{"module": m, "attrs": a, "keywords": list(kw), "where": "tests/gpu_contract.py METHODS"}
+                            for key, kw in METHODS.items()
+                            for m, a in [_split(key)]]
+    for use in uses:
+        module = loaded.get(use["module"])
+        if module is None:
+            continue
+        name = f"{use['module']}.{'.'.join(use['attrs'])} ({use['where']})"
+        try:
+            obj = _resolve(module, use["attrs"])
+        except AttributeError as exc:
+            report["problems"].append(f"{name}: {exc}")
+            continue
+        report["checked"] += 1
+        doc = (getattr(obj, "__doc__", None) or "").split("Args:")[0]
+        if ".. deprecated::" in doc:  # e.g. cupy.cuda.ExternalStream in CuPy 14
+            report["problems"].append(f"{name}: deprecated: {doc.split('.. deprecated::')[1].strip()[:200]}")
+        if use["keywords"]:
+            params = _parameters(obj)
+            if params is None:
+                report["problems"].append(f"{name}: cannot read its parameters to check {use['keywords']}")
+            elif "**" not in params:
+                missing = [k for k in use["keywords"] if k not in params]
+                if missing:
+                    report["problems"].append(f"{name}: no keyword {missing}; it takes {sorted(params)}")
+
+
+def _check_static(use: dict[str, Any], report: dict[str, Any]) -> None:
+    spec = importlib.util.find_spec(use["module"])
+    if spec is None or not spec.submodule_search_locations:
+        report["problems"].append(f"{use['module']} is not installed")
+        return
+    folder = Path(list(spec.submodule_search_locations)[0])
+    blob = b"".join(p.read_bytes() for p in folder.glob("*.so")) + b"".join(
+        p.read_bytes() for p in folder.rglob("*.py"))
+    for name in use["attrs"] + use["keywords"]:
+        if name.encode() + b"\0" not in blob and f"def {name}(".encode() not in blob:
+            report["problems"].append(f"{use['module']}.{'.'.join(use['attrs'])} ({use['where']}): "
+                                      f"{name!r} is nowhere in {folder.name}'s extension modules")
+    report["checked"] += 1
+
+
+def _split(key: str) -> tuple[str, list[str]]:
+    """``"nvidia.nvimgcodec.Decoder.decode"`` -> ``("nvidia.nvimgcodec", ["Decoder", "decode"])``."""
+    for module in sorted(set(ALIASES.values()), key=len, reverse=True):
+        if key.startswith(module + "."):
+            return module, key[len(module) + 1:].split(".")
+    raise ValueError(key)
+
+
+def run_gpuio(report: dict[str, Any]) -> None:
+    """Run the parts of gpuio's GPU code that need no driver."""
+    steps = [("kvikio", _kvikio), ("decode params", _decode_params), ("device arrays", _device_arrays),
+             ("gpuio info", _info)]
+    for name, step in steps:
+        try:
+            step()
+            report["ran"].append(name)
+        except Exception as exc:  # each failure is a finding to report
+            report["problems"].append(f"running {name}: {type(exc).__name__}: {exc}")
+
+
+def _kvikio() -> None:
+    from gpuio._kvikio import KvikioBackend, compat_mode_active, kvikio_problem
+    from gpuio.errors import StorageError
+
+    assert kvikio_problem() is None, kvikio_problem()
+    import kvikio
+
+    for compat, expected in (("on", True), ("auto", True)):  # AUTO: no GPU here, so compat
+        backend = KvikioBackend(threads=3, task_size=1 << 20, compat=compat)
+        assert backend.compat is expected and compat_mode_active() is expected, compat
+        assert kvikio.defaults.get("num_threads") == 3 and kvikio.defaults.get("task_size") == 1 << 20
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "data.bin")
+            with open(path, "wb") as f:
+                f.write(b"x" * 100)
+            handle = backend._open(path)
+            handle.close()
+            try:
+                backend._open(os.path.join(tmp, "missing.bin"))
+            except StorageError as exc:
+                assert "missing.bin" in str(exc), exc
+            else:
+                raise AssertionError("opening a missing file did not raise StorageError")
+        backend.close()
+
+
+def _decode_params() -> None:
+    from nvidia import nvimgcodec
+
+    from gpuio.ops.decode import COLORS, _decode_params as make
+
+    for color in COLORS:
+        params = make(nvimgcodec, color)
+        assert isinstance(params, nvimgcodec.DecodeParams), color
+
+
+def _device_arrays() -> None:
+    """The CuPy arrays gpuio builds on pointers, over a made-up address (never read)."""
+    import gc
+
+    import cupy as cp
+
+    from gpuio import _deferred
+
+    owner = object()
+    base = cp.ndarray((4096,), cp.uint8, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(1 << 40, 4096, owner, 0), 0))
+    view = base[256:].view(cp.float32).reshape(60, 16)[:, ::2]
+    given = _deferred.hand_over(view, 1234, 0)
+    assert given.shape == view.shape and given.strides == view.strides and given.data.ptr == view.data.ptr
+    assert given.dtype == view.dtype and given.data.mem.size == 4096
+    released = []
+    _deferred.release_after = lambda streams, obj, device: released.append((streams, obj, device))
+    part = given[1:3]  # a consumer's view keeps the memory: nothing is released yet
+    del given
+    gc.collect()
+    assert released == [], released
+    del part
+    gc.collect()  # the consumer dropped all: the original goes to release_after, on its stream
+    assert len(released) == 1 and released[0][0] == (1234,) and released[0][1] is view, released
+
+
+def _info() -> None:
+    import contextlib
+    import io
+
+    from gpuio import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(["info"])
+    line = next(x for x in out.getvalue().splitlines() if x.strip().startswith("kvikio"))
+    assert "loads" in line and "compat" in line, line
+
+
+def main() -> None:
+    report: dict[str, Any] = {"problems": [], "checked": 0, "ran": [], "python": sys.version.split()[0],
+                              "versions": {}}
+    before = set(sys.modules)
+    import gpuio  # noqa: F401
+
+    cuda = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("cupy", "kvikio", "cupy_backends")
+                  or m.startswith("nvidia"))
+    if cuda:
+        report["problems"].append(f"import gpuio imported CUDA libraries: {cuda[:5]}")
+    check_uses(report)
+    for name in ("cupy", "kvikio", "nvidia.nvimgcodec"):
+        module = sys.modules.get(name)
+        report["versions"][name] = getattr(module, "__version__", None)
+    run_gpuio(report)
+    print(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)  # no finalizer may reach for a driver on the way out
+
+
+if __name__ == "__main__":
+    main()
