@@ -26,6 +26,8 @@ _EXTRAS = {
     "nvidia.nvimgcodec": "cu12 or cu13",
     "PyNvVideoCodec": "video",
     "torch": "torch",
+    "jax": "jax",
+    "tensorflow": "tensorflow",
 }
 
 

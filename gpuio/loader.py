@@ -23,9 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from gpuio import _frameworks, config
 from gpuio.batch import Batch, sample_seeds
+from gpuio.buffers import BufferPool, pooled_empty
 from gpuio.device import Device, check_cuda, parse_device, require
-from gpuio.errors import ConfigError, DataError, PipelineError
+from gpuio.errors import BufferBudgetError, ConfigError, DataError, PipelineError
 from gpuio.index import Ragged, SampleIndex
 from gpuio.storage import Reader, read_fields
 from gpuio._deferred import hand_over
@@ -72,7 +74,10 @@ class Loader:
             each run of ops between decoders one ``ops.Compose`` stage, fused into one
             kernel.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        output: ``"torch"`` (tensors by DLPack, no copy) or ``"numpy"`` (NumPy/CuPy arrays).
+        output: ``"torch"``, ``"jax"`` or ``"tensorflow"`` (that framework's tensors by
+            DLPack, over the same memory: no copy) or ``"numpy"`` (NumPy/CuPy arrays as
+            they are); see ``gpuio._frameworks``. The framework is imported here, so a
+            missing one is reported when the loader is made.
         shuffle, seed: a global permutation of ``len(index)`` per epoch,
             ``np.random.Generator(np.random.PCG64([seed, epoch])).permutation``.
         rank, world_size: this process's shard (see below).
@@ -141,8 +146,7 @@ class Loader:
         self.batch_size, self.rank, self.world_size, self.last_batch = batch_size, rank, world_size, last_batch
         self.device = parse_device(device)
         check_cuda(self.device)
-        if output not in ("torch", "numpy"):
-            raise ConfigError(f"output={output!r}; choose 'torch' or 'numpy'")
+        self._framework = _frameworks.load(output)  # a missing framework is reported here
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error={on_error!r}; choose 'raise' or 'skip'")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
@@ -176,6 +180,8 @@ class Loader:
         on_device = self.device.is_cuda
         self._dev_fields = tuple(f for f in read if on_device and f in index.extents and f not in host)
         self._host_fields = tuple(f for f in read if f not in self._dev_fields)
+        self._pool = BufferPool(config.get("buffer_budget"))  # the setting in force here and now
+        self._max_in_flight = self._batches_that_fit() - 1  # the consumer holds one more
         self._raw_fields = set(index.extents) - set(decoded_fields(index))  # bytes, not decoded values
         names = [getattr(op, "name", None) or _op_name(op) for op in self.ops]
         self._op_names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
@@ -224,6 +230,26 @@ class Loader:
         self.close()
         self._epoch, self._pos, self._resume = int(state["epoch"]), batch, batch
 
+    def _batches_that_fit(self) -> int:
+        """How many batches' read buffers the loader's buffer budget holds at once; at
+        least two (the batch the consumer holds and the next one being read), else a
+        ``BufferBudgetError`` with the numbers, now rather than a stall later."""
+        align = 4096 if config.get("o_direct") else 1
+        gap = config.get("merge_gap")
+        needs = {f: _batch_bytes_bound(self.index.extents[f].length, self.batch_size, gap, align)
+                 for f in self._host_fields + self._dev_fields if f in self.index.extents}
+        # a device field read without kvikio passes through a host buffer of its size
+        charge = sum(self._pool.charge(n) * (2 if f in self._dev_fields else 1) for f, n in needs.items())
+        budget = self._pool.budget
+        if charge and budget < 2 * charge:
+            raise BufferBudgetError(
+                f"a batch of {self.batch_size} samples needs up to {charge:,} bytes of read buffers "
+                f"({', '.join(f'{f}: {n:,}' for f, n in needs.items())}), and two batches must fit in the "
+                f"buffer budget (the one in use and the next being read), but buffer_budget is {budget:,} "
+                f"bytes; raise it to at least {2 * charge:,} (gpuio.config.override(buffer_budget=...) or "
+                f"GPUIO_BUFFER_BUDGET) or use a smaller batch_size")
+        return budget // charge if charge else 1 << 30
+
     # ---- iteration ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._executor is not None:  # one pass at a time: stop one left running
@@ -236,13 +262,13 @@ class Loader:
         order = epoch_order(len(self.index), self.shuffle, self.seed, epoch)
         if not self._readers:  # kept across completed passes, closed by close() and early exits
             if self._host_fields:
-                self._readers["host"] = Reader("cpu", thread_name="gpuio-loader-read")
+                self._readers["host"] = Reader("cpu", thread_name="gpuio-loader-read", pool=self._pool)
             if self._dev_fields:
-                self._readers["device"] = Reader(self.device, thread_name="gpuio-loader-read")
+                self._readers["device"] = Reader(self.device, thread_name="gpuio-loader-read", pool=self._pool)
         readers = self._readers
         source = (_Work(k, *self.plan.rows(order, k)) for k in range(start, len(self.plan)))
         stages = self._stages(epoch, readers)
-        window = self.prefetch + max(s.workers if not s.gpu else 1 for s in stages)
+        window = min(self.prefetch + max(s.workers if not s.gpu else 1 for s in stages), self._max_in_flight)
         ex = Executor(source, stages, window=window, device=self.device, stats=self._stage_stats,
                       name=f"gpuio-loader{self.rank}")
         self._executor = ex
@@ -432,7 +458,7 @@ class Loader:
 
     # ---- hand-off -----------------------------------------------------------------------
     def _handoff(self, out: dict[str, Any], event: Any) -> dict[str, Any]:
-        torch = require("torch") if self.output == "torch" else None
+        torch = self._framework if self.output == "torch" else None
         if event is not None:  # the consumer's stream waits for the batch's kernels
             cp = require("cupy")
             device = self.device.index
@@ -442,11 +468,11 @@ class Loader:
                 else:
                     consumer = cp.cuda.get_current_stream().ptr
                 cp.cuda.runtime.streamWaitEvent(consumer, event.ptr)
+            if self.output in ("jax", "tensorflow"):  # no handle on their streams: the batch is done first
+                event.synchronize()
             # the memory goes back only after the consumer's stream is done with it
             out = {name: _hand_over(v, consumer, device, cp) for name, v in out.items()}
-        if torch is None:
-            return out
-        return {name: _to_torch(v, torch) for name, v in out.items()}
+        return {name: _frameworks.convert(v, self.output, self._framework) for name, v in out.items()}
 
     # ---- errors and stats ------------------------------------------------------------
     def _skip(self, sample: int, stage: str, err: BaseException) -> None:
@@ -483,6 +509,7 @@ class Loader:
         time passes were running; ``stages`` maps each stage to its batches, seconds of
         work (all workers together), milliseconds per batch and mean input-queue
         length; ``consumer_wait_s`` is the time the training loop waited for batches;
+        ``window`` is the most batches the running pass keeps in flight;
         ``skipped`` counts bad samples dropped under ``on_error="skip"`` and ``errors``
         holds the first few of them.
         """
@@ -498,6 +525,7 @@ class Loader:
                 "stages": {name: s.as_dict() for name, s in self._stage_stats.items()},
                 "queues": ({s.name: q.qsize() for s, q in zip(ex.stages, ex._queues)} if ex is not None else {}),
                 "consumer_wait_s": round(ex.wait_s, 6) if ex is not None else 0.0,
+                "window": ex._window if ex is not None else 0,
                 "skipped": self._skipped,
                 "errors": list(self._errors),
             }
@@ -514,9 +542,20 @@ def _is_array(a: Any) -> bool:
     return isinstance(a, np.ndarray) or hasattr(a, "__cuda_array_interface__")
 
 
+def _batch_bytes_bound(length: np.ndarray, batch_size: int, gap: int, align: int) -> int:
+    """The most bytes a read plan of ``batch_size`` of these extents can span: the
+    largest extents, plus per read the merge gap and the alignment padding."""
+    n = min(batch_size, len(length))
+    if n == 0:
+        return 0
+    largest = np.partition(np.asarray(length, dtype=np.int64), len(length) - n)[len(length) - n:]
+    return int(largest.sum()) + n * (gap + 2 * (align - 1))
+
+
 def _stack(rows: list[Any], xp: Any) -> Any:
     """Stack same-shape arrays; rows that already lie back to back in one buffer, in
-    order, become one view of it (no copy)."""
+    order, become one view of it (no copy). Host stacks go into a pooled, page-aligned
+    buffer (JAX takes only 64-byte aligned memory without a copy)."""
     first = rows[0]
     if first.flags.c_contiguous and first.nbytes:
         ptr = (lambda a: a.__array_interface__["data"][0]) if xp is np else (lambda a: a.data.ptr)
@@ -524,6 +563,8 @@ def _stack(rows: list[Any], xp: Any) -> Any:
         if all(a.flags.c_contiguous and ptr(a) == base + i * step for i, a in enumerate(rows)):
             return xp.lib.stride_tricks.as_strided(first, shape=(len(rows), *first.shape),
                                                    strides=(step, *first.strides))
+    if xp is np:
+        return np.stack(rows, out=pooled_empty((len(rows), *first.shape), first.dtype))
     return xp.stack(rows)
 
 
@@ -561,12 +602,6 @@ def _hand_over(v: Any, stream: int, device: int, cp: Any) -> Any:
     if isinstance(v, list):
         return [hand_over(a, stream, device) if isinstance(a, cp.ndarray) else a for a in v]
     return v
-
-
-def _to_torch(v: Any, torch: Any) -> Any:
-    if _is_array(v) and v.dtype.kind in "biufc" and v.dtype.isnative:
-        return torch.from_dlpack(v)
-    return v  # lists stay lists of what the stages made: no tensor per sample
 
 
 def _op_name(op: Any) -> str:
