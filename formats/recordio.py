@@ -19,7 +19,10 @@ record's extent runs to the next indexed offset (or the end of the file) and may
 padding. An ``.idx`` must cover its ``.rec``: the last indexed record must end where
 the file ends (an empty ``.idx`` fits only an empty file), and the parser refuses an
 extent that holds more than its record, so an ``.idx`` that leaves records out is an
-error, never fewer samples.
+error, never fewer samples. MXNet's ``MXIndexedRecordIO`` and DALI's reader serve just
+the indexed records; gpuio differs on purpose, since a cut index (an interrupted
+``im2rec``, a partial copy) is far likelier than a deliberate subset. For a subset,
+index the whole file and keep rows with ``SampleIndex.take``.
 """
 
 from __future__ import annotations
