@@ -15,6 +15,8 @@ import threading
 import weakref
 from typing import Any
 
+from gpuio.errors import DeviceError
+
 _renewed: weakref.WeakSet[Any] = weakref.WeakSet()
 # The parent's GPU-side objects (pinned or device buffers, cuFile handles): kept for
 # good in a child, since releasing them there would call into CUDA.
@@ -49,6 +51,16 @@ class RenewedLock:
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
+
+
+def refuse_cuda_after_fork() -> None:
+    """Raise ``DeviceError`` where CUDA cannot be used: in a child forked from a process
+    that had it in use (CUDA's rule; kvikio's threads and pinned memory are the parent's)."""
+    if parent_used_cuda:
+        raise DeviceError(
+            "this process was forked from one that had CUDA in use, and CUDA cannot be used "
+            "in such a child; start worker processes with the 'spawn' method (torch DataLoader: "
+            "multiprocessing_context='spawn') or read with device='cpu' there")
 
 
 def _cuda_in_use() -> bool:

@@ -30,7 +30,7 @@ import numpy as np
 from gpuio import _fork, config
 from gpuio._deferred import reap
 from gpuio.device import Device, parse_device, require
-from gpuio.errors import BufferBudgetError, DeviceError
+from gpuio.errors import BufferBudgetError
 
 __all__ = ["BufferPool", "Lease", "default_pool", "pooled_empty"]
 
@@ -195,11 +195,8 @@ class BufferPool:
     def acquire(self, nbytes: int, device: str | Device = "cpu", *, pinned: bool = False) -> Lease:
         """Lend a buffer of at least ``nbytes`` bytes on ``device``."""
         device = parse_device(device)
-        if device.is_cuda and _fork.parent_used_cuda:
-            raise DeviceError(
-                "this process was forked from one that had CUDA in use, and CUDA cannot be used "
-                "in such a child; start worker processes with the 'spawn' method (torch DataLoader: "
-                "multiprocessing_context='spawn') or read with device='cpu' there")
+        if device.is_cuda:
+            _fork.refuse_cuda_after_fork()  # also for readers made before the fork
         pinned = pinned and not device.is_cuda and not _fork.parent_used_cuda
         budget = self.budget
         capacity = _round_capacity(max(int(nbytes), 1))

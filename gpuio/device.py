@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from types import ModuleType
 
+from gpuio._fork import refuse_cuda_after_fork
 from gpuio.errors import ConfigError, DependencyError, DeviceError
 
 __all__ = ["Device", "parse_device", "gpu_count", "cuda_available", "require"]
@@ -90,6 +91,7 @@ def check_cuda(device: Device) -> None:
     """Raise a clear error when ``device`` is a GPU this machine does not have."""
     if not device.is_cuda:
         return
+    refuse_cuda_after_fork()
     count = gpu_count()
     if count == 0:
         raise DeviceError(f"device {device} was asked for, but this machine has no NVIDIA GPU")
