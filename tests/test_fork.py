@@ -16,18 +16,11 @@ import gpuio
 from gpuio import storage
 from gpuio.buffers import default_pool
 from gpuio.index import Extents, SampleIndex
-from gpuio._posix import native_available
+
+from test_storage import read_loop  # noqa: F401  (autouse: every test runs with both read loops)
 
 CHILD_TIMEOUT_S = 60
 FILES, SIZE = 16, 256 << 10  # big enough for several reader threads on two cores
-
-
-@pytest.fixture(params=["native", "python"], autouse=True)
-def read_loop(request):
-    if request.param == "native" and not native_available():
-        pytest.fail("the C accelerator gpuio._native was not built: is a C compiler installed?")
-    with gpuio.config.override(native=request.param == "native"):
-        yield request.param
 
 
 @pytest.fixture
