@@ -32,7 +32,7 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, DependencyError, FormatError
-from gpuio.ops.ragged import pack, rows_of, segment_reduce, unpack
+from gpuio.ops.ragged import empty, groups, pack, rows_of, segment_reduce, segment_span, unpack
 
 __all__ = ["DecodeAudio", "PreemphasisFilter", "NonsilentRegion", "Slice", "decode_audio",
            "preemphasis_filter", "nonsilent_region", "slice", "AUDIO_EXTENSIONS", "audio_dependency"]
@@ -174,7 +174,7 @@ class DecodeAudio(Op):
                               f"{sorted(set(channels))}; downmix or batch files alike")
         width = 1 if mono else max(channels, default=1)
         counts = np.array([item[2] if item else 0 for item in opened], dtype=np.int64)
-        buffer = np.empty((int(counts.sum()), width), dtype=self.dtype)
+        buffer = empty(np, (int(counts.sum()), width), self.dtype)
         rows = unpack(buffer, counts, 0)
         rates = np.zeros(len(opened), dtype=np.float32)
         for row, item in enumerate(opened):
@@ -226,8 +226,9 @@ class PreemphasisFilter(Op):
         x, lengths = pack(xp, rows, 0)
         x = x.astype(xp.float32, copy=False)
         c = np.float32(self.preemph_coeff)
-        y = xp.empty_like(x)
-        y[1:] = x[1:] - c * x[:-1]
+        y = empty(xp, x.shape, np.float32)
+        xp.multiply(x[:-1], -c, out=y[1:])
+        y[1:] += x[1:]
         starts = np.cumsum(lengths) - lengths
         nonempty = starts[lengths > 0]
         if len(nonempty):
@@ -280,25 +281,34 @@ class NonsilentRegion(Op):
     def regions(self, xp: Any, rows: list[Any]) -> tuple[np.ndarray, np.ndarray]:
         """(begin, length) per row, host int64 arrays."""
         x, lengths = pack(xp, rows, 0)
+        begin = np.zeros(len(rows), dtype=np.int64)
+        length = np.zeros(len(rows), dtype=np.int64)
+        for r0, r1, s0, s1 in groups(xp, lengths):
+            begin[r0:r1], length[r0:r1] = self._regions(xp, x[s0:s1], lengths[r0:r1])
+        return begin, length
+
+    def _regions(self, xp: Any, x: Any, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n, w = len(x), self.window_length
-        starts = np.cumsum(lengths) - lengths
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
         prefix = xp.zeros(n + 1, dtype=xp.float64)
-        xp.cumsum(x.astype(xp.float64) ** 2, out=prefix[1:])
-        index = xp.arange(n)
-        row_start = xp.asarray(np.repeat(starts, lengths))
-        lo = xp.maximum(index - (w - 1), row_start)
-        power = (prefix[1:] - prefix[lo]) / w
+        xp.cumsum(xp.square(x, dtype=xp.float64), out=prefix[1:])
+        # window sums (w times the short-term power): x[i-w+1..i] inside the row
+        power = xp.empty(n, dtype=xp.float64)
+        if n >= w:
+            xp.subtract(prefix[w:], prefix[:n + 1 - w], out=power[w - 1:])
+        head = np.arange(min(w - 1, n))[None, :]
+        near = (starts[:, None] + head)[head < lengths[:, None]]  # a row's first w-1 samples
+        row_start = np.repeat(starts, np.minimum(lengths, w - 1))
+        power[xp.asarray(near)] = prefix[xp.asarray(near + 1)] - prefix[xp.asarray(row_start)]
         if self.reference_power is None:
-            ref = segment_reduce(xp, power, lengths, "max")[xp.asarray(np.repeat(np.arange(len(rows)), lengths))]
+            reference = segment_reduce(xp, power, lengths, "max")
         else:
-            ref = float(self.reference_power)
-        loud = power >= ref * 10.0 ** (self.cutoff_db / 10.0)
-        first = segment_reduce(xp, xp.where(loud, index, n), lengths, "min")
-        last = segment_reduce(xp, xp.where(loud, index, -1), lengths, "max")
-        first, last = (np.asarray(a.get() if xp is not np else a) for a in (first, last))
-        found = (last >= 0) & (lengths > 0)
-        begin = np.where(found, np.maximum(first - (w - 1), starts) - starts, 0).astype(np.int64)
-        length = np.where(found, last - starts - begin + 1, 0).astype(np.int64)
+            reference = xp.full(len(lengths), float(self.reference_power) * w)
+        first, last = segment_span(xp, power, reference * 10.0 ** (self.cutoff_db / 10.0), lengths)
+        found = last >= 0
+        begin = np.where(found, np.maximum(first - (w - 1), 0), 0).astype(np.int64)
+        length = np.where(found, last - begin + 1, 0).astype(np.int64)
         return begin, length
 
 

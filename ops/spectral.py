@@ -4,8 +4,9 @@
 Each reads and writes ``audio`` by default. The batch is computed at once: the
 spectrogram frames every row into one ``[frames, window_length]`` array (one strided
 copy per row, no loop per window) and runs one batched real FFT over it
-(``scipy.fft`` on the CPU; CuPy's cuFFT on a GPU, the row count rounded up so that
-batches of similar size reuse one cached plan); the mel filter bank and the DCT of
+(``scipy.fft`` on the CPU, in groups of rows whose buffers stay in cache; CuPy's cuFFT
+on a GPU, the whole batch at once, the frame count rounded up so that batches of
+similar size reuse one cached plan); the mel filter bank and the DCT of
 ``mfcc`` are one matrix product over all frames of the batch.
 
 Layouts: ``"ft"`` rows are ``[frequency, time]`` (DALI's default), ``"tf"`` rows
@@ -21,7 +22,7 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError, FormatError
 from gpuio.ops.audio import audio_dependency
-from gpuio.ops.ragged import pack, rows_of, segment_reduce, unpack
+from gpuio.ops.ragged import empty, groups, pack, rows_of, segment_reduce, unpack
 
 __all__ = ["Spectrogram", "MelFilterBank", "ToDecibels", "MFCC", "spectrogram", "mel_filter_bank",
            "to_decibels", "mfcc", "hann_window", "mel_filters", "dct_matrix"]
@@ -136,14 +137,17 @@ class Spectrogram(Op):
         if not rows:
             batch.data[self.field] = []
             return batch
-        frames, counts = self.frames(xp, rows)
-        if xp is np:
-            spec = audio_dependency("scipy.fft").rfft(frames, n=self.nfft, axis=1)
-        else:
-            spec = xp.fft.rfft(frames, n=self.nfft, axis=1)[: int(counts.sum())]
-        power = spec.real ** 2 + spec.imag ** 2 if self.power == 2 else xp.abs(spec)
-        batch.data[self.field] = unpack(power.astype(xp.float32, copy=False), counts,
-                                        1 if self.layout == "ft" else 0)
+        counts = np.array([self._windows(r.shape[0]) for r in rows], dtype=np.int64)
+        out = empty(xp, (int(counts.sum()), self.nfft // 2 + 1), np.float32)
+        parts = groups(xp, counts, self.nfft)
+        # one zero-filled frame buffer for all groups: each group overwrites its windows
+        most = max(f1 - f0 for _, _, f0, f1 in parts)
+        work = xp.zeros((most if xp is np else -(-most // _CUFFT_ROWS) * _CUFFT_ROWS, self.nfft), xp.float32)
+        for r0, r1, f0, f1 in parts:
+            frames = work[: f1 - f0 if xp is np else len(work)]
+            self.frames(xp, rows[r0:r1], counts[r0:r1], frames)
+            self._power(xp, frames, out[f0:f1])
+        batch.data[self.field] = unpack(out, counts, 1 if self.layout == "ft" else 0)
         return batch
 
     def _windows(self, t: int) -> int:
@@ -151,16 +155,23 @@ class Spectrogram(Op):
             return t // self.window_step + 1
         return (t - self.window_length) // self.window_step + 1 if t >= self.window_length else 0
 
-    def frames(self, xp: Any, rows: list[Any]) -> tuple[Any, np.ndarray]:
-        """Windowed frames of every row, end to end: ``[frames, window_length]``
-        float32 (rows padded to a multiple of ``_CUFFT_ROWS`` on a GPU), and the
-        frame count per row."""
-        counts = np.array([self._windows(r.shape[0]) for r in rows], dtype=np.int64)
-        total = int(counts.sum())
-        alloc = total if xp is np else -(-total // _CUFFT_ROWS) * _CUFFT_ROWS
-        out = xp.empty((alloc, self.window_length), dtype=xp.float32)
-        if alloc > total:
-            out[total:] = 0
+    def _power(self, xp: Any, frames: Any, out: Any) -> None:
+        """``|rfft(frames)| ** power`` of the first ``len(out)`` frames into ``out``."""
+        if xp is np:
+            spec = audio_dependency("scipy.fft").rfft(frames, axis=1)
+        else:  # one batched cuFFT plan per padded frame count, cached by CuPy
+            spec = xp.fft.rfft(frames, axis=1)[: len(out)]
+        if self.power == 2:  # re**2 + im**2 in place on the spectrum's floats
+            parts = spec.view(xp.float32).reshape(*spec.shape, 2)
+            xp.square(parts, out=parts)
+            xp.add(parts[..., 0], parts[..., 1], out=out)
+        else:
+            xp.abs(spec, out=out)
+
+    def frames(self, xp: Any, rows: list[Any], counts: np.ndarray, out: Any) -> None:
+        """The windowed frames of ``rows`` (``counts`` each), end to end, into the
+        first ``window_length`` columns of ``out`` ``[frames, nfft]`` float32, whose
+        other columns (the FFT's zero fill) and rows beyond the frames stay zero."""
         window = xp.asarray(self.window)
         half = self.window_length // 2
         mode = "reflect" if self.reflect_padding else "constant"
@@ -173,9 +184,8 @@ class Spectrogram(Op):
             step = r.strides[0]
             view = xp.lib.stride_tricks.as_strided(r, shape=(n, self.window_length),
                                                    strides=(self.window_step * step, step))
-            xp.multiply(view, window, out=out[start:start + n])
+            xp.multiply(view, window, out=out[start:start + n, : self.window_length])
             start += n
-        return out, counts
 
 
 def _time_axis(layout: str) -> int:
@@ -261,7 +271,9 @@ def _matmul_op(batch: Batch, field: str, time_axis: int, matrix: Any) -> Batch:
     if rows[0].ndim != 2:
         raise ConfigError(f"expected 2-D feature rows; got shape {rows[0].shape}")
     packed, counts = pack(xp, rows, time_axis)
-    out = packed.astype(xp.float32, copy=False) @ xp.asarray(matrix(packed.shape[1]))
+    weights = xp.asarray(matrix(packed.shape[1]))
+    out = empty(xp, (len(packed), weights.shape[1]), np.float32)
+    xp.matmul(packed.astype(xp.float32, copy=False), weights, out=out)
     batch.data[field] = unpack(out, counts, time_axis)
     return batch
 
@@ -283,16 +295,17 @@ class ToDecibels(Op):
         ragged = next((a for a in range(rows[0].ndim) if len({r.shape[a] for r in rows}) > 1), 0)
         x, counts = pack(xp, rows, ragged)
         x = x.astype(xp.float32, copy=False)
-        floor = np.float32(10.0 ** (self.cutoff_db / self.multiplier))
+        out = empty(xp, x.shape, np.float32)
         if self.reference is None:
             flat = x.reshape(len(x), -1).max(axis=1) if x.ndim > 1 else x
             ref = segment_reduce(xp, flat, counts, "max").astype(xp.float32)
             scale = (1.0 / xp.where(ref > 0, ref, 1.0)).astype(xp.float32)
             per_row = xp.asarray(np.repeat(np.arange(len(rows)), counts))
-            ratio = x * scale[per_row].reshape((-1,) + (1,) * (x.ndim - 1))
+            xp.multiply(x, scale[per_row].reshape((-1,) + (1,) * (x.ndim - 1)), out=out)
         else:
-            ratio = x * np.float32(1.0 / self.reference)
-        out = xp.log10(xp.maximum(ratio, floor))
+            xp.multiply(x, np.float32(1.0 / self.reference), out=out)
+        xp.maximum(out, np.float32(10.0 ** (self.cutoff_db / self.multiplier)), out=out)
+        xp.log10(out, out=out)
         out *= np.float32(self.multiplier)
         batch.data[self.field] = unpack(out, counts, ragged)
         return batch

@@ -1,0 +1,276 @@
+"""Speech feature pipeline benchmark: ``python bench/audio.py --help``.
+
+The Jasper-style pipeline, decode -> preemphasis_filter -> nonsilent_region + slice ->
+spectrogram (nfft 512, 20 ms windows every 10 ms) -> mel_filter_bank (64 filters) ->
+to_decibels (natural log, as Jasper) -> normalize per feature -> pad (multiple of 16),
+batches of 64 clips of 1-20 s at 16 kHz (FLAC by default), written once with soundfile
+into the gpuio cache folder with a NeMo manifest. Competitors, measured in one run in
+interleaved rounds (each round: one epoch of each; the best round counts):
+
+- gpuio on the CPU (``gpuio.Loader`` over ``formats.manifest``, ``threads`` = cores);
+- DALI's CPU pipeline (``device_id=None``, ``num_threads`` = cores) with the same ops;
+- a torch DataLoader (``num_workers`` = cores) whose dataset reads each file with
+  soundfile and computes the same features with NumPy and scipy.fft, one clip at a time;
+- on a machine with a GPU: gpuio on the GPU, and torchaudio's MelSpectrogram on the GPU
+  on padded batches (decoded by soundfile in DataLoader workers; no silence trimming).
+
+Prints samples/s and audio-seconds/s per competitor and gpuio's ratio to each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+import gpuio
+from gpuio import ops
+from gpuio._bench.common import cache_dir, machine, print_table, write_json
+
+RATE = 16000
+NFFT, WINDOW, STEP, MELS, ALIGN = 512, 320, 160, 64, 16
+LOG_MULTIPLIER, LOG_REFERENCE, LOG_CUTOFF = math.log(10.0), 1.0, math.log(1e-20)  # Jasper's natural-log dB
+
+
+def make_dataset(count: int, fmt: str, seed: int = 0) -> str:
+    """``count`` clips of 1-20 s (speech-like noise bursts between quiet edges) and a
+    NeMo manifest; returns the manifest path. Generated on first use."""
+    import soundfile as sf
+
+    root = os.path.join(cache_dir(), f"sample-audio-{count}-{fmt}-{seed}")
+    manifest = os.path.join(root, "manifest.json")
+    if os.path.exists(os.path.join(root, ".complete")):
+        return manifest
+    os.makedirs(root, exist_ok=True)
+    print(f"generating {count} {fmt} clips in {root}", file=sys.stderr)
+    rng = np.random.default_rng(seed)
+    with open(manifest, "w") as f:
+        for k in range(count):
+            n = int(rng.uniform(1.0, 20.0) * RATE)
+            envelope = np.repeat(rng.uniform(0.02, 0.5, size=n // 1600 + 1), 1600)[:n]
+            x = rng.standard_normal(n) * envelope
+            quiet = int(rng.uniform(0.05, 0.5) * RATE)
+            x[:quiet] *= 1e-4
+            x[-quiet:] *= 1e-4
+            name = f"clip{k:05d}.{fmt}"
+            sf.write(os.path.join(root, name), np.clip(x, -1, 1).astype(np.float32), RATE)
+            f.write(json.dumps({"audio_filepath": name, "duration": n / RATE, "text": f"clip {k}"}) + "\n")
+    open(os.path.join(root, ".complete"), "w").close()
+    return manifest
+
+
+def gpuio_ops() -> list[Any]:
+    return [ops.decode_audio(), ops.preemphasis_filter(), ops.nonsilent_region(), ops.slice(),
+            ops.spectrogram(nfft=NFFT, window_length=WINDOW, window_step=STEP),
+            ops.mel_filter_bank(sample_rate=RATE, nfilter=MELS),
+            ops.to_decibels(multiplier=LOG_MULTIPLIER, reference=LOG_REFERENCE, cutoff_db=LOG_CUTOFF),
+            ops.normalize_axes(axes=(1,)), ops.pad(axes=(1,), align=ALIGN)]
+
+
+def gpuio_loader(manifest: str, batch: int, device: str, threads: int) -> Callable[[], Iterator[Any]]:
+    index = gpuio.formats.manifest(manifest)
+    loader = gpuio.Loader(index, batch, fields=["data", "duration", "offset"], ops=gpuio_ops(), device=device,
+                          output="numpy", threads=threads)
+
+    def run() -> Iterator[Any]:
+        for b in loader:
+            yield b["audio"]
+        if device != "cpu":
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
+
+    return run
+
+
+def dali_cpu(paths: list[str], batch: int, threads: int) -> Callable[[], Iterator[Any]]:
+    from nvidia.dali import fn, pipeline_def, types
+
+    # synchronous: a pipelined DALI would compute the next epoch while other competitors run
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, exec_async=False, exec_pipelined=False)
+    def pipe():
+        data, _ = fn.readers.file(files=paths, name="reader")
+        audio, _ = fn.decoders.audio(data, downmix=True, dtype=types.FLOAT)
+        audio = fn.preemphasis_filter(audio)
+        begin, length = fn.nonsilent_region(audio)
+        audio = fn.slice(audio, begin, length, axes=[0])
+        spec = fn.spectrogram(audio, nfft=NFFT, window_length=WINDOW, window_step=STEP)
+        mel = fn.mel_filter_bank(spec, sample_rate=RATE, nfilter=MELS)
+        mel = fn.to_decibels(mel, multiplier=LOG_MULTIPLIER, reference=LOG_REFERENCE, cutoff_db=LOG_CUTOFF)
+        mel = fn.normalize(mel, axes=[1])
+        return fn.pad(mel, axes=[1], align=ALIGN)
+
+    p = pipe()
+    p.build()
+    steps = math.ceil(len(paths) / batch)
+
+    def run() -> Iterator[Any]:
+        for _ in range(steps):
+            (out,) = p.run()
+            yield out
+
+    return run
+
+
+def numpy_features(x: np.ndarray) -> np.ndarray:
+    """The pipeline for one clip with NumPy and scipy.fft (the DataLoader competitor)."""
+    import scipy.fft
+
+    from gpuio.ops.spectral import hann_window, mel_filters
+
+    y = np.empty_like(x)
+    y[0] = x[0] * (1 - 0.97)
+    y[1:] = x[1:] - 0.97 * x[:-1]
+    c = np.concatenate([[0.0], np.cumsum(y.astype(np.float64) ** 2)])
+    i = np.arange(len(y))
+    power = (c[i + 1] - c[np.maximum(i - 2047, 0)]) / 2048
+    loud = np.nonzero(power >= power.max() * 1e-6)[0]
+    begin = max(loud[0] - 2047, 0)
+    y = y[begin: loud[-1] + 1]
+    padded = np.pad(y, (WINDOW // 2, WINDOW - WINDOW // 2), mode="reflect")
+    n = len(y) // STEP + 1
+    frames = np.lib.stride_tricks.as_strided(padded, (n, WINDOW), (STEP * 4, 4)) * hann_window(WINDOW)
+    spec = np.abs(scipy.fft.rfft(frames, n=NFFT, axis=1)) ** 2
+    mel = spec @ mel_filters(RATE, NFFT, MELS, 0, RATE / 2, "slaney", True).T.astype(np.float32)
+    mel = LOG_MULTIPLIER * np.log10(np.maximum(mel / LOG_REFERENCE, 10 ** (LOG_CUTOFF / LOG_MULTIPLIER)))
+    mel = (mel - mel.mean(axis=0)) / np.maximum(mel.std(axis=0), 1e-12)
+    return np.ascontiguousarray(mel.T, dtype=np.float32)
+
+
+class SoundfileDataset:
+    """Reads a clip with soundfile; ``features`` turns it into the pipeline's output."""
+
+    def __init__(self, paths: list[str], features: Callable[[np.ndarray], Any] | None) -> None:
+        self.paths, self.features = paths, features
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> Any:
+        import soundfile as sf
+
+        x, _ = sf.read(self.paths[i], dtype="float32")
+        return self.features(x) if self.features is not None else x
+
+
+def _pad_collate(rows: list[np.ndarray]) -> tuple[Any, Any]:
+    import torch
+
+    longest = -(-max(r.shape[-1] for r in rows) // ALIGN) * ALIGN
+    out = np.zeros((len(rows), *rows[0].shape[:-1], longest), dtype=np.float32)
+    for k, r in enumerate(rows):
+        out[k, ..., : r.shape[-1]] = r
+    return torch.from_numpy(out), torch.tensor([r.shape[-1] for r in rows])
+
+
+def torch_dataloader(paths: list[str], batch: int, workers: int) -> Callable[[], Iterator[Any]]:
+    import torch
+
+    loader = torch.utils.data.DataLoader(SoundfileDataset(paths, numpy_features), batch_size=batch,
+                                         num_workers=workers, collate_fn=_pad_collate,
+                                         persistent_workers=workers > 0)
+
+    def run() -> Iterator[Any]:
+        for feats, _ in loader:
+            yield feats
+
+    return run
+
+
+def torchaudio_gpu(paths: list[str], batch: int, workers: int) -> Callable[[], Iterator[Any]]:
+    import torch
+    import torchaudio
+
+    loader = torch.utils.data.DataLoader(SoundfileDataset(paths, None), batch_size=batch, num_workers=workers,
+                                         collate_fn=_pad_collate, persistent_workers=workers > 0)
+    mel = torchaudio.transforms.MelSpectrogram(RATE, n_fft=NFFT, win_length=WINDOW, hop_length=STEP,
+                                               n_mels=MELS, norm="slaney", mel_scale="slaney").cuda()
+
+    def run() -> Iterator[Any]:
+        for audio, lengths in loader:
+            x = audio.cuda(non_blocking=True)
+            x = torch.cat([x[:, :1] * (1 - 0.97), x[:, 1:] - 0.97 * x[:, :-1]], dim=1)
+            m = torch.log(mel(x).clamp_min(1e-20))
+            frames = (lengths.cuda() // STEP + 1)[:, None, None]
+            valid = torch.arange(m.shape[-1], device="cuda")[None, None, :] < frames
+            mean = (m * valid).sum(-1, keepdim=True) / frames
+            std = (((m - mean) * valid) ** 2).sum(-1, keepdim=True).div(frames).sqrt()
+            yield ((m - mean) / std.clamp_min(1e-12)) * valid
+        torch.cuda.synchronize()
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--count", type=int, default=256, help="clips in the sample dataset")
+    parser.add_argument("--format", default="flac", choices=["flac", "wav"])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best counts")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    manifest = make_dataset(args.count, args.format)
+    index = gpuio.formats.manifest(manifest)
+    paths = list(index.files)
+    seconds = float(index.values["duration"].sum())
+    competitors: dict[str, Callable[[], Callable[[], Iterator[Any]]]] = {
+        "gpuio cpu": lambda: gpuio_loader(manifest, args.batch, "cpu", args.threads),
+        "dali cpu": lambda: dali_cpu(paths, args.batch, args.threads),
+        "torch DataLoader + numpy": lambda: torch_dataloader(paths, args.batch, args.threads),
+    }
+    if gpuio.cuda_available():
+        competitors["gpuio gpu"] = lambda: gpuio_loader(manifest, args.batch, "cuda", args.threads)
+        competitors["torchaudio gpu"] = lambda: torchaudio_gpu(paths, args.batch, args.threads)
+    runs, missing = {}, {}
+    for name, build in competitors.items():
+        try:
+            runs[name] = build()
+            for _ in runs[name]():  # warm-up epoch: workers, plans, page cache
+                pass
+        except ImportError as exc:
+            missing[name] = f"not installed ({exc.name or exc})"
+            runs.pop(name, None)
+    best = {name: math.inf for name in runs}
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            for _ in run():
+                pass
+            best[name] = min(best[name], time.perf_counter() - t0)
+    rows = []
+    for name in competitors:
+        if name in missing:
+            rows.append({"competitor": name, "note": missing[name]})
+            continue
+        t = best[name]
+        rows.append({"competitor": name, "samples_per_s": args.count / t, "audio_s_per_s": seconds / t,
+                     "epoch_s": t})
+    for kind in ("cpu", "gpu"):
+        mine = best.get(f"gpuio {kind}")
+        for r in rows:
+            if mine and r.get("epoch_s") and not r["competitor"].startswith("gpuio") and \
+                    (kind == "gpu") == r["competitor"].endswith("gpu"):
+                r["gpuio_ratio"] = r["epoch_s"] / mine
+    info = machine()
+    print(f"machine: {info['cpu']} ({info['cores']} cores), gpus: {info['gpus']}")
+    print(f"dataset: {args.count} {args.format} clips, {seconds:.0f} s of audio at {RATE} Hz, batch {args.batch}, "
+          f"best of {args.rounds} interleaved rounds")
+    print_table(rows, [("competitor", "competitor", ""), ("samples_per_s", "samples/s", ".1f"),
+                       ("audio_s_per_s", "audio s/s", ".0f"), ("gpuio_ratio", "gpuio x", ".2f"),
+                       ("note", "note", "")])
+    payload = {"machine": info, "count": args.count, "format": args.format, "batch": args.batch,
+               "audio_seconds": seconds, "rounds": args.rounds, "rows": rows}
+    write_json(args.out, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
