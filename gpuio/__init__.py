@@ -13,6 +13,7 @@ from gpuio.errors import GpuioError
 from gpuio.index import Extent, Extents, PathTable, Ragged, SampleIndex, concat
 from gpuio.loader import Loader
 from gpuio.storage import Reader, read
+from gpuio import formats  # registers the record parsers that saved indexes name
 
 __version__ = "0.1.0"
 
@@ -37,9 +38,13 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # gpuio.formats / gpuio.ops without importing them up front
-    if name in ("formats", "ops"):
+def __getattr__(name: str):  # gpuio.ops without importing it (and its decoders) up front
+    if name == "ops":
         import importlib
 
-        return importlib.import_module(f"gpuio.{name}")
+        return importlib.import_module("gpuio.ops")
     raise AttributeError(f"module 'gpuio' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:  # help(gpuio) and dir() list ops before it is imported
+    return sorted({*globals(), "ops"})

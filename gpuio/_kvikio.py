@@ -27,9 +27,8 @@ from types import ModuleType
 from typing import Any
 
 from gpuio._handles import HandleCache
-from gpuio._posix import open_error, truncated_error
 from gpuio.buffers import Lease
-from gpuio.errors import DependencyError, DeviceError, StorageError
+from gpuio.errors import DependencyError, DeviceError, StorageError, open_error, truncated_error
 from gpuio.index import PathTable
 from gpuio.plan import ReadPlan
 

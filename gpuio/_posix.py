@@ -28,7 +28,7 @@ import numpy as np
 
 from gpuio._fork import renew_after_fork
 from gpuio.buffers import Lease
-from gpuio.errors import ConfigError, StorageError
+from gpuio.errors import ConfigError, StorageError, open_error, truncated_error
 
 try:
     from gpuio import _native
@@ -44,22 +44,6 @@ _PARALLEL_COPY = 64 << 10  # mean read size from which cached copies run on seve
 def native_available() -> bool:
     """Whether the C accelerator was built at install."""
     return _native is not None
-
-
-def open_error(path: str, exc: OSError) -> StorageError:
-    """A gpuio error for a failed open, naming the file and the reason."""
-    reason = {
-        errno.ENOENT: "file not found (moved or deleted after indexing?)",
-        errno.EACCES: "permission denied",
-        errno.EISDIR: "is a directory, not a file",
-    }.get(exc.errno or 0, exc.strerror or str(exc))
-    return StorageError(f"cannot open: {reason}", path=path)
-
-
-def truncated_error(path: str, offset: int, need: int, got: int) -> StorageError:
-    return StorageError(
-        f"file ends before the indexed extent: needed {need} bytes from byte {offset}, "
-        f"read {got} (file truncated after indexing?)", path=path, offset=offset + got)
 
 
 class PosixBackend:

@@ -6,6 +6,8 @@ user can find the bad bytes with ``dd`` or a hex editor.
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "GpuioError",
     "ConfigError",
@@ -17,6 +19,8 @@ __all__ = [
     "StorageError",
     "FormatError",
     "PipelineError",
+    "open_error",
+    "truncated_error",
 ]
 
 
@@ -101,3 +105,20 @@ class PipelineError(GpuioError, RuntimeError):
         if path is not None:
             parts.append(f"file {path}")
         super().__init__(", ".join(parts) + ": " + message)
+
+
+def open_error(path: str, exc: OSError) -> StorageError:
+    """A gpuio error for a failed open, naming the file and the reason."""
+    reason = {
+        errno.ENOENT: "file not found (moved or deleted after indexing?)",
+        errno.EACCES: "permission denied",
+        errno.EISDIR: "is a directory, not a file",
+    }.get(exc.errno or 0, exc.strerror or str(exc))
+    return StorageError(f"cannot open: {reason}", path=path)
+
+
+def truncated_error(path: str, offset: int, need: int, got: int) -> StorageError:
+    """A gpuio error for a read that ended before the indexed extent did."""
+    return StorageError(
+        f"file ends before the indexed extent: needed {need} bytes from byte {offset}, "
+        f"read {got} (file truncated after indexing?)", path=path, offset=offset + got)

@@ -34,6 +34,7 @@ __all__ = [
     "Parser",
     "SampleIndex",
     "register_parser",
+    "register_sample_reader",
     "concat",
 ]
 
@@ -235,11 +236,27 @@ def register_parser(name: str) -> Callable[[type], type]:
 
 
 def _parser_from_config(name: str, config: dict[str, Any]) -> Parser:
+    # the built-in parsers are registered by ``import gpuio`` (which imports gpuio.formats)
     if name not in _PARSERS:
-        import gpuio.formats  # noqa: F401  (registers the built-in parsers)
-    if name not in _PARSERS:
-        raise ConfigError(f"index needs parser {name!r}, which is not registered; known: {sorted(_PARSERS)}")
+        raise ConfigError(f"index needs parser {name!r}, which is not registered (known: {sorted(_PARSERS)}); "
+                          f"import the module that defines it before loading the index")
     return _PARSERS[name](**config)
+
+
+def _no_sample_reader(index: SampleIndex, i: int) -> dict[str, Any]:
+    raise ConfigError("index[i] reads through gpuio.storage, which registers itself on import: import gpuio")
+
+
+# How ``index[i]`` reads a sample. gpuio.storage, above this module on the data path,
+# registers its reader here when it is imported (``import gpuio`` imports it), so that
+# this module never imports the storage core.
+_sample_reader: Callable[[SampleIndex, int], dict[str, Any]] = _no_sample_reader
+
+
+def register_sample_reader(reader: Callable[[SampleIndex, int], dict[str, Any]]) -> None:
+    """Set how ``SampleIndex.__getitem__`` reads sample ``i`` of an index."""
+    global _sample_reader
+    _sample_reader = reader
 
 
 class SampleIndex:
@@ -313,12 +330,9 @@ class SampleIndex:
 
     # ---- convenience reads ---------------------------------------------------------
     def __getitem__(self, i: int) -> dict[str, Any]:
-        from gpuio.storage import read_fields
-
-        i = self._check_sample(i)
-        row = read_fields(self, np.array([i]), self.fields, device="cpu")
-        decoded = self.meta.get("decode") or {}  # decoded fields hold values, not bytes
-        return {name: _host_value(col[0], raw=name not in decoded) for name, col in row.items()}
+        """Sample ``i``'s fields as host values (``bytes`` for extent fields), read
+        synchronously by the storage core."""
+        return _sample_reader(self, self._check_sample(i))
 
     # ---- persistence --------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -385,16 +399,6 @@ class SampleIndex:
             self.parser,
             self.meta,
         )
-
-
-def _host_value(value: Any, raw: bool = True) -> Any:
-    if raw and isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
-        return value.tobytes()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, memoryview):
-        return value.tobytes()
-    return value
 
 
 def concat(indexes: Sequence[SampleIndex | str | os.PathLike[str]]) -> SampleIndex:

@@ -25,10 +25,10 @@ from gpuio.buffers import BufferPool, Lease, default_pool
 from gpuio.device import Device, check_cuda, cuda_available, parse_device, require
 from gpuio.errors import ConfigError, OutOfRangeError
 from gpuio._fielddecode import decode, decoded_fields
-from gpuio.index import Ragged, SampleIndex
+from gpuio.index import Ragged, SampleIndex, register_sample_reader
 from gpuio.plan import build_plan
 
-__all__ = ["Reader", "read", "read_fields"]
+__all__ = ["Reader", "read", "read_fields", "read_sample"]
 
 
 class Reader:
@@ -174,6 +174,27 @@ def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Se
             col = index.values[f]
             out[f] = col.rows(rows) if isinstance(col, Ragged) else col[rows]
     return {f: out[f] for f in fields}
+
+
+def read_sample(index: SampleIndex, i: int) -> dict[str, Any]:
+    """Sample ``i``'s fields as host values: ``bytes`` for extent fields, Python
+    scalars for scalar values, decoded values as they are (``index[i]``)."""
+    row = read_fields(index, np.array([i]), index.fields, device="cpu")
+    decoded = index.meta.get("decode") or {}  # decoded fields hold values, not bytes
+    return {name: _host_value(col[0], raw=name not in decoded) for name, col in row.items()}
+
+
+def _host_value(value: Any, raw: bool = True) -> Any:
+    if raw and isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
+        return value.tobytes()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, memoryview):
+        return value.tobytes()
+    return value
+
+
+register_sample_reader(read_sample)
 
 
 # The readers behind gpuio.read, one per device and settings, the most recent few kept.

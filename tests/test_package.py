@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -35,7 +36,78 @@ def test_formats_and_ops_import_as_gpuio_subpackages():
 
     assert Path(gpuio.formats.__file__).parent == REPO / "formats"
     assert Path(gpuio.ops.__file__).parent == REPO / "ops"
-    assert gpuio.formats is gpuio.__getattr__("formats")
+    assert gpuio.ops is gpuio.__getattr__("ops")
+
+
+def test_help_shows_formats_and_ops():
+    import pydoc
+
+    text = pydoc.render_doc(gpuio, renderer=pydoc.plaintext)
+    submodules = text[text.index("SUBMODULES"):].split("\n\n")[0].split()
+    assert {"formats", "ops"} <= set(submodules)
+
+
+def _gpuio_modules() -> dict[str, Path]:
+    """Every module of the gpuio package, by dotted name, as installed (formats/ and ops/ too)."""
+    roots = {"gpuio": REPO / "gpuio", "gpuio.formats": REPO / "formats", "gpuio.ops": REPO / "ops"}
+    modules = {}
+    for package, root in roots.items():
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root).with_suffix("").parts
+            if rel[0] in ("formats", "ops") and package == "gpuio":
+                continue
+            name = ".".join((package, *rel)).removesuffix(".__init__")
+            modules[name] = path
+    return modules
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The gpuio modules a module imports anywhere in it (functions too), except under
+    ``if TYPE_CHECKING:``. ``from a import b`` is an import of ``a.b`` when that is a module."""
+    found: set[str] = set()
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package
+                parts = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                base = ".".join(parts + ([base] if base else []))
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return {m for m in found if m in known}
+
+
+def test_no_import_cycles_among_gpuio_modules():
+    modules = _gpuio_modules()
+    compiled = {f"gpuio.{c.stem}" for c in (REPO / "gpuio").glob("*.c")}  # C extensions import no gpuio module
+    known = set(modules) | compiled
+    graph = {m: _imports(ast.parse(p.read_text()), m, p.name == "__init__.py", known) - {m}
+             for m, p in modules.items()}
+    graph.update({c: set() for c in compiled})
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = path[path.index(n):] + [n]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert {"gpuio.index", "gpuio.storage", "gpuio.cli", "gpuio.formats.tfrecord"} <= known
 
 
 @pytest.mark.slow
