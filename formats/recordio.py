@@ -39,7 +39,7 @@ import numpy as np
 from gpuio.errors import ConfigError, DataError, FormatError
 from gpuio.formats._files import regular_file_size
 from gpuio.formats.tfrecord import _int_table
-from gpuio.index import Extents, PathTable, SampleIndex, register_parser
+from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
 
 __all__ = ["recordio", "RecordIOParser", "MAGIC"]
 
@@ -176,7 +176,7 @@ def _part(buf: Any, size: int, pos: int, path: str, sample: object, base: int = 
 
 
 @register_parser("recordio")
-class RecordIOParser:
+class RecordIOParser(Parser):
     """Checks a record's framing, rejoins its parts and splits off the ``IRHeader``."""
 
     name = "recordio"

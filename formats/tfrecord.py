@@ -40,7 +40,7 @@ import numpy as np
 
 from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError
-from gpuio.index import Extents, PathTable, SampleIndex, register_parser
+from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
 
 __all__ = ["tfrecord", "ExampleParser", "masked_crc32c"]
 
@@ -397,7 +397,7 @@ def _feature(buf: memoryview, record: np.ndarray, start: int, end: int, kind: st
 
 
 @register_parser("tfrecord.example")
-class ExampleParser:
+class ExampleParser(Parser):
     """Parses TFRecord payloads as ``tf.train.Example`` and returns ``features``
     (``{name: "bytes" | "int64" | "float"}``); a missing feature or another kind is
     a ``FormatError``, a feature with no kind set an empty value."""

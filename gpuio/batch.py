@@ -95,4 +95,5 @@ class Op:
     host_inputs: tuple[str, ...] = ()
 
     def __call__(self, batch: Batch) -> Batch:  # pragma: no cover - interface
+        """Run the op on ``batch`` and return the batch (the same object or a new one)."""
         raise NotImplementedError

@@ -184,6 +184,7 @@ class BufferPool:
 
     @property
     def held_bytes(self) -> int:
+        """Bytes of buffers the pool holds now, leased and free."""
         return self._held
 
     def charge(self, nbytes: int) -> int:

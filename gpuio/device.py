@@ -41,6 +41,7 @@ class Device:
 
     @property
     def is_cuda(self) -> bool:
+        """Whether this is a GPU (``cuda:N``)."""
         return self.kind == "cuda"
 
     def __str__(self) -> str:

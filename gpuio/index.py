@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from gpuio.errors import ConfigError, FormatError, OutOfRangeError
+from gpuio.errors import ConfigError, FormatError, OutOfRangeError, StorageError
 
 __all__ = [
     "Extent",
@@ -72,6 +72,7 @@ class Extents:
         return len(self.file)
 
     def take(self, rows: np.ndarray) -> Extents:
+        """The extents of ``rows`` (non-negative sample positions), in that order."""
         return Extents(self.file[rows], self.offset[rows], self.length[rows])
 
 
@@ -135,6 +136,7 @@ class Ragged:
         return [data[a:b].decode("utf-8") for a, b in zip(bounds[:-1], bounds[1:])]
 
     def take(self, rows: np.ndarray) -> Ragged:
+        """The values of ``rows`` (non-negative sample positions), in that order."""
         rows = np.asarray(rows, dtype=np.int64)
         starts, ends = self.offsets[rows], self.offsets[rows + 1]
         lengths = ends - starts
@@ -161,6 +163,7 @@ class PathTable:
 
     @classmethod
     def from_paths(cls, paths: Iterable[str | os.PathLike[str]], root: str = "") -> PathTable:
+        """A table of ``paths`` (stored relative to ``root`` when given)."""
         encoded = [os.fsencode(p) for p in paths]
         offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum([len(e) for e in encoded], out=offsets[1:])
@@ -197,6 +200,7 @@ class PathTable:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the table holds in memory."""
         return self.blob.nbytes + self.offsets.nbytes
 
 
@@ -211,7 +215,9 @@ class Parser(Protocol):
     source: str  # the extent field whose bytes it parses
     fields: tuple[str, ...]  # the fields it produces
 
-    def config(self) -> dict[str, Any]: ...
+    def config(self) -> dict[str, Any]:
+        """The keyword arguments that rebuild this parser (JSON-able)."""
+        ...
 
     def parse(self, records: Sequence[np.ndarray], samples: np.ndarray,
               paths: Sequence[str], offsets: np.ndarray) -> dict[str, list[Any]]:
@@ -300,6 +306,7 @@ class SampleIndex:
 
     @property
     def fields(self) -> tuple[str, ...]:
+        """Every field a sample has: extent fields, value fields, then parsed fields."""
         parsed = self.parser.fields if self.parser is not None else ()
         return tuple(dict.fromkeys([*self.extents, *self.values, *parsed]))
 
@@ -360,12 +367,29 @@ class SampleIndex:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SampleIndex:
         """Read an index written by ``save``."""
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(8)
+        except OSError as exc:
+            raise StorageError(f"cannot open the index: {exc.strerror or exc}", path=path) from exc
+        if not head.startswith(b"PK\x03\x04"):
+            raise FormatError(f"not a gpuio index: SampleIndex.save writes a .npz (zip) file, and this file "
+                              f"starts with {head!r}", path=path)
         try:
             with np.load(path, allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+            raise FormatError("not a gpuio index, or one cut short: its zip archive does not read back as "
+                              "the arrays SampleIndex.save writes", path=path) from exc
+        if "spec" not in arrays:
+            raise FormatError(f"not a gpuio index: a .npz without the 'spec' entry SampleIndex.save writes "
+                              f"(it holds {sorted(arrays)[:8]})", path=path)
+        try:
             spec = json.loads(arrays["spec"].tobytes())
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-            raise FormatError(f"not a gpuio index file ({exc})", path=os.fspath(path)) from exc
+        except ValueError as exc:
+            raise FormatError("not a gpuio index: its 'spec' entry is not the JSON SampleIndex.save writes",
+                              path=path) from exc
         version = spec.get("version") if isinstance(spec, dict) else None
         if version != _INDEX_VERSION:
             raise FormatError(f"index version {version}, expected {_INDEX_VERSION}", path=os.fspath(path))

@@ -80,6 +80,7 @@ class Reader:
 
     @property
     def lands_on_device(self) -> bool:
+        """Whether reads land in GPU memory directly (kvikio), not through host memory."""
         return self.backend.name == "kvikio"
 
     def read_batch(self, index: SampleIndex, rows: Sequence[int] | np.ndarray,
@@ -119,6 +120,7 @@ class Reader:
         return [buf[s: s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
 
     def close(self) -> None:
+        """End the backend's reader threads and close its files."""
         self.backend.close()
 
     def __enter__(self) -> Reader:

@@ -15,13 +15,14 @@ the JPEG standard's IDCT and chroma-upsampling tolerances (a few levels at edges
 from __future__ import annotations
 
 import io
+import re
 import struct
 import threading
 from typing import Any, NamedTuple
 
 import numpy as np
 import simplejpeg
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from gpuio.batch import Batch, Op
 from gpuio.device import require
@@ -127,6 +128,13 @@ def _pillow_mode(mode: str, color: str, transparency: bool) -> str:
     return "RGBA" if "A" in mode or transparency else "RGB"
 
 
+def _reason(exc: BaseException, buf: np.ndarray) -> str:
+    """What a decoder said, without reprs of its internals (``<_io.BytesIO object at 0x...>``)."""
+    if isinstance(exc, UnidentifiedImageError):
+        return f"not an image format Pillow reads (the bytes start {bytes(buf[:8])!r})"
+    return re.sub(r" ?<[\w.]+ object at 0x[0-9a-fA-F]+>", "", str(exc)) or type(exc).__name__
+
+
 def decode_cpu(buf: Any, color: str, sample: int) -> np.ndarray:
     """One encoded image to HWC uint8 on the host (see the module docstring); bad bytes
     raise ``FormatError`` naming ``sample``."""
@@ -143,7 +151,7 @@ def decode_cpu(buf: Any, color: str, sample: int) -> np.ndarray:
                 mode = _pillow_mode(im.mode, color, "transparency" in im.info)
                 img = np.asarray(im if im.mode == mode else im.convert(mode))
     except _PILLOW_ERRORS as exc:
-        raise FormatError(f"cannot decode image ({len(buf)} bytes): {exc}", sample=sample) from exc
+        raise FormatError(f"cannot decode image ({len(buf)} bytes): {_reason(exc, buf)}", sample=sample) from exc
     if img.ndim == 2:
         img = img[:, :, None]
     return np.ascontiguousarray(orient(img, orientation if 1 <= orientation <= 8 else 1))

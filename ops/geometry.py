@@ -188,6 +188,7 @@ class _Crop(Op):
     field = "image"
 
     def box(self, batch: Batch, row: int, h: int, w: int) -> tuple[int, int, int, int]:  # pragma: no cover
+        """The crop of ``row`` (an image of ``h`` x ``w`` pixels): (top, left, height, width)."""
         raise NotImplementedError
 
     def boxes(self, batch: Batch, hw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -185,3 +185,40 @@ def test_gpu_count_matches_device_nodes():
     nodes = [p for p in os.listdir("/dev") if p.startswith("nvidia") and p[6:].isdigit()]
     if "CUDA_VISIBLE_DEVICES" not in os.environ:
         assert gpuio.gpu_count() == len(nodes)
+
+
+def _public_modules() -> list[str]:
+    import pkgutil
+
+    import gpuio.formats
+    import gpuio.ops
+
+    names = ["gpuio", "gpuio.formats", "gpuio.ops"]
+    for package in (gpuio, gpuio.formats, gpuio.ops):
+        names += [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)
+                  if not m.name.startswith("_") and f"{package.__name__}.{m.name}" not in names]
+    return names
+
+
+def test_every_public_function_class_and_method_has_a_docstring():
+    import inspect
+
+    missing, seen = [], set()
+    for module_name in _public_modules():
+        module = importlib.import_module(module_name)
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            if id(obj) in seen or not (inspect.isclass(obj) or inspect.isfunction(obj)) \
+                    or not obj.__module__.startswith("gpuio"):
+                continue
+            seen.add(id(obj))
+            if not inspect.getdoc(obj):
+                missing.append(f"{module_name}.{name}")
+            if inspect.isclass(obj):
+                for attr, value in vars(obj).items():
+                    if attr.startswith("_") and attr != "__call__":
+                        continue
+                    fn = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+                    if inspect.isfunction(fn) and not inspect.getdoc(getattr(obj, attr)):
+                        missing.append(f"{module_name}.{name}.{attr}")
+    assert not missing, f"no docstring: {missing}"
