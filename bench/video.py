@@ -181,7 +181,8 @@ def competitors(index: gpuio.SampleIndex) -> tuple[dict[str, Callable], dict[str
         try:
             runs[name] = make()
         except (ImportError, OSError, RuntimeError) as exc:  # a competitor that cannot load is a result
-            skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            cause = f" ({str(exc.__cause__).splitlines()[0][:200]})" if exc.__cause__ else ""
+            skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}{cause}"
     return runs, skipped
 
 

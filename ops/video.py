@@ -6,7 +6,9 @@ parameters from the container header (see ``formats.video``). The decoder is fed
 packets from the keyframe on, in decode order, and the clip keeps the pictures whose
 frame numbers it asks for: ``frames``, uint8 ``[F, H, W, 3]`` RGB per sample, in clip
 order. Where the batch's clips agree in shape their frames are views into one
-``[B, F, H, W, 3]`` array, which the Loader hands over without a copy.
+``[B, F, H, W, 3]`` array, which the Loader hands over without a copy; on the CPU it
+comes from the buffer pool, so ``buffer_budget`` (``gpuio.config``) must hold it: 8 clips
+of 60 1080p frames are 3 GB.
 
 CPU: PyAV (FFmpeg's decoders, libdav1d for AV1). Clips decode in parallel on a thread
 pool (FFmpeg runs with the GIL released). Packets whose pictures the clip does not keep
@@ -43,6 +45,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gpuio.batch import Batch, Op
+from gpuio.buffers import pooled_empty
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 
@@ -233,7 +236,8 @@ class DecodeVideo(Op):
 
     def _decode_cpu(self, batch: Batch, shapes: list[tuple[int, ...]]) -> list[Any]:
         data, packets, codecs = batch.data[self.field], batch.data["packets"], batch.data["codec"]
-        block = np.empty((len(shapes), *shapes[0]), np.uint8) if shapes and len(set(shapes)) == 1 else None
+        # pooled (mapped, huge-page) memory: a batch of 1080p clips is GBs that would page-fault in afresh
+        block = pooled_empty((len(shapes), *shapes[0]), np.uint8) if shapes and len(set(shapes)) == 1 else None
         # few clips: FFmpeg's own threads; many: one thread per clip
         threads = max(1, (os.cpu_count() or 1) // max(1, len(shapes)))
 
