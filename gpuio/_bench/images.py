@@ -1,13 +1,18 @@
-"""Image pipeline benchmark: decode, random resized crop 224, flip, normalize to float
-CHW, batches of 256, over ImageNet-like JPEGs from ``gpuio.sample``.
+"""Image pipeline benchmark over ImageNet-like JPEGs from ``gpuio.sample``, batches of
+64: ``train`` (decode, random resized crop 224, flip, normalize to float32 CHW) and
+``val`` (decode, resize to 224x224, normalize to float32 CHW).
 
-    python bench/images.py [--count 2000] [--batch 256] [--epochs 2] [--out images.json]
+    python bench/images.py [--count 2000] [--batch 64] [--epochs 2] [--pipeline both] [--out images.json]
 
-Competitors, measured in one run (images/s of the best epoch, page cache warm):
-gpuio on the CPU (``gpuio.Loader`` + ``ops.Compose``), ``torch.utils.data.DataLoader``
-with Pillow doing the same ops (workers = cores; the baseline of the ratios), NVIDIA
-DALI's CPU pipeline when installed; on a GPU machine also gpuio on the GPU (fused
-kernel) and torchvision's batched ``decode_jpeg(device="cuda")`` + torch ops.
+Competitors, measured in one run, all in interleaved rounds (images/s of the best epoch,
+page cache warm): gpuio on the CPU (``gpuio.Loader`` + ``ops.Compose``),
+``torch.utils.data.DataLoader`` with Pillow doing the same ops (workers = cores; the
+baseline of the ratios), NVIDIA DALI's CPU pipeline (``pip install gpuio[bench]``;
+``device_id=None``, ``num_threads`` = cores: ``readers.file`` ->
+``decoders.image_random_crop`` or ``decoders.image`` -> ``resize`` ->
+``crop_mirror_normalize``); on a GPU machine also gpuio on the GPU (fused kernel) and
+torchvision's batched ``decode_jpeg(device="cuda")`` + torch ops. For ``val`` it also
+prints the mean difference between gpuio's and DALI's outputs on the same images.
 """
 
 from __future__ import annotations
@@ -60,10 +65,19 @@ def _rounds(runs: dict[str, Any], epochs: int, count: int) -> tuple[dict[str, fl
     return {name: count / t for name, t in best.items() if name not in failed}, failed
 
 
-def gpuio_loader(root: str, batch: int, device: str) -> Any:
-    pipe = ops.Compose([ops.decode_image(), ops.random_resized_crop(224), ops.flip(), ops.normalize(MEAN, STD)])
+PIPELINES = {"train": "decode, random resized crop 224, flip, normalize to float32 CHW",
+             "val": "decode, resize 224x224, normalize to float32 CHW"}
+
+
+def gpuio_ops(pipeline: str) -> Any:
+    geometry = [ops.random_resized_crop(224), ops.flip()] if pipeline == "train" else [ops.resize((224, 224))]
+    return ops.Compose([ops.decode_image(), *geometry, ops.normalize(MEAN, STD)])
+
+
+def gpuio_loader(root: str, batch: int, device: str, pipeline: str = "train") -> Any:
+    pipe = gpuio_ops(pipeline)
     loader = gpuio.Loader(gpuio.formats.filetree(root), batch, fields=("data", "label"), ops=[pipe],
-                          device=device, output=_output(), shuffle=True)
+                          device=device, output=_output(), shuffle=True, last_batch="drop")
     sync = _cuda_sync() if device == "cuda" else (lambda: None)
 
     def run():
@@ -91,7 +105,8 @@ class PillowImageFolder:
     """What torchvision's ImageFolder + RandomResizedCrop + RandomHorizontalFlip +
     ToTensor + Normalize do, written with Pillow and torch (torchvision is not needed)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, train: bool = True) -> None:
+        self.train = train
         index = gpuio.formats.filetree(root)
         self.paths = list(index.files)  # absolute paths
         self.labels = np.asarray(index.values["label"])
@@ -106,9 +121,9 @@ class PillowImageFolder:
         with Image.open(self.paths[i]) as im:
             img = im.convert("RGB")
         w, h = img.size
-        top, left, ch, cw = _rrc_box(h, w)
+        top, left, ch, cw = _rrc_box(h, w) if self.train else (0, 0, h, w)
         img = img.resize((224, 224), Image.BILINEAR, box=(left, top, left + cw, top + ch), reducing_gap=None)
-        if random.random() < 0.5:
+        if self.train and random.random() < 0.5:
             img = img.transpose(Image.FLIP_LEFT_RIGHT)
         x = torch.from_numpy(np.array(img)).permute(2, 0, 1).float().div_(255)
         x = x.sub_(torch.tensor([0.485, 0.456, 0.406])[:, None, None]).div_(torch.tensor([0.229, 0.224, 0.225])[:, None, None])
@@ -127,11 +142,11 @@ def _rrc_box(h: int, w: int) -> tuple[int, int, int, int]:
     return (h - side) // 2, (w - side) // 2, side, side
 
 
-def torch_dataloader(root: str, batch: int, workers: int) -> Any:
+def torch_dataloader(root: str, batch: int, workers: int, pipeline: str = "train") -> Any:
     import torch
 
-    loader = torch.utils.data.DataLoader(PillowImageFolder(root), batch_size=batch, shuffle=True,
-                                         num_workers=workers, persistent_workers=workers > 0)
+    loader = torch.utils.data.DataLoader(PillowImageFolder(root, pipeline == "train"), batch_size=batch, shuffle=True,
+                                         num_workers=workers, persistent_workers=workers > 0, drop_last=True)
 
     def run():
         for images, _ in loader:
@@ -140,19 +155,31 @@ def torch_dataloader(root: str, batch: int, workers: int) -> Any:
     return run
 
 
-def dali_cpu(root: str, batch: int, threads: int, count: int) -> Any:
+def dali_pipeline(root: str, batch: int, threads: int, pipeline: str, shuffle: bool = True) -> Any:
+    """DALI's CPU pipeline (built): ``train`` decodes only a random crop window
+    (``image_random_crop``, as DALI's ImageNet examples), ``val`` the whole image."""
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def(batch_size=batch, num_threads=threads, device_id=None)
     def pipe():
-        jpegs, labels = fn.readers.file(file_root=root, random_shuffle=True, name="reader")
-        images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
-        images = fn.random_resized_crop(images, size=(224, 224))
+        jpegs, labels = fn.readers.file(file_root=root, random_shuffle=shuffle, name="reader")
+        if pipeline == "train":
+            images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
+            mirror = fn.random.coin_flip()
+        else:
+            images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
+            mirror = 0
+        images = fn.resize(images, resize_x=224, resize_y=224)
         return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mean=MEAN, std=STD,
-                                        mirror=fn.random.coin_flip()), labels
+                                        mirror=mirror), labels
 
     p = pipe()
     p.build()
+    return p
+
+
+def dali_cpu(root: str, batch: int, threads: int, count: int, pipeline: str = "train") -> Any:
+    p = dali_pipeline(root, batch, threads, pipeline)
     steps = math.ceil(count / batch)
 
     def run():
@@ -186,61 +213,103 @@ def torchvision_gpu(root: str, batch: int) -> Any:
     return run
 
 
+def dali_agreement(root: str, threads: int, n: int = 64) -> float:
+    """Mean |gpuio - DALI| in 0-255 levels over the ``val`` pipeline's output for the
+    same ``n`` encoded images (the ones DALI's reader yields first)."""
+    from nvidia.dali import fn, pipeline_def
+
+    from gpuio.batch import Batch, sample_seeds
+
+    p = dali_pipeline(root, n, threads, "val", shuffle=False)
+    out, _ = p.run()
+    dali = np.stack([np.array(t) for t in out])
+
+    @pipeline_def(batch_size=n, num_threads=threads, device_id=None)
+    def files():
+        return fn.readers.file(file_root=root, random_shuffle=False)[0]
+
+    q = files()
+    q.build()
+    (encoded,) = q.run()
+    bufs = [np.array(t) for t in encoded]
+    index = np.arange(n)
+    ours = gpuio_ops("val")(Batch({"data": bufs}, index, sample_seeds(0, 0, index))).data["image"]
+    std = np.asarray(STD, np.float32)[:, None, None]
+    return float((np.abs(np.asarray(ours) - dali) * std).mean())
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", help="a JPEG file tree (default: the gpuio sample dataset)")
     parser.add_argument("--count", type=int, default=2000, help="images in the sample dataset")
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=2, help="passes per competitor; the best counts")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="DataLoader workers and DALI threads")
+    parser.add_argument("--pipeline", choices=[*PIPELINES, "both"], default="both")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     root = args.root or sample_root(args.count)
     count = len(gpuio.formats.filetree(root))
+    count -= count % args.batch  # whole batches only (the loader drops the last partial one)
+    pipelines = list(PIPELINES) if args.pipeline == "both" else [args.pipeline]
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, GPUs: {info['gpus']}"
           + (f" ({info['gpu']})" if "gpu" in info else ""))
-    print(f"dataset: {root}: {count} JPEGs; batch {args.batch}; decode, random resized crop 224, flip, "
-          f"normalize to float32 CHW; best of {args.epochs} epochs")
-    makers = [("gpuio cpu (Loader + ops.Compose)", lambda: gpuio_loader(root, args.batch, "cpu")),
-              (f"torch DataLoader + Pillow ({args.workers} workers)",
-               lambda: torch_dataloader(root, args.batch, args.workers)),
-              ("DALI cpu pipeline", lambda: dali_cpu(root, args.batch, args.workers, count))]
-    if gpuio.cuda_available():
-        makers += [("gpuio cuda (fused kernel)", lambda: gpuio_loader(root, args.batch, "cuda")),
-                   ("torchvision decode_jpeg cuda + torch ops", lambda: torchvision_gpu(root, args.batch))]
-    else:
+    print(f"dataset: {root}: {count} JPEGs in whole batches of {args.batch}; best of {args.epochs} epochs")
+    for pipeline in pipelines:
+        print(f"  {pipeline}: {PIPELINES[pipeline]}")
+    cuda = gpuio.cuda_available()
+    if not cuda:
         print("no GPU: the gpuio cuda and torchvision GPU rows are not run")
     rows, runs = [], {}
-    for name, make in makers:
-        row: dict[str, Any] = {"name": name}
-        try:
-            runs[name] = make()
-        except ImportError as exc:
-            row["note"] = f"not installed ({exc.name})"
-        rows.append(row)
+    for pipeline in pipelines:
+        makers = [("gpuio cpu (Loader + ops.Compose)", lambda p=pipeline: gpuio_loader(root, args.batch, "cpu", p)),
+                  (f"torch DataLoader + Pillow ({args.workers} workers)",
+                   lambda p=pipeline: torch_dataloader(root, args.batch, args.workers, p)),
+                  (f"DALI cpu pipeline ({args.workers} threads)",
+                   lambda p=pipeline: dali_cpu(root, args.batch, args.workers, count, p))]
+        if cuda:
+            makers.append(("gpuio cuda (fused kernel)", lambda p=pipeline: gpuio_loader(root, args.batch, "cuda", p)))
+            if pipeline == "train":
+                makers.append(("torchvision decode_jpeg cuda + torch ops", lambda: torchvision_gpu(root, args.batch)))
+        for name, make in makers:
+            row: dict[str, Any] = {"pipeline": pipeline, "name": name}
+            try:
+                runs[f"{pipeline}: {name}"] = make()
+            except ImportError as exc:
+                row["note"] = f"not installed ({exc.name})"
+            rows.append(row)
     speeds, failed = _rounds(runs, args.epochs, count)
     for row in rows:
-        if row["name"] in speeds:
-            row["images_s"] = speeds[row["name"]]
-        if row["name"] in failed:
-            row["note"], row["error"] = "failed (below)", failed[row["name"]]
-    base = next((r.get("images_s") for r in rows if r["name"].startswith("torch DataLoader")), None)
-    for r in rows:
-        if r.get("images_s") and base:
-            r["ratio"] = r["images_s"] / base
-    print_table(rows, [("name", "pipeline", "s"), ("images_s", "images/s", ".1f"),
-                       ("ratio", "vs torch DataLoader", ".2f"), ("note", "note", "s")])
+        key = f"{row['pipeline']}: {row['name']}"
+        if key in speeds:
+            row["images_s"] = speeds[key]
+        if key in failed:
+            row["note"], row["error"] = "failed (below)", failed[key]
+    for pipeline in pipelines:
+        group = [r for r in rows if r["pipeline"] == pipeline]
+        for col, prefix in (("ratio", "torch DataLoader"), ("vs_dali", "DALI")):
+            base = next((r.get("images_s") for r in group if r["name"].startswith(prefix)), None)
+            for r in group:
+                if r.get("images_s") and base:
+                    r[col] = r["images_s"] / base
+    print_table(rows, [("pipeline", "pipeline", "s"), ("name", "competitor", "s"), ("images_s", "images/s", ".1f"),
+                       ("ratio", "vs torch DataLoader", ".2f"), ("vs_dali", "vs DALI", ".2f"), ("note", "note", "s")])
     payload = {"benchmark": "images", "machine": info, "dataset": {"root": root, "images": count},
                "batch": args.batch, "epochs": args.epochs, "results": rows}
+    if "val" in pipelines and any(r["name"].startswith("DALI") and "images_s" in r for r in rows):
+        payload["val_mean_levels_vs_dali"] = dali_agreement(root, args.workers, min(64, count))
+        print(f"val: mean difference gpuio vs DALI {payload['val_mean_levels_vs_dali']:.2f} levels (0-255)")
     for name, error in failed.items():
         print(f"{name} failed: {error}")
     write_json(args.out, payload)
     if args.out:
-        chart = Group("decode, random resized crop 224, flip, normalize", [(r["name"], r.get("images_s")) for r in rows],
-                      notes={r["name"]: r["note"] for r in rows if r.get("note")})
-        print(f"wrote {write_chart(os.path.splitext(args.out)[0] + '.png', 'gpuio image pipeline benchmark', 'images/s', [chart])}")
-    ours = {name: error for name, error in failed.items() if name.startswith("gpuio")}
+        charts = [Group(PIPELINES[p], [(r["name"], r.get("images_s")) for r in rows if r["pipeline"] == p],
+                        notes={r["name"]: r["note"] for r in rows if r.get("note") and r["pipeline"] == p})
+                  for p in pipelines]
+        print(f"wrote {write_chart(os.path.splitext(args.out)[0] + '.png', 'gpuio image pipeline benchmark', 'images/s', charts)}")
+    ours = {name: error for name, error in failed.items() if ": gpuio" in name}
     if ours:
         raise BenchError("gpuio's own pipeline failed: " + "; ".join(f"{n}: {e}" for n, e in ours.items()))
     return payload
