@@ -16,6 +16,8 @@ from gpuio.ops.audio import (DecodeAudio, NonsilentRegion, PreemphasisFilter, Sl
 from gpuio.ops.cmn import crop_mirror_normalize
 from gpuio.ops.color import ColorJitter, Normalize, color_jitter, normalize
 from gpuio.ops.decode import DecodeImage, decode_image
+from gpuio.ops.detection import (BBFlip, BBoxPaste, BoxEncoder, Paste, RandomBBoxCrop, bb_flip, bbox_paste,
+                                 box_encoder, paste, random_bbox_crop)
 from gpuio.ops.fused import Compose, FusedCropResizeNormalize, fused_crop_resize_normalize, fused_reference
 from gpuio.ops.geometry import (CenterCrop, Flip, RandomResizedCrop, Resize, center_crop, flip,
                                 random_resized_crop, resize)
@@ -25,6 +27,16 @@ from gpuio.ops.spectral import (MFCC, MelFilterBank, Spectrogram, ToDecibels, me
 from gpuio.ops.video import DecodeVideo, decode_video
 
 __all__ = [
+    "BBFlip",
+    "BBoxPaste",
+    "BoxEncoder",
+    "Paste",
+    "RandomBBoxCrop",
+    "bb_flip",
+    "bbox_paste",
+    "box_encoder",
+    "paste",
+    "random_bbox_crop",
     "CenterCrop",
     "ColorJitter",
     "Compose",

@@ -1,0 +1,544 @@
+"""Object detection ops (the SSD pipeline), with DALI's names and semantics.
+
+Boxes are float32 ``[n, 4]`` per row in coordinates relative to the image (0-1; index
+COCO with ``normalized=True``), ``ltrb`` (DALI's ``"xyXY"``: left, top, right, bottom)
+or ``xywh`` (``"xyWH"``: left, top, width, height); labels int32 ``[n]``.
+
+- ``random_bbox_crop``: DALI's prospective crop. It picks a window whose overlap with
+  the boxes passes a randomly chosen threshold, keeps the boxes whose centre lies in it
+  (with their labels), clips and remaps them to the window, writes the window as
+  ``crop_anchor`` (x, y) and ``crop_shape`` (w, h), relative, and crops the decoded
+  image if there is one; else ``decode_image(anchor="crop_anchor", shape="crop_shape")``
+  decodes only the window (DALI's ``decoders.image_slice``).
+- ``bb_flip``: mirrors boxes on the rows where ``flip`` with the same ``horizontal``
+  and ``p`` mirrors the image (the same draw from ``(seed, epoch, sample)``).
+- ``paste`` / ``bbox_paste``: zoom out, the image on a canvas ``ratio`` times larger
+  and the boxes moved with it; both draw ``ratio``, ``paste_x``, ``paste_y`` alike.
+- ``box_encoder``: matches boxes to anchors and encodes them (SSD); a GPU batch is
+  encoded in one vectorized CuPy pass over ``[B, boxes, anchors]``.
+
+Masks and polygons follow these ops: the fields ``polygons`` (int32 ``[p, 3]``:
+annotation, first vertex, end vertex) and ``vertices`` (float32 ``[v, 2]``, relative
+x, y) as ``formats.coco(masks="polygons", normalized=True)`` gives them, and pixel
+masks ``masks`` (uint8 ``[n, H, W]``, from ``formats.coco.decode_masks``) when a row
+has them. Crops drop the polygons and masks of the boxes they drop and renumber the
+rest; vertices are moved like box corners but not clipped (as DALI's coordinate
+transforms leave them). ``resize`` does not touch them (relative coordinates do not
+change; pixel masks keep their size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from gpuio.batch import Batch, Op
+from gpuio.device import require
+from gpuio.errors import ConfigError
+from gpuio.ops.geometry import Flip
+
+__all__ = ["RandomBBoxCrop", "BBFlip", "Paste", "BBoxPaste", "BoxEncoder", "random_bbox_crop", "bb_flip",
+           "paste", "bbox_paste", "box_encoder", "encode_boxes", "crop_window"]
+
+_LAYOUTS = {"xyXY": True, "xyWH": False}  # layout -> ltrb
+
+
+def _module(a: Any) -> Any:
+    """NumPy or CuPy, whichever ``a`` lives in."""
+    return np if isinstance(a, np.ndarray) else require("cupy")
+
+
+def _host(a: Any) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _boxes(row: Any) -> np.ndarray:
+    return np.asarray(_host(row) if not isinstance(row, (list, tuple)) else row, np.float32).reshape(-1, 4)
+
+
+def _to_ltrb(b: np.ndarray, ltrb: bool) -> np.ndarray:
+    return b if ltrb else np.concatenate([b[:, :2], b[:, :2] + b[:, 2:]], axis=1)
+
+
+def _from_ltrb(b: np.ndarray, ltrb: bool) -> np.ndarray:
+    return b if ltrb else np.concatenate([b[:, :2], b[:, 2:] - b[:, :2]], axis=1)
+
+
+def _pair(value: Sequence[float], name: str, low: float = 0.0) -> tuple[float, float]:
+    pair = tuple(float(v) for v in value)
+    if len(pair) != 2 or not low <= pair[0] <= pair[1]:
+        raise ConfigError(f"{name} is a range [min, max] with {low} <= min <= max, got {value!r}")
+    return pair
+
+
+def crop_window(anchor: Sequence[float], shape: Sequence[float], h: int, w: int) -> tuple[int, int, int, int]:
+    """Pixel window ``(y0, x0, y1, x1)`` of a relative crop (``anchor`` x, y and
+    ``shape`` w, h) in an ``h`` x ``w`` image: edges rounded to the nearest pixel, at
+    least one pixel kept."""
+    x0 = min(max(int(np.floor(anchor[0] * w + 0.5)), 0), w - 1)
+    y0 = min(max(int(np.floor(anchor[1] * h + 0.5)), 0), h - 1)
+    x1 = min(max(int(np.floor((anchor[0] + shape[0]) * w + 0.5)), x0 + 1), w)
+    y1 = min(max(int(np.floor((anchor[1] + shape[1]) * h + 0.5)), y0 + 1), h)
+    return y0, x0, y1, x1
+
+
+def _overlap(crops: np.ndarray, boxes: np.ndarray, iou: bool) -> np.ndarray:
+    """IoU (or the fraction of each box inside the crop) of crops ``[k, 4]`` and boxes
+    ``[m, 4]`` (ltrb): float32 ``[k, m]``."""
+    c, b = crops[:, None, :], boxes[None, :, :]
+    iw = np.maximum(np.minimum(c[..., 2], b[..., 2]) - np.maximum(c[..., 0], b[..., 0]), 0)
+    ih = np.maximum(np.minimum(c[..., 3], b[..., 3]) - np.maximum(c[..., 1], b[..., 1]), 0)
+    inter = iw * ih
+    area_b = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])
+    if not iou:
+        return inter / np.maximum(area_b, np.float32(1e-12))
+    union = (c[..., 2] - c[..., 0]) * (c[..., 3] - c[..., 1]) + area_b - inter
+    return inter / np.maximum(union, np.float32(1e-12))
+
+
+def _select_masks(batch: Batch, row: int, keep: np.ndarray, polygons: str, vertices: str, masks: str,
+                  move: Any) -> None:
+    """Keep the polygons and pixel masks of the boxes ``keep`` (old box numbers, in
+    order), renumbered, and move the vertices with ``move(xy) -> xy``."""
+    data = batch.data
+    if polygons in data and vertices in data:
+        poly = np.asarray(_host(data[polygons][row]), np.int64).reshape(-1, 3)
+        xy = np.asarray(_host(data[vertices][row]), np.float32).reshape(-1, 2)
+        renumber = np.full(max(int(poly[:, 0].max(initial=-1)), int(keep.max(initial=-1))) + 1, -1, np.int64)
+        renumber[keep] = np.arange(len(keep))
+        kept = poly[renumber[poly[:, 0]] >= 0]
+        counts = kept[:, 2] - kept[:, 1]
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        take = np.concatenate([np.arange(s, e) for s, e in kept[:, 1:].tolist()] + [np.zeros(0, np.int64)])
+        data[polygons][row] = np.stack([renumber[kept[:, 0]], starts[:-1], starts[1:]], axis=1).astype(np.int32)
+        data[vertices][row] = move(xy[take]).astype(np.float32)
+    if masks in data and data[masks][row] is not None and len(data[masks][row]) >= len(keep):
+        data[masks][row] = data[masks][row][keep]
+
+
+class RandomBBoxCrop(Op):
+    """DALI's ``random_bbox_crop`` (2-D, relative coordinates). Per row: choose one of
+    ``thresholds`` (plus "no crop" when ``allow_no_crop``), then draw up to
+    ``num_attempts`` windows, each side ``scaling`` times the image's (``aspect_ratio``
+    w/h in range; a fixed ratio when min == max), placed uniformly; a window passes when
+    the minimum (``all_boxes_above_threshold``, else maximum) overlap with the boxes
+    (``threshold_type`` ``"iou"`` or ``"overlap"``: the fraction of a box inside) is at
+    least the threshold and at least one box keeps its centre (``lo <= c < hi``)
+    inside; the first window that passes is taken. Otherwise another threshold is drawn,
+    until ``total_num_attempts`` windows were tried (-1: no limit), and then the best
+    window so far is taken. With ``bbox_prune_threshold``, boxes are kept by the
+    fraction of their area inside the window instead of by their centre. Kept boxes are
+    clipped to the window and remapped to it; the rest go with their labels, polygons
+    and masks. A row without boxes is not cropped.
+
+    Writes ``anchor_out`` (x, y) and ``shape_out`` (w, h), float32 ``[2]`` relative,
+    DALI's ``anchor`` and ``shape`` outputs; crops ``image`` when it is already decoded
+    (HWC, the window rounded to pixels by ``crop_window``), else
+    ``decode_image(anchor="crop_anchor", shape="crop_shape")`` decodes only the window."""
+
+    salt = 0x52424358
+
+    def __init__(self, aspect_ratio: Sequence[float] = (1.0, 1.0), thresholds: Sequence[float] = (0.0,),
+                 scaling: Sequence[float] = (1.0, 1.0), bbox_layout: str = "xyXY", allow_no_crop: bool = True,
+                 num_attempts: int = 1, total_num_attempts: int = -1, threshold_type: str = "iou",
+                 all_boxes_above_threshold: bool = True, bbox_prune_threshold: float | None = None, *,
+                 field: str = "boxes", labels: str = "labels", image: str = "image", polygons: str = "polygons",
+                 vertices: str = "vertices", masks: str = "masks", anchor_out: str = "crop_anchor",
+                 shape_out: str = "crop_shape") -> None:
+        self.aspect_ratio = _pair(aspect_ratio, "aspect_ratio")
+        self.scaling = _pair(scaling, "scaling")
+        if self.aspect_ratio[0] <= 0:
+            raise ConfigError(f"aspect_ratio must be positive, got {aspect_ratio!r}")
+        self.thresholds = [float(t) for t in thresholds]
+        if not self.thresholds or any(not 0.0 <= t <= 1.0 for t in self.thresholds):
+            raise ConfigError(f"thresholds are one or more numbers in [0, 1], got {thresholds!r}")
+        if bbox_layout not in _LAYOUTS:
+            raise ConfigError(f"bbox_layout {bbox_layout!r}; choose one of {', '.join(_LAYOUTS)}")
+        if threshold_type not in ("iou", "overlap"):
+            raise ConfigError(f"threshold_type {threshold_type!r}; choose 'iou' or 'overlap'")
+        if int(num_attempts) < 1 or int(total_num_attempts) == 0 or int(total_num_attempts) < -1:
+            raise ConfigError(f"num_attempts must be >= 1 and total_num_attempts >= 1 or -1, got "
+                              f"{num_attempts!r} and {total_num_attempts!r}")
+        if bbox_prune_threshold is not None and not 0.0 <= bbox_prune_threshold <= 1.0:
+            raise ConfigError(f"bbox_prune_threshold is in [0, 1], got {bbox_prune_threshold!r}")
+        self.ltrb, self.allow_no_crop = _LAYOUTS[bbox_layout], bool(allow_no_crop)
+        self.num_attempts, self.total_num_attempts = int(num_attempts), int(total_num_attempts)
+        self.iou, self.all_boxes = threshold_type == "iou", bool(all_boxes_above_threshold)
+        self.prune = bbox_prune_threshold
+        self.field, self.anchor_out, self.shape_out = field, anchor_out, shape_out
+        self.fields = dict(labels=labels, image=image, polygons=polygons, vertices=vertices, masks=masks)
+
+    def _kept(self, crop: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+        """Numbers of the boxes a window ``crop`` (ltrb) keeps."""
+        if self.prune is not None:
+            return np.flatnonzero(_overlap(crop[None], boxes, iou=False)[0] >= self.prune)
+        cx, cy = (boxes[:, 0] + boxes[:, 2]) * 0.5, (boxes[:, 1] + boxes[:, 3]) * 0.5
+        return np.flatnonzero((cx >= crop[0]) & (cx < crop[2]) & (cy >= crop[1]) & (cy < crop[3]))
+
+    def _shapes(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` window sizes (w, h), float32, as DALI draws them."""
+        shape = rng.uniform(self.scaling[0], self.scaling[1], size=(n, 2)).astype(np.float32)
+        lo, hi = self.aspect_ratio
+        if lo == hi:  # fixed ratio: one side follows the other (picked at random), then the larger keeps its size
+            largest = shape.max(axis=1)
+            w_first = rng.random(n) < 0.5
+            shape = np.where(w_first[:, None], np.stack([shape[:, 0], shape[:, 0] / np.float32(lo)], 1),
+                             np.stack([shape[:, 1] * np.float32(lo), shape[:, 1]], 1)).astype(np.float32)
+            shape *= (largest / shape.max(axis=1))[:, None]
+        return shape
+
+    def window(self, batch: Batch, row: int, boxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The window (ltrb, float32 ``[4]``) for ``row`` with boxes ``[m, 4]`` (ltrb)
+        and the numbers of the boxes it keeps."""
+        whole = np.array([0, 0, 1, 1], np.float32)
+        if len(boxes) == 0:
+            return whole, np.zeros(0, np.int64)
+        rng = batch.rng(row, self.salt)
+        options = len(self.thresholds) + self.allow_no_crop
+        best, best_metric, tried = None, -1.0, 0
+        while self.total_num_attempts < 0 or tried < self.total_num_attempts:
+            choice = int(rng.integers(options))
+            if choice == len(self.thresholds):
+                return whole, np.arange(len(boxes))
+            n = self.num_attempts if self.total_num_attempts < 0 else \
+                min(self.num_attempts, self.total_num_attempts - tried)
+            tried += n
+            shape = self._shapes(rng, n)
+            anchor = (rng.random((n, 2)) * (1.0 - shape)).astype(np.float32)
+            ratio = shape[:, 0] / shape[:, 1]
+            fits = (ratio >= self.aspect_ratio[0]) & (ratio <= self.aspect_ratio[1])
+            crops = np.concatenate([anchor, anchor + shape], axis=1)
+            overlap = _overlap(crops, boxes, self.iou)
+            metric = overlap.min(axis=1) if self.all_boxes else overlap.max(axis=1)
+            for k in np.flatnonzero(fits).tolist():
+                kept = self._kept(crops[k], boxes)
+                if metric[k] >= self.thresholds[choice] and len(kept):
+                    return crops[k], kept
+                if metric[k] > best_metric:
+                    best, best_metric = (crops[k], kept), float(metric[k])
+        return best if best is not None else (whole, np.arange(len(boxes)))
+
+    def __call__(self, batch: Batch) -> Batch:
+        f, data = self.fields, batch.data
+        anchors, shapes = [], []
+        for row in range(len(batch)):
+            boxes = _to_ltrb(_boxes(data[self.field][row]), self.ltrb)
+            crop, keep = self.window(batch, row, boxes)
+            size = crop[2:] - crop[:2]
+            moved = (np.clip(boxes[keep], np.tile(crop[:2], 2), np.tile(crop[2:], 2)) - np.tile(crop[:2], 2)) \
+                / np.tile(size, 2)
+            data[self.field][row] = _from_ltrb(np.clip(moved, 0, 1).astype(np.float32), self.ltrb)
+            if f["labels"] in data:
+                data[f["labels"]][row] = data[f["labels"]][row][keep]
+            _select_masks(batch, row, keep, f["polygons"], f["vertices"], f["masks"],
+                          lambda xy: (xy - crop[:2]) / size)
+            if f["masks"] in data and data[f["masks"]][row] is not None:
+                m = data[f["masks"]][row]
+                y0, x0, y1, x1 = crop_window(crop[:2], size, m.shape[1], m.shape[2])
+                data[f["masks"]][row] = m[:, y0:y1, x0:x1]
+            if f["image"] in data:
+                img = data[f["image"]][row]
+                y0, x0, y1, x1 = crop_window(crop[:2], size, img.shape[0], img.shape[1])
+                data[f["image"]][row] = img[y0:y1, x0:x1]
+            anchors.append(crop[:2].copy())
+            shapes.append(size.astype(np.float32))
+        data[self.anchor_out], data[self.shape_out] = anchors, shapes
+        return batch
+
+
+class BBFlip(Op):
+    """DALI's ``bb_flip``: ``x -> 1 - x`` for boxes (ltrb: ``l' = 1 - r``, ``r' = 1 -
+    l``; xywh: ``x' = 1 - x - w``), vertices and pixel masks, on the rows where
+    ``flip(horizontal=True, p=p)`` mirrors the image (and likewise upside down for
+    ``vertical``), so that boxes and pixels follow one draw."""
+
+    def __init__(self, ltrb: bool = False, horizontal: bool = True, vertical: bool = False, p: float = 0.5, *,
+                 field: str = "boxes", vertices: str = "vertices", masks: str = "masks") -> None:
+        self.ltrb, self.field, self.vertices, self.masks = bool(ltrb), field, vertices, masks
+        self.flips = [(axis, Flip(axis == 0, p)) for axis, on in ((0, horizontal), (1, vertical)) if on]
+
+    def __call__(self, batch: Batch) -> Batch:
+        data = batch.data
+        for axis, flip in self.flips:
+            for row in np.flatnonzero(flip.flips(batch)).tolist():
+                b = data[self.field][row]
+                xp = _module(b)
+                b = xp.asarray(b, dtype=xp.float32).reshape(-1, 4).copy()
+                if self.ltrb:
+                    b[:, [axis, axis + 2]] = 1.0 - b[:, [axis + 2, axis]]
+                else:
+                    b[:, axis] = 1.0 - b[:, axis] - b[:, axis + 2]
+                data[self.field][row] = b
+                if self.vertices in data:
+                    v = data[self.vertices][row].copy()
+                    v[:, axis] = 1.0 - v[:, axis]
+                    data[self.vertices][row] = v
+                if self.masks in data and data[self.masks][row] is not None:
+                    m = data[self.masks][row]
+                    data[self.masks][row] = m[:, :, ::-1] if axis == 0 else m[:, ::-1]
+        return batch
+
+
+def _draw(value: float | Sequence[float], rng: np.random.Generator) -> float:
+    """A number, or one drawn uniformly from a range (lo, hi); always one draw, so that
+    the draws after it stay in place."""
+    u = rng.random()
+    if isinstance(value, (int, float, np.number)):
+        return float(value)
+    return float(value[0] + (value[1] - value[0]) * u)
+
+
+def _range(value: float | Sequence[float], name: str, low: float, high: float) -> float | tuple[float, float]:
+    if isinstance(value, (int, float, np.number)):
+        if not low <= float(value) <= high:
+            raise ConfigError(f"{name} must be in [{low}, {high}], got {value!r}")
+        return float(value)
+    lo, hi = _pair(value, name, low)
+    if hi > high:
+        raise ConfigError(f"{name} must be in [{low}, {high}], got {value!r}")
+    return lo, hi
+
+
+class _PasteDraws:
+    """``ratio``, ``paste_x`` and ``paste_y`` per row: numbers, or ranges drawn from
+    per row; ``paste`` and ``bbox_paste`` with equal arguments draw equal values."""
+
+    salt = 0x50415354
+
+    def __init__(self, ratio: float | Sequence[float], paste_x: float | Sequence[float],
+                 paste_y: float | Sequence[float]) -> None:
+        self.ratio = _range(ratio, "ratio", 1.0, float("inf"))
+        self.paste_x = _range(paste_x, "paste_x", 0.0, 1.0)
+        self.paste_y = _range(paste_y, "paste_y", 0.0, 1.0)
+
+    def params(self, batch: Batch, row: int) -> tuple[float, float, float]:
+        rng = batch.rng(row, self.salt)
+        return _draw(self.ratio, rng), _draw(self.paste_x, rng), _draw(self.paste_y, rng)
+
+
+class Paste(_PasteDraws, Op):
+    """DALI's ``paste``: each HWC image on a canvas of ``int(size * ratio)`` pixels per
+    side (at least ``min_canvas_size``) filled with ``fill_value`` (one number or one
+    per channel), its top-left corner at ``int(paste_x * (canvas_w - w))``,
+    ``int(paste_y * (canvas_h - h))``. ``ratio`` (>= 1), ``paste_x`` and ``paste_y``
+    (0-1) are numbers or ranges ``(lo, hi)`` drawn uniformly per row. Pixel masks
+    (``masks``) go on a zero canvas the same way."""
+
+    def __init__(self, ratio: float | Sequence[float], paste_x: float | Sequence[float] = 0.5,
+                 paste_y: float | Sequence[float] = 0.5, fill_value: float | Sequence[float] = 0,
+                 min_canvas_size: float = 0.0, *, field: str = "image", masks: str = "masks") -> None:
+        super().__init__(ratio, paste_x, paste_y)
+        if min_canvas_size < 0:
+            raise ConfigError(f"min_canvas_size must be >= 0, got {min_canvas_size!r}")
+        self.fill = np.atleast_1d(np.asarray(fill_value, np.float64))
+        self.min_canvas, self.field, self.masks = float(min_canvas_size), field, masks
+
+    def placement(self, batch: Batch, row: int, h: int, w: int) -> tuple[int, int, int, int]:
+        """(canvas height, canvas width, top, left) in pixels for an ``h`` x ``w`` image."""
+        ratio, px, py = self.params(batch, row)
+        ch, cw = max(int(h * ratio), int(self.min_canvas)), max(int(w * ratio), int(self.min_canvas))
+        ch, cw = max(ch, h), max(cw, w)
+        return ch, cw, int(py * (ch - h)), int(px * (cw - w))
+
+    def __call__(self, batch: Batch) -> Batch:
+        data = batch.data
+        for row, img in enumerate(data[self.field]):
+            h, w, c = img.shape
+            ch, cw, top, left = self.placement(batch, row, h, w)
+            xp = _module(img)
+            if len(self.fill) not in (1, c):
+                raise ConfigError(f"fill_value has {len(self.fill)} numbers for images of {c} channels")
+            canvas = xp.empty((ch, cw, c), img.dtype)
+            canvas[...] = xp.asarray(np.broadcast_to(self.fill, (c,)).astype(img.dtype))
+            canvas[top:top + h, left:left + w] = img
+            data[self.field][row] = canvas
+            if self.masks in data and data[self.masks][row] is not None:
+                m = data[self.masks][row]
+                mh, mw = m.shape[1:]
+                mch, mcw, mtop, mleft = self.placement(batch, row, mh, mw)
+                out = xp.zeros((m.shape[0], mch, mcw), m.dtype)
+                out[:, mtop:mtop + mh, mleft:mleft + mw] = m
+                data[self.masks][row] = out
+        return batch
+
+
+class BBoxPaste(_PasteDraws, Op):
+    """DALI's ``bbox_paste``: boxes (and vertices) where ``paste`` with the same
+    ``ratio``, ``paste_x`` and ``paste_y`` puts their pixels: ``x' = x / ratio +
+    paste_x * (ratio - 1) / ratio`` (likewise y; widths and heights are divided by
+    ``ratio``), the offset lowered where needed so that boxes in 0-1 stay in 0-1."""
+
+    def __init__(self, ratio: float | Sequence[float], paste_x: float | Sequence[float] = 0.5,
+                 paste_y: float | Sequence[float] = 0.5, ltrb: bool = False, *, field: str = "boxes",
+                 vertices: str = "vertices") -> None:
+        super().__init__(ratio, paste_x, paste_y)
+        self.ltrb, self.field, self.vertices = bool(ltrb), field, vertices
+
+    def transform(self, batch: Batch, row: int) -> tuple[np.float32, np.ndarray]:
+        """(scale, offset (x, y)) for ``row``, float32 as DALI computes them."""
+        ratio, px, py = (np.float32(v) for v in self.params(batch, row))
+        scale = np.float32(1) / ratio
+        mul = (ratio - np.float32(1)) / ratio
+        offset = np.array([px * mul, py * mul], np.float32)
+        for d in range(2):
+            if scale + offset[d] > 1:
+                offset[d] = np.float32(1) - scale
+                while scale + offset[d] > 1:
+                    offset[d] = np.nextafter(offset[d], np.float32(-1))
+        return scale, offset
+
+    def __call__(self, batch: Batch) -> Batch:
+        data = batch.data
+        for row in range(len(batch)):
+            scale, offset = self.transform(batch, row)
+            b = data[self.field][row]
+            xp = _module(b)
+            b = xp.asarray(b, dtype=xp.float32).reshape(-1, 4)
+            add = xp.asarray(np.concatenate([offset, offset if self.ltrb else np.zeros(2, np.float32)]))
+            data[self.field][row] = b * scale + add
+            if self.vertices in data:
+                v = data[self.vertices][row]
+                data[self.vertices][row] = v * scale + _module(v).asarray(offset)
+        return batch
+
+
+def encode_boxes(xp: Any, boxes: Any, counts: Any, labels: Any, anchors: Any, criteria: float = 0.5,
+                 offset: bool = False, scale: float = 1.0, means: Sequence[float] = (0, 0, 0, 0),
+                 stds: Sequence[float] = (1, 1, 1, 1)) -> tuple[Any, Any]:
+    """DALI's box encoding for a padded batch, vectorized in ``xp`` (NumPy or CuPy):
+    ``boxes`` float32 ``[B, M, 4]`` (ltrb; row ``b`` uses its first ``counts[b]``),
+    ``labels`` int32 ``[B, M]``, ``anchors`` float32 ``[A, 4]`` (ltrb). Returns float32
+    ``[B, A, 4]`` and int32 ``[B, A]``.
+
+    Each box claims the anchor it overlaps most (IoU set to 2; the last of ties); each
+    anchor then takes the box of highest IoU (the last of ties) if that IoU is above
+    ``criteria``. Matched anchors get the box's centre and size ``(cx, cy, w, h)`` and
+    label, the others their own centre and size and label 0; with ``offset`` matched
+    anchors get ``((c_box - c_anchor) / w_anchor - mean) / std`` and ``(log(w_box /
+    w_anchor) - mean) / std`` (coordinates times ``scale`` first), the others 0."""
+    n, m = boxes.shape[:2]
+    if m == 0:  # no box in any row: one padding box, never valid
+        boxes, labels, m = xp.zeros((n, 1, 4), xp.float32), xp.zeros((n, 1), xp.int32), 1
+    a = anchors[None, None]
+    b = boxes[:, :, None]
+    iw = xp.maximum(xp.minimum(b[..., 2], a[..., 2]) - xp.maximum(b[..., 0], a[..., 0]), 0)
+    ih = xp.maximum(xp.minimum(b[..., 3], a[..., 3]) - xp.maximum(b[..., 1], a[..., 1]), 0)
+    inter = iw * ih
+    union = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1]) + (a[..., 2] - a[..., 0]) * (a[..., 3] - a[..., 1]) \
+        - inter
+    iou = xp.where(inter > 0, inter / xp.where(union > 0, union, 1), 0).astype(xp.float32)
+    valid = xp.arange(m)[None, :] < xp.asarray(counts)[:, None]
+    iou = xp.where(valid[..., None], iou, -1)
+    count_a = anchors.shape[0]
+    best_anchor = count_a - 1 - xp.argmax(iou[..., ::-1], axis=2)  # [B, M]
+    rows, cols = xp.nonzero(valid)
+    iou[rows, cols, best_anchor[rows, cols]] = 2
+    best_box = m - 1 - xp.argmax(iou[:, ::-1, :], axis=1)  # [B, A]
+    best_iou = xp.take_along_axis(iou, best_box[:, None, :], axis=1)[:, 0]
+    matched = best_iou > criteria
+    picked = xp.take_along_axis(boxes, best_box[..., None], axis=1)  # [B, A, 4]
+    out_labels = xp.where(matched, xp.take_along_axis(labels, best_box, axis=1), 0).astype(xp.int32)
+
+    def center_size(t: Any) -> Any:
+        return xp.concatenate([(t[..., :2] + t[..., 2:]) * 0.5, t[..., 2:] - t[..., :2]], axis=-1)
+
+    box_cs, anchor_cs = center_size(picked), center_size(anchors)[None]
+    if not offset:
+        return xp.where(matched[..., None], box_cs, anchor_cs).astype(xp.float32), out_labels
+    s = xp.float32(scale)
+    box_cs, anchor_cs = box_cs * s, anchor_cs * s
+    mean, std = xp.asarray(means, xp.float32), xp.asarray(stds, xp.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        center = ((box_cs[..., :2] - anchor_cs[..., :2]) / anchor_cs[..., 2:] - mean[:2]) / std[:2]
+        size = (xp.log(xp.where(matched[..., None], box_cs[..., 2:], 1) / anchor_cs[..., 2:]) - mean[2:]) / std[2:]
+    encoded = xp.concatenate([center, size], axis=-1)
+    return xp.where(matched[..., None], encoded, 0).astype(xp.float32), out_labels
+
+
+class BoxEncoder(Op):
+    """DALI's ``box_encoder``: boxes (ltrb, relative) and labels per row against
+    ``anchors`` (ltrb, ``[A, 4]`` or flat ``4 * A`` floats) to float32 ``[N, A, 4]``
+    and int32 ``[N, A]`` (see ``encode_boxes``). On a GPU batch the whole batch is one
+    vectorized CuPy pass; on the CPU one NumPy pass per row."""
+
+    def __init__(self, anchors: Sequence[float] | np.ndarray, criteria: float = 0.5, offset: bool = False,
+                 scale: float = 1.0, means: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
+                 stds: Sequence[float] = (1.0, 1.0, 1.0, 1.0), *, field: str = "boxes",
+                 labels: str = "labels") -> None:
+        self.anchors = np.asarray(anchors, np.float32).reshape(-1, 4)
+        if not len(self.anchors) or not 0.0 <= criteria <= 1.0:
+            raise ConfigError(f"give at least one anchor and criteria in [0, 1], got {len(self.anchors)} anchors "
+                              f"and criteria={criteria!r}")
+        if len(means) != 4 or len(stds) != 4 or any(float(s) == 0.0 for s in stds):
+            raise ConfigError(f"means and stds are 4 numbers each, stds without a zero; got {means!r}, {stds!r}")
+        self.criteria, self.offset, self.scale = float(criteria), bool(offset), float(scale)
+        self.means, self.stds = [float(v) for v in means], [float(v) for v in stds]
+        self.field, self.labels = field, labels
+        self._device_anchors: dict[int, Any] = {}
+
+    def __call__(self, batch: Batch) -> Batch:
+        rows = [_boxes(b) for b in batch.data[self.field]]
+        labels = [np.asarray(_host(v), np.int32).reshape(-1) for v in batch.data[self.labels]]
+        args = (self.criteria, self.offset, self.scale, self.means, self.stds)
+        if batch.device.is_cuda:
+            cp = require("cupy")
+            m = max([len(r) for r in rows] + [1])
+            padded = np.zeros((len(rows), m, 4), np.float32)
+            padded_labels = np.zeros((len(rows), m), np.int32)
+            for k, (r, lab) in enumerate(zip(rows, labels)):
+                padded[k, :len(r)], padded_labels[k, :len(lab)] = r, lab
+            counts = np.array([len(r) for r in rows], np.int64)
+            with cp.cuda.Device(batch.device.index):
+                stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+                with stream:
+                    anchors = self._device_anchors.get(batch.device.index)
+                    if anchors is None:
+                        anchors = self._device_anchors[batch.device.index] = cp.asarray(self.anchors)
+                    boxes, out_labels = encode_boxes(cp, cp.asarray(padded), cp.asarray(counts),
+                                                     cp.asarray(padded_labels), anchors, *args)
+        else:
+            out = [encode_boxes(np, r[None], np.array([len(r)]), lab[None], self.anchors, *args)
+                   for r, lab in zip(rows, labels)]
+            boxes = np.concatenate([o[0] for o in out]) if out else np.zeros((0, len(self.anchors), 4), np.float32)
+            out_labels = np.concatenate([o[1] for o in out]) if out else np.zeros((0, len(self.anchors)), np.int32)
+        batch.data[self.field], batch.data[self.labels] = boxes, out_labels
+        return batch
+
+
+def random_bbox_crop(aspect_ratio: Sequence[float] = (1.0, 1.0), thresholds: Sequence[float] = (0.0,),
+                     scaling: Sequence[float] = (1.0, 1.0), bbox_layout: str = "xyXY", allow_no_crop: bool = True,
+                     num_attempts: int = 1, total_num_attempts: int = -1, threshold_type: str = "iou",
+                     all_boxes_above_threshold: bool = True, bbox_prune_threshold: float | None = None,
+                     **fields: str) -> RandomBBoxCrop:
+    """See ``RandomBBoxCrop``."""
+    return RandomBBoxCrop(aspect_ratio, thresholds, scaling, bbox_layout, allow_no_crop, num_attempts,
+                          total_num_attempts, threshold_type, all_boxes_above_threshold, bbox_prune_threshold,
+                          **fields)
+
+
+def bb_flip(ltrb: bool = False, horizontal: bool = True, vertical: bool = False, p: float = 0.5,
+            **fields: str) -> BBFlip:
+    """See ``BBFlip``."""
+    return BBFlip(ltrb, horizontal, vertical, p, **fields)
+
+
+def paste(ratio: float | Sequence[float], paste_x: float | Sequence[float] = 0.5,
+          paste_y: float | Sequence[float] = 0.5, fill_value: float | Sequence[float] = 0,
+          min_canvas_size: float = 0.0, **fields: str) -> Paste:
+    """See ``Paste``."""
+    return Paste(ratio, paste_x, paste_y, fill_value, min_canvas_size, **fields)
+
+
+def bbox_paste(ratio: float | Sequence[float], paste_x: float | Sequence[float] = 0.5,
+               paste_y: float | Sequence[float] = 0.5, ltrb: bool = False, **fields: str) -> BBoxPaste:
+    """See ``BBoxPaste``."""
+    return BBoxPaste(ratio, paste_x, paste_y, ltrb, **fields)
+
+
+def box_encoder(anchors: Sequence[float] | np.ndarray, criteria: float = 0.5, offset: bool = False,
+                scale: float = 1.0, means: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
+                stds: Sequence[float] = (1.0, 1.0, 1.0, 1.0), **fields: str) -> BoxEncoder:
+    """See ``BoxEncoder``."""
+    return BoxEncoder(anchors, criteria, offset, scale, means, stds, **fields)
