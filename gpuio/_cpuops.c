@@ -85,43 +85,63 @@ typedef struct {
     char *out;
 } Job;
 
-/* The horizontal pass of output row oy from the vertical pass's `row` into `line`
- * (ow x C floats), inlined per channel count so that C is a constant. */
-static inline __attribute__((always_inline)) void horizontal(
-        const float *restrict row, float *restrict line, const int C, int ow, int flip, int cx0,
-        const int *xf, const int *xc, const float *xw, int tx) {
-    for (int ox = 0; ox < ow; ++ox) {
-        const int sx = (flip & 1) ? ow - 1 - ox : ox;
-        const float *wx = xw + (size_t)sx * tx;
-        const float *p = row + (size_t)(xf[sx] - cx0) * C;
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int k = 0; k < xc[sx]; ++k)
-            for (int c = 0; c < C; ++c) acc[c] += wx[k] * p[k * C + c];
-        for (int c = 0; c < C; ++c) line[ox * C + c] = acc[c];
+typedef float v4f __attribute__((vector_size(16)));
+
+/* The vertical pass: row[i] = sum_k w[k] * src[k][i] over n packed values, one tap at
+ * a time (loops the compiler vectorizes, uint8 to float included). */
+static inline __attribute__((always_inline)) void vertical(
+        float *restrict row, const uint8_t *const *src, const float *w, int taps, int n) {
+    if (taps == 0) {
+        memset(row, 0, sizeof(float) * (size_t)n);
+        return;
+    }
+    const uint8_t *restrict p = src[0];
+    for (int i = 0; i < n; ++i) row[i] = w[0] * p[i];
+    for (int k = 1; k < taps; ++k) {
+        const uint8_t *restrict q = src[k];
+        const float wk = w[k];
+        for (int i = 0; i < n; ++i) row[i] += wk * q[i];
     }
 }
 
-/* Clip `line` (ow x C floats) to 0-255, normalize and store it as output row oy. */
-static void store_line(const Job *job, const Sample *s, const float *restrict line, int oy) {
-    const int C = job->channels, ow = (int)s->out_hw[1];
+/* The horizontal pass of output row oy from the vertical pass's `row`, then clip to
+ * 0-255, normalize, cast and store. 3 or 4 channels go as one 4-lane vector: `row`
+ * has one float of slack at the end for the 3-channel case. */
+static inline __attribute__((always_inline)) void horizontal(
+        const Job *job, const Sample *s, const float *restrict row, const int C, int oy, const int *xf,
+        const int *xc, const float *xw, int tx) {
+    const int ow = (int)s->out_hw[1], cx0 = (int)s->clip[1], chw = job->chw, to_uint8 = job->to_uint8;
     const int64_t plane = s->out_hw[0] * s->out_hw[1];
-    for (int c = 0; c < C; ++c) {
-        const float m = job->mean[c], k = job->inv_std[c];
-        const int64_t start = s->offset + (job->chw ? c * plane + (int64_t)oy * ow : (int64_t)oy * ow * C + c);
-        const int64_t step = job->chw ? 1 : C;
-        if (job->to_uint8) {
-            uint8_t *dst = (uint8_t *)job->out + start;
-            for (int ox = 0; ox < ow; ++ox) {
-                float v = line[ox * C + c];
-                v = ((v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v)) - m) * k;
-                v = floorf(v + 0.5f);
-                dst[ox * step] = (uint8_t)(v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v));
+    float mean[4] = {0}, inv_std[4] = {0};
+    memcpy(mean, job->mean, sizeof(float) * C);
+    memcpy(inv_std, job->inv_std, sizeof(float) * C);
+    for (int ox = 0; ox < ow; ++ox) {
+        const int sx = (s->flip & 1) ? ow - 1 - ox : ox;
+        const float *wx = xw + (size_t)sx * tx;
+        const float *p = row + (size_t)(xf[sx] - cx0) * C;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (C >= 3) {
+            v4f sum = {0};
+            for (int k = 0; k < xc[sx]; ++k) {
+                v4f v;
+                memcpy(&v, p + k * C, sizeof v);
+                sum += wx[k] * v;
             }
+            memcpy(acc, &sum, sizeof acc);
         } else {
-            float *dst = (float *)job->out + start;
-            for (int ox = 0; ox < ow; ++ox) {
-                const float v = line[ox * C + c];
-                dst[ox * step] = ((v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v)) - m) * k;
+            for (int k = 0; k < xc[sx]; ++k)
+                for (int c = 0; c < C; ++c) acc[c] += wx[k] * p[k * C + c];
+        }
+        const int64_t pix = (int64_t)oy * ow + ox;
+        for (int c = 0; c < C; ++c) {
+            float v = acc[c] < 0.0f ? 0.0f : (acc[c] > 255.0f ? 255.0f : acc[c]);
+            v = (v - mean[c]) * inv_std[c];
+            const int64_t idx = s->offset + (chw ? c * plane + pix : pix * C + c);
+            if (to_uint8) {
+                v = floorf(v + 0.5f);
+                ((uint8_t *)job->out)[idx] = (uint8_t)(v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v));
+            } else {
+                ((float *)job->out)[idx] = v;
             }
         }
     }
@@ -134,36 +154,36 @@ static int resample_one(const Job *job, const Sample *s) {
     const int cy0 = (int)s->clip[0], cx0 = (int)s->clip[1], cy1 = (int)s->clip[2], cx1 = (int)s->clip[3];
     const int width = cx1 - cx0;
     int *yf = NULL, *yc = NULL, *xf = NULL, *xc = NULL;
-    float *yw = NULL, *xw = NULL, *row = NULL, *line = NULL;
+    float *yw = NULL, *xw = NULL, *row = NULL;
     int ok = -1;
     const int ty = windows(job->interp, job->antialias, s->box[0], s->box[2], oh, cy0, cy1, &yf, &yc, &yw);
     const int tx = windows(job->interp, job->antialias, s->box[1], s->box[3], ow, cx0, cx1, &xf, &xc, &xw);
-    row = malloc(sizeof(float) * (size_t)width * C);
-    line = malloc(sizeof(float) * (size_t)ow * C);
-    if (!ty || !tx || !row || !line) goto done;
+    row = calloc((size_t)width * C + 1, sizeof(float));
+    if (!ty || !tx || !row) goto done;
     const int packed = s->cs == C && s->chs == 1;
     for (int oy = 0; oy < oh; ++oy) {
         const int sy = (s->flip & 2) ? oh - 1 - oy : oy;
-        memset(row, 0, sizeof(float) * (size_t)width * C);
-        for (int k = 0; k < yc[sy]; ++k) {
-            const float wy = yw[(size_t)sy * ty + k];
-            const uint8_t *p = s->src + (Py_ssize_t)(yf[sy] + k) * s->rs + (Py_ssize_t)cx0 * s->cs;
-            if (packed) {
-                float *restrict r = row;
-                for (int i = 0; i < width * C; ++i) r[i] += wy * p[i];
-            } else {
-                for (int i = 0; i < width; ++i)
-                    for (int c = 0; c < C; ++c) row[i * C + c] += wy * p[i * s->cs + c * s->chs];
-            }
+        const uint8_t *src[yc[sy] > 0 ? yc[sy] : 1];
+        for (int k = 0; k < yc[sy]; ++k)
+            src[k] = s->src + (Py_ssize_t)(yf[sy] + k) * s->rs + (Py_ssize_t)cx0 * s->cs;
+        const float *wy = yw + (size_t)sy * ty;
+        if (packed) {
+            vertical(row, src, wy, yc[sy], width * C);
+        } else {
+            for (int i = 0; i < width; ++i)
+                for (int c = 0; c < C; ++c) {
+                    float acc = 0.0f;
+                    for (int k = 0; k < yc[sy]; ++k) acc += wy[k] * src[k][i * s->cs + c * s->chs];
+                    row[i * C + c] = acc;
+                }
         }
-        if (C == 3) horizontal(row, line, 3, ow, (int)s->flip, cx0, xf, xc, xw, tx);
-        else if (C == 1) horizontal(row, line, 1, ow, (int)s->flip, cx0, xf, xc, xw, tx);
-        else horizontal(row, line, C, ow, (int)s->flip, cx0, xf, xc, xw, tx);
-        store_line(job, s, line, oy);
+        if (C == 3) horizontal(job, s, row, 3, oy, xf, xc, xw, tx);
+        else if (C == 1) horizontal(job, s, row, 1, oy, xf, xc, xw, tx);
+        else horizontal(job, s, row, C, oy, xf, xc, xw, tx);
     }
     ok = 0;
 done:
-    free(yf); free(yc); free(yw); free(xf); free(xc); free(xw); free(row); free(line);
+    free(yf); free(yc); free(yw); free(xf); free(xc); free(xw); free(row);
     return ok;
 }
 
