@@ -14,7 +14,10 @@ interleaved rounds (each round: one epoch of each; the best round counts):
 - on a machine with a GPU: gpuio on the GPU, and torchaudio's MelSpectrogram on the GPU
   on padded batches (decoded by soundfile in DataLoader workers; no silence trimming).
 
-Prints samples/s and audio-seconds/s per competitor and gpuio's ratio to each.
+Prints samples/s and audio-seconds/s per competitor and gpuio's ratio to each, and for
+the competitors that compute in this process (gpuio, DALI) the CPU time per sample
+(``time.process_time``, all threads): on a machine shared with other work, CPU time is
+the steadier measure of cost, wall time the one a training job sees.
 """
 
 from __future__ import annotations
@@ -239,32 +242,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             missing[name] = f"not installed ({exc.name or exc})"
             runs.pop(name, None)
     best = {name: math.inf for name in runs}
+    cpu = {name: math.inf for name in runs}  # this process's CPU seconds (threads, not worker processes)
     for _ in range(args.rounds):
         for name, run in runs.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in run():
                 pass
             best[name] = min(best[name], time.perf_counter() - t0)
+            cpu[name] = min(cpu[name], time.process_time() - c0)
     rows = []
     for name in competitors:
         if name in missing:
             rows.append({"competitor": name, "note": missing[name]})
             continue
         t = best[name]
-        rows.append({"competitor": name, "samples_per_s": args.count / t, "audio_s_per_s": seconds / t,
-                     "epoch_s": t})
+        row = {"competitor": name, "samples_per_s": args.count / t, "audio_s_per_s": seconds / t, "epoch_s": t}
+        if "DataLoader" not in name and "torchaudio" not in name:  # their work is in worker processes
+            row["cpu_ms_per_sample"] = 1000 * cpu[name] / args.count
+        rows.append(row)
     for kind in ("cpu", "gpu"):
         mine = best.get(f"gpuio {kind}")
         for r in rows:
             if mine and r.get("epoch_s") and not r["competitor"].startswith("gpuio") and \
                     (kind == "gpu") == r["competitor"].endswith("gpu"):
                 r["gpuio_ratio"] = r["epoch_s"] / mine
+                if r.get("cpu_ms_per_sample") and kind == "cpu":
+                    r["gpuio_cpu_ratio"] = r["cpu_ms_per_sample"] / (1000 * cpu[f"gpuio {kind}"] / args.count)
     info = machine()
     print(f"machine: {info['cpu']} ({info['cores']} cores), gpus: {info['gpus']}")
     print(f"dataset: {args.count} {args.format} clips, {seconds:.0f} s of audio at {RATE} Hz, batch {args.batch}, "
           f"best of {args.rounds} interleaved rounds")
     print_table(rows, [("competitor", "competitor", ""), ("samples_per_s", "samples/s", ".1f"),
                        ("audio_s_per_s", "audio s/s", ".0f"), ("gpuio_ratio", "gpuio x", ".2f"),
+                       ("cpu_ms_per_sample", "cpu ms/sample", ".2f"), ("gpuio_cpu_ratio", "gpuio x (cpu)", ".2f"),
                        ("note", "note", "")])
     payload = {"machine": info, "count": args.count, "format": args.format, "batch": args.batch,
                "audio_seconds": seconds, "rounds": args.rounds, "rows": rows}
