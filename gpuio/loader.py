@@ -33,6 +33,7 @@ from gpuio.storage import Reader, read_fields
 from gpuio._deferred import hand_over
 from gpuio._executor import Executor, Stage, StageStats
 from gpuio._fielddecode import decoded_fields, host_decoded_fields
+from gpuio._opfields import LoaderBatch, check_op_fields, consumed_fields
 from gpuio._order import EpochPlan, epoch_order
 
 __all__ = ["Loader"]
@@ -66,7 +67,10 @@ class Loader:
     Args:
         index: the dataset (a ``SampleIndex`` from ``gpuio.formats``).
         batch_size: rows per batch (per rank).
-        fields: fields to load (default: all of ``index.fields``). ``"index"`` is reserved.
+        fields: fields to load (default: all of ``index.fields``, except that encoded
+            bytes a decoder turns into another field, e.g. ``data`` into ``image``, are
+            not handed over unless named here). ``"index"`` is reserved. An op reading
+            a field that neither these nor an earlier op give is an error here, at once.
         ops: ops applied in order (``gpuio.batch.Op``); an op's ``host_inputs`` names
             extent fields that must be read into host (pinned) memory; other extent
             fields land on ``device`` (kvikio on a GPU). On the CPU the ops run as one
@@ -166,6 +170,8 @@ class Loader:
         for op in ops:
             if not callable(op):
                 raise ConfigError(f"ops must be callables batch -> batch, got {op!r}")
+        check_op_fields(ops, self.fields, index)
+        self._notes = consumed_fields(ops, self.fields) if fields is None else {}
         self.ops = _group_ops(ops, self.device.is_cuda)
         parser = index.parser
         self._parsed = tuple(f for f in self.fields
@@ -205,6 +211,7 @@ class Loader:
 
     @property
     def epoch(self) -> int:
+        """The epoch the next pass runs (it advances when a pass completes)."""
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
@@ -425,7 +432,7 @@ class Loader:
     def _collate(self, w: _Work) -> tuple[dict[str, Any], int]:
         b = w.batch
         xp = b.xp
-        out = {name: self._column(name, col, xp) for name, col in b.data.items()}
+        out = {name: self._column(name, col, xp) for name, col in b.data.items() if name not in self._notes}
         index = np.asarray(b.index, dtype=np.int64)
         out["index"] = xp.asarray(index) if self.device.is_cuda else index
         return out, int((index >= 0).sum())
@@ -472,7 +479,8 @@ class Loader:
                 event.synchronize()
             # the memory goes back only after the consumer's stream is done with it
             out = {name: _hand_over(v, consumer, device, cp) for name, v in out.items()}
-        return {name: _frameworks.convert(v, self.output, self._framework) for name, v in out.items()}
+        out = {name: _frameworks.convert(v, self.output, self._framework) for name, v in out.items()}
+        return LoaderBatch(out, self._notes)
 
     # ---- errors and stats ------------------------------------------------------------
     def _skip(self, sample: int, stage: str, err: BaseException) -> None:

@@ -367,7 +367,9 @@ def test_decode_image_end_to_end(tmp_path):
     b = next(iter(ld))
     imgs = b["image"]  # same-size images: stacked, NHWC
     assert isinstance(imgs, np.ndarray) and imgs.shape == (4, 32, 48, 3)
-    assert isinstance(b["data"], list)  # the encoded bytes stay a list
+    assert "data" not in b  # decoded into "image": the encoded bytes come only when fields= names them
+    named = next(iter(gpuio.Loader(index, 4, fields=["data"], ops=[dec], output="numpy", threads=2)))
+    assert isinstance(named["data"], list) and named["image"].shape == (4, 32, 48, 3)
     for row, i in enumerate(b["index"].tolist()):
         with open(index.extent(i).file, "rb") as f:
             want = simplejpeg.decode_jpeg(f.read())
