@@ -4,24 +4,14 @@ on real decoded JPEGs; the same body on the GPU (fused kernel) where one is pres
 import numpy as np
 import pytest
 from conftest import to_host
+from test_ops_fused import decoded  # noqa: F401  (real decoded JPEGs, a fixture)
 
 from gpuio import ops
 from gpuio.batch import Batch, sample_seeds
 from gpuio.device import parse_device
 from gpuio.errors import ConfigError
-from gpuio.sample import make_image_tree
 
 MEAN, STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
-
-
-@pytest.fixture(scope="module")
-def decoded(tmp_path_factory):
-    import glob
-
-    root = make_image_tree(tmp_path_factory.mktemp("imgs"), count=12, classes=2, seed=2, progress=False)
-    bufs = [np.fromfile(p, np.uint8) for p in sorted(glob.glob(f"{root}/*/*.jpg"))]
-    index = np.arange(len(bufs))
-    return ops.decode_image()(Batch({"data": bufs}, index, sample_seeds(0, 0, index))).data["image"]
 
 
 def run(op, images, device):
