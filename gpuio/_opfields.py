@@ -75,7 +75,10 @@ class LoaderBatch(dict):
         super().__init__(data)
         self.notes = notes
 
-    def __missing__(self, key: str) -> Any:
+    def __missing__(self, key: Any) -> Any:
+        if isinstance(key, int):  # DALI's iterators yield a list with one dict per pipeline
+            raise KeyError(f"batch[{key}]: a gpuio batch is one dict of fields, not a list of them "
+                           f"(as DALI's iterators yield); take its fields directly: {list(self)}")
         raise KeyError(self.notes.get(key, f"this batch has no {key!r}; it has {list(self)}"))
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickles as a plain dict

@@ -59,6 +59,8 @@ def test_a_decoded_field_is_not_handed_over_and_asking_for_it_says_where_it_went
         batch["data"]
     with pytest.raises(KeyError, match=r"this batch has no 'images'; it has \['label', 'image', 'index'\]"):
         batch["images"]
+    with pytest.raises(KeyError, match=r"batch\[0\]: a gpuio batch is one dict of fields, not a list of them"):
+        batch[0]["data"]  # DALI's DALIGenericIterator yields [{"data": ..., "label": ...}]
 
 
 def test_after_an_op_that_names_no_field_nothing_more_is_checked(shards):
