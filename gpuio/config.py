@@ -36,7 +36,8 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "task_size": (4 * MiB, "largest single read; bigger extents split into tasks"),
     "merge_gap": (4 * KiB, "extents this close in one file are merged into one read"),
     "o_direct": (False, "bypass the page cache (O_DIRECT), where the filesystem allows"),
-    "buffer_budget": (4 * GiB, "bytes of batch buffers one pool may hold, host and device together"),
+    "buffer_budget": (4 * GiB, "bytes of batch buffers one pool may hold, host and device together "
+                               "(gpuio.read: the value at each call; a Loader: the value when it is made)"),
     "backend": ("auto", "storage backend: auto, posix or kvikio"),
     "native": (True, "posix reads in C with the GIL released, where the accelerator was built"),
     "pinned": ("auto", "pin host batch buffers: auto (when a GPU is present), true, false"),
