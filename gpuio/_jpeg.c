@@ -72,7 +72,8 @@ static int decode_rows(Decode *d) {
     d->width = width;
     const size_t stride = (size_t)width * C, nrows = (size_t)(d->y1 - d->y0);
     if (stride * nrows > d->capacity) {
-        snprintf(d->err.message, sizeof d->err.message, "libjpeg widened the crop beyond the buffer");
+        snprintf(d->err.message, sizeof d->err.message, "%zu rows of %zu bytes do not fit in %zu bytes",
+                 nrows, stride, d->capacity);
         jpeg_destroy_decompress(&cinfo);
         return -1;
     }
@@ -94,44 +95,38 @@ static int decode_rows(Decode *d) {
 }
 
 static PyObject *decode_jpeg(PyObject *self, PyObject *args) {
-    Py_buffer data;
+    Py_buffer data, out;
     Decode d;
     memset(&d, 0, sizeof d);
-    if (!PyArg_ParseTuple(args, "y*iiiiii", &data, &d.gray, &d.denom, &d.y0, &d.x0, &d.y1, &d.x1)) return NULL;
-    if (d.denom != 1 && d.denom != 2 && d.denom != 4 && d.denom != 8) {
-        PyBuffer_Release(&data);
-        return PyErr_Format(PyExc_ValueError, "denom %d: 1, 2, 4 or 8", d.denom);
-    }
-    if (d.y0 < 0 || d.x0 < 0 || d.y1 <= d.y0 || d.x1 <= d.x0) {
-        PyBuffer_Release(&data);
-        return PyErr_Format(PyExc_ValueError, "empty or negative region (%d, %d, %d, %d)", d.y0, d.x0, d.y1, d.x1);
-    }
-    /* libjpeg aligns the left edge down to an iMCU (at most 4 blocks of 8 pixels) */
-    d.capacity = (size_t)(d.y1 - d.y0) * (size_t)(d.x1 + 32 / d.denom + 32) * (d.gray ? 1 : 3);
-    PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)d.capacity);
-    if (!out) {
-        PyBuffer_Release(&data);
+    if (!PyArg_ParseTuple(args, "y*iiiiiiw*", &data, &d.gray, &d.denom, &d.y0, &d.x0, &d.y1, &d.x1, &out))
         return NULL;
+    PyObject *result = NULL;
+    if (d.denom != 1 && d.denom != 2 && d.denom != 4 && d.denom != 8) {
+        PyErr_Format(PyExc_ValueError, "denom %d: 1, 2, 4 or 8", d.denom);
+    } else if (d.y0 < 0 || d.x0 < 0 || d.y1 <= d.y0 || d.x1 <= d.x0) {
+        PyErr_Format(PyExc_ValueError, "empty or negative region (%d, %d, %d, %d)", d.y0, d.x0, d.y1, d.x1);
+    } else {
+        d.data = data.buf;
+        d.size = (size_t)data.len;
+        d.out = out.buf;
+        d.capacity = (size_t)out.len;
+        int failed;
+        Py_BEGIN_ALLOW_THREADS
+        failed = decode_rows(&d);
+        Py_END_ALLOW_THREADS
+        if (failed) PyErr_Format(PyExc_ValueError, "%s", d.err.message);
+        else result = Py_BuildValue("II", d.xoff, d.width);
     }
-    d.data = data.buf;
-    d.size = (size_t)data.len;
-    d.out = (unsigned char *)PyByteArray_AS_STRING(out);
-    int failed;
-    Py_BEGIN_ALLOW_THREADS
-    failed = decode_rows(&d);
-    Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
-    if (failed) {
-        Py_DECREF(out);
-        return PyErr_Format(PyExc_ValueError, "%s", d.err.message);
-    }
-    return Py_BuildValue("NII", out, d.xoff, d.width);
+    PyBuffer_Release(&out);
+    return result;
 }
 
 static PyMethodDef methods[] = {
     {"decode_jpeg", decode_jpeg, METH_VARARGS,
-     "decode_jpeg(data, gray, denom, y0, x0, y1, x1) -> (bytearray, xoff, width): rows y0..y1 of the "
-     "1/denom-scaled image, columns xoff..xoff+width (covering x0..x1), HWC uint8"},
+     "decode_jpeg(data, gray, denom, y0, x0, y1, x1, out) -> (xoff, width): rows y0..y1 of the "
+     "1/denom-scaled image, columns xoff..xoff+width (covering x0..x1; libjpeg moves x0 down to an iMCU, "
+     "at most 31 pixels), HWC uint8 written to `out`"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._jpeg", NULL, -1, methods};

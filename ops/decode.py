@@ -28,8 +28,9 @@ from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 
-__all__ = ["DecodeImage", "decode_image", "decode_cpu", "decode_region", "region_decodable", "jpeg_info", "JpegInfo",
-           "orient", "COLORS"]
+__all__ = ["DecodeImage", "decode_image", "decode_cpu", "decode_region", "region_bytes", "region_decodable",
+           "jpeg_info", "JpegInfo",
+           "orient", "COLORS", "image_format", "gpu_decodable", "decode_gpu", "upload"]
 
 COLORS = ("rgb", "gray", "unchanged")
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
@@ -135,6 +136,29 @@ def _reason(exc: BaseException, buf: np.ndarray) -> str:
     return re.sub(r" ?<[\w.]+ object at 0x[0-9a-fA-F]+>", "", str(exc)) or type(exc).__name__
 
 
+def image_format(buf: Any) -> str | None:
+    """The format of encoded image bytes from their first bytes: ``"jpeg"``, ``"png"``,
+    ``"jpeg2000"`` (JP2 file or bare codestream), ``"tiff"`` (and BigTIFF), ``"webp"``,
+    ``"bmp"``, ``"gif"``, or None."""
+    head = bytes(_bytes(buf)[:16])
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    return next((name for name, magic in _MAGIC if head.startswith(magic)), None)
+
+
+def _eight_bit(im: Image.Image) -> Image.Image:
+    """A 16-bit (or 32-bit integer) grayscale image as 8-bit "L": the high byte, as
+    Pillow reduces 16-bit RGB."""
+    if not (im.mode.startswith("I;16") or im.mode == "I"):
+        return im
+    return Image.fromarray((np.clip(np.asarray(im), 0, 65535).astype(np.uint32) >> 8).astype(np.uint8), "L")
+
+
+def _gray(color: str, components: int) -> bool:
+    """Whether a JPEG of ``components`` decodes to one channel for ``color``."""
+    return color == "gray" or (color == "unchanged" and components == 1)
+
+
 def decode_cpu(buf: Any, color: str, sample: int) -> np.ndarray:
     """One encoded image to HWC uint8 on the host (see the module docstring); bad bytes
     raise ``FormatError`` naming ``sample``."""
@@ -142,8 +166,7 @@ def decode_cpu(buf: Any, color: str, sample: int) -> np.ndarray:
     info = jpeg_info(buf)
     try:
         if info is not None and info.components in (1, 3):
-            gray = color == "gray" or (color == "unchanged" and info.components == 1)
-            img = simplejpeg.decode_jpeg(buf, colorspace="GRAY" if gray else "RGB")
+            img = simplejpeg.decode_jpeg(buf, colorspace="GRAY" if _gray(color, info.components) else "RGB")
             orientation = info.orientation
         else:
             with Image.open(io.BytesIO(memoryview(buf))) as im:
@@ -174,15 +197,25 @@ def region_decodable(data: np.ndarray, info: JpegInfo | None) -> bool:
             and info.height > 0 and info.width > 0 and data[-2] == 0xFF and data[-1] == 0xD9)
 
 
+def region_bytes(info: JpegInfo, color: str, region: tuple[int, int, int, int], denom: int) -> int:
+    """Bytes ``decode_region`` needs in ``out`` for ``region``."""
+    y0, x0, y1, x1 = region
+    # libjpeg moves x0 down to an iMCU boundary: fewer than 32 more columns
+    return (y1 - y0) * (x1 - x0 + 2 * _EDGE + 31) * (1 if _gray(color, info.components) else 3)
+
+
 def decode_region(data: np.ndarray, info: JpegInfo, color: str, region: tuple[int, int, int, int], denom: int,
                   sample: int) -> np.ndarray:
     """Pixels ``y0:y1, x0:x1`` (``region``) of a JPEG that ``region_decodable`` takes,
     DCT-scaled by 1/``denom`` (1, 2, 4, 8; the scaled image has ``ceil(size / denom)``
-    pixels per side), HWC uint8 as ``decode_cpu`` gives (a view). Rows below the region
-    are not decoded at all, rows above and columns beside it are not IDCT'd."""
+    pixels per side), HWC uint8 as ``decode_cpu`` gives: a view into ``out`` (uint8,
+    ``region_bytes`` long; a new array when None). Rows below the region are not
+    decoded at all, rows above and columns beside it are not IDCT'd."""
     y0, x0, y1, x1 = region
     lo, hi = max(0, x0 - _EDGE), min(-(-info.width // denom), x1 + _EDGE)
-    gray = color == "gray" or (color == "unchanged" and info.components == 1)
+    gray = _gray(color, info.components)
+    if out is None:
+        out = np.empty(region_bytes(info, color, region, denom), np.uint8)
     try:
         raw, xoff, width = _jpeg.decode_jpeg(data, gray, denom, y0, lo, y1, hi)
     except ValueError as exc:

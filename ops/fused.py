@@ -32,7 +32,7 @@ from gpuio.batch import Batch, Op
 from gpuio.buffers import pooled_empty
 from gpuio.errors import ConfigError, FormatError
 from gpuio.ops.color import Normalize, cast, stack_or_list
-from gpuio.ops.decode import DecodeImage, decode_cpu, decode_region, jpeg_info, region_decodable
+from gpuio.ops.decode import DecodeImage, decode_cpu, decode_region, jpeg_info, region_bytes, region_decodable
 from gpuio.ops.geometry import INTERPOLATIONS, CenterCrop, Flip, RandomResizedCrop, Resize, _Crop, _sizes, resample
 
 try:
@@ -213,15 +213,21 @@ class DecodeFused(Op):
         batch.drop_rejected()
         images, infos = _take(images, keep), _take(infos, keep)
         plan = {k: v[keep].copy() for k, v in plan.items()}
-        bad = []
+        regions = {}
         for row, info in enumerate(infos):
-            if info is None:
-                continue
-            d = _denom(plan["box"][row], plan["out_hw"][row])
-            y0, x0, y1, x1 = plan["clip"][row].tolist()
-            region = (y0 // d, x0 // d, min(-(-y1 // d), -(-info.height // d)), min(-(-x1 // d), -(-info.width // d)))
+            if info is not None:
+                d = _denom(plan["box"][row], plan["out_hw"][row])
+                y0, x0, y1, x1 = plan["clip"][row].tolist()
+                regions[row] = d, (y0 // d, x0 // d, min(-(-y1 // d), -(-info.height // d)),
+                                   min(-(-x1 // d), -(-info.width // d)))
+        sizes = {row: region_bytes(infos[row], color, region, d) for row, (d, region) in regions.items()}
+        space = pooled_empty((sum(sizes.values()),), np.uint8)  # one buffer: no page faults per image
+        start, bad = 0, []
+        for row, (d, region) in regions.items():
+            out = space[start: start + sizes[row]]
+            start += sizes[row]
             try:
-                images[row] = decode_region(images[row], info, color, region, d, int(batch.index[row]))
+                images[row] = decode_region(images[row], infos[row], color, region, d, int(batch.index[row]), out)
             except FormatError as exc:
                 batch.reject(row, exc)
                 bad.append(row)

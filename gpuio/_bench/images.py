@@ -238,6 +238,46 @@ def dali_agreement(root: str, threads: int, n: int = 64) -> float:
     return float((np.abs(np.asarray(ours) - dali) * std).mean())
 
 
+def profile_stages(root: str, pipeline: str, count: int = 512, batch: int = 64) -> list[dict[str, Any]]:
+    """CPU time per image (one thread, ``time.thread_time``) of each stage of the
+    pipeline, op by op (``Compose(fuse=False)``: simplejpeg, Pillow, NumPy) and fused
+    (``DecodeFused``: region decode in libjpeg, resample + normalize in C)."""
+    import cProfile
+    import pstats
+
+    from gpuio.batch import Batch, sample_seeds
+
+    index = gpuio.formats.filetree(root)
+    bufs = [np.fromfile(p, np.uint8) for p in list(index.files)[:count]]
+    # what a stage is made of: builtin (C) functions by name, Python functions by file
+    stages = {"op by op": [("decode (simplejpeg, Pillow)", ("decode_jpeg", "'decode'", "decode.py")),
+                           ("crop + resize (Pillow)", ("'resize'", "geometry.py")),
+                           ("normalize (NumPy)", ("color.py",))],
+              "fused": [("region decode (libjpeg)", ("decode_jpeg", "'decode'")),
+                        ("resample + normalize (C)", ("resample",)),
+                        ("JPEG headers, crop plan (Python)", ("decode.py", "geometry.py"))]}
+    rows = []
+    n = len(bufs) // batch * batch
+    for mode, parts in stages.items():
+        pipe = gpuio_ops(pipeline)
+        if mode == "op by op":
+            pipe = ops.Compose(pipe.ops, fuse=False)
+        prof = cProfile.Profile(time.thread_time)
+        prof.enable()
+        for s in range(0, n, batch):
+            rows_ = np.arange(s, s + batch)
+            pipe(Batch({"data": bufs[s:s + batch]}, rows_, sample_seeds(0, 0, rows_)))
+        prof.disable()
+        shares = dict.fromkeys([name for name, _ in parts] + ["other Python"], 0.0)
+        for (file, _, func), (_, _, tottime, _, _) in pstats.Stats(prof).stats.items():
+            stage = next((name for name, keys in parts
+                          if any(k in func if file == "~" else file.endswith(k) for k in keys)), "other Python")
+            shares[stage] += tottime
+        shares["total"] = sum(shares.values())
+        rows += [{"pipeline": pipeline, "mode": mode, "stage": k, "ms_per_image": 1e3 * v / n} for k, v in shares.items()]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", help="a JPEG file tree (default: the gpuio sample dataset)")
@@ -247,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="DataLoader workers and DALI threads")
     parser.add_argument("--pipeline", choices=[*PIPELINES, "both"], default="both")
+    parser.add_argument("--profile", action="store_true",
+                        help="only print the CPU time per stage, op by op and fused (one thread)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     root = args.root or sample_root(args.count)
@@ -259,6 +301,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"dataset: {root}: {count} JPEGs in whole batches of {args.batch}; best of {args.epochs} epochs")
     for pipeline in pipelines:
         print(f"  {pipeline}: {PIPELINES[pipeline]}")
+    if args.profile:
+        rows = [r for p in pipelines for r in profile_stages(root, p, min(count, 512), args.batch)]
+        print_table(rows, [("pipeline", "pipeline", "s"), ("mode", "mode", "s"), ("stage", "stage", "s"),
+                           ("ms_per_image", "CPU ms/image", ".3f")])
+        write_json(args.out, {"benchmark": "images-profile", "machine": info, "results": rows})
+        return {"results": rows}
     cuda = gpuio.cuda_available()
     if not cuda:
         print("no GPU: the gpuio cuda and torchvision GPU rows are not run")
