@@ -16,6 +16,7 @@ from gpuio.ops.audio import (DecodeAudio, NonsilentRegion, PreemphasisFilter, Sl
 from gpuio.ops.cmn import crop_mirror_normalize
 from gpuio.ops.color import ColorJitter, Normalize, color_jitter, normalize
 from gpuio.ops.decode import DecodeImage, decode_image
+from gpuio.ops.decode_slice import DecodeImageSlice, decode_image_slice
 from gpuio.ops.detection import (BBFlip, BBoxPaste, BoxEncoder, Paste, RandomBBoxCrop, bb_flip, bbox_paste,
                                  box_encoder, paste, random_bbox_crop)
 from gpuio.ops.fused import Compose, FusedCropResizeNormalize, fused_crop_resize_normalize, fused_reference
@@ -28,6 +29,8 @@ from gpuio.ops.video import DecodeVideo, decode_video
 
 __all__ = [
     "BBFlip",
+    "DecodeImageSlice",
+    "decode_image_slice",
     "BBoxPaste",
     "BoxEncoder",
     "Paste",

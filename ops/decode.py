@@ -1,10 +1,15 @@
 """Image decoding: ``decode_image``.
 
-CPU: simplejpeg (libjpeg-turbo, releases the GIL) for JPEGs with 1 or 3 components,
-Pillow for everything else (CMYK JPEGs, PNG, and what Pillow reads). GPU: nvImageCodec
-decodes a whole batch per call (on the hardware JPEG decoder where the GPU has one);
-images it does not take (not a complete baseline 1/3-component JPEG: progressive, CMYK,
-truncated, PNG ...) or fails on go through the CPU path and are uploaded, without failing the batch.
+The format is read from the bytes (``image_format``: JPEG, PNG, JPEG 2000, TIFF, WebP,
+BMP, GIF by their magic numbers), never from a file name. CPU: simplejpeg
+(libjpeg-turbo, releases the GIL) for JPEGs with 1 or 3 components, Pillow for
+everything else (CMYK JPEGs, PNG, JPEG 2000 through OpenJPEG, TIFF through libtiff,
+WebP, BMP, and what else Pillow reads); 16-bit samples keep their high byte. GPU:
+nvImageCodec decodes a whole batch per call: complete baseline 1/3-component JPEGs (on
+the hardware JPEG decoder where the GPU has one), JPEG 2000 (nvjpeg2k) and TIFF (nvtiff)
+where those libraries are installed; images it does not take (progressive, CMYK or
+truncated JPEGs, PNG, WebP, BMP ...) or fails on go through the CPU path and are
+uploaded, without failing the batch.
 
 Output: HWC uint8 per sample; ``color="rgb"`` gives 3 channels (grayscale and CMYK
 JPEGs too), ``"gray"`` 1 channel, ``"unchanged"`` the file's own channels (1, 2, 3
@@ -36,6 +41,9 @@ COLORS = ("rgb", "gray", "unchanged")
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 _PROGRESSIVE = {0xC2, 0xC6, 0xCA, 0xCE}
 _PILLOW_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
+_MAGIC = (("jpeg", b"\xff\xd8\xff"), ("png", b"\x89PNG\r\n\x1a\n"), ("jpeg2000", b"\x00\x00\x00\x0cjP  \r\n\x87\n"),
+          ("jpeg2000", b"\xff\x4f\xff\x51"), ("tiff", b"II*\x00"), ("tiff", b"MM\x00*"), ("tiff", b"II+\x00"),
+          ("tiff", b"MM\x00+"), ("bmp", b"BM"), ("gif", b"GIF8"))
 
 
 class JpegInfo(NamedTuple):
@@ -172,7 +180,8 @@ def decode_cpu(buf: Any, color: str, sample: int) -> np.ndarray:
             with Image.open(io.BytesIO(memoryview(buf))) as im:
                 orientation = int(im.getexif().get(0x0112, 1))
                 mode = _pillow_mode(im.mode, color, "transparency" in im.info)
-                img = np.asarray(im if im.mode == mode else im.convert(mode))
+                im8 = _eight_bit(im)
+                img = np.asarray(im8 if im8.mode == mode else im8.convert(mode))
     except _PILLOW_ERRORS as exc:
         raise FormatError(f"cannot decode image ({len(buf)} bytes): {_reason(exc, buf)}", sample=sample) from exc
     if img.ndim == 2:
@@ -205,7 +214,7 @@ def region_bytes(info: JpegInfo, color: str, region: tuple[int, int, int, int], 
 
 
 def decode_region(data: np.ndarray, info: JpegInfo, color: str, region: tuple[int, int, int, int], denom: int,
-                  sample: int) -> np.ndarray:
+                  sample: int, out: np.ndarray | None = None) -> np.ndarray:
     """Pixels ``y0:y1, x0:x1`` (``region``) of a JPEG that ``region_decodable`` takes,
     DCT-scaled by 1/``denom`` (1, 2, 4, 8; the scaled image has ``ceil(size / denom)``
     pixels per side), HWC uint8 as ``decode_cpu`` gives: a view into ``out`` (uint8,
@@ -217,11 +226,11 @@ def decode_region(data: np.ndarray, info: JpegInfo, color: str, region: tuple[in
     if out is None:
         out = np.empty(region_bytes(info, color, region, denom), np.uint8)
     try:
-        raw, xoff, width = _jpeg.decode_jpeg(data, gray, denom, y0, lo, y1, hi)
+        xoff, width = _jpeg.decode_jpeg(data, gray, denom, y0, lo, y1, hi, out)
     except ValueError as exc:
         raise FormatError(f"cannot decode image ({len(data)} bytes): {exc}", sample=sample) from exc
     channels = 1 if gray else 3
-    img = np.frombuffer(raw, np.uint8, count=(y1 - y0) * width * channels).reshape(y1 - y0, width, channels)
+    img = out[: (y1 - y0) * width * channels].reshape(y1 - y0, width, channels)
     return img[:, x0 - xoff: x1 - xoff]
 
 
@@ -250,53 +259,63 @@ class DecodeImage(Op):
         bufs = batch.data[self.field]
         images: list[Any] = [None] * len(bufs)
         if batch.device.is_cuda:
-            self._decode_gpu(batch, bufs, images)
+            rows = [row for row, buf in enumerate(bufs) if gpu_decodable(_bytes(buf))]
+            decode_gpu(batch, rows, [_bytes(bufs[r]) for r in rows], self.color, images)
         for row, buf in enumerate(bufs):
             if images[row] is None:
                 try:
                     images[row] = decode_cpu(buf, self.color, int(batch.index[row]))
                 except FormatError as exc:
                     batch.reject(row, exc)
-        if batch.device.is_cuda:  # upload what the CPU decoded, on the batch's stream
-            cp = require("cupy")
-            with cp.cuda.Device(batch.device.index):  # the current stream is per device: pick it inside
-                stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-                with stream:
-                    images = [cp.asarray(img) if isinstance(img, np.ndarray) else img for img in images]
-        batch.data[self.out] = images
+        batch.data[self.out] = upload(batch, images)
         batch.drop_rejected()
         return batch
 
-    def _decode_gpu(self, batch: Batch, bufs: list[Any], images: list[Any]) -> None:
-        """Decode the baseline 1/3-component JPEGs of ``bufs`` into ``images`` on the
-        GPU in one call; the rest (and failures) stay None for the CPU path."""
-        nvimgcodec = require("nvidia.nvimgcodec")
-        cp = require("cupy")
-        rows = []
-        for row, buf in enumerate(bufs):
-            data = _bytes(buf)
-            info = jpeg_info(data)
-            # a JPEG cut short (no end-of-image marker) goes to the CPU path, which
-            # rejects it, rather than to a decoder that may fill in the missing part
-            if info is not None and info.components in (1, 3) and not info.progressive \
-                    and data[-2] == 0xFF and data[-1] == 0xD9:
-                rows.append(row)
-        if not rows:
-            return
-        params = _decode_params(nvimgcodec, self.color)
-        with cp.cuda.Device(batch.device.index):
-            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-            decoded = _gpu_decoder(nvimgcodec, batch.device.index).decode(
-                [_bytes(bufs[r]) for r in rows], params=params, cuda_stream=stream.ptr)
-            for row, img in zip(rows, decoded):
-                if img is None:
-                    continue
-                arr = cp.asarray(img)
-                if arr.ndim == 2:
-                    arr = arr[:, :, None]
-                if self.color == "rgb" and arr.shape[2] == 1:
-                    arr = cp.broadcast_to(arr, arr.shape[:2] + (3,))
-                images[row] = arr
+
+def gpu_decodable(data: np.ndarray) -> bool:
+    """Whether a GPU batch hands these bytes to nvImageCodec: a complete (ends with the
+    end-of-image marker) baseline 1/3-component JPEG, a JPEG 2000 or a TIFF."""
+    info = jpeg_info(data)
+    if info is not None:
+        # a JPEG cut short goes to the CPU path, which rejects it, rather than to a
+        # decoder that may fill in the missing part
+        return info.components in (1, 3) and not info.progressive and data[-2] == 0xFF and data[-1] == 0xD9
+    return image_format(data) in ("jpeg2000", "tiff")
+
+
+def decode_gpu(batch: Batch, rows: list[int], sources: list[Any], color: str, images: list[Any]) -> None:
+    """Decode ``sources`` (encoded bytes or nvImageCodec code streams, one per row in
+    ``rows``) on the GPU in one call into ``images`` (HWC CuPy arrays); the rows it
+    fails on stay None for the CPU path."""
+    if not rows:
+        return
+    nvimgcodec = require("nvidia.nvimgcodec")
+    cp = require("cupy")
+    params = _decode_params(nvimgcodec, color)
+    with cp.cuda.Device(batch.device.index):
+        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+        decoded = _gpu_decoder(nvimgcodec, batch.device.index).decode(sources, params=params, cuda_stream=stream.ptr)
+        for row, img in zip(rows, decoded):
+            if img is None:
+                continue
+            arr = cp.asarray(img)
+            if arr.ndim == 2:
+                arr = arr[:, :, None]
+            if color == "rgb" and arr.shape[2] == 1:
+                arr = cp.broadcast_to(arr, arr.shape[:2] + (3,))
+            images[row] = arr
+
+
+def upload(batch: Batch, images: list[Any]) -> list[Any]:
+    """``images`` with the NumPy ones (decoded on the CPU) copied to a GPU batch's
+    device on its stream; unchanged on a CPU batch."""
+    if not batch.device.is_cuda:
+        return images
+    cp = require("cupy")
+    with cp.cuda.Device(batch.device.index):  # the current stream is per device: pick it inside
+        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+        with stream:
+            return [cp.asarray(img) if isinstance(img, np.ndarray) else img for img in images]
 
 
 def _decode_params(nvimgcodec: Any, color: str) -> Any:

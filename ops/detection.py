@@ -8,8 +8,8 @@ or ``xywh`` (``"xyWH"``: left, top, width, height); labels int32 ``[n]``.
   the boxes passes a randomly chosen threshold, keeps the boxes whose centre lies in it
   (with their labels), clips and remaps them to the window, writes the window as
   ``crop_anchor`` (x, y) and ``crop_shape`` (w, h), relative, and crops the decoded
-  image if there is one; else ``decode_image(anchor="crop_anchor", shape="crop_shape")``
-  decodes only the window (DALI's ``decoders.image_slice``).
+  image if there is one; else ``decode_image_slice()`` decodes only the window (DALI's
+  ``decoders.image_slice``).
 - ``bb_flip``: mirrors boxes on the rows where ``flip`` with the same ``horizontal``
   and ``p`` mirrors the image (the same draw from ``(seed, epoch, sample)``).
 - ``paste`` / ``bbox_paste``: zoom out, the image on a canvas ``ratio`` times larger
@@ -37,10 +37,11 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError
+from gpuio.ops.decode_slice import crop_window
 from gpuio.ops.geometry import Flip
 
 __all__ = ["RandomBBoxCrop", "BBFlip", "Paste", "BBoxPaste", "BoxEncoder", "random_bbox_crop", "bb_flip",
-           "paste", "bbox_paste", "box_encoder", "encode_boxes", "crop_window"]
+           "paste", "bbox_paste", "box_encoder", "encode_boxes"]
 
 _LAYOUTS = {"xyXY": True, "xyWH": False}  # layout -> ltrb
 
@@ -71,17 +72,6 @@ def _pair(value: Sequence[float], name: str, low: float = 0.0) -> tuple[float, f
     if len(pair) != 2 or not low <= pair[0] <= pair[1]:
         raise ConfigError(f"{name} is a range [min, max] with {low} <= min <= max, got {value!r}")
     return pair
-
-
-def crop_window(anchor: Sequence[float], shape: Sequence[float], h: int, w: int) -> tuple[int, int, int, int]:
-    """Pixel window ``(y0, x0, y1, x1)`` of a relative crop (``anchor`` x, y and
-    ``shape`` w, h) in an ``h`` x ``w`` image: edges rounded to the nearest pixel, at
-    least one pixel kept."""
-    x0 = min(max(int(np.floor(anchor[0] * w + 0.5)), 0), w - 1)
-    y0 = min(max(int(np.floor(anchor[1] * h + 0.5)), 0), h - 1)
-    x1 = min(max(int(np.floor((anchor[0] + shape[0]) * w + 0.5)), x0 + 1), w)
-    y1 = min(max(int(np.floor((anchor[1] + shape[1]) * h + 0.5)), y0 + 1), h)
-    return y0, x0, y1, x1
 
 
 def _overlap(crops: np.ndarray, boxes: np.ndarray, iou: bool) -> np.ndarray:
@@ -135,8 +125,8 @@ class RandomBBoxCrop(Op):
 
     Writes ``anchor_out`` (x, y) and ``shape_out`` (w, h), float32 ``[2]`` relative,
     DALI's ``anchor`` and ``shape`` outputs; crops ``image`` when it is already decoded
-    (HWC, the window rounded to pixels by ``crop_window``), else
-    ``decode_image(anchor="crop_anchor", shape="crop_shape")`` decodes only the window."""
+    (HWC, the window rounded to pixels by ``crop_window``), else ``decode_image_slice``
+    decodes only the window."""
 
     salt = 0x52424358
 

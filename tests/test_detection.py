@@ -12,7 +12,8 @@ from gpuio import ops
 from gpuio.batch import Batch, sample_seeds
 from gpuio.device import Device
 from gpuio.errors import ConfigError
-from gpuio.ops.detection import crop_window, encode_boxes
+from gpuio.ops.decode_slice import crop_window
+from gpuio.ops.detection import encode_boxes
 from tests.conftest import to_host
 
 

@@ -1,0 +1,331 @@
+"""Detection (SSD) pipeline benchmark and codec table, on generated COCO-style data.
+
+    python bench/detection.py [--count 512] [--batch 32] [--epochs 2] [--out detection.json]
+
+The SSD training pipeline at batch 32, per image: ``random_bbox_crop`` (aspect ratio
+0.5-2, IoU thresholds 0/0.1/0.3/0.5/0.7/0.9, scaling 0.3-1, no crop allowed, 50
+attempts) -> decode only that window -> zoom out (``paste`` + ``bbox_paste``, ratio
+1-4, fill 104/117/123) -> ``bb_flip`` + mirror -> resize 300x300 -> normalize to float32
+CHW -> ``box_encoder`` (8732 SSD300 anchors, criteria 0.5, offset, scale 300, stds
+0.1/0.1/0.2/0.2). Competitors, in interleaved rounds (images/s of the best epoch, page
+cache warm): gpuio on the CPU (``Loader`` + ``ops.Compose``) and NVIDIA DALI's CPU
+pipeline (``device_id=None``, ``num_threads`` = cores, ``readers.coco`` ->
+``random_bbox_crop`` -> ``decoders.image_slice`` -> ``paste`` / ``bbox_paste`` ->
+``bb_flip`` -> ``resize`` -> ``crop_mirror_normalize`` -> ``box_encoder``); on a GPU
+machine also gpuio on the GPU. ``--agreement`` also runs DALI's ``box_encoder``,
+``bb_flip``, ``bbox_paste`` and ``paste`` and gpuio's on the same boxes and prints the
+largest differences.
+
+The codec table decodes the same images stored as JPEG, PNG, JPEG 2000, TIFF, WebP and
+BMP with ``ops.decode_image`` (a batch at a time, one thread) and with a Pillow loop
+(``Image.open(...).convert("RGB")``), interleaved; images/s per format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import json
+import math
+import os
+import time
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+import gpuio
+from gpuio import ops
+from gpuio._bench.common import BenchError, cache_dir, machine, print_table, write_json
+from gpuio.batch import Batch, sample_seeds
+from gpuio.sample import sample_image
+
+MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
+STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+FILL = (104, 117, 123)
+CROP = dict(aspect_ratio=(0.5, 2.0), thresholds=(0.0, 0.1, 0.3, 0.5, 0.7, 0.9), scaling=(0.3, 1.0),
+            bbox_layout="xyXY", allow_no_crop=True, num_attempts=50)
+ZOOM = dict(ratio=(1.0, 4.0), paste_x=(0.0, 1.0), paste_y=(0.0, 1.0))
+ENCODE = dict(criteria=0.5, offset=True, scale=300.0, stds=(0.1, 0.1, 0.2, 0.2))
+SIZES = ((480, 640), (640, 480), (427, 640), (512, 512))
+
+
+def write_coco(root: str | os.PathLike[str], count: int, size: tuple[int, int] | None = None, seed: int = 0,
+               categories: int = 20) -> tuple[str, str]:
+    """A COCO-style dataset: ``count`` JPEGs (``size`` (h, w), or COCO-like sizes) with
+    1-8 boxes each, every box a flat rectangle painted on the image, in
+    ``root/images``, and ``root/instances.json``. Returns (image root, annotation file)."""
+    root = os.fspath(root)
+    images_dir = os.path.join(root, "images")
+    os.makedirs(images_dir, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    images, anns = [], []
+    for k in range(count):
+        h, w = size or SIZES[k % len(SIZES)]
+        img = sample_image(rng, h, w)
+        for _ in range(int(rng.integers(1, 9))):
+            bw, bh = (rng.uniform(0.05, 0.6, 2) * (w, h)).astype(int) + 2
+            x, y = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
+            img[y:y + bh, x:x + bw] = rng.integers(0, 256, 3)
+            anns.append({"id": len(anns) + 1, "image_id": k + 1, "category_id": int(rng.integers(1, categories + 1)),
+                         "bbox": [x, y, int(bw), int(bh)], "area": float(bw * bh), "iscrowd": 0})
+        name = f"{k:06d}.jpg"
+        Image.fromarray(img).save(os.path.join(images_dir, name), quality=90)
+        images.append({"id": k + 1, "file_name": name, "width": w, "height": h})
+    doc = {"images": images, "annotations": anns,
+           "categories": [{"id": c, "name": f"class{c}"} for c in range(1, categories + 1)]}
+    ann_path = os.path.join(root, "instances.json")
+    with open(ann_path, "w") as f:
+        json.dump(doc, f)
+    return images_dir, ann_path
+
+
+def ssd300_anchors() -> np.ndarray:
+    """The 8732 SSD300 default boxes (ltrb, relative, clipped to 0-1), float32 [8732, 4]:
+    feature maps 38/19/10/5/3/1, steps 8/16/32/64/100/300, scales 21-315 pixels, aspect
+    ratios 2 (and 3 on the middle maps)."""
+    fig, feats, steps = 300, (38, 19, 10, 5, 3, 1), (8, 16, 32, 64, 100, 300)
+    scales, ratios = (21, 45, 99, 153, 207, 261, 315), ((2,), (2, 3), (2, 3), (2, 3), (2,), (2,))
+    boxes = []
+    for k, f in enumerate(feats):
+        s1, s2 = scales[k] / fig, scales[k + 1] / fig
+        sizes = [(s1, s1), (math.sqrt(s1 * s2),) * 2]
+        for r in ratios[k]:
+            sizes += [(s1 * math.sqrt(r), s1 / math.sqrt(r)), (s1 / math.sqrt(r), s1 * math.sqrt(r))]
+        step = fig / steps[k]
+        for i, j in itertools.product(range(f), repeat=2):
+            cx, cy = (j + 0.5) / step, (i + 0.5) / step
+            boxes += [(cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2) for w, h in sizes]
+    return np.clip(np.array(boxes, np.float32), 0, 1)
+
+
+def gpuio_ssd(anchors: np.ndarray) -> ops.Compose:
+    """The SSD pipeline as gpuio ops."""
+    return ops.Compose([ops.random_bbox_crop(**CROP), ops.decode_image_slice(),
+                        ops.paste(**ZOOM, fill_value=FILL), ops.bbox_paste(**ZOOM, ltrb=True),
+                        ops.bb_flip(ltrb=True), ops.resize((300, 300)), ops.flip(),
+                        ops.normalize(MEAN, STD), ops.box_encoder(anchors, **ENCODE)])
+
+
+def gpuio_loader(root: str, ann: str, batch: int, device: str, anchors: np.ndarray) -> Any:
+    index = gpuio.formats.coco(root, ann, box_format="ltrb", normalized=True, skip_empty=True)
+    loader = gpuio.Loader(index, batch, fields=("data", "boxes", "labels"), ops=[gpuio_ssd(anchors)],
+                          device=device, output="numpy", shuffle=True, last_batch="drop")
+
+    def run():
+        for b in loader:
+            yield b["image"]
+        if device == "cuda":
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
+
+    return run
+
+
+def dali_ssd(root: str, ann: str, batch: int, threads: int, anchors: np.ndarray) -> Any:
+    """DALI's CPU SSD pipeline (built)."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=None)
+    def pipe():
+        jpegs, boxes, labels = fn.readers.coco(file_root=root, annotations_file=ann, ltrb=True, ratio=True,
+                                               skip_empty=True, random_shuffle=True, name="reader")
+        anchor, shape, boxes, labels = fn.random_bbox_crop(boxes, labels, **dict(CROP, bbox_layout="xyXY"))
+        images = fn.decoders.image_slice(jpegs, anchor, shape, device="cpu", output_type=types.RGB)
+        ratio = fn.random.uniform(range=list(ZOOM["ratio"]))
+        px, py = fn.random.uniform(range=[0.0, 1.0]), fn.random.uniform(range=[0.0, 1.0])
+        images = fn.paste(images, ratio=ratio, paste_x=px, paste_y=py, fill_value=FILL)
+        boxes = fn.bbox_paste(boxes, ratio=ratio, paste_x=px, paste_y=py, ltrb=True)
+        coin = fn.random.coin_flip()
+        boxes = fn.bb_flip(boxes, ltrb=True, horizontal=coin)
+        images = fn.resize(images, resize_x=300, resize_y=300)
+        images = fn.crop_mirror_normalize(images, mean=MEAN, std=STD, mirror=coin, dtype=types.FLOAT,
+                                          output_layout="CHW")
+        boxes, labels = fn.box_encoder(boxes, labels, anchors=anchors.ravel().tolist(), **ENCODE)
+        return images, boxes, labels
+
+    p = pipe()
+    p.build()
+    return p
+
+
+def dali_loader(root: str, ann: str, batch: int, threads: int, anchors: np.ndarray, count: int) -> Any:
+    p = dali_ssd(root, ann, batch, threads, anchors)
+
+    def run():
+        for _ in range(count // batch):
+            images, _, _ = p.run()
+            yield np.empty((len(images), 0))
+
+    return run
+
+
+def _rounds(runs: dict[str, Any], epochs: int) -> tuple[dict[str, float], dict[str, str]]:
+    """Images/s of each competitor's fastest pass (one untimed pass first, then
+    ``epochs`` interleaved rounds); a competitor that fails drops out with its error."""
+    best, seen, failed = dict.fromkeys(runs, float("inf")), {}, {}
+    for timed in [False] + [True] * epochs:
+        for name, run in runs.items():
+            if name in failed:
+                continue
+            try:
+                t0 = time.perf_counter()
+                seen[name] = sum(int(images.shape[0]) for images in run())
+            except Exception as exc:  # a competitor's failure is a result to report, not a crash
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                continue
+            if timed:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: seen[name] / t for name, t in best.items() if name not in failed}, failed
+
+
+CODECS = {"JPEG": dict(quality=90), "PNG": {}, "JPEG 2000": {}, "TIFF": dict(compression="tiff_lzw"),
+          "WebP": dict(quality=90), "BMP": {}}
+
+
+def codec_table(count: int, rounds: int, size: tuple[int, int] = (480, 640)) -> list[dict[str, Any]]:
+    """Images/s per format: ``ops.decode_image`` on one CPU batch vs a Pillow loop."""
+    rng = np.random.default_rng(1)
+    pixels = [sample_image(rng, *size) for _ in range(count)]
+    rows = []
+    for fmt, kw in CODECS.items():
+        bufs = []
+        for px in pixels:
+            out = io.BytesIO()
+            Image.fromarray(px).save(out, fmt.replace(" ", "").upper(), **kw)
+            bufs.append(np.frombuffer(out.getvalue(), np.uint8))
+        index = np.arange(count)
+        decode = ops.decode_image()
+
+        def ours():
+            decode(Batch({"data": list(bufs)}, index, sample_seeds(0, 0, index)))
+
+        def pillow():
+            for b in bufs:
+                with Image.open(io.BytesIO(b)) as im:
+                    np.asarray(im.convert("RGB"))
+
+        best = {"gpuio": float("inf"), "Pillow": float("inf")}
+        for _ in range(rounds):
+            for name, fn in (("gpuio", ours), ("Pillow", pillow)):
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+        rows.append({"format": fmt, "kB_per_image": sum(len(b) for b in bufs) / count / 1e3,
+                     "gpuio_images_s": count / best["gpuio"], "pillow_images_s": count / best["Pillow"],
+                     "ratio": best["Pillow"] / best["gpuio"]})
+    return rows
+
+
+def dali_agreement(root: str, ann: str, anchors: np.ndarray, n: int = 64) -> dict[str, float]:
+    """Largest differences between DALI's and gpuio's box_encoder, bb_flip, bbox_paste
+    and paste on the boxes of the first ``n`` images (labels: count of mismatches)."""
+    from nvidia.dali import fn, pipeline_def
+
+    index = gpuio.formats.coco(root, ann, box_format="ltrb", normalized=True, skip_empty=True)
+    boxes = [np.asarray(index[i]["boxes"], np.float32) for i in range(n)]
+    labels = [np.asarray(index[i]["labels"], np.int32) for i in range(n)]
+    images = [np.full((37 + i % 5, 53 + i % 7, 3), i, np.uint8) for i in range(n)]
+    rng = np.random.default_rng(0)
+    ratio, px, py = rng.uniform(1, 4, n).astype(np.float32), rng.random(n, np.float32), rng.random(n, np.float32)
+
+    @pipeline_def(batch_size=n, num_threads=1, device_id=None)
+    def pipe():
+        b = fn.external_source(source=lambda: boxes, batch=True)
+        lab = fn.external_source(source=lambda: labels, batch=True)
+        img = fn.external_source(source=lambda: images, batch=True, layout="HWC")
+        r, x, y = (fn.external_source(source=lambda v=v: list(v[:, None]), batch=True) for v in (ratio, px, py))
+        eb, el = fn.box_encoder(b, lab, anchors=anchors.ravel().tolist(), **ENCODE)
+        return (eb, el, fn.bb_flip(b, ltrb=True, horizontal=1, vertical=1),
+                fn.bbox_paste(b, ratio=r[0], paste_x=x[0], paste_y=y[0], ltrb=True),
+                fn.paste(img, ratio=r[0], paste_x=x[0], paste_y=y[0], fill_value=FILL))
+
+    p = pipe()
+    p.build()
+    dali = [[np.array(t) for t in out] for out in p.run()]
+    rows = np.arange(n)
+    batch = Batch({"boxes": list(boxes), "labels": list(labels)}, rows, sample_seeds(0, 0, rows))
+    enc = ops.box_encoder(anchors, **ENCODE)(batch)
+    flipped = ops.bb_flip(ltrb=True, horizontal=True, vertical=True, p=1.0)(
+        Batch({"boxes": list(boxes)}, rows, sample_seeds(0, 0, rows))).data["boxes"]
+    pasted, canvases = [], []
+    for i in range(n):  # per-image parameters as numbers: one op per image
+        one = np.array([i])
+        pasted += ops.bbox_paste(float(ratio[i]), float(px[i]), float(py[i]), ltrb=True)(
+            Batch({"boxes": [boxes[i]]}, one, sample_seeds(0, 0, one))).data["boxes"]
+        canvases += ops.paste(float(ratio[i]), float(px[i]), float(py[i]), fill_value=FILL)(
+            Batch({"image": [images[i]]}, one, sample_seeds(0, 0, one))).data["image"]
+    return {"box_encoder_max_abs": float(max(np.abs(enc.data["boxes"][i] - dali[0][i]).max() for i in range(n))),
+            "box_encoder_label_mismatches": int(sum((enc.data["labels"][i] != dali[1][i]).sum() for i in range(n))),
+            "bb_flip_max_abs": float(max(np.abs(flipped[i] - dali[2][i]).max() for i in range(n))),
+            "bbox_paste_max_abs": float(max(np.abs(pasted[i] - dali[3][i]).max() for i in range(n))),
+            "paste_pixel_mismatches": int(sum(c.shape != d.shape or int((c != d).sum())
+                                              for c, d in zip(canvases, dali[4]))),
+            "images": n, "anchors": len(anchors)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--count", type=int, default=512, help="images in the generated COCO-style dataset")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=2, help="timed passes per competitor; the best counts")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="DALI threads")
+    parser.add_argument("--codec-count", type=int, default=64, help="images per format in the codec table")
+    parser.add_argument("--agreement", action="store_true", help="compare DALI's and gpuio's box ops too")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    root = os.path.join(cache_dir(), f"sample-coco-{args.count}")
+    if not os.path.exists(os.path.join(root, ".complete")):
+        write_coco(root, args.count)
+        open(os.path.join(root, ".complete"), "w").close()
+    images, ann = os.path.join(root, "images"), os.path.join(root, "instances.json")
+    count = args.count - args.count % args.batch
+    anchors = ssd300_anchors()
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, GPUs: {info['gpus']}"
+          + (f" ({info['gpu']})" if "gpu" in info else ""))
+    print(f"dataset: {root}: {args.count} COCO-style JPEGs (480x640 and alike, 1-8 boxes), batches of "
+          f"{args.batch}, {count} images a pass; best of {args.epochs} epochs")
+    makers = [("gpuio cpu (Loader + ops.Compose)", lambda: gpuio_loader(images, ann, args.batch, "cpu", anchors)),
+              (f"DALI cpu pipeline ({args.threads} threads)",
+               lambda: dali_loader(images, ann, args.batch, args.threads, anchors, count))]
+    if gpuio.cuda_available():
+        makers.append(("gpuio cuda", lambda: gpuio_loader(images, ann, args.batch, "cuda", anchors)))
+    else:
+        print("no GPU: the gpuio cuda row is not run")
+    rows, runs = [], {}
+    for name, make in makers:
+        row: dict[str, Any] = {"name": name}
+        try:
+            runs[name] = make()
+        except ImportError as exc:
+            row["note"] = f"not installed ({exc.name})"
+        rows.append(row)
+    speeds, failed = _rounds(runs, args.epochs)
+    dali = next((speeds.get(r["name"]) for r in rows if r["name"].startswith("DALI")), None)
+    for row in rows:
+        if row["name"] in speeds:
+            row["images_s"] = speeds[row["name"]]
+            row["vs_dali"] = row["images_s"] / dali if dali else None
+        if row["name"] in failed:
+            row["note"], row["error"] = "failed (below)", failed[row["name"]]
+    print_table(rows, [("name", "SSD pipeline", "s"), ("images_s", "images/s", ".1f"), ("vs_dali", "vs DALI", ".2f"),
+                       ("note", "note", "s")])
+    codecs = codec_table(args.codec_count, max(args.epochs, 2))
+    print_table(codecs, [("format", "format", "s"), ("kB_per_image", "kB/image", ".1f"),
+                         ("gpuio_images_s", "gpuio images/s", ".1f"), ("pillow_images_s", "Pillow images/s", ".1f"),
+                         ("ratio", "gpuio / Pillow", ".2f")])
+    payload = {"benchmark": "detection", "machine": info, "dataset": {"root": root, "images": args.count},
+               "batch": args.batch, "epochs": args.epochs, "results": rows, "codecs": codecs}
+    if args.agreement:
+        payload["agreement"] = dali_agreement(images, ann, anchors)
+        print("agreement with DALI:", json.dumps(payload["agreement"]))
+    for name, error in failed.items():
+        print(f"{name} failed: {error}")
+    write_json(args.out, payload)
+    ours = {name: error for name, error in failed.items() if name.startswith("gpuio")}
+    if ours:
+        raise BenchError("gpuio's own pipeline failed: " + "; ".join(f"{n}: {e}" for n, e in ours.items()))
+    return payload

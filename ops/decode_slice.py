@@ -1,0 +1,115 @@
+"""``decode_image_slice``: decode only a window of each image (DALI's
+``decoders.image_slice``), the window a ``random_bbox_crop`` chose.
+
+The window comes per row as a relative ``anchor`` (x, y) and ``shape`` (w, h), both
+0-1, rounded to pixels by ``crop_window``. CPU: JPEGs that ``region_decodable`` takes
+are decoded by libjpeg-turbo only where the window is (rows below it are not decoded,
+columns beside it not IDCT'd; ``gpuio._jpeg``); other images are decoded whole and
+sliced. GPU: nvImageCodec decodes the batch in one call, JPEGs without EXIF rotation
+and JPEG 2000 through its region decode (``CodeStream.get_sub_code_stream(region=)``),
+TIFFs and rotated JPEGs whole and then sliced; the rest take the CPU path and are
+uploaded. The output equals ``decode_image`` followed by the same slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from gpuio.batch import Batch, Op
+from gpuio.device import require
+from gpuio.errors import ConfigError, FormatError
+from gpuio.ops.decode import (COLORS, _bytes, decode_cpu, decode_gpu, decode_region, gpu_decodable, image_format,
+                              jpeg_info, region_decodable, upload)
+
+__all__ = ["DecodeImageSlice", "decode_image_slice", "crop_window"]
+
+
+def crop_window(anchor: Sequence[float], shape: Sequence[float], h: int, w: int) -> tuple[int, int, int, int]:
+    """Pixel window ``(y0, x0, y1, x1)`` of a relative crop (``anchor`` x, y and
+    ``shape`` w, h) in an ``h`` x ``w`` image: edges rounded to the nearest pixel, at
+    least one pixel kept."""
+    x0 = min(max(int(np.floor(anchor[0] * w + 0.5)), 0), w - 1)
+    y0 = min(max(int(np.floor(anchor[1] * h + 0.5)), 0), h - 1)
+    x1 = min(max(int(np.floor((anchor[0] + shape[0]) * w + 0.5)), x0 + 1), w)
+    y1 = min(max(int(np.floor((anchor[1] + shape[1]) * h + 0.5)), y0 + 1), h)
+    return y0, x0, y1, x1
+
+
+def _slice(img: Any, anchor: Sequence[float], shape: Sequence[float]) -> Any:
+    y0, x0, y1, x1 = crop_window(anchor, shape, img.shape[0], img.shape[1])
+    return img[y0:y1, x0:x1]
+
+
+class DecodeImageSlice(Op):
+    """Decode the window ``anchor``/``shape`` (field names; relative x, y and w, h per
+    row) of ``field`` (encoded bytes) into ``out`` (HWC uint8); see the module
+    docstring. Colours and errors as ``decode_image``."""
+
+    def __init__(self, field: str = "data", anchor: str = "crop_anchor", shape: str = "crop_shape",
+                 out: str = "image", color: str = "rgb") -> None:
+        if color not in COLORS:
+            raise ConfigError(f"color {color!r}; choose one of {', '.join(COLORS)}")
+        self.field, self.anchor, self.shape, self.out, self.color = field, anchor, shape, out, color
+        self.host_inputs = (field,)
+
+    def __call__(self, batch: Batch) -> Batch:
+        bufs = batch.data[self.field]
+        anchors, shapes = batch.data[self.anchor], batch.data[self.shape]
+        images: list[Any] = [None] * len(bufs)
+        if batch.device.is_cuda:
+            self._decode_gpu(batch, bufs, anchors, shapes, images)
+        for row, buf in enumerate(bufs):
+            if images[row] is not None:
+                continue
+            try:
+                images[row] = self._decode_cpu(_bytes(buf), anchors[row], shapes[row], int(batch.index[row]))
+            except FormatError as exc:
+                batch.reject(row, exc)
+        batch.data[self.out] = upload(batch, images)
+        batch.drop_rejected()
+        return batch
+
+    def _decode_cpu(self, data: np.ndarray, anchor: Sequence[float], shape: Sequence[float],
+                    sample: int) -> np.ndarray:
+        info = jpeg_info(data)
+        if region_decodable(data, info):
+            window = crop_window(anchor, shape, info.height, info.width)
+            return np.ascontiguousarray(decode_region(data, info, self.color, window, 1, sample))
+        return np.ascontiguousarray(_slice(decode_cpu(data, self.color, sample), anchor, shape))
+
+    def _decode_gpu(self, batch: Batch, bufs: list[Any], anchors: list[Any], shapes: list[Any],
+                    images: list[Any]) -> None:
+        """Region-decode on the GPU what nvImageCodec takes; the rest stays None."""
+        nvimgcodec = require("nvidia.nvimgcodec")
+        rows, sources, whole = [], [], []
+        for row, buf in enumerate(bufs):
+            data = _bytes(buf)
+            if not gpu_decodable(data):
+                continue
+            info = jpeg_info(data)
+            # EXIF rotation turns the window; a TIFF may carry its own orientation tag
+            if (info is not None and info.orientation != 1) or image_format(data) == "tiff":
+                rows.append(row)
+                sources.append(data)
+                whole.append(row)
+                continue
+            try:
+                stream = nvimgcodec.CodeStream(data)
+                y0, x0, y1, x1 = crop_window(anchors[row], shapes[row], stream.height, stream.width)
+                sources.append(stream.get_sub_code_stream(region=nvimgcodec.Region(y0, x0, y1, x1)))
+            except RuntimeError:  # nvImageCodec cannot parse it: the CPU path decodes or rejects it
+                continue
+            rows.append(row)
+        decode_gpu(batch, rows, sources, self.color, images)
+        for row in whole:
+            if images[row] is not None:
+                images[row] = _slice(images[row], anchors[row], shapes[row])
+
+
+def decode_image_slice(field: str = "data", anchor: str = "crop_anchor", shape: str = "crop_shape",
+                       out: str = "image", color: str = "rgb") -> DecodeImageSlice:
+    """See ``DecodeImageSlice``."""
+    return DecodeImageSlice(field, anchor, shape, out, color)
