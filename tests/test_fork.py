@@ -165,6 +165,24 @@ def test_locks_held_by_parent_threads_at_fork_are_free_in_the_child(files):
     assert single == [blobs[4]]
 
 
+def child_iterates(loader):
+    return [int(label) for batch in loader for label in batch["label"]]
+
+
+def test_loader_running_in_the_parent_iterates_in_the_child(files):
+    """A pass left running at the fork (its stage threads alive in the parent) is
+    restarted by the child's ``for``, which reads with threads of its own."""
+    index, _ = files
+    loader = gpuio.Loader(index, 4, output="numpy", prefetch=2)
+    running = iter(loader)
+    next(running)
+    try:
+        assert run_in_fork_child(child_iterates, loader) == list(range(FILES))
+        assert [int(x) for x in next(running)["label"]] == [4, 5, 6, 7]  # the parent's pass goes on
+    finally:
+        loader.close()
+
+
 def child_overwrites(arrays):
     """Write into inherited batch arrays, then read anew: the parent must see none of it."""
     pool = default_pool()
