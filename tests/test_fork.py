@@ -183,6 +183,28 @@ def test_loader_running_in_the_parent_iterates_in_the_child(files):
         loader.close()
 
 
+def child_reopens(cache, parent_handle, path):
+    handle = cache.acquire(path)
+    cache.release(path, handle)
+    return handle is not parent_handle, parent_handle.closed, handle.read(4)
+
+
+def test_cached_file_handles_are_reopened_in_the_child(files):
+    """The parent's handles are neither used nor closed in the child (a cuFile handle
+    must not be deregistered there); the child opens its own on demand."""
+    from gpuio._handles import HandleCache
+
+    index, blobs = files
+    path = index.extent(2).file
+    cache = HandleCache(lambda p: open(p, "rb"), lambda f: f.close(), capacity=4)
+    parent_handle = cache.acquire(path)
+    cache.release(path, parent_handle)
+    try:
+        assert run_in_fork_child(child_reopens, cache, parent_handle, path) == (True, False, blobs[2][:4])
+    finally:
+        cache.close()
+
+
 def child_overwrites(arrays):
     """Write into inherited batch arrays, then read anew: the parent must see none of it."""
     pool = default_pool()
