@@ -62,7 +62,7 @@ class _Storage:
         self.device = device
         self.pinned = pinned
         self.events: list[Any] = []
-        self._gds_deregister: Any = None  # kvikio.memory_deregister once registered
+        self._gds: Any = None  # once registered with cuFile: the finalizer that deregisters
         if device.is_cuda:
             cp = require("cupy")
             with cp.cuda.Device(device.index):
@@ -87,19 +87,21 @@ class _Storage:
         return not self.events
 
     def register_gds(self, kvikio: Any) -> None:
-        """Register this device buffer with cuFile (once; ``close`` deregisters it).
-        ``memory_register`` covers the whole allocation, which is exactly this buffer."""
-        if self._gds_deregister is None:
+        """Register this device buffer with cuFile, once. ``memory_register`` covers the
+        whole allocation, which is exactly this buffer. It is deregistered before the
+        memory is freed: by ``close`` or, when the pool itself goes, by the finalizer
+        (which holds the memory until then)."""
+        if self._gds is None:
             kvikio.memory_register(self.array)
-            self._gds_deregister = kvikio.memory_deregister
+            self._gds = weakref.finalize(self, kvikio.memory_deregister, self.array)
+            self._gds.atexit = False
 
     def close(self) -> int:
         """Free the memory now (the pool evicts it); returns its capacity in bytes."""
         for e in self.events:
             e.synchronize()
-        if self._gds_deregister is not None:
-            self._gds_deregister(self.array)
-            self._gds_deregister = None
+        if self._gds is not None:
+            self._gds()  # deregisters, once
         self.array = self._mem = None
         return self.capacity
 
@@ -253,7 +255,7 @@ class BufferPool:
         """Free every cached buffer (buffers in use return later and are kept)."""
         with self._lock:
             for s in self._free:
-                self._held -= s.capacity
+                self._held -= s.close()
             self._free.clear()
 
 

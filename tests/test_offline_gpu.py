@@ -97,7 +97,9 @@ def _venv(flavor: str) -> Path:
         if done.returncode != 0:
             pytest.fail(f"installing the {flavor} GPU wheels failed (package index unreachable?):\n"
                         f"{' '.join(cmd)}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    shutil.rmtree(target, ignore_errors=True)
+    for stale in cache.glob(f"{flavor}-*"):  # earlier pins' environments
+        if stale != building:
+            shutil.rmtree(stale, ignore_errors=True)
     building.rename(target)  # venv scripts name their folder; bin/python itself does not
     (target / "complete").write_text(f"{time.monotonic() - t0:.1f} s to install {' '.join(pins)}\n")
     return python
@@ -105,8 +107,11 @@ def _venv(flavor: str) -> Path:
 
 @pytest.mark.parametrize("flavor", list(WHEELS))
 def test_gpu_wheels_have_what_gpuio_uses(flavor):
-    python = _venv(flavor)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
+    # GPUIO_CONTRACT_PYTHON: an interpreter that already has the GPU packages (a GPU host,
+    # which cannot reach a package index); then both flavors check what it has
+    given = os.environ.get("GPUIO_CONTRACT_PYTHON")
+    python = given or _venv(flavor)
+    env = {k: v for k, v in os.environ.items() if given or k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
     done = subprocess.run([str(python), str(ROOT / "tests" / "gpu_contract.py")], capture_output=True, text=True,
                           timeout=600, cwd=ROOT, env=env)
     lines = done.stdout.strip().splitlines()
