@@ -39,6 +39,18 @@ from gpuio.plan import ReadPlan
 
 
 _PARALLEL_COPY = 64 << 10  # mean read size from which cached copies run on several cores
+# Mean task size from which a file read by several tasks is advised POSIX_FADV_SEQUENTIAL:
+# parallel pieces of one large extent land at scattered offsets of one open file, which
+# the kernel's readahead takes for random reads (cold 128 MiB files: 0.6x one sequential
+# read without the advice, 0.9-1.0x with it).
+_SEQUENTIAL_TASK = 1 << 20
+
+
+def _sequential_files(plan: ReadPlan, inverse: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Per unique file of the plan: read by several tasks of ``_SEQUENTIAL_TASK`` bytes
+    or more on average (a large extent in pieces)."""
+    nbytes = np.bincount(inverse, weights=plan.task_length, minlength=len(counts))
+    return (counts > 1) & (nbytes >= _SEQUENTIAL_TASK * counts)
 
 
 def native_available() -> bool:
@@ -108,8 +120,9 @@ class PosixBackend:
         stop = np.zeros(1, dtype=np.int32)
         pending, npending, done = np.empty(n, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(n, dtype=np.int64)
         direct = self.o_direct and not (self._no_direct & set(names))
+        shared = (counts > 1).astype(np.int8) + _sequential_files(plan, inverse, counts)  # 2: advise sequential
         common = (names, inverse.astype(np.int32), plan.task_offset, plan.task_length, plan.task_dest,
-                  plan.task_need, (counts > 1).astype(np.int8), fds)
+                  plan.task_need, shared, fds)
         tail = (pending, npending, done, lease.array.ctypes.data, self._flags | (os.O_DIRECT if direct else 0))
         try:
             todo = np.arange(n, dtype=np.int64)
@@ -157,6 +170,7 @@ class PosixBackend:
         names = paths.many(unique)
         files = [names[i] for i in inverse.tolist()]
         owns = (counts[inverse] == 1).tolist()  # the task's file has no other task: open it alone
+        sequential = {names[i] for i in np.flatnonzero(_sequential_files(plan, inverse, counts)).tolist()}
         offsets, lengths = plan.task_offset.tolist(), plan.task_length.tolist()
         dests, needs = plan.task_dest.tolist(), plan.task_need.tolist()
         shared: dict[str, int] = {}  # path -> fd, for files with several tasks
@@ -170,6 +184,8 @@ class PosixBackend:
             fd = shared.get(path)
             if fd is None:
                 fd = open_(path)
+                if path in sequential:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 kept = shared.setdefault(path, fd)  # atomic: one fd wins per path
                 if kept != fd:
                     close(fd)
