@@ -109,9 +109,9 @@ def _kvikio_report() -> str:
     if problem is not None:
         return f"installed, cannot be loaded: the GPU backend 'auto' uses posix. {problem}"
     kvikio = load()
-    mode = kvikio.defaults.get("compat_mode")
+    mode = kvikio.defaults.get("compat_mode").name  # an IntEnum: AUTO, ON or OFF
     how = "compat mode: POSIX reads + bounce buffers, no GDS" if compat_mode_active() else "GDS"
-    return f"{kvikio.__version__} loads; compat_mode {mode!s} -> {how}"
+    return f"{kvikio.__version__} loads; compat_mode {mode} -> {how}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -95,7 +95,7 @@ def test_hand_over_releases_after_the_consumer_stream():
         total = given.sum()
     del given, source  # the consumer drops it with its read still queued
     assert _deferred.reap() >= 1  # kept: the stream has not passed the read
-    stream.synchronize()
+    torch.cuda.synchronize()
     assert _deferred.reap() == 0
     assert total.item() == float(np.arange(1 << 20, dtype=np.float64).sum())
 
