@@ -22,7 +22,7 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError, FormatError
 from gpuio.ops.audio import audio_dependency
-from gpuio.ops.ragged import empty, groups, pack, rows_of, segment_reduce, unpack
+from gpuio.ops.ragged import empty, groups, pack, rows_of, segment_max, unpack
 
 __all__ = ["Spectrogram", "MelFilterBank", "ToDecibels", "MFCC", "spectrogram", "mel_filter_bank",
            "to_decibels", "mfcc", "hann_window", "mel_filters", "dct_matrix"]
@@ -298,7 +298,7 @@ class ToDecibels(Op):
         out = empty(xp, x.shape, np.float32)
         if self.reference is None:
             flat = x.reshape(len(x), -1).max(axis=1) if x.ndim > 1 else x
-            ref = segment_reduce(xp, flat, counts, "max").astype(xp.float32)
+            ref = segment_max(xp, flat, counts).astype(xp.float32)
             scale = (1.0 / xp.where(ref > 0, ref, 1.0)).astype(xp.float32)
             per_row = xp.asarray(np.repeat(np.arange(len(rows)), counts))
             xp.multiply(x, scale[per_row].reshape((-1,) + (1,) * (x.ndim - 1)), out=out)

@@ -10,7 +10,7 @@ from gpuio import ops
 from gpuio.batch import Batch, sample_seeds
 from gpuio.device import Device
 from gpuio.errors import ConfigError, FormatError
-from gpuio.ops.ragged import pack, segment_reduce, unpack
+from gpuio.ops.ragged import pack, segment_max, segment_span, unpack
 from tests.conftest import to_host
 
 LENGTHS = [16000, 4410, 777, 1, 2, 39]
@@ -107,13 +107,13 @@ def test_pack_is_a_view_of_consecutive_rows_and_a_copy_otherwise():
     assert [u.shape for u in unpack(packed, lengths, 1)] == [(3, 4), (3, 2)]
 
 
-def test_segment_reduce_empty_rows(device):
+def test_segment_max_and_span_with_empty_rows(device):
     xp = make_batch([np.zeros(1, np.float32)], device).xp
-    values = xp.asarray(np.array([3.0, 1.0, 7.0, 2.0, -1.0]))
-    lengths = np.array([2, 0, 3])
-    assert to_host(segment_reduce(xp, values, lengths, "sum")).tolist() == [4.0, 0.0, 8.0]
-    assert to_host(segment_reduce(xp, values, lengths, "max")).tolist() == [3.0, -np.inf, 7.0]
-    assert to_host(segment_reduce(xp, values, lengths, "min")).tolist() == [1.0, np.inf, -1.0]
+    values = xp.asarray(np.array([3.0, 1.0, 7.0, 2.0, -1.0, 0.5], np.float32))
+    lengths = np.array([2, 0, 3, 1])
+    assert to_host(segment_max(xp, values, lengths)).tolist() == [3.0, -np.inf, 7.0, 0.5]
+    first, last = segment_span(xp, values, xp.asarray(np.array([1.0, 0.0, 1.5, 1.0], np.float32)), lengths)
+    assert first.tolist() == [0, -1, 0, -1] and last.tolist() == [1, -1, 1, -1]
 
 
 @pytest.mark.parametrize("border", ["zero", "clamp", "reflect"])
