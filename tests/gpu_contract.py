@@ -263,6 +263,32 @@ def _device_arrays() -> None:
     del part
     gc.collect()  # the consumer dropped all: the original goes to release_after, on its stream
     assert len(released) == 1 and released[0][0] == (1234,) and released[0][1] is view, released
+    _lease_array(base)
+
+
+def _lease_array(base: Any) -> None:
+    """A device batch buffer's arrays keep the lease; when the last is gone, the release
+    event is recorded first and only then the buffer goes back to the pool."""
+    import gc
+
+    from gpuio.buffers import BufferPool, Lease, _Storage
+    from gpuio.device import Device
+
+    pool = BufferPool(1 << 20)
+    storage = object.__new__(_Storage)  # a device buffer at a made-up address, never read
+    storage.__dict__.update(capacity=4096, device=Device("cuda", 0), pinned=False, events=[], _gds=None, array=base)
+    order = []
+    storage._record_release = lambda: order.append(("event", storage in pool._free))
+    lease = Lease(pool, storage, 1000)
+    arr = lease.array
+    assert arr.data.ptr == base.data.ptr and arr.nbytes == 1000 and arr.dtype == "uint8"
+    part = arr[10:20]
+    del lease, arr
+    gc.collect()
+    assert order == [] and storage not in pool._free, order
+    del part
+    gc.collect()
+    assert order == [("event", False)] and storage in pool._free, order
 
 
 def _info() -> None:
