@@ -228,6 +228,39 @@ def _kvikio() -> None:
             else:
                 raise AssertionError("opening a missing file did not raise StorageError")
         backend.close()
+    _failing_pread()
+
+
+def _failing_pread() -> None:
+    """A pread that kvikio refuses (here: no libcuda) is a StorageError naming the file
+    and offset, and the file handle goes back to the cache."""
+    import cupy as cp
+    import numpy as np
+
+    from gpuio._kvikio import KvikioBackend
+    from gpuio.buffers import BufferPool, Lease, _Storage
+    from gpuio.device import Device
+    from gpuio.errors import StorageError
+    from gpuio.plan import build_plan
+
+    base = cp.ndarray((1 << 16,), cp.uint8, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(1 << 40, 1 << 16, None, 0), 0))
+    storage = object.__new__(_Storage)  # a device buffer at a made-up address, never reached
+    storage.__dict__.update(capacity=1 << 16, device=Device("cuda", 0), pinned=False, events=[], _gds=None, array=base)
+    storage._record_release = lambda: None
+    backend = KvikioBackend(threads=2, compat="on")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "data.bin")
+        with open(path, "wb") as f:
+            f.write(bytes(range(256)) * 64)
+        plan = build_plan(np.zeros(1, np.int64), np.array([5000]), np.array([3000]))
+        try:
+            backend.read(plan, [path], Lease(BufferPool(1 << 20), storage, plan.nbytes))
+        except StorageError as exc:
+            assert exc.path == path and exc.offset == 5000, (exc.path, exc.offset)
+        else:
+            raise AssertionError("a failing pread did not raise StorageError")
+        assert backend._handles._entries[path][1] == 0, "the file handle was not released"
+    backend.close()
 
 
 def _decode_params() -> None:
