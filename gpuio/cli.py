@@ -1,4 +1,4 @@
-"""The ``gpuio`` command: ``gpuio bench``, ``gpuio sample``, ``gpuio info``."""
+"""The ``gpuio`` command: ``gpuio bench``, ``gpuio sample``, ``gpuio info``, ``gpuio serve``."""
 
 from __future__ import annotations
 
@@ -114,6 +114,21 @@ def _kvikio_report() -> str:
     return f"{kvikio.__version__} loads; compat_mode {mode} -> {how}"
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import signal
+
+    from gpuio import serve
+
+    server = serve.Server(serve.parse_ops(args.ops), model=args.model, device=args.device, name=args.name,
+                          http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                          address=args.address, instances=args.instances, max_batch=args.max_batch)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop Triton cleanly on SIGTERM as on Ctrl-C
+    with server:
+        print(f"serving model {args.name!r} ({server.output} out): http {args.address}:{args.http_port}, "
+              f"grpc {args.address}:{args.grpc_port}", flush=True)
+        server.serve_forever()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuio", description="Training data from storage into GPU tensors.")
     parser.add_argument("--version", action="version", version=f"gpuio {gpuio.__version__}")
@@ -143,6 +158,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="GPUs, installed GPU packages and settings")
     info.set_defaults(func=cmd_info)
+
+    serve = sub.add_parser("serve", help="serve ops (and a model) in Triton Inference Server (Python 3.12, "
+                           "pip install 'gpuio[serve]')")
+    serve.add_argument("--ops", required=True, help="gpuio.ops calls, comma separated, e.g. "
+                       "\"decode_image(), resize(256), center_crop(224), normalize([123.7, 116.3, 103.5], "
+                       "[58.4, 57.1, 57.4])\"")
+    serve.add_argument("--model", help="chained after the ops: FILE.pt2 (torch.export), FILE.pt (TorchScript) "
+                       "or FILE.py:NAME (a callable on arrays)")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    serve.add_argument("--name", default="gpuio", help="the Triton model's name (default: gpuio)")
+    serve.add_argument("--address", default="0.0.0.0", help="interface to listen on (default: all)")
+    serve.add_argument("--http-port", type=_positive, default=8000)
+    serve.add_argument("--grpc-port", type=_positive, default=8001)
+    serve.add_argument("--metrics-port", type=_positive, default=8002)
+    serve.add_argument("--instances", type=_positive, default=4, help="requests in flight at once (default: 4)")
+    serve.add_argument("--max-batch", type=_positive, default=64, help="images per merged batch (default: 64)")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,421 @@
+"""Serving: the training pipeline's ops as a Triton Inference Server model, on PyTriton.
+
+    from gpuio import ops, serve
+    pipe = [ops.decode_image(), ops.resize(256), ops.center_crop(224),
+            ops.normalize(mean=[123.7, 116.3, 103.5], std=[58.4, 57.1, 57.4])]
+    with serve.Server(pipe, model="resnet50.pt2", device="cuda") as server:
+        server.serve_forever()          # or: gpuio serve --ops "..." --model resnet50.pt2
+
+The model takes ``images`` (``TYPE_UINT8``, dims ``[-1]``): per request ``[n, L]``, one
+encoded image per row (the rows of one request padded with zero bytes at the end; after a
+JPEG's end marker they are dropped, other formats' decoders ignore them). It gives ``image`` (the ops' output, one row per image) or, with a model
+chained in the same process, ``scores`` (the model's output, one row per image).
+
+Batching: PyTriton fails every request of a call when the call raises, so Triton's own
+dynamic batcher (which merges requests into one call) would let one bad image fail the
+requests merged with it. Here Triton hands each model instance one request at a time, and
+gpuio batches the requests in flight (up to ``max_batch`` images) into one ``Batch`` run
+through the ops and the model; a bad image rejects only its row, and its request alone
+gets the error, naming the image and what is wrong with it.
+
+On a GPU (``device="cuda"``) decoding and the ops run on the GPU and the ops' output
+reaches a torch model by DLPack, on the GPU (no host copy); only the model's output goes
+to the host for the response.
+
+PyTriton 0.7's Triton runs the model's Python stub with the server's interpreter: models
+load under Python 3.12 (under 3.11 they fail in the stub); the stub needs that
+interpreter's ``libpython3.12.so``, whose folder ``start`` puts on ``LD_LIBRARY_PATH``.
+``import gpuio`` (and this module) never imports PyTriton: ``start`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import runpy
+import sys
+import sysconfig
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from gpuio.batch import Batch, sample_seeds
+from gpuio.device import Device, check_cuda, parse_device, require
+from gpuio.errors import ConfigError, DataError, DependencyError, GpuioError
+
+__all__ = ["Pipeline", "Server", "load_model", "parse_ops", "INPUT", "OUTPUT", "SCORES"]
+
+INPUT = "images"  # encoded bytes, uint8 [n, L] per request
+OUTPUT = "image"  # the ops' output, one row per image
+SCORES = "scores"  # the chained model's output, one row per image
+
+Model = Callable[[Any], Any]
+
+
+def parse_ops(text: str) -> list[Any]:
+    """Ops from their Python spelling, e.g. ``"decode_image(), resize(256),
+    center_crop(224), normalize(mean=[123.7, 116.3, 103.5], std=[58.4, 57.1, 57.4])"``
+    (calls of ``gpuio.ops`` names, comma separated)."""
+    from gpuio import ops
+
+    names = {name: getattr(ops, name) for name in ops.__all__}
+    try:
+        built = eval(f"[{text}]", {"__builtins__": {}}, names)  # noqa: S307 - the user's own command line
+    except GpuioError:
+        raise
+    except Exception as exc:  # a typo in the text: SyntaxError, NameError, TypeError ...
+        raise ConfigError(f"--ops {text!r}: {type(exc).__name__}: {exc}; write calls of gpuio.ops "
+                          f"({', '.join(n for n in ops.__all__ if n[0].islower())}), comma separated") from exc
+    if not built or not all(callable(op) for op in built):
+        raise ConfigError(f"--ops {text!r} gives no ops; write calls of gpuio.ops, comma separated")
+    return built
+
+
+def load_model(spec: str, device: str | Device = "cpu") -> Model:
+    """A model from a file: ``FILE.pt2`` (``torch.export.save``), ``FILE.pt``/``.pth``/``.ts``
+    (TorchScript, ``torch.jit.save``), or ``FILE.py:NAME`` (the callable ``NAME`` defined
+    in that Python file, called on NumPy arrays, or CuPy arrays on a GPU)."""
+    device = parse_device(device)
+    path, _, attr = spec.rpartition(":") if spec.rpartition(":")[0].endswith(".py") else (spec, "", "")
+    if not os.path.isfile(path):
+        raise ConfigError(f"model {spec!r}: no such file {path!r}")
+    if path.endswith(".py"):
+        found = runpy.run_path(path).get(attr)
+        if not callable(found):
+            raise ConfigError(f"model {spec!r}: {path} defines no callable {attr!r}")
+        return found
+    torch = require("torch")
+    where = "cpu" if not device.is_cuda else f"cuda:{device.index}"
+    if path.endswith(".pt2"):
+        return torch.export.load(path).module().to(where)  # an exported program has no eval mode
+    if path.endswith((".pt", ".pth", ".ts")):
+        return torch.jit.load(path, map_location=where).eval()
+    raise ConfigError(f"model {spec!r}: use a .pt2 (torch.export), .pt/.pth/.ts (TorchScript) or FILE.py:NAME")
+
+
+def _last_dtype(ops: Sequence[Any]) -> np.dtype:
+    """The dtype the ops give: the last op with a ``dtype`` (normalize), else uint8 pixels."""
+    flat = [o for op in ops for o in getattr(op, "ops", [op])]
+    dtypes = [o.dtype for o in flat if isinstance(getattr(o, "dtype", None), str)]
+    return np.dtype(dtypes[-1] if dtypes else np.uint8)
+
+
+class Pipeline:
+    """Encoded images -> the ops' output (-> the model's output), the same ops and the
+    same results as a ``Loader`` with ``ops`` (on the CPU, exactly).
+
+    Args:
+        ops: ops as a ``Loader`` takes them; the first reads field ``field`` (encoded
+            bytes), the output is field ``output``.
+        model: a callable run on the ops' output, stacked ``[N, ...]``: a torch module
+            (called on a torch tensor made by DLPack, on the batch's device, under
+            ``torch.inference_mode``) or any callable on NumPy (CPU) or CuPy (GPU) arrays;
+            or a file for ``load_model``.
+        device: ``"cpu"`` or ``"cuda[:N]"``: where decoding, the ops and the model run.
+    """
+
+    def __init__(self, ops: Sequence[Any], *, model: Model | str | None = None, device: str | Device = "cpu",
+                 field: str = "data", output: str = "image") -> None:
+        from gpuio.ops import Compose
+
+        if not ops or not all(callable(op) for op in ops):
+            raise ConfigError(f"ops must be a non-empty list of gpuio ops, got {ops!r}")
+        self.device = parse_device(device)
+        check_cuda(self.device)
+        self.ops = Compose(list(ops))  # as the Loader composes them: the fused chains and all
+        self.field, self.output = field, output
+        self.model = load_model(model, self.device) if isinstance(model, str) else model
+        torch = sys.modules.get("torch")
+        self._torch = torch if torch is not None and isinstance(self.model, torch.nn.Module) else None
+        self.dtype = _last_dtype(ops)
+
+    def __call__(self, images: Sequence[Any], seeds: np.ndarray | None = None) -> list[np.ndarray | GpuioError]:
+        """Run a batch of encoded images (1-D uint8 arrays or bytes); one entry per image:
+        its output row (host NumPy) or the ``GpuioError`` that rejected it. ``seeds``
+        (uint64 per image) drive random ops; default: ``sample_seeds(0, 0, arange(n))``."""
+        n = len(images)
+        rows = [np.frombuffer(a, np.uint8) if isinstance(a, (bytes, bytearray, memoryview)) else a for a in images]
+        seeds = sample_seeds(0, 0, np.arange(n)) if seeds is None else seeds
+        batch = Batch({self.field: rows}, np.arange(n, dtype=np.int64), seeds, self.device, on_error="skip")
+        batch = self.ops(batch)
+        results: list[np.ndarray | GpuioError] = [None] * n
+        for row, err in batch.errors:
+            results[row] = _for_image(err, row)
+        out = batch.data[self.output]
+        kept = batch.index.tolist()
+        if self.model is not None and kept:
+            out = self._run_model(_stacked(out, batch.xp))
+        for j, row in enumerate(kept):
+            results[row] = out[j]
+        return [r if isinstance(r, GpuioError) else _to_host(r) for r in results]
+
+    def _run_model(self, x: Any) -> Any:
+        torch = self._torch
+        if torch is None:
+            return self.model(x)
+        if self.device.is_cuda:  # torch's stream waits for the ops' kernels (on CuPy's current stream)
+            cp = require("cupy")
+            event = cp.cuda.get_current_stream().record()
+            stream = torch.cuda.current_stream(self.device.index).cuda_stream
+            cp.cuda.runtime.streamWaitEvent(stream, event.ptr)
+        with torch.inference_mode():
+            return self.model(torch.from_dlpack(x))
+
+
+def _for_image(err: BaseException, row: int) -> GpuioError:
+    """``err`` about batch row ``row``, saying which image it is (of its request)."""
+    if isinstance(err, DataError):
+        return type(err)(err.reason, sample=f"image {row}")
+    return err if isinstance(err, GpuioError) else ConfigError(f"image {row}: {type(err).__name__}: {err}")
+
+
+def _stacked(out: Any, xp: Any) -> Any:
+    if not isinstance(out, list):
+        return out
+    if any(a.shape != out[0].shape for a in out):
+        raise ConfigError(f"the ops give images of different shapes ({sorted({a.shape for a in out})}); a model "
+                          f"takes one shape: end the ops with a resize or crop to one size")
+    return xp.stack(out)
+
+
+def _to_host(a: Any) -> np.ndarray:
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "detach"):  # a torch tensor
+        return a.detach().cpu().numpy()
+    if hasattr(a, "get"):  # a CuPy array
+        return a.get()
+    return np.asarray(a)
+
+
+def _unpad(row: np.ndarray) -> np.ndarray:
+    """A request's row without the zero bytes that pad it to the request's width, where
+    they follow a JPEG's end marker (the decoders' fast paths want the JPEG to end there)."""
+    if len(row) < 2 or row[-1] != 0:
+        return row
+    nonzero = np.flatnonzero(row)
+    end = int(nonzero[-1]) + 1 if len(nonzero) else 0
+    return row[:end] if end >= 2 and row[end - 2] == 0xFF and row[end - 1] == 0xD9 else row
+
+
+class _Job:
+    """One request on its way through the batcher."""
+
+    __slots__ = ("rows", "done", "out", "error")
+
+    def __init__(self, rows: list[np.ndarray]) -> None:
+        self.rows = rows
+        self.done = threading.Event()
+        self.out: np.ndarray | None = None
+        self.error: BaseException | None = None
+
+
+class Batcher:
+    """Runs the requests in flight as batches of ``pipeline``: ``workers`` threads each
+    take every waiting request (up to ``max_batch`` images) as one batch."""
+
+    def __init__(self, pipeline: Pipeline, max_batch: int = 64, workers: int = 1) -> None:
+        self.pipeline, self.max_batch = pipeline, max_batch
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._loop, name=f"gpuio-serve-{i}", daemon=True)
+                         for i in range(workers)]
+        self._lock = threading.Lock()
+        self.batches = 0  # batches run, and images in them: how much requests were merged
+        self.images = 0
+        for t in self._threads:
+            t.start()
+
+    def submit(self, images: np.ndarray) -> np.ndarray:
+        """Run one request's images (uint8 ``[n, L]``); its output rows stacked, or raise
+        the error of its first bad image."""
+        job = _Job([_unpad(row) for row in images])
+        self._queue.put(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.out
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            jobs, n = [job], len(job.rows)
+            while n < self.max_batch:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:  # closing: finish this batch, then stop
+                    self._queue.put(None)
+                    break
+                jobs.append(more)
+                n += len(more.rows)
+            self._run(jobs)
+
+    def _run(self, jobs: list[_Job]) -> None:
+        rows = [r for job in jobs for r in job.rows]
+        # random ops draw by the image's place in its request, not in the merged batch
+        seeds = sample_seeds(0, 0, np.concatenate([np.arange(len(job.rows)) for job in jobs]))
+        try:
+            results = self.pipeline(rows, seeds)
+        except GpuioError as exc:
+            if len(jobs) > 1:  # a whole-batch failure: run each request alone, so that only its own fails
+                for job in jobs:
+                    self._run([job])
+                return
+            jobs[0].error = exc
+            jobs[0].done.set()
+            return
+        with self._lock:
+            self.batches += 1
+            self.images += len(rows)
+        start = 0
+        for job in jobs:
+            mine = results[start: start + len(job.rows)]
+            start += len(job.rows)
+            bad = [(i, r) for i, r in enumerate(mine) if isinstance(r, GpuioError)]
+            try:
+                if bad:
+                    raise bad[0][1]
+                if any(r.shape != mine[0].shape for r in mine):
+                    raise ConfigError(f"the images of one request give outputs of different shapes "
+                                      f"({[r.shape for r in mine]}); send them in separate requests or end "
+                                      f"the ops with a resize or crop to one size")
+                job.out = np.stack(mine)
+            except GpuioError as exc:
+                job.error = exc
+            job.done.set()
+
+
+def _libpython_on_path() -> None:
+    """Put this interpreter's ``libpython3.X.so`` folder on ``LD_LIBRARY_PATH``: Triton's
+    Python stub (started by the server, inheriting this environment) links against it."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if not libdir or not os.path.exists(os.path.join(libdir, sysconfig.get_config_var("LDLIBRARY") or "")):
+        return
+    paths = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    if libdir not in paths:
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([libdir, *paths])
+
+
+def _pytriton() -> Any:
+    if sys.version_info[:2] != (3, 12):
+        raise DependencyError(
+            f"serving needs Python 3.12 (this is {sys.version.split()[0]}): PyTriton 0.7's Triton loads models "
+            f"in a Python stub that fails under other versions; make a 3.12 environment with "
+            f"pip install 'gpuio[serve]'")
+    try:
+        import pytriton.triton as triton
+        from pytriton import model_config
+    except ImportError as exc:
+        raise DependencyError(f"serving needs PyTriton ({exc}); install it with pip install 'gpuio[serve]'") from exc
+    return triton, model_config
+
+
+class Server:
+    """A Triton Inference Server (PyTriton) serving ``ops`` (and ``model``) as model ``name``.
+
+    Args:
+        ops, model, device: as for ``Pipeline``.
+        name: the Triton model's name.
+        http_port, grpc_port, metrics_port: Triton's ports; ``address`` the interface
+            they listen on (``"0.0.0.0"``: all).
+        instances: Triton model instances, i.e. requests in flight at once (each
+            instance is a Triton Python stub process).
+        max_batch: images per request (Triton's ``max_batch_size``) and per merged batch.
+        workers: threads running batches (default: 1 on a GPU, one per core on the CPU).
+        output_shape: the output's dims per image (default: ``(-1, -1, -1)`` for images,
+            ``(-1,)`` for scores).
+        output_dtype: the output's dtype (default: the ops' own, float32 for a model).
+    """
+
+    def __init__(self, ops: Sequence[Any], *, model: Model | str | None = None, device: str | Device = "cpu",
+                 name: str = "gpuio", http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                 address: str = "0.0.0.0", instances: int = 4, max_batch: int = 64, workers: int | None = None,
+                 output_shape: Sequence[int] | None = None, output_dtype: Any = None) -> None:
+        for what, value in (("instances", instances), ("max_batch", max_batch), ("workers", workers or 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{what} must be a positive integer, got {value!r}")
+        self.pipeline = Pipeline(ops, model=model, device=device)
+        self.name, self.address, self.instances, self.max_batch = name, address, instances, max_batch
+        self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+        chained = self.pipeline.model is not None
+        self.output = SCORES if chained else OUTPUT
+        self.output_shape = tuple(output_shape or ((-1,) if chained else (-1, -1, -1)))
+        self.output_dtype = np.dtype(output_dtype or (np.float32 if chained else self.pipeline.dtype))
+        self.workers = workers or (1 if self.pipeline.device.is_cuda else os.cpu_count() or 1)
+        self.batcher: Batcher | None = None
+        self._triton: Any = None
+
+    def bind(self, triton: Any) -> None:
+        """Bind the model to a PyTriton ``Triton`` (which may serve other models too)."""
+        _, mc = _pytriton()
+        self.batcher = Batcher(self.pipeline, self.max_batch, self.workers)
+
+        def infer(requests: list[Any]) -> list[dict[str, np.ndarray]]:
+            # one request per call: the model config has no dynamic batcher (see the module docstring)
+            return [{self.output: self.batcher.submit(r[INPUT]).astype(self.output_dtype, copy=False)}
+                    for r in requests]
+
+        triton.bind(model_name=self.name, infer_func=[infer] * self.instances,
+                    inputs=[mc.Tensor(name=INPUT, dtype=np.uint8, shape=(-1,))],
+                    outputs=[mc.Tensor(name=self.output, dtype=self.output_dtype, shape=self.output_shape)],
+                    config=mc.ModelConfig(batching=True, max_batch_size=self.max_batch, batcher=None))
+
+    def start(self, tries: int = 3) -> Server:
+        """Start Triton and load the model; returns when it serves requests.
+
+        PyTriton's model instances start in parallel, and all but the first wait one
+        second for the first one's handshake socket; on a loaded machine that can run
+        out and the model fails to load. Such a start is tried again, ``tries`` times in
+        all, then its error is raised."""
+        triton, _ = _pytriton()
+        _libpython_on_path()
+        config = triton.TritonConfig(http_address=self.address, grpc_address=self.address,
+                                     metrics_address=self.address, http_port=self.ports["http"],
+                                     grpc_port=self.ports["grpc"], metrics_port=self.ports["metrics"],
+                                     exit_timeout_secs=5)
+        for attempt in range(1, tries + 1):
+            self._triton = triton.Triton(config=config)
+            try:
+                self.bind(self._triton)
+                self._triton.run()
+                return self
+            except Exception as exc:
+                self.stop()
+                if attempt == tries:
+                    raise
+                print(f"gpuio serve: the model did not load ({type(exc).__name__}: {str(exc)[:200]}...); "
+                      f"starting again ({attempt + 1}/{tries})", file=sys.stderr)
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def serve_forever(self) -> None:
+        """Block until Triton stops (Ctrl-C or SIGTERM stops it)."""
+        self._triton.serve()
+
+    def stop(self) -> None:
+        """Stop Triton (its server and stub processes end) and the batch threads."""
+        if self._triton is not None:
+            self._triton.stop()
+            self._triton = None
+        if self.batcher is not None:
+            self.batcher.close()
+            self.batcher = None
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,113 @@
+"""The Python 3.12 environment the serving tests and bench/serve.py run the server in.
+
+PyTriton 0.7's Triton loads models only under Python 3.12 (see ``gpuio.serve``), and the
+tests run under the project's Python (3.11 in CI). This makes, once, a 3.12 virtual
+environment with ``gpuio[serve]`` (gpuio installed editable from this checkout, its C
+extensions built for 3.12; no torch) in the cache folder, and checks it on every use:
+
+    python tests/serve_env.py        # make or check it; prints its python
+
+The 3.12 interpreter: ``$GPUIO_SERVE_PYTHON``, else ``python3.12`` on PATH (through pyenv,
+the newest 3.12 it has). Anything missing is an error, never a skip.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("nvidia-pytriton", "tritonclient")  # the serve extra, checked by import below
+
+
+class ServeEnvError(RuntimeError):
+    """The 3.12 serving environment cannot be made; the message says what failed."""
+
+
+def _base_python() -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run a Python 3.12 interpreter."""
+    env = dict(os.environ)
+    given = os.environ.get("GPUIO_SERVE_PYTHON")
+    if given:
+        return [given], env
+    if shutil.which("pyenv"):
+        versions = subprocess.run(["pyenv", "versions", "--bare"], capture_output=True, text=True).stdout.split()
+        found = sorted((v for v in versions if v.startswith("3.12.")), key=lambda v: [int(x) for x in v.split(".")
+                                                                                        if x.isdigit()])
+        if found:
+            env["PYENV_VERSION"] = found[-1]
+    if shutil.which("python3.12", path=env.get("PATH")) is None:
+        raise ServeEnvError("the serving tests need Python 3.12 (PyTriton's Triton loads models only under 3.12): "
+                            "none on PATH; install it or set GPUIO_SERVE_PYTHON to one")
+    return ["python3.12"], env
+
+
+def venv_dir() -> str:
+    cache = os.environ.get("GPUIO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:  # changed dependencies make a new one
+        project = tomllib.load(f)["project"]
+    needs = [*project["dependencies"], *project["optional-dependencies"]["serve"]]
+    key = hashlib.sha1("\n".join(needs).encode()).hexdigest()[:10]
+    return os.path.join(cache, f"serve-venv-py312-{key}")
+
+
+def _run(cmd: list[str], what: str, **kw: object) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if done.returncode != 0:
+        raise ServeEnvError(f"{what} failed ({' '.join(cmd)}), exit {done.returncode}:\n"
+                            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def _ready(python: str) -> bool:
+    """gpuio imports from this checkout with its 3.12 extensions, built after their C
+    sources changed last, and PyTriton imports."""
+    for source in glob.glob(os.path.join(ROOT, "gpuio", "_*.c")):
+        built = glob.glob(source[:-2] + ".cpython-312-*.so")
+        if built and os.path.getmtime(built[0]) < os.path.getmtime(source):
+            return False
+    probe = ("import gpuio, gpuio._cpuops, gpuio._native, pytriton.triton, tritonclient.http, tritonclient.grpc;"
+             "print(gpuio.__file__)")
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    return done.returncode == 0 and done.stdout.strip() == os.path.join(ROOT, "gpuio", "__init__.py")
+
+
+def ensure(log=print) -> str:
+    """The 3.12 environment's python, made or brought up to date first (minutes, once)."""
+    path = venv_dir()
+    python = os.path.join(path, "bin", "python")
+    if os.path.exists(python) and _ready(python):
+        return python
+    t0 = time.perf_counter()
+    if not os.path.exists(os.path.join(path, ".complete")):
+        log(f"making the Python 3.12 serving environment in {path} (once)")
+        shutil.rmtree(path, ignore_errors=True)
+        for old in glob.glob(os.path.join(os.path.dirname(path), "serve-venv-py312-*")):
+            shutil.rmtree(old, ignore_errors=True)  # made for another dependency list
+        cmd, env = _base_python()
+        _run([*cmd, "-m", "venv", path], "making the virtual environment", env=env)
+        _run([python, "-m", "pip", "install", "-q", "setuptools>=74.1", "wheel"], "installing setuptools")
+        _run([python, "-m", "pip", "install", "-q", "--no-build-isolation", "-e", f"{ROOT}[serve]"],
+             "installing gpuio[serve]")
+        open(os.path.join(path, ".complete"), "w").close()
+    else:  # made from another checkout, or this one's extensions are not built for 3.12 yet
+        _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", ROOT],
+             "installing gpuio from this checkout")
+    if not _ready(python):
+        raise ServeEnvError(f"{path}: gpuio (from {ROOT}) or PyTriton does not import there after installing")
+    log(f"serving environment ready in {time.perf_counter() - t0:.0f} s: {python}")
+    return python
+
+
+if __name__ == "__main__":
+    try:
+        print(ensure(log=lambda m: print(m, file=sys.stderr)))
+    except ServeEnvError as exc:
+        print(f"serve_env: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,371 @@
+"""gpuio.serve: the ops (and a model) in Triton Inference Server, through PyTriton.
+
+In-process tests check ``serve.Pipeline`` and the batcher against the offline ``Loader``
+(torch models included, where torch is). The server tests start the real server with
+``gpuio serve`` under the Python 3.12 environment of ``tests/serve_env.py`` (PyTriton's
+Triton loads models only under 3.12), on 127.0.0.1 with free ports, and send requests
+with tritonclient over HTTP and gRPC from concurrent clients.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import gpuio
+from gpuio import formats, serve
+from gpuio.errors import ConfigError, DependencyError, FormatError
+from gpuio.sample import make_image_tree
+
+OPS = "decode_image(), resize(40), center_crop(32), normalize([123.7, 116.3, 103.5], [58.4, 57.1, 57.4])"
+CORRUPT = b"\xff\xd8\xff\xe0" + b"\x00" * 200  # a JPEG start, then nothing a decoder can use
+
+MODEL_PY = '''
+import numpy as np
+
+def classify(x):  # exact in any NumPy: per-channel max and min, [N, 6]
+    x = np.asarray(x)
+    return np.concatenate([x.max(axis=(2, 3)), x.min(axis=(2, 3))], axis=1)
+'''
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """24 JPEGs from the sample writer (gray, progressive, CMYK, EXIF-rotated ones too),
+    and the offline pipeline's output for each (a Loader with the same ops)."""
+    root = make_image_tree(tmp_path_factory.mktemp("serve-images"), count=24, classes=2, progress=False)
+    index = formats.filetree(root)
+    loader = gpuio.Loader(index, 24, ops=serve.parse_ops(OPS), output="numpy")
+    (batch,) = list(loader)
+    encoded = [open(index.extent(i).file, "rb").read() for i in range(len(index))]
+    return encoded, np.asarray(batch["image"])
+
+
+def classify(x):
+    namespace: dict = {}
+    exec(MODEL_PY, namespace)
+    return namespace["classify"](x)
+
+
+# ---- in process ------------------------------------------------------------------------
+
+
+def test_pipeline_equals_the_loader_and_rejects_only_the_bad_image(images):
+    encoded, offline = images
+    pipe = serve.Pipeline(serve.parse_ops(OPS))
+    out = pipe(encoded[:5] + [CORRUPT] + encoded[5:])
+    assert isinstance(out[5], FormatError) and "image 5" in str(out[5]) and "cannot decode" in str(out[5])
+    got = np.stack(out[:5] + out[6:])
+    assert got.dtype == np.float32 and np.array_equal(got, offline)
+
+
+def test_batcher_merges_concurrent_requests_and_isolates_errors(images):
+    encoded, offline = images
+    batcher = serve.Batcher(serve.Pipeline(serve.parse_ops(OPS)), max_batch=64, workers=1)
+    try:
+        def request(i):
+            rows = [CORRUPT] if i == 7 else [encoded[i]]
+            try:
+                return batcher.submit([np.frombuffer(r, np.uint8) for r in rows])
+            except FormatError as exc:
+                return exc
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(request, range(24)))
+    finally:
+        batcher.close()
+    assert isinstance(results[7], FormatError) and "cannot decode image" in str(results[7])
+    for i, r in enumerate(results):
+        if i != 7:
+            assert r.shape == (1, 3, 32, 32) and np.array_equal(r[0], offline[i]), i
+    assert batcher.images == 24 and batcher.batches < 24  # requests in flight were merged
+
+
+def test_pipeline_with_a_callable_model(images):
+    encoded, offline = images
+    out = serve.Pipeline(serve.parse_ops(OPS), model=classify)(encoded)
+    assert np.array_equal(np.stack(out), classify(offline))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+@pytest.mark.parametrize("kind", ["torchscript", "export"])
+def test_pipeline_with_a_torch_model_file(images, tmp_path, kind):
+    torch = pytest.importorskip("torch")
+    encoded, offline = images
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+            self.fc = torch.nn.Linear(4, 10)
+
+        def forward(self, x):
+            return self.fc(self.conv(x).mean(dim=(2, 3)))
+
+    net = Net().eval()
+    example = torch.from_numpy(offline[:2])
+    if kind == "torchscript":
+        path = str(tmp_path / "net.pt")
+        torch.jit.save(torch.jit.trace(net, example), path)
+    else:
+        path = str(tmp_path / "net.pt2")
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        torch.export.save(torch.export.export(net, (example,), dynamic_shapes=({0: batch},)), path)
+    pipe = serve.Pipeline(serve.parse_ops(OPS), model=path)
+    assert isinstance(pipe.model, torch.nn.Module)
+    out = pipe(encoded)
+    with torch.inference_mode():
+        expected = net(torch.from_numpy(offline)).numpy()
+    assert all(isinstance(r, np.ndarray) and r.shape == (10,) for r in out)
+    np.testing.assert_allclose(np.stack(out), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_pipeline_on_the_gpu_agrees_with_the_cpu(images):
+    torch = pytest.importorskip("torch")
+    encoded, offline = images
+    seen = []
+
+    def model(x):  # gets a CUDA tensor over the ops' output (DLPack, no host copy)
+        seen.append((x.device.type, x.shape))
+        return x.mean(dim=(2, 3))
+
+    net = torch.nn.Module()
+    net.forward = model
+    out = serve.Pipeline(serve.parse_ops(OPS), model=net, device="cuda")(encoded + [CORRUPT])
+    assert seen == [("cuda", torch.Size([24, 3, 32, 32]))]
+    assert isinstance(out[-1], FormatError)
+    # decoders differ within JPEG's tolerances (see ops.decode): means agree closely
+    np.testing.assert_allclose(np.stack(out[:-1]), offline.mean(axis=(2, 3)), atol=0.05)
+
+
+def test_bad_arguments_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="NameError"):
+        serve.parse_ops("decode_image(), no_such_op(3)")
+    with pytest.raises(ConfigError, match="no ops"):
+        serve.parse_ops("")
+    with pytest.raises(ConfigError, match="no such file"):
+        serve.load_model(str(tmp_path / "missing.pt2"))
+    (tmp_path / "m.py").write_text(MODEL_PY)
+    with pytest.raises(ConfigError, match="no callable 'nope'"):
+        serve.load_model(f"{tmp_path / 'm.py'}:nope")
+    assert serve.load_model(f"{tmp_path / 'm.py'}:classify")(np.ones((1, 3, 2, 2))).shape == (1, 6)
+    (tmp_path / "m.onnx").write_bytes(b"")
+    with pytest.raises(ConfigError, match="use a .pt2"):
+        serve.load_model(str(tmp_path / "m.onnx"))
+    with pytest.raises(ConfigError, match="instances"):
+        serve.Server(serve.parse_ops(OPS), instances=0)
+
+
+@pytest.mark.skipif(sys.version_info[:2] == (3, 12), reason="checks the message given under other Pythons")
+def test_server_outside_python_312_says_why():
+    with pytest.raises(DependencyError, match="Python 3.12"):
+        serve.Server(serve.parse_ops(OPS)).start()
+
+
+def test_import_gpuio_does_not_import_pytriton():
+    code = "import sys, gpuio, gpuio.serve, gpuio.cli; print(sorted(m for m in sys.modules if 'triton' in m))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+# ---- the real server ---------------------------------------------------------------------
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _descendants(pid):
+    """Pids of every process under ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class _Served:
+    """``gpuio serve`` running under the 3.12 environment."""
+
+    def __init__(self, python, tmp_path, extra=()):
+        import tritonclient.http as http
+
+        self.http, self.grpc, metrics = _free_ports(3)
+        self.log = open(tmp_path / "server.log", "w+")
+        cmd = [python, "-m", "gpuio.cli", "serve", "--ops", OPS, "--address", "127.0.0.1",
+               "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(metrics),
+               "--instances", "2", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(tmp_path),
+                                     start_new_session=True)
+        client = http.InferenceServerClient(f"127.0.0.1:{self.http}")
+        deadline = time.monotonic() + 240
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"gpuio serve exited with {self.proc.returncode}:\n{self.output()}")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"gpuio serve not ready after 240 s:\n{self.output()}")
+                try:
+                    if client.is_model_ready("gpuio"):
+                        break
+                except Exception:  # noqa: BLE001 - not listening yet
+                    pass
+                time.sleep(0.5)
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            client.close()
+        self.processes = _descendants(self.proc.pid)
+
+    def output(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-6000:]
+
+    def stop(self, timeout=120):
+        """SIGTERM, as a service manager stops it; its exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def serve_python():
+    from serve_env import ensure
+
+    return ensure()  # makes the 3.12 environment once (minutes); a failure is an error, not a skip
+
+
+def _infer(protocol, port, rows, output):
+    """One request (rows padded to one length) from a client of its own."""
+    import tritonclient.grpc as grpc
+    import tritonclient.http as http
+
+    mod = http if protocol == "http" else grpc
+    width = max(len(r) for r in rows)
+    data = np.zeros((len(rows), width), np.uint8)
+    for i, r in enumerate(rows):
+        data[i, :len(r)] = np.frombuffer(r, np.uint8)
+    client = mod.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        inp = mod.InferInput("images", list(data.shape), "UINT8")
+        inp.set_data_from_numpy(data)
+        return client.infer("gpuio", [inp]).as_numpy(output)
+    finally:
+        client.close()
+
+
+def _send_all(served, images, output):
+    """Concurrent clients, HTTP and gRPC alternating: each image alone, one request of
+    two images, and one corrupt image among them."""
+    encoded, _ = images
+    requests = [[e] for e in encoded] + [[encoded[0], encoded[1]], [CORRUPT]]
+    barrier = threading.Barrier(8)
+
+    def send(k):
+        protocol = "http" if k % 2 == 0 else "grpc"
+        if k < 8:
+            barrier.wait()  # the first eight leave together
+        try:
+            return _infer(protocol, served.http if protocol == "http" else served.grpc, requests[k], output)
+        except Exception as exc:  # noqa: BLE001 - tritonclient's InferenceServerException, kept for the asserts
+            return exc
+
+    order = list(range(len(requests)))
+    order.insert(3, order.pop())  # the corrupt request goes out among the first, with others in flight
+    with ThreadPoolExecutor(8) as pool:
+        results = dict(zip(order, pool.map(send, order)))
+    return [results[k] for k in range(len(requests))]
+
+
+def _check_stopped(served):
+    assert served.stop() == 0, served.output()
+    time.sleep(0.5)
+    left = [p for p in served.processes if _alive(p)]
+    left += [p for p in _descendants(1) if f"--http-port={served.http}" in _cmdline(p) and _alive(p)]
+    assert not left, f"processes left behind: {[(p, _cmdline(p)) for p in left]}"
+
+
+def test_server_serves_the_pipeline_over_http_and_grpc(serve_python, images, tmp_path):
+    served = _Served(serve_python, tmp_path)
+    try:
+        assert any("tritonserver" in _cmdline(p) for p in served.processes)
+        results = _send_all(served, images, "image")
+    except BaseException:
+        served.kill()
+        raise
+    encoded, offline = images
+    error = results[-1]
+    assert isinstance(error, Exception) and "cannot decode image" in str(error), error
+    for i in range(len(encoded)):
+        assert isinstance(results[i], np.ndarray), (i, results[i])
+        assert results[i].shape == (1, 3, 32, 32) and np.array_equal(results[i][0], offline[i]), i
+    assert np.array_equal(results[-2], offline[:2])
+    _check_stopped(served)
+
+
+def test_server_chains_a_model(serve_python, images, tmp_path):
+    (tmp_path / "model.py").write_text(MODEL_PY)
+    served = _Served(serve_python, tmp_path, ["--model", f"{tmp_path / 'model.py'}:classify"])
+    try:
+        results = _send_all(served, images, "scores")
+    except BaseException:
+        served.kill()
+        raise
+    encoded, offline = images
+    assert isinstance(results[-1], Exception) and "cannot decode image" in str(results[-1])
+    expected = classify(offline)
+    for i in range(len(encoded)):
+        assert isinstance(results[i], np.ndarray) and np.array_equal(results[i][0], expected[i]), (i, results[i])
+    _check_stopped(served)
