@@ -90,8 +90,9 @@ def _venv(flavor: str) -> Path:
     shutil.rmtree(building, ignore_errors=True)
     t0 = time.monotonic()
     steps = [[sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(building)],
-             [sys.executable, "-m", "pip", "--python", str(building / "bin" / "python"), "install", "--no-deps",
-              "--no-compile", "--disable-pip-version-check", "--quiet", "--only-binary=:all:", *pins]]
+             # the test environment's pip, run by the new environment's python, installs there
+             [str(building / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--no-compile",
+              "--disable-pip-version-check", "--quiet", "--only-binary=:all:", *pins]]
     for cmd in steps:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
