@@ -148,7 +148,7 @@ static inline __attribute__((always_inline)) void horizontal(
 }
 
 /* One sample; 0 on success, -1 when out of memory. */
-__attribute__((target_clones("avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v3", "default")))
 static int resample_one(const Job *job, const Sample *s) {
     const int C = job->channels, oh = (int)s->out_hw[0], ow = (int)s->out_hw[1];
     const int cy0 = (int)s->clip[0], cx0 = (int)s->clip[1], cy1 = (int)s->clip[2], cx1 = (int)s->clip[3];
