@@ -92,19 +92,18 @@ def video(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
     av = require("av")
     parts = [_clips(_demux(av, path), f, sequence_length, stride, step)
              for f, path in enumerate(files)]
-    clip_file = np.concatenate([p[0] for p in parts])
+    clip_file = np.concatenate([p.file for p in parts])
     if not len(clip_file):
         raise DataError(f"no samples: no video has {(sequence_length - 1) * stride + 1} frames "
                         f"(sequence_length={sequence_length}, stride={stride})", path=files[0])
-    extents = Extents(clip_file, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]))
-    tables = [t for p in parts for t in p[4]]
-    headers = [p[5] for p in parts for _ in range(len(p[0]))]
+    extents = Extents(clip_file, np.concatenate([p.offset for p in parts]),
+                      np.concatenate([p.length for p in parts]))
     values = {
         "label": labels[clip_file],
         "file": clip_file.astype(np.int64),
-        "frame": np.concatenate([p[3] for p in parts]),
-        "packets": Ragged.from_list(tables, dtype=np.int32, row_shape=(4,)),
-        "codec": Ragged.from_list(headers, kind="bytes"),
+        "frame": np.concatenate([p.frame for p in parts]),
+        "packets": Ragged.from_list([t for p in parts for t in p.tables], dtype=np.int32, row_shape=(4,)),
+        "codec": Ragged.from_list([p.header for p in parts for _ in p.file], kind="bytes"),
     }
     return SampleIndex(files, {"data": extents}, values, meta=meta)
 
@@ -221,9 +220,18 @@ def _demux(av, path: str) -> _Stream:
                    np.array(key, dtype=bool), header)
 
 
-def _clips(s: _Stream, file_id: int, length: int, stride: int, step: int):
-    """The clips of one file: file ids, span offsets and lengths, first frames, packet
-    tables, codec header."""
+class _Clips(NamedTuple):
+    """The clips of one file."""
+
+    file: np.ndarray  # int32 file id per clip
+    offset: np.ndarray  # int64 byte where the clip's span starts
+    length: np.ndarray  # int64 bytes of the span
+    frame: np.ndarray  # int64 first frame
+    tables: list[np.ndarray]  # per clip [P, 4]: offset in the span, size, frame number, slot
+    header: bytes  # the file's ``codec`` field value
+
+
+def _clips(s: _Stream, file_id: int, length: int, stride: int, step: int) -> _Clips:
     n = int((s.frame >= 0).sum())
     starts = np.arange(0, max(n - (length - 1) * stride, 0), step, dtype=np.int64)
     decode_at = np.empty(n, dtype=np.int64)  # decode position of each frame
@@ -245,5 +253,5 @@ def _clips(s: _Stream, file_id: int, length: int, stride: int, step: int):
         tables.append(np.stack([s.pos[rows] - lo, s.size[rows], frames, slot], axis=1))
         offsets.append(lo)
         lengths.append(hi - lo)
-    return (np.full(len(starts), file_id, dtype=np.int32), np.array(offsets, dtype=np.int64),
-            np.array(lengths, dtype=np.int64), starts, tables, s.header)
+    return _Clips(np.full(len(starts), file_id, dtype=np.int32), np.array(offsets, dtype=np.int64),
+                  np.array(lengths, dtype=np.int64), starts, tables, s.header)

@@ -383,6 +383,7 @@ def _decode_clip_nvdec(nvc: Any, cp: Any, data: Any, packets: Any, header: Codec
     slots = _Slots(table, sample)
     units = _annexb(_bytes(data), table, header)
     errors = (getattr(nvc, "PyNvVCException", RuntimeError), RuntimeError, ValueError)
+    cp.cuda.runtime.free(0)  # makes the device's primary context current in this thread
     try:  # the decoder works on the batch's stream: copies out of its surfaces are ordered after it
         decoder = nvc.CreateDecoder(gpuid=device, codec=getattr(nvc.cudaVideoCodec, _NVDEC_CODECS[header.decoder]),
                                     cudacontext=cp.cuda.driver.ctxGetCurrent(), cudastream=stream.ptr,
