@@ -29,6 +29,7 @@ change; pixel masks keep their size).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +39,9 @@ from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError
 from gpuio.ops.decode_slice import crop_window
-from gpuio.ops.geometry import Flip
+from gpuio.ops.color import Normalize
+from gpuio.ops.fused import FusedCropResizeNormalize
+from gpuio.ops.geometry import Flip, Resize, _size2
 
 __all__ = ["RandomBBoxCrop", "BBFlip", "Paste", "BBoxPaste", "BoxEncoder", "random_bbox_crop", "bb_flip",
            "paste", "bbox_paste", "box_encoder", "encode_boxes"]
@@ -160,12 +163,13 @@ class RandomBBoxCrop(Op):
         self.field, self.anchor_out, self.shape_out = field, anchor_out, shape_out
         self.fields = dict(labels=labels, image=image, polygons=polygons, vertices=vertices, masks=masks)
 
-    def _kept(self, crop: np.ndarray, boxes: np.ndarray) -> np.ndarray:
-        """Numbers of the boxes a window ``crop`` (ltrb) keeps."""
+    def _kept_all(self, crops: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+        """Which boxes ``[m, 4]`` each window of ``crops`` ``[k, 4]`` (ltrb) keeps: bool ``[k, m]``."""
         if self.prune is not None:
-            return np.flatnonzero(_overlap(crop[None], boxes, iou=False)[0] >= self.prune)
+            return _overlap(crops, boxes, iou=False) >= self.prune
         cx, cy = (boxes[:, 0] + boxes[:, 2]) * 0.5, (boxes[:, 1] + boxes[:, 3]) * 0.5
-        return np.flatnonzero((cx >= crop[0]) & (cx < crop[2]) & (cy >= crop[1]) & (cy < crop[3]))
+        c = crops[:, :, None]
+        return (cx >= c[:, 0]) & (cx < c[:, 2]) & (cy >= c[:, 1]) & (cy < c[:, 3])
 
     def _shapes(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """``n`` window sizes (w, h), float32, as DALI draws them."""
@@ -201,13 +205,15 @@ class RandomBBoxCrop(Op):
             fits = (ratio >= self.aspect_ratio[0]) & (ratio <= self.aspect_ratio[1])
             crops = np.concatenate([anchor, anchor + shape], axis=1)
             overlap = _overlap(crops, boxes, self.iou)
-            metric = overlap.min(axis=1) if self.all_boxes else overlap.max(axis=1)
-            for k in np.flatnonzero(fits).tolist():
-                kept = self._kept(crops[k], boxes)
-                if metric[k] >= self.thresholds[choice] and len(kept):
-                    return crops[k], kept
-                if metric[k] > best_metric:
-                    best, best_metric = (crops[k], kept), float(metric[k])
+            metric = np.where(fits, overlap.min(axis=1) if self.all_boxes else overlap.max(axis=1), -1.0)
+            kept = self._kept_all(crops, boxes)  # [n, m]
+            passed = fits & (metric >= self.thresholds[choice]) & kept.any(axis=1)
+            if passed.any():
+                k = int(np.argmax(passed))
+                return crops[k], np.flatnonzero(kept[k])
+            k = int(np.argmax(metric))  # the first of the best windows so far
+            if fits[k] and metric[k] > best_metric:
+                best, best_metric = (crops[k], np.flatnonzero(kept[k])), float(metric[k])
         return best if best is not None else (whole, np.arange(len(boxes)))
 
     def __call__(self, batch: Batch) -> Batch:
@@ -308,22 +314,59 @@ class _PasteDraws:
         return _draw(self.ratio, rng), _draw(self.paste_x, rng), _draw(self.paste_y, rng)
 
 
+def _canvas(xp: Any, img: Any, ch: int, cw: int, top: int, left: int, fill: np.ndarray) -> Any:
+    """``img`` (HWC) at (``top``, ``left``) on a ``ch`` x ``cw`` canvas of ``fill``."""
+    h, w, c = img.shape
+    canvas = xp.empty((ch, cw, c), img.dtype)
+    # filled by whole rows of the canvas (contiguous copies): above, below, then beside the image
+    row = xp.asarray(np.tile(np.broadcast_to(fill, (c,)).astype(img.dtype), cw))
+    rows = canvas.reshape(ch, cw * c)
+    rows[:top], rows[top + h:] = row, row
+    rows[top:top + h, :left * c], rows[top:top + h, (left + w) * c:] = row[:left * c], row[(left + w) * c:]
+    canvas[top:top + h, left:left + w] = img
+    return canvas
+
+
+def _near(top: int, length: int, canvas: int, out: int) -> tuple[int, int, int, int]:
+    """Along one axis of a ``canvas``-pixel canvas resized to ``out`` pixels (linear,
+    antialiased) with the image on ``[top, top + length)``: the output pixels
+    ``[o0, o1)`` whose filters reach the image and the canvas pixels ``[s0, s1)`` their
+    filters read (the others see only the fill)."""
+    scale = canvas / out
+    support = max(scale, 1.0)
+    o0 = max(0, math.floor((top - support) / scale - 0.5))
+    o1 = min(out, math.ceil((top + length + support) / scale - 0.5) + 1)
+    s0 = min(top, max(0, math.floor((o0 + 0.5) * scale - support) - 1))
+    s1 = max(top + length, min(canvas, math.ceil((o1 - 0.5) * scale + support) + 1))
+    return o0, o1, s0, s1
+
+
 class Paste(_PasteDraws, Op):
     """DALI's ``paste``: each HWC image on a canvas of ``int(size * ratio)`` pixels per
     side (at least ``min_canvas_size``) filled with ``fill_value`` (one number or one
     per channel), its top-left corner at ``int(paste_x * (canvas_w - w))``,
     ``int(paste_y * (canvas_h - h))``. ``ratio`` (>= 1), ``paste_x`` and ``paste_y``
     (0-1) are numbers or ranges ``(lo, hi)`` drawn uniformly per row. Pixel masks
-    (``masks``) go on a zero canvas the same way."""
+    (``masks``) go on a zero canvas the same way.
+
+    ``size`` (h, w; uint8 images) also resizes the canvas to ``size`` as ``resize(size)``
+    does (linear, antialiased), in one pass that resamples only the output pixels whose
+    filter reaches the image (the rest are the fill): the zoom out of SSD pipelines
+    without building and reading a canvas up to ``ratio**2`` times the image. Equal to
+    ``paste`` then the fused ``resize`` up to float rounding (one level at most)."""
 
     def __init__(self, ratio: float | Sequence[float], paste_x: float | Sequence[float] = 0.5,
                  paste_y: float | Sequence[float] = 0.5, fill_value: float | Sequence[float] = 0,
-                 min_canvas_size: float = 0.0, *, field: str = "image", masks: str = "masks") -> None:
+                 min_canvas_size: float = 0.0, *, size: int | Sequence[int] | None = None, field: str = "image",
+                 masks: str = "masks") -> None:
         super().__init__(ratio, paste_x, paste_y)
         if min_canvas_size < 0:
             raise ConfigError(f"min_canvas_size must be >= 0, got {min_canvas_size!r}")
         self.fill = np.atleast_1d(np.asarray(fill_value, np.float64))
         self.min_canvas, self.field, self.masks = float(min_canvas_size), field, masks
+        self.size = None if size is None else _size2(size, "size")
+        self._resizer = None if size is None else FusedCropResizeNormalize(
+            [Resize(self.size, field=field), Normalize(0.0, 1.0, "HWC", "uint8", field=field)])
 
     def placement(self, batch: Batch, row: int, h: int, w: int) -> tuple[int, int, int, int]:
         """(canvas height, canvas width, top, left) in pixels for an ``h`` x ``w`` image."""
@@ -334,24 +377,51 @@ class Paste(_PasteDraws, Op):
 
     def __call__(self, batch: Batch) -> Batch:
         data = batch.data
+        for img in data[self.field]:
+            if len(self.fill) not in (1, img.shape[2]):
+                raise ConfigError(f"fill_value has {len(self.fill)} numbers for images of {img.shape[2]} channels")
+            if self.size is not None and img.dtype != np.uint8:
+                raise ConfigError(f"paste(size=...) takes uint8 images, got {img.dtype}")
+        if self.size is not None:
+            data[self.field] = self._paste_resized(batch, list(data[self.field]))
         for row, img in enumerate(data[self.field]):
-            h, w, c = img.shape
-            ch, cw, top, left = self.placement(batch, row, h, w)
-            xp = _module(img)
-            if len(self.fill) not in (1, c):
-                raise ConfigError(f"fill_value has {len(self.fill)} numbers for images of {c} channels")
-            canvas = xp.empty((ch, cw, c), img.dtype)
-            canvas[...] = xp.asarray(np.broadcast_to(self.fill, (c,)).astype(img.dtype))
-            canvas[top:top + h, left:left + w] = img
-            data[self.field][row] = canvas
+            h, w = img.shape[:2]
+            if self.size is None:
+                data[self.field][row] = _canvas(_module(img), img, *self.placement(batch, row, h, w), self.fill)
             if self.masks in data and data[self.masks][row] is not None:
                 m = data[self.masks][row]
-                mh, mw = m.shape[1:]
-                mch, mcw, mtop, mleft = self.placement(batch, row, mh, mw)
-                out = xp.zeros((m.shape[0], mch, mcw), m.dtype)
-                out[:, mtop:mtop + mh, mleft:mleft + mw] = m
-                data[self.masks][row] = out
+                mch, mcw, mtop, mleft = self.placement(batch, row, *m.shape[1:])
+                data[self.masks][row] = _canvas(_module(m), m.transpose(1, 2, 0), mch, mcw, mtop, mleft,
+                                                np.zeros(1)).transpose(2, 0, 1)
         return batch
+
+    def _paste_resized(self, batch: Batch, images: list[Any]) -> list[Any]:
+        """Paste and resize to ``size``: one resampling call over the parts of the
+        canvases near the images, put into canvases of the fill."""
+        (oh, ow), subs, spans = self.size, [], []
+        plan: dict[str, list[Any]] = {"box": [], "clip": [], "out_hw": []}
+        for row, img in enumerate(images):
+            h, w = img.shape[:2]
+            ch, cw, top, left = self.placement(batch, row, h, w)
+            oy0, oy1, sy0, sy1 = _near(top, h, ch, oh)
+            ox0, ox1, sx0, sx1 = _near(left, w, cw, ow)
+            subs.append(_canvas(_module(img), img, sy1 - sy0, sx1 - sx0, top - sy0, left - sx0, self.fill))
+            sy, sx = ch / oh, cw / ow
+            plan["box"].append((oy0 * sy - sy0, ox0 * sx - sx0, (oy1 - oy0) * sy, (ox1 - ox0) * sx))
+            plan["clip"].append((0, 0, sy1 - sy0, sx1 - sx0))
+            plan["out_hw"].append((oy1 - oy0, ox1 - ox0))
+            spans.append((oy0, oy1, ox0, ox1))
+        if not images:
+            return []
+        arrays = {k: np.array(v, np.float64 if k == "box" else np.int64) for k, v in plan.items()}
+        arrays["flip"] = np.zeros(len(images), np.int64)
+        near = self._resizer.run_plan(batch, subs, arrays)
+        out = []
+        for img, part, (oy0, oy1, ox0, ox1) in zip(images, near, spans):
+            full = _canvas(_module(img), img[:0, :0], oh, ow, 0, 0, self.fill)
+            full[oy0:oy1, ox0:ox1] = part
+            out.append(full)
+        return out
 
 
 class BBoxPaste(_PasteDraws, Op):
@@ -411,14 +481,15 @@ def encode_boxes(xp: Any, boxes: Any, counts: Any, labels: Any, anchors: Any, cr
     n, m = boxes.shape[:2]
     if m == 0:  # no box in any row: one padding box, never valid
         boxes, labels, m = xp.zeros((n, 1, 4), xp.float32), xp.zeros((n, 1), xp.int32), 1
-    a = anchors[None, None]
-    b = boxes[:, :, None]
-    iw = xp.maximum(xp.minimum(b[..., 2], a[..., 2]) - xp.maximum(b[..., 0], a[..., 0]), 0)
-    ih = xp.maximum(xp.minimum(b[..., 3], a[..., 3]) - xp.maximum(b[..., 1], a[..., 1]), 0)
+    # coordinates one array each: [B, M, 1] for boxes, [A] for anchors, so that every
+    # step runs over contiguous [B, M, A] arrays
+    bl, bt, br, bb = (boxes[:, :, k, None] for k in range(4))
+    al, at, ar, ab = (xp.ascontiguousarray(anchors[:, k]) for k in range(4))
+    iw = xp.maximum(xp.minimum(br, ar) - xp.maximum(bl, al), 0)
+    ih = xp.maximum(xp.minimum(bb, ab) - xp.maximum(bt, at), 0)
     inter = iw * ih
-    union = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1]) + (a[..., 2] - a[..., 0]) * (a[..., 3] - a[..., 1]) \
-        - inter
-    iou = xp.where(inter > 0, inter / xp.where(union > 0, union, 1), 0).astype(xp.float32)
+    union = (br - bl) * (bb - bt) + (ar - al) * (ab - at) - inter
+    iou = xp.where(inter > 0, inter / xp.where(union > 0, union, 1), 0).astype(xp.float32, copy=False)
     valid = xp.arange(m)[None, :] < xp.asarray(counts)[:, None]
     iou = xp.where(valid[..., None], iou, -1)
     count_a = anchors.shape[0]
@@ -426,25 +497,24 @@ def encode_boxes(xp: Any, boxes: Any, counts: Any, labels: Any, anchors: Any, cr
     rows, cols = xp.nonzero(valid)
     iou[rows, cols, best_anchor[rows, cols]] = 2
     best_box = m - 1 - xp.argmax(iou[:, ::-1, :], axis=1)  # [B, A]
-    best_iou = xp.take_along_axis(iou, best_box[:, None, :], axis=1)[:, 0]
-    matched = best_iou > criteria
-    picked = xp.take_along_axis(boxes, best_box[..., None], axis=1)  # [B, A, 4]
+    matched = xp.take_along_axis(iou, best_box[:, None, :], axis=1)[:, 0] > criteria
     out_labels = xp.where(matched, xp.take_along_axis(labels, best_box, axis=1), 0).astype(xp.int32)
-
-    def center_size(t: Any) -> Any:
-        return xp.concatenate([(t[..., :2] + t[..., 2:]) * 0.5, t[..., 2:] - t[..., :2]], axis=-1)
-
-    box_cs, anchor_cs = center_size(picked), center_size(anchors)[None]
+    # centre and size: of each box, gathered per anchor ([B, A] each), and of each anchor ([A] each)
+    box_cs = [xp.take_along_axis(v, best_box, axis=1) for v in
+              ((boxes[..., 0] + boxes[..., 2]) * 0.5, (boxes[..., 1] + boxes[..., 3]) * 0.5,
+               boxes[..., 2] - boxes[..., 0], boxes[..., 3] - boxes[..., 1])]
+    anchor_cs = [(al + ar) * 0.5, (at + ab) * 0.5, ar - al, ab - at]
     if not offset:
-        return xp.where(matched[..., None], box_cs, anchor_cs).astype(xp.float32), out_labels
+        out = [xp.where(matched, b, a) for b, a in zip(box_cs, anchor_cs)]
+        return xp.stack(out, axis=-1).astype(xp.float32, copy=False), out_labels
     s = xp.float32(scale)
-    box_cs, anchor_cs = box_cs * s, anchor_cs * s
-    mean, std = xp.asarray(means, xp.float32), xp.asarray(stds, xp.float32)
+    box_cs, anchor_cs = [v * s for v in box_cs], [v * s for v in anchor_cs]
     with np.errstate(divide="ignore", invalid="ignore"):
-        center = ((box_cs[..., :2] - anchor_cs[..., :2]) / anchor_cs[..., 2:] - mean[:2]) / std[:2]
-        size = (xp.log(xp.where(matched[..., None], box_cs[..., 2:], 1) / anchor_cs[..., 2:]) - mean[2:]) / std[2:]
-    encoded = xp.concatenate([center, size], axis=-1)
-    return xp.where(matched[..., None], encoded, 0).astype(xp.float32), out_labels
+        out = [((box_cs[k] - anchor_cs[k]) / anchor_cs[k + 2] - xp.float32(means[k])) / xp.float32(stds[k])
+               for k in range(2)]
+        out += [(xp.log(xp.where(matched, box_cs[k], 1) / anchor_cs[k]) - xp.float32(means[k])) / xp.float32(stds[k])
+                for k in range(2, 4)]
+    return xp.stack([xp.where(matched, v, 0) for v in out], axis=-1).astype(xp.float32, copy=False), out_labels
 
 
 class BoxEncoder(Op):
@@ -516,9 +586,9 @@ def bb_flip(ltrb: bool = False, horizontal: bool = True, vertical: bool = False,
 
 def paste(ratio: float | Sequence[float], paste_x: float | Sequence[float] = 0.5,
           paste_y: float | Sequence[float] = 0.5, fill_value: float | Sequence[float] = 0,
-          min_canvas_size: float = 0.0, **fields: str) -> Paste:
+          min_canvas_size: float = 0.0, *, size: int | Sequence[int] | None = None, **fields: str) -> Paste:
     """See ``Paste``."""
-    return Paste(ratio, paste_x, paste_y, fill_value, min_canvas_size, **fields)
+    return Paste(ratio, paste_x, paste_y, fill_value, min_canvas_size, size=size, **fields)
 
 
 def bbox_paste(ratio: float | Sequence[float], paste_x: float | Sequence[float] = 0.5,

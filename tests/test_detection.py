@@ -14,6 +14,7 @@ from gpuio.device import Device
 from gpuio.errors import ConfigError
 from gpuio.ops.decode_slice import crop_window
 from gpuio.ops.detection import encode_boxes
+from gpuio.sample import sample_image
 from tests.conftest import to_host
 
 
@@ -227,6 +228,20 @@ def test_paste_canvas_as_dali(device):
     inside = np.argwhere(out[:, :, 0] == 9)
     assert inside.min(0).tolist() == [9, 4] and inside.max(0).tolist() == [15, 14]  # int(0.9 * 10), int(0.3 * 16)
     assert ops.paste(1.0, min_canvas_size=20)(make(device, {"image": [img]})).data["image"][0].shape == (20, 20, 3)
+
+
+@pytest.mark.parametrize("size", [(300, 300), (64, 96)])
+def test_paste_with_size_equals_paste_then_resize(device, size):
+    rng = np.random.default_rng(10)
+    images = [sample_image(rng, int(rng.integers(20, 160)), int(rng.integers(20, 160))) for _ in range(12)]
+    zoom = dict(ratio=(1.0, 4.0), paste_x=(0.0, 1.0), paste_y=(0.0, 1.0), fill_value=(104, 117, 123))
+    fast = ops.paste(**zoom, size=size)(make(device, {"image": images})).data["image"]
+    slow = ops.Compose([ops.paste(**zoom), ops.resize(size), ops.normalize(0, 1, layout="HWC", dtype="uint8")])(
+        make(device, {"image": images})).data["image"]
+    for a, b in zip(fast, slow):
+        a, b = to_host(a).astype(int), to_host(b).astype(int)
+        assert a.shape == b.shape == size + (3,)
+        assert np.abs(a - b).max() <= 1 and (a != b).mean() < 0.01
 
 
 # ---------------------------------------------------------------- random_bbox_crop

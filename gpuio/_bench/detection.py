@@ -101,11 +101,12 @@ def ssd300_anchors() -> np.ndarray:
 
 
 def gpuio_ssd(anchors: np.ndarray) -> ops.Compose:
-    """The SSD pipeline as gpuio ops."""
+    """The SSD pipeline as gpuio ops: the zoom out and the resize to 300x300 are one
+    ``paste(size=(300, 300))`` (the same output as ``paste`` then ``resize``)."""
     return ops.Compose([ops.random_bbox_crop(**CROP), ops.decode_image_slice(),
-                        ops.paste(**ZOOM, fill_value=FILL), ops.bbox_paste(**ZOOM, ltrb=True),
-                        ops.bb_flip(ltrb=True), ops.resize((300, 300)), ops.flip(),
-                        ops.normalize(MEAN, STD), ops.box_encoder(anchors, **ENCODE)])
+                        ops.paste(**ZOOM, fill_value=FILL, size=(300, 300)), ops.bbox_paste(**ZOOM, ltrb=True),
+                        ops.bb_flip(ltrb=True), ops.flip(), ops.normalize(MEAN, STD),
+                        ops.box_encoder(anchors, **ENCODE)])
 
 
 def gpuio_loader(root: str, ann: str, batch: int, device: str, anchors: np.ndarray) -> Any:
@@ -219,6 +220,11 @@ def codec_table(count: int, rounds: int, size: tuple[int, int] = (480, 640)) -> 
     return rows
 
 
+def _feed(values: list[Any]) -> Any:
+    """A DALI external source callback that gives ``values`` as one batch."""
+    return lambda: values
+
+
 def dali_agreement(root: str, ann: str, anchors: np.ndarray, n: int = 64) -> dict[str, float]:
     """Largest differences between DALI's and gpuio's box_encoder, bb_flip, bbox_paste
     and paste on the boxes of the first ``n`` images (labels: count of mismatches)."""
@@ -233,14 +239,14 @@ def dali_agreement(root: str, ann: str, anchors: np.ndarray, n: int = 64) -> dic
 
     @pipeline_def(batch_size=n, num_threads=1, device_id=None)
     def pipe():
-        b = fn.external_source(source=lambda: boxes, batch=True)
-        lab = fn.external_source(source=lambda: labels, batch=True)
-        img = fn.external_source(source=lambda: images, batch=True, layout="HWC")
-        r, x, y = (fn.external_source(source=lambda v=v: list(v[:, None]), batch=True) for v in (ratio, px, py))
+        b = fn.external_source(source=_feed(boxes), batch=True)
+        lab = fn.external_source(source=_feed(labels), batch=True)
+        img = fn.external_source(source=_feed(images), batch=True, layout="HWC")
+        r, x, y = (fn.external_source(source=_feed([np.float32(e) for e in v]), batch=True) for v in (ratio, px, py))
         eb, el = fn.box_encoder(b, lab, anchors=anchors.ravel().tolist(), **ENCODE)
         return (eb, el, fn.bb_flip(b, ltrb=True, horizontal=1, vertical=1),
-                fn.bbox_paste(b, ratio=r[0], paste_x=x[0], paste_y=y[0], ltrb=True),
-                fn.paste(img, ratio=r[0], paste_x=x[0], paste_y=y[0], fill_value=FILL))
+                fn.bbox_paste(b, ratio=r, paste_x=x, paste_y=y, ltrb=True),
+                fn.paste(img, ratio=r, paste_x=x, paste_y=y, fill_value=FILL))
 
     p = pipe()
     p.build()
