@@ -288,3 +288,17 @@ def test_gpuio_read_keeps_few_readers_alive(tmp_path):
     assert len(reader_threads()) <= 4 * helpers
     if (os.cpu_count() or 1) > 1:
         assert peak > 0, "the reads ran on reader threads"
+
+
+def test_large_extents_in_pieces_are_advised_sequential():
+    """A file read as several tasks of 1 MiB or more (one large extent in pieces) gets
+    POSIX_FADV_SEQUENTIAL; records packed in one file and single-task files do not."""
+    from gpuio._posix import _sequential_files
+    from gpuio.plan import build_plan
+
+    file = np.array([0, 1, 1, 1, 2])
+    offset = np.array([0, 0, 20_000, 40_000, 0])
+    length = np.array([12 << 20, 8000, 8000, 8000, 100_000])
+    plan = build_plan(file, offset, length, gap=0, task_size=4 << 20)
+    _, inverse, counts = np.unique(plan.task_file, return_inverse=True, return_counts=True)
+    assert _sequential_files(plan, inverse, counts).tolist() == [True, False, False]
