@@ -131,25 +131,26 @@ class Pipeline:
         self._torch = torch if torch is not None and isinstance(self.model, torch.nn.Module) else None
         self.dtype = _last_dtype(ops)
 
-    def __call__(self, images: Sequence[Any], seeds: np.ndarray | None = None) -> list[np.ndarray | GpuioError]:
+    def __call__(self, images: Sequence[Any], seeds: np.ndarray | None = None) -> list[np.ndarray | DataError]:
         """Run a batch of encoded images (1-D uint8 arrays or bytes); one entry per image:
-        its output row (host NumPy) or the ``GpuioError`` that rejected it. ``seeds``
+        its output row (host NumPy) or the ``DataError`` that rejected it (naming it). ``seeds``
         (uint64 per image) drive random ops; default: ``sample_seeds(0, 0, arange(n))``."""
         n = len(images)
         rows = [np.frombuffer(a, np.uint8) if isinstance(a, (bytes, bytearray, memoryview)) else a for a in images]
         seeds = sample_seeds(0, 0, np.arange(n)) if seeds is None else seeds
         batch = Batch({self.field: rows}, np.arange(n, dtype=np.int64), seeds, self.device, on_error="skip")
         batch = self.ops(batch)
-        results: list[np.ndarray | GpuioError] = [None] * n
+        results: list[np.ndarray | DataError] = [None] * n
         for row, err in batch.errors:
             results[row] = _for_image(err, row)
         out = batch.data[self.output]
         kept = batch.index.tolist()
         if self.model is not None and kept:
             out = self._run_model(_stacked(out, batch.xp))
+        out = [_to_host(a) for a in out] if isinstance(out, list) else _to_host(out)  # one copy per batch
         for j, row in enumerate(kept):
             results[row] = out[j]
-        return [r if isinstance(r, GpuioError) else _to_host(r) for r in results]
+        return results
 
     def _run_model(self, x: Any) -> Any:
         torch = self._torch
@@ -164,11 +165,11 @@ class Pipeline:
             return self.model(torch.from_dlpack(x))
 
 
-def _for_image(err: BaseException, row: int) -> GpuioError:
-    """``err`` about batch row ``row``, saying which image it is (of its request)."""
+def _for_image(err: BaseException, row: int) -> DataError:
+    """``err``, which rejected image ``row``, as a ``DataError`` naming that image."""
     if isinstance(err, DataError):
         return type(err)(err.reason, sample=f"image {row}")
-    return err if isinstance(err, GpuioError) else ConfigError(f"image {row}: {type(err).__name__}: {err}")
+    return DataError(f"{type(err).__name__}: {err}", sample=f"image {row}")
 
 
 def _stacked(out: Any, xp: Any) -> Any:
@@ -282,10 +283,10 @@ class Batcher:
         for job in jobs:
             mine = results[start: start + len(job.rows)]
             start += len(job.rows)
-            bad = [(i, r) for i, r in enumerate(mine) if isinstance(r, GpuioError)]
+            bad = [(i, r) for i, r in enumerate(mine) if isinstance(r, DataError)]
             try:
-                if bad:
-                    raise bad[0][1]
+                if bad:  # named by its place in its own request
+                    raise _for_image(bad[0][1], bad[0][0])
                 if any(r.shape != mine[0].shape for r in mine):
                     raise ConfigError(f"the images of one request give outputs of different shapes "
                                       f"({[r.shape for r in mine]}); send them in separate requests or end "

@@ -73,7 +73,7 @@ def test_batcher_merges_concurrent_requests_and_isolates_errors(images):
     batcher = serve.Batcher(serve.Pipeline(serve.parse_ops(OPS)), max_batch=64, workers=1)
     try:
         def request(i):
-            rows = [CORRUPT] if i == 7 else [encoded[i]]
+            rows = [CORRUPT] if i == 7 else [encoded[i], CORRUPT] if i == 9 else [encoded[i]]
             try:
                 return batcher.submit([np.frombuffer(r, np.uint8) for r in rows])
             except FormatError as exc:
@@ -83,11 +83,13 @@ def test_batcher_merges_concurrent_requests_and_isolates_errors(images):
             results = list(pool.map(request, range(24)))
     finally:
         batcher.close()
-    assert isinstance(results[7], FormatError) and "cannot decode image" in str(results[7])
+    # each bad request's error names the image by its place in that request
+    assert isinstance(results[7], FormatError) and "image 0: cannot decode image" in str(results[7])
+    assert isinstance(results[9], FormatError) and "image 1: cannot decode image" in str(results[9])
     for i, r in enumerate(results):
-        if i != 7:
+        if i not in (7, 9):
             assert r.shape == (1, 3, 32, 32) and np.array_equal(r[0], offline[i]), i
-    assert batcher.images == 24 and batcher.batches < 24  # requests in flight were merged
+    assert batcher.images == 25 and batcher.batches < 24  # requests in flight were merged
 
 
 def test_pipeline_with_a_callable_model(images):
@@ -347,7 +349,7 @@ def test_server_serves_the_pipeline_over_http_and_grpc(serve_python, images, tmp
         raise
     encoded, offline = images
     error = results[-1]
-    assert isinstance(error, Exception) and "cannot decode image" in str(error), error
+    assert isinstance(error, Exception) and "image 0: cannot decode image" in str(error), error
     for i in range(len(encoded)):
         assert isinstance(results[i], np.ndarray), (i, results[i])
         assert results[i].shape == (1, 3, 32, 32) and np.array_equal(results[i][0], offline[i]), i
