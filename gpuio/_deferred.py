@@ -62,24 +62,12 @@ def release_after(streams: Iterable[int], obj: Any, device: int) -> None:
 def reap() -> int:
     """Drop what no stream still needs; returns how many entries are still waiting."""
     with _lock:
-        done = [entry for entry in _pending if all(e.done for e in entry[0])]
-        for entry in done:
-            _pending.remove(entry)
-        left = len(_pending)
+        waiting, done = [], []
+        for entry in _pending:
+            (done if all(e.done for e in entry[0]) else waiting).append(entry)
+        _pending[:] = waiting
     del done  # outside the lock: dropping may run finalizers that call release_after
-    return left
-
-
-def wait_oldest() -> bool:
-    """Block until the oldest entry's events have passed, then reap; False when none waits."""
-    with _lock:
-        events = _pending[0][0] if _pending else None
-    if events is None:
-        return False
-    for e in events:
-        e.synchronize()
-    reap()
-    return True
+    return len(waiting)
 
 
 class _Owner:
