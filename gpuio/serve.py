@@ -268,8 +268,8 @@ class Batcher:
         seeds = sample_seeds(0, 0, np.concatenate([np.arange(len(job.rows)) for job in jobs]))
         try:
             results = self.pipeline(rows, seeds)
-        except GpuioError as exc:
-            if len(jobs) > 1:  # a whole-batch failure: run each request alone, so that only its own fails
+        except Exception as exc:  # the ops or the model failed the whole batch (a model's own errors too)
+            if len(jobs) > 1:  # run each request alone, so that only the culprit's fails
                 for job in jobs:
                     self._run([job])
                 return

@@ -92,6 +92,34 @@ def test_batcher_merges_concurrent_requests_and_isolates_errors(images):
     assert batcher.images == 25 and batcher.batches < 24  # requests in flight were merged
 
 
+def test_a_model_error_fails_only_its_own_request(images):
+    import simplejpeg
+
+    encoded, offline = images
+    white = simplejpeg.encode_jpeg(np.full((48, 48, 3), 255, np.uint8))
+
+    def model(x):  # refuses a batch holding a white image
+        if (x.reshape(len(x), -1).min(axis=1) > 2.0).any():
+            raise ValueError("a white image")
+        return classify(x)
+
+    batcher = serve.Batcher(serve.Pipeline(serve.parse_ops(OPS), model=model), workers=1)
+    try:
+        def request(i):
+            try:
+                return batcher.submit([np.frombuffer(white if i == 5 else encoded[i], np.uint8)])
+            except ValueError as exc:
+                return exc
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(request, range(24)))
+    finally:
+        batcher.close()
+    assert isinstance(results[5], ValueError) and "a white image" in str(results[5])
+    expected = classify(offline)
+    assert all(np.array_equal(r[0], expected[i]) for i, r in enumerate(results) if i != 5)
+
+
 def test_pipeline_with_a_callable_model(images):
     encoded, offline = images
     out = serve.Pipeline(serve.parse_ops(OPS), model=classify)(encoded)
