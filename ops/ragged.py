@@ -132,6 +132,11 @@ def segment_span(xp: Any, values: Any, thresholds: Any, lengths: np.ndarray) -> 
     return first, last
 
 
+def _axes(axes: tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
+    """``axes`` of a row with ``ndim`` dimensions, negatives resolved; None: all."""
+    return tuple(range(ndim)) if axes is None else tuple(a % ndim for a in axes)
+
+
 class NormalizeAxes(Op):
     """DALI's ``normalize``: ``scale * (x - mean) / stddev + shift`` per row, the
     mean and standard deviation taken over ``axes`` of each row (all axes by default),
@@ -153,9 +158,7 @@ class NormalizeAxes(Op):
         rows = rows_of(batch.data[self.field])
         if not rows:
             return batch
-        xp = batch.xp
-        ndim = rows[0].ndim
-        axes = tuple(range(ndim)) if self.axes is None else tuple(a % ndim for a in self.axes)
+        xp, ndim, axes = batch.xp, rows[0].ndim, _axes(self.axes, rows[0].ndim)
         # rows are cache-sized blocks: one reduction per row and axis set, no batch-wide temporaries
         x = [r.astype(xp.float32, copy=False) for r in rows]
         counts = [int(np.prod([r.shape[a] for a in axes], dtype=np.int64)) for r in x]
@@ -215,9 +218,7 @@ class Pad(Op):
         rows = rows_of(batch.data[self.field])
         if not rows:
             return batch
-        xp = batch.xp
-        ndim = rows[0].ndim
-        axes = tuple(range(ndim)) if self.axes is None else tuple(a % ndim for a in self.axes)
+        xp, ndim, axes = batch.xp, rows[0].ndim, _axes(self.axes, rows[0].ndim)
         extents = np.array([r.shape for r in rows], dtype=np.int64).reshape(len(rows), ndim)
         target = extents.max(axis=0)
         minimum = self.shape or (-1,) * len(axes)
