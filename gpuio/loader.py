@@ -410,8 +410,10 @@ class Loader:
     def _op_stage(self, op: Any, name: str):
         def run(w: _Work) -> _Work:
             b = w.batch
-            if self.device.is_cuda:
-                b.stream = require("cupy").cuda.get_current_stream()
+            if self.device.is_cuda:  # the stage's stream (the executor made it current)
+                cp = require("cupy")
+                with cp.cuda.Device(self.device.index):
+                    b.stream = cp.cuda.get_current_stream()
             out = op(b)
             b = out if out is not None else b
             # rows rejected by the op (or by ops inside it, which may have dropped them already)

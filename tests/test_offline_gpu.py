@@ -13,6 +13,7 @@ and never skip: a missing nvcc or an unreachable package index fails them).
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -121,6 +122,47 @@ def test_gpu_wheels_have_what_gpuio_uses(flavor):
     assert report["problems"] == [], f"{flavor} ({report['versions']}):\n" + "\n".join(report["problems"])
     assert report["checked"] >= 30  # the scan found gpuio's uses
     assert report["ran"] == ["kvikio", "decode params", "device arrays", "gpuio info"]
+
+
+# Files that still pick CuPy's current stream outside ``with cp.cuda.Device(...)``
+# (issue 9, defect 9); each must still have such a call, so that the list only shrinks.
+STREAM_BEFORE_DEVICE = {"ops/audio.py", "ops/video.py", "gpuio/serve.py", "gpuio/_bench/detection.py"}
+
+
+def _streams_outside_device(path: Path) -> list[int]:
+    """Lines calling ``<cupy>.cuda.get_current_stream()`` outside a ``with`` block that
+    enters ``<cupy>.cuda.Device(...)``. The current stream is per device: picked outside,
+    it is device 0's (CuPy then refuses it on another device, or, worse, it is used)."""
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def enters_device(node: ast.AST) -> bool:
+        return isinstance(node, ast.With) and any(
+            isinstance(item.context_expr, ast.Call) and ast.unparse(item.context_expr.func).endswith("cuda.Device")
+            for item in node.items)
+
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("cuda.get_current_stream"):
+            up = parents.get(node)
+            while up is not None and not enters_device(up):
+                up = parents.get(up)
+            if up is None:
+                bad.append(node.lineno)
+    return bad
+
+
+def test_current_stream_is_picked_inside_the_device():
+    found = {}
+    for top in ("gpuio", "ops", "formats"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            lines = _streams_outside_device(path)
+            if lines:
+                found[str(path.relative_to(ROOT))] = lines
+    new = {f: lines for f, lines in found.items() if f not in STREAM_BEFORE_DEVICE}
+    assert not new, f"CuPy's current stream picked outside `with cp.cuda.Device(...)` (file: lines): {new}"
+    fixed = STREAM_BEFORE_DEVICE - set(found)
+    assert not fixed, f"{sorted(fixed)} no longer pick the stream outside the device: take them off the list"
 
 
 # A kvikio that is installed but cannot load, failing the ways 26.10 does: cuda.pathfinder
