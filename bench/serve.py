@@ -111,6 +111,23 @@ def load(port: int, model: str, clients: int, seconds: float, files: list[str]) 
             "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None, "errors": errors[:3]}
 
 
+def agreement(port: int, models: list[str], files: list[str]) -> float:
+    """Mean absolute difference between the first model's outputs and the others' (the
+    same preprocessing, resampled by different code)."""
+    import tritonclient.http as http
+
+    client = http.InferenceServerClient(f"127.0.0.1:{port}")
+    diffs = []
+    for f in files:
+        blob = np.frombuffer(open(f, "rb").read(), np.uint8)[None]
+        inp = http.InferInput("images", list(blob.shape), "UINT8")
+        inp.set_data_from_numpy(blob)
+        outs = [client.infer(m, [inp]).as_numpy("image") for m in models]
+        diffs += [float(np.abs(o - outs[0]).mean()) for o in outs[1:]]
+    client.close()
+    return float(np.mean(diffs))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", type=int, default=256, help="distinct images sent (default: 256)")
@@ -162,6 +179,8 @@ def run(args: argparse.Namespace) -> None:
                     outputs=[Tensor(name="image", dtype=np.float32, shape=(3, 224, 224))],
                     config=ModelConfig(max_batch_size=64, batcher=DynamicBatcher(max_queue_delay_microseconds=1000)))
         triton.run()
+        diff = agreement(http_port, list(models.values()), files[:16])
+        print(f"Pillow + NumPy vs gpuio, 16 images: mean |difference| {diff:.4f} (normalized units)", file=sys.stderr)
         names = list(models)
         for clients in levels:
             for r in range(args.rounds):
@@ -180,7 +199,8 @@ def run(args: argparse.Namespace) -> None:
         s.stop()  # Triton is stopped: this ends the batch threads
     info = machine()
     print(f"{info['cpu']}, {info['cores']} cores, GPUs: {info['gpus']}; {len(files)} sample JPEGs, "
-          f"{args.instances} instances per model, best of {args.rounds} rounds of {args.seconds:g} s")
+          f"{args.instances} instances per model, best of {args.rounds} rounds of {args.seconds:g} s; "
+          f"outputs differ by {diff:.4f} on average (normalized units)")
     print(f"{'model':16s} {'clients':>7s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'vs Pillow':>9s}  errors")
     for clients in levels:
         base = results["Pillow + NumPy"][clients]["requests_per_s"]
@@ -192,6 +212,7 @@ def run(args: argparse.Namespace) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"machine": info, "ops": OPS, "instances": args.instances, "seconds": args.seconds,
+                       "mean_abs_difference": diff,
                        "rounds": args.rounds, "results": results}, f, indent=2)
         print(f"wrote {args.out}")
 
