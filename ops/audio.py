@@ -194,8 +194,8 @@ class DecodeAudio(Op):
                 elif f.channels == width:
                     got = f.read(frames, dtype=self.dtype, always_2d=True, out=rows[row])
                 else:  # downmix: average the channels
-                    got = f.read(frames, dtype="float64", always_2d=True)
-                    mean = got.mean(axis=1, keepdims=True)
+                    got = f.read(frames, dtype=self.dtype, always_2d=True)
+                    mean = got.mean(axis=1, keepdims=True, dtype=np.float64)
                     rows[row][:len(got)] = mean if self.dtype.startswith("float") else np.rint(mean)
             except (sf.SoundFileError, RuntimeError) as exc:
                 batch.reject(row, FormatError(f"cannot decode audio: {exc}", sample=int(batch.index[row])))

@@ -140,6 +140,8 @@ def test_decode_stereo_downmix_dtype_and_segments(device):
     np.testing.assert_allclose(both, pcm16(stereo), atol=1e-6)
     ints = to_host(ops.decode_audio(downmix=False, dtype="int16")(make_batch([buf], device)).data["audio"][0])
     assert ints.dtype == np.int16 and np.array_equal(ints, np.round(pcm16(stereo) * 32768).astype(np.int16))
+    mixed_ints = to_host(ops.decode_audio(dtype="int16")(make_batch([buf], device)).data["audio"][0])
+    np.testing.assert_array_equal(mixed_ints, np.rint(ints.astype(np.float64).mean(axis=1)).astype(np.int16))
     mono = tone(1.0)
     segment = ops.decode_audio()(make_batch([encode(mono, "FLAC")] * 3, device,
                                             offset=np.array([0.25, 0.0, 0.9]),
