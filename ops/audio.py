@@ -34,7 +34,7 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, DependencyError, FormatError
-from gpuio.ops.ragged import empty, groups, pack, rows_of, segment_max, segment_span, unpack
+from gpuio.ops.ragged import empty, groups, pack, rows_of, segment_max, segment_span, to_host, unpack
 
 __all__ = ["DecodeAudio", "PreemphasisFilter", "NonsilentRegion", "Slice", "decode_audio",
            "preemphasis_filter", "nonsilent_region", "slice", "AUDIO_EXTENSIONS", "audio_dependency"]
@@ -333,8 +333,8 @@ class Slice(Op):
 
     def __call__(self, batch: Batch) -> Batch:
         rows = rows_of(batch.data[self.field])
-        begin = np.asarray(_host(batch.data[self.begin]), dtype=np.int64).reshape(-1)
-        length = np.asarray(_host(batch.data[self.length]), dtype=np.int64).reshape(-1)
+        begin = to_host(batch.data[self.begin]).astype(np.int64).reshape(-1)
+        length = to_host(batch.data[self.length]).astype(np.int64).reshape(-1)
         out = []
         for r, b, n in zip(rows, begin.tolist(), length.tolist()):
             index = [np.s_[:]] * r.ndim
@@ -342,10 +342,6 @@ class Slice(Op):
             out.append(r[tuple(index)])
         batch.data[self.field] = out
         return batch
-
-
-def _host(a: Any) -> Any:
-    return a.get() if hasattr(a, "__cuda_array_interface__") else a
 
 
 def decode_audio(sample_rate: float | None = None, downmix: bool = True, dtype: str = "float32", *,

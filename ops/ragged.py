@@ -21,13 +21,18 @@ from gpuio.buffers import pooled_empty
 from gpuio.device import require
 from gpuio.errors import ConfigError
 
-__all__ = ["NormalizeAxes", "Pad", "normalize_axes", "pad", "pack", "unpack", "segment_max", "segment_span", "rows_of",
-           "empty", "groups"]
+__all__ = ["NormalizeAxes", "Pad", "normalize_axes", "pad", "pack", "unpack", "segment_max", "segment_span",
+           "rows_of", "to_host", "empty", "groups"]
 
 
 def rows_of(col: Any) -> list[Any]:
     """A field's rows as a list (a stacked array gives one view per row)."""
     return list(col) if not isinstance(col, list) else col
+
+
+def to_host(a: Any) -> np.ndarray:
+    """A NumPy copy of a CuPy array; NumPy arrays (and lists) as they are."""
+    return a.get() if hasattr(a, "__cuda_array_interface__") else np.asarray(a)
 
 
 def _ptr(a: Any) -> int:
@@ -125,8 +130,8 @@ def segment_span(xp: Any, values: Any, thresholds: Any, lengths: np.ndarray) -> 
         return first, last
     hits = xp.flatnonzero(values >= xp.repeat(thresholds, lengths.tolist()))
     hits_end = xp.concatenate([hits, xp.asarray([len(values)])])
-    lo = hits_end[xp.searchsorted(hits, xp.asarray(starts))].get()  # first hit at or after each start
-    hi = hits_end[xp.maximum(xp.searchsorted(hits, xp.asarray(ends)) - 1, 0)].get()  # last before each end
+    lo = to_host(hits_end[xp.searchsorted(hits, xp.asarray(starts))])  # first hit at or after each start
+    hi = to_host(hits_end[xp.maximum(xp.searchsorted(hits, xp.asarray(ends)) - 1, 0)])  # last before each end
     found = (lo < ends) & (hi >= starts) & (len(hits) > 0)
     first[found], last[found] = lo[found] - starts[found], hi[found] - starts[found]
     return first, last
