@@ -14,6 +14,9 @@ interleaved rounds (each round: one epoch of each; the best round counts):
 - on a machine with a GPU: gpuio on the GPU, and torchaudio's MelSpectrogram on the GPU
   on padded batches (decoded by soundfile in DataLoader workers; no silence trimming).
 
+``--agreement`` instead compares gpuio's mel spectrograms with DALI's CPU operators and
+librosa's on 16 of the clips (a one-off check; DALI and librosa are not dependencies).
+
 Prints samples/s and audio-seconds/s per competitor and gpuio's ratio to each, and for
 the competitors that compute in this process (gpuio, DALI) the CPU time per sample
 (``time.process_time``, all threads): on a machine shared with other work, CPU time is
@@ -211,6 +214,55 @@ def torchaudio_gpu(paths: list[str], batch: int, workers: int) -> Callable[[], I
     return run
 
 
+AGREEMENT_CASES = [(512, 320, 160, 64, "slaney"), (512, 400, 160, 80, "htk"), (1024, 1024, 256, 128, "slaney")]
+
+
+def agreement(paths: list[str]) -> list[dict[str, Any]]:
+    """Mel spectrograms (decode -> spectrogram -> mel_filter_bank) of ``paths`` from
+    gpuio, DALI's CPU operators and (when installed) librosa given DALI's Hann window:
+    per parameter set, the largest error relative to each clip's largest value."""
+    from nvidia.dali import fn, pipeline_def
+
+    from gpuio.batch import Batch, sample_seeds
+    from gpuio.ops.spectral import hann_window
+
+    encoded = [np.fromfile(p, dtype=np.uint8) for p in paths]
+    rows = []
+    for nfft, window, step, mels, formula in AGREEMENT_CASES:
+        index = np.arange(len(encoded))
+        batch = Batch({"data": list(encoded)}, index, sample_seeds(0, 0, index))
+        for op in (ops.decode_audio(), ops.spectrogram(nfft=nfft, window_length=window, window_step=step),
+                   ops.mel_filter_bank(sample_rate=RATE, nfilter=mels, mel_formula=formula)):
+            batch = op(batch)
+
+        @pipeline_def(batch_size=len(encoded), num_threads=1, device_id=None)
+        def pipe():
+            data = fn.external_source(source=lambda: encoded, batch=True)
+            audio, _ = fn.decoders.audio(data, downmix=True)
+            spec = fn.spectrogram(audio, nfft=nfft, window_length=window, window_step=step)
+            return fn.mel_filter_bank(spec, sample_rate=RATE, nfilter=mels, mel_formula=formula)
+
+        p = pipe()
+        p.build()
+        (dali,) = p.run()
+        row = {"case": f"nfft {nfft}, window {window}, step {step}, {mels} mels, {formula}",
+               "vs_dali": max(float(np.abs(ours - np.array(dali[i])).max() / np.abs(ours).max())
+                              for i, ours in enumerate(batch.data["audio"]))}
+        try:
+            import librosa
+            import soundfile as sf
+        except ImportError:
+            row["note"] = "librosa not installed"
+        else:
+            row["vs_librosa"] = max(float(np.abs(ours - ref).max() / np.abs(ours).max()) for ours, ref in (
+                (ours, librosa.feature.melspectrogram(
+                    y=sf.read(path, dtype="float32")[0], sr=RATE, n_fft=nfft, hop_length=step, win_length=window,
+                    window=hann_window(window), n_mels=mels, htk=formula == "htk", norm="slaney"))
+                for ours, path in zip(batch.data["audio"], paths)))
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=256, help="clips in the sample dataset")
@@ -218,11 +270,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best counts")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--agreement", action="store_true",
+                        help="instead: compare mel spectrograms with DALI's and librosa's (16 clips)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     manifest = make_dataset(args.count, args.format)
     index = gpuio.formats.manifest(manifest)
     paths = list(index.files)
+    if args.agreement:
+        rows = agreement(paths[:16])
+        print_table(rows, [("case", "parameters", ""), ("vs_dali", "max rel. error vs DALI", ".1e"),
+                           ("vs_librosa", "vs librosa", ".1e"), ("note", "note", "")])
+        write_json(args.out, {"machine": machine(), "agreement": rows})
+        return {"agreement": rows}
     seconds = float(index.values["duration"].sum())
     competitors: dict[str, Callable[[], Callable[[], Iterator[Any]]]] = {
         "gpuio cpu": lambda: gpuio_loader(manifest, args.batch, "cpu", args.threads),
