@@ -9,6 +9,11 @@ uint8 per sample until ``normalize``, which stacks a fixed-size batch into one a
 
 On a GPU batch, ``Compose`` runs crop -> resize -> flip -> normalize as one fused
 kernel launch per batch; on the CPU each op runs on its own (the reference path).
+
+Audio ops (``ops.audio``, ``ops.spectral``, ``ops.ragged``) keep DALI's operator names,
+parameters and defaults and read and write ``audio``: ``decode_audio`` ->
+``preemphasis_filter`` -> ``nonsilent_region`` + ``slice`` -> ``spectrogram`` ->
+``mel_filter_bank`` -> ``to_decibels`` (or ``mfcc``) -> ``normalize_axes`` -> ``pad``.
 """
 
 from gpuio.ops.audio import (DecodeAudio, NonsilentRegion, PreemphasisFilter, Slice, decode_audio,
