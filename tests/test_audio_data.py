@@ -72,6 +72,9 @@ def test_manifest_fields_relative_paths_and_shared_files(tmp_path):
     assert index.extent(0) == (str(tmp_path / "wavs" / "a.flac"), 0, os.path.getsize(tmp_path / "wavs" / "a.flac"))
     assert index.extent(2).file == index.extent(0).file
     assert index[3]["data"] == (other / "c.wav").read_bytes()
+    index.save(tmp_path / "m.idx")
+    again = gpuio.SampleIndex.load(tmp_path / "m.idx")
+    assert again[1]["text"] == "world" and again[2]["offset"] == 0.2 and again.extent(1) == index.extent(1)
 
 
 @pytest.mark.parametrize("line,match", [
@@ -114,7 +117,8 @@ def test_filetree_with_audio_extensions(tmp_path):
 
 
 @pytest.mark.parametrize("fmt,subtype,tol", [("WAV", "PCM_16", 0), ("WAV", "FLOAT", 0), ("FLAC", "PCM_16", 0),
-                                             ("FLAC", "PCM_24", 0), ("OGG", "VORBIS", 0.05)])
+                                             ("FLAC", "PCM_24", 0), ("OGG", "VORBIS", 0.05),
+                                             ("OGG", "OPUS", 0.05), ("MP3", "MPEG_LAYER_III", 0.05)])
 def test_decode_formats(device, fmt, subtype, tol):
     clips = [tone(s, freq=f) for s, f in ((0.7, 440.0), (0.05, 1000.0), (1.3, 250.0))]
     batch = ops.decode_audio()(make_batch([encode(x, fmt, subtype) for x in clips], device))
