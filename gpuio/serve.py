@@ -22,9 +22,10 @@ On a GPU (``device="cuda"``) decoding and the ops run on the GPU and the ops' ou
 reaches a torch model by DLPack, on the GPU (no host copy); only the model's output goes
 to the host for the response.
 
-PyTriton 0.7's Triton runs the model's Python stub with the server's interpreter: models
-load under Python 3.12 (under 3.11 they fail in the stub); the stub needs that
-interpreter's ``libpython3.12.so``, whose folder ``start`` puts on ``LD_LIBRARY_PATH``.
+PyTriton 0.7 runs each model instance in a Triton Python stub built for the running
+interpreter's version and linked against its ``libpython3.X.so``, which must be on
+``LD_LIBRARY_PATH`` (``start`` puts this interpreter's folder there). Under Python 3.11 the
+stub fails to load any model; under 3.12 it works, so ``start`` asks for 3.12.
 ``import gpuio`` (and this module) never imports PyTriton: ``start`` does.
 """
 
@@ -311,9 +312,9 @@ def _libpython_on_path() -> None:
 def _pytriton() -> Any:
     if sys.version_info[:2] != (3, 12):
         raise DependencyError(
-            f"serving needs Python 3.12 (this is {sys.version.split()[0]}): PyTriton 0.7's Triton loads models "
-            f"in a Python stub that fails under other versions; make a 3.12 environment with "
-            f"pip install 'gpuio[serve]'")
+            f"serving needs Python 3.12 (this is {sys.version.split()[0]}): the Triton that PyTriton 0.7 ships "
+            f"loads models in a Python stub that fails under 3.11 (3.12 is the version it works under here); "
+            f"make a 3.12 environment with pip install 'gpuio[serve]'")
     try:
         import pytriton.triton as triton
         from pytriton import model_config

@@ -338,24 +338,25 @@ def _infer(protocol, port, rows, output):
 
 def _send_all(served, images, output):
     """Concurrent clients, HTTP and gRPC alternating: each image alone, one request of
-    two images, and one corrupt image among them."""
+    two images, and a corrupt image (over gRPC, then HTTP) among them."""
     encoded, _ = images
-    requests = [[e] for e in encoded] + [[encoded[0], encoded[1]], [CORRUPT]]
+    requests = [[e] for e in encoded] + [[encoded[0], encoded[1]], [CORRUPT], [CORRUPT]]
+    order = list(range(len(requests)))
+    order[3:3] = [order.pop(), order.pop()]  # the corrupt requests go out among the first, with others in flight
     barrier = threading.Barrier(8)
 
-    def send(k):
+    def send(pos):
+        k = order[pos]
         protocol = "http" if k % 2 == 0 else "grpc"
-        if k < 8:
+        if pos < 8:
             barrier.wait()  # the first eight leave together
         try:
-            return _infer(protocol, served.http if protocol == "http" else served.grpc, requests[k], output)
+            return k, _infer(protocol, served.http if protocol == "http" else served.grpc, requests[k], output)
         except Exception as exc:  # noqa: BLE001 - tritonclient's InferenceServerException, kept for the asserts
-            return exc
+            return k, exc
 
-    order = list(range(len(requests)))
-    order.insert(3, order.pop())  # the corrupt request goes out among the first, with others in flight
     with ThreadPoolExecutor(8) as pool:
-        results = dict(zip(order, pool.map(send, order)))
+        results = dict(pool.map(send, range(len(order))))
     return [results[k] for k in range(len(requests))]
 
 
@@ -367,35 +368,29 @@ def _check_stopped(served):
     assert not left, f"processes left behind: {[(p, _cmdline(p)) for p in left]}"
 
 
-def test_server_serves_the_pipeline_over_http_and_grpc(serve_python, images, tmp_path):
-    served = _Served(serve_python, tmp_path)
+@pytest.mark.parametrize("chained", [False, True], ids=["ops", "ops+model"])
+def test_server_over_http_and_grpc(serve_python, images, tmp_path, chained):
+    """Outputs equal the offline pipeline's (and the model's on them) exactly; the corrupt
+    requests fail alone; SIGTERM stops the server and every process under it."""
+    (tmp_path / "model.py").write_text(MODEL_PY)
+    served = _Served(serve_python, tmp_path, ["--model", f"{tmp_path / 'model.py'}:classify"] if chained else [])
     try:
         assert any("tritonserver" in _cmdline(p) for p in served.processes)
-        results = _send_all(served, images, "image")
+        results = _send_all(served, images, "scores" if chained else "image")
     except BaseException:
         served.kill()
         raise
     encoded, offline = images
-    error = results[-1]
-    assert isinstance(error, Exception) and "image 0: cannot decode image" in str(error), error
-    for i in range(len(encoded)):
-        assert isinstance(results[i], np.ndarray), (i, results[i])
-        assert results[i].shape == (1, 3, 32, 32) and np.array_equal(results[i][0], offline[i]), i
-    assert np.array_equal(results[-2], offline[:2])
-    _check_stopped(served)
-
-
-def test_server_chains_a_model(serve_python, images, tmp_path):
-    (tmp_path / "model.py").write_text(MODEL_PY)
-    served = _Served(serve_python, tmp_path, ["--model", f"{tmp_path / 'model.py'}:classify"])
+    expected = classify(offline) if chained else offline
     try:
-        results = _send_all(served, images, "scores")
-    except BaseException:
+        for error in results[-2:]:
+            assert isinstance(error, Exception) and "image 0: cannot decode image" in str(error), error
+        for i in range(len(encoded)):
+            assert isinstance(results[i], np.ndarray), (i, results[i])
+            assert results[i].shape == (1, *expected.shape[1:]), (i, results[i].shape)
+            assert np.array_equal(results[i][0], expected[i]), (i, np.abs(results[i][0] - expected[i]).max())
+        assert np.array_equal(results[-3], expected[:2])
+    except AssertionError as exc:
         served.kill()
-        raise
-    encoded, offline = images
-    assert isinstance(results[-1], Exception) and "cannot decode image" in str(results[-1])
-    expected = classify(offline)
-    for i in range(len(encoded)):
-        assert isinstance(results[i], np.ndarray) and np.array_equal(results[i][0], expected[i]), (i, results[i])
+        raise AssertionError(f"{exc}\nserver log:\n{served.output()}") from None
     _check_stopped(served)
