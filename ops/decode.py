@@ -274,13 +274,16 @@ class DecodeImage(Op):
 
 def gpu_decodable(data: np.ndarray) -> bool:
     """Whether a GPU batch hands these bytes to nvImageCodec: a complete (ends with the
-    end-of-image marker) baseline 1/3-component JPEG, a JPEG 2000 or a TIFF."""
+    end-of-image or end-of-codestream marker) baseline 1/3-component JPEG or JPEG 2000,
+    or a TIFF."""
     info = jpeg_info(data)
+    # a JPEG or JPEG 2000 cut short goes to the CPU path, which rejects it, rather than
+    # to a decoder that may fill in the missing part
+    ends = len(data) >= 2 and data[-2] == 0xFF and data[-1] == 0xD9
     if info is not None:
-        # a JPEG cut short goes to the CPU path, which rejects it, rather than to a
-        # decoder that may fill in the missing part
-        return info.components in (1, 3) and not info.progressive and data[-2] == 0xFF and data[-1] == 0xD9
-    return image_format(data) in ("jpeg2000", "tiff")
+        return info.components in (1, 3) and not info.progressive and ends
+    fmt = image_format(data)
+    return (fmt == "jpeg2000" and ends) or fmt == "tiff"
 
 
 def decode_gpu(batch: Batch, rows: list[int], sources: list[Any], color: str, images: list[Any]) -> None:

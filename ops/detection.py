@@ -353,7 +353,8 @@ class Paste(_PasteDraws, Op):
     does (linear, antialiased), in one pass that resamples only the output pixels whose
     filter reaches the image (the rest are the fill): the zoom out of SSD pipelines
     without building and reading a canvas up to ``ratio**2`` times the image. Equal to
-    ``paste`` then the fused ``resize`` up to float rounding (one level at most)."""
+    ``paste`` then the fused ``resize`` up to float rounding (one level at most). Pixel
+    masks stay at the canvas size, as ``resize`` leaves them."""
 
     def __init__(self, ratio: float | Sequence[float], paste_x: float | Sequence[float] = 0.5,
                  paste_y: float | Sequence[float] = 0.5, fill_value: float | Sequence[float] = 0,
