@@ -37,7 +37,7 @@ import numpy as np
 
 from gpuio.batch import Batch, Op
 from gpuio.device import require
-from gpuio.errors import ConfigError
+from gpuio.errors import ConfigError, DataError
 from gpuio.ops.decode_slice import crop_window
 from gpuio.ops.color import Normalize
 from gpuio.ops.fused import FusedCropResizeNormalize
@@ -47,6 +47,7 @@ __all__ = ["RandomBBoxCrop", "BBFlip", "Paste", "BBoxPaste", "BoxEncoder", "rand
            "paste", "bbox_paste", "box_encoder", "encode_boxes"]
 
 _LAYOUTS = {"xyXY": True, "xyWH": False}  # layout -> ltrb
+_MAX_WINDOWS = 10_000  # random_bbox_crop's total_num_attempts=-1
 
 
 def _module(a: Any) -> Any:
@@ -91,11 +92,13 @@ def _overlap(crops: np.ndarray, boxes: np.ndarray, iou: bool) -> np.ndarray:
     return inter / np.maximum(union, np.float32(1e-12))
 
 
-def _select_masks(batch: Batch, row: int, keep: np.ndarray, polygons: str, vertices: str, masks: str,
+def _select_masks(batch: Batch, row: int, keep: np.ndarray, boxes: int, polygons: str, vertices: str, masks: str,
                   move: Any) -> None:
     """Keep the polygons and pixel masks of the boxes ``keep`` (old box numbers, in
-    order), renumbered, and move the vertices with ``move(xy) -> xy``."""
+    order, of ``boxes``), renumbered, and move the vertices with ``move(xy) -> xy``."""
     data = batch.data
+    if masks in data and data[masks][row] is not None and len(data[masks][row]) != boxes:
+        raise DataError(f"{len(data[masks][row])} pixel masks for {boxes} boxes", sample=int(batch.index[row]))
     if polygons in data and vertices in data:
         poly = np.asarray(_host(data[polygons][row]), np.int64).reshape(-1, 3)
         xy = np.asarray(_host(data[vertices][row]), np.float32).reshape(-1, 2)
@@ -107,7 +110,7 @@ def _select_masks(batch: Batch, row: int, keep: np.ndarray, polygons: str, verti
         take = np.concatenate([np.arange(s, e) for s, e in kept[:, 1:].tolist()] + [np.zeros(0, np.int64)])
         data[polygons][row] = np.stack([renumber[kept[:, 0]], starts[:-1], starts[1:]], axis=1).astype(np.int32)
         data[vertices][row] = move(xy[take]).astype(np.float32)
-    if masks in data and data[masks][row] is not None and len(data[masks][row]) >= len(keep):
+    if masks in data and data[masks][row] is not None:
         data[masks][row] = data[masks][row][keep]
 
 
@@ -120,8 +123,8 @@ class RandomBBoxCrop(Op):
     (``threshold_type`` ``"iou"`` or ``"overlap"``: the fraction of a box inside) is at
     least the threshold and at least one box keeps its centre (``lo <= c < hi``)
     inside; the first window that passes is taken. Otherwise another threshold is drawn,
-    until ``total_num_attempts`` windows were tried (-1: no limit), and then the best
-    window so far is taken. With ``bbox_prune_threshold``, boxes are kept by the
+    until ``total_num_attempts`` windows were tried (-1: 10,000, where DALI searches
+    forever), and then the best window so far is taken. With ``bbox_prune_threshold``, boxes are kept by the
     fraction of their area inside the window instead of by their centre. Kept boxes are
     clipped to the window and remapped to it; the rest go with their labels, polygons
     and masks. A row without boxes is not cropped.
@@ -157,7 +160,9 @@ class RandomBBoxCrop(Op):
         if bbox_prune_threshold is not None and not 0.0 <= bbox_prune_threshold <= 1.0:
             raise ConfigError(f"bbox_prune_threshold is in [0, 1], got {bbox_prune_threshold!r}")
         self.ltrb, self.allow_no_crop = _LAYOUTS[bbox_layout], bool(allow_no_crop)
-        self.num_attempts, self.total_num_attempts = int(num_attempts), int(total_num_attempts)
+        # DALI searches forever when no window can pass; a loader must not hang
+        self.num_attempts = int(num_attempts)
+        self.total_num_attempts = int(total_num_attempts) if total_num_attempts > 0 else _MAX_WINDOWS
         self.iou, self.all_boxes = threshold_type == "iou", bool(all_boxes_above_threshold)
         self.prune = bbox_prune_threshold
         self.field, self.anchor_out, self.shape_out = field, anchor_out, shape_out
@@ -192,12 +197,11 @@ class RandomBBoxCrop(Op):
         rng = batch.rng(row, self.salt)
         options = len(self.thresholds) + self.allow_no_crop
         best, best_metric, tried = None, -1.0, 0
-        while self.total_num_attempts < 0 or tried < self.total_num_attempts:
+        while tried < self.total_num_attempts:
             choice = int(rng.integers(options))
             if choice == len(self.thresholds):
                 return whole, np.arange(len(boxes))
-            n = self.num_attempts if self.total_num_attempts < 0 else \
-                min(self.num_attempts, self.total_num_attempts - tried)
+            n = min(self.num_attempts, self.total_num_attempts - tried)
             tried += n
             shape = self._shapes(rng, n)
             anchor = (rng.random((n, 2)) * (1.0 - shape)).astype(np.float32)
@@ -217,31 +221,39 @@ class RandomBBoxCrop(Op):
         return best if best is not None else (whole, np.arange(len(boxes)))
 
     def __call__(self, batch: Batch) -> Batch:
-        f, data = self.fields, batch.data
         anchors, shapes = [], []
         for row in range(len(batch)):
-            boxes = _to_ltrb(_boxes(data[self.field][row]), self.ltrb)
-            crop, keep = self.window(batch, row, boxes)
-            size = crop[2:] - crop[:2]
-            moved = (np.clip(boxes[keep], np.tile(crop[:2], 2), np.tile(crop[2:], 2)) - np.tile(crop[:2], 2)) \
-                / np.tile(size, 2)
-            data[self.field][row] = _from_ltrb(np.clip(moved, 0, 1).astype(np.float32), self.ltrb)
-            if f["labels"] in data:
-                data[f["labels"]][row] = data[f["labels"]][row][keep]
-            _select_masks(batch, row, keep, f["polygons"], f["vertices"], f["masks"],
-                          lambda xy: (xy - crop[:2]) / size)
-            if f["masks"] in data and data[f["masks"]][row] is not None:
-                m = data[f["masks"]][row]
-                y0, x0, y1, x1 = crop_window(crop[:2], size, m.shape[1], m.shape[2])
-                data[f["masks"]][row] = m[:, y0:y1, x0:x1]
-            if f["image"] in data:
-                img = data[f["image"]][row]
-                y0, x0, y1, x1 = crop_window(crop[:2], size, img.shape[0], img.shape[1])
-                data[f["image"]][row] = img[y0:y1, x0:x1]
-            anchors.append(crop[:2].copy())
-            shapes.append(size.astype(np.float32))
-        data[self.anchor_out], data[self.shape_out] = anchors, shapes
+            try:
+                anchor, shape = self._crop_row(batch, row)
+            except DataError as exc:
+                batch.reject(row, exc)
+                anchor, shape = np.zeros(2, np.float32), np.ones(2, np.float32)
+            anchors.append(anchor)
+            shapes.append(shape)
+        batch.data[self.anchor_out], batch.data[self.shape_out] = anchors, shapes
         return batch
+
+    def _crop_row(self, batch: Batch, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """Crop one row's boxes and what follows them; returns its anchor and shape."""
+        f, data = self.fields, batch.data
+        boxes = _to_ltrb(_boxes(data[self.field][row]), self.ltrb)
+        crop, keep = self.window(batch, row, boxes)
+        size = crop[2:] - crop[:2]
+        _select_masks(batch, row, keep, len(boxes), f["polygons"], f["vertices"], f["masks"],
+                      lambda xy: (xy - crop[:2]) / size)
+        moved = (np.clip(boxes[keep], np.tile(crop[:2], 2), np.tile(crop[2:], 2)) - np.tile(crop[:2], 2)) \
+            / np.tile(size, 2)
+        data[self.field][row] = _from_ltrb(np.clip(moved, 0, 1).astype(np.float32), self.ltrb)
+        if f["labels"] in data:
+            data[f["labels"]][row] = data[f["labels"]][row][keep]
+        for name in (f["masks"], f["image"]):
+            pixels = data[name][row] if name in data else None
+            if pixels is None:
+                continue
+            hw = pixels.shape[1:3] if name == f["masks"] else pixels.shape[:2]
+            y0, x0, y1, x1 = crop_window(crop[:2], size, *hw)
+            data[name][row] = pixels[:, y0:y1, x0:x1] if name == f["masks"] else pixels[y0:y1, x0:x1]
+        return crop[:2].copy(), size.astype(np.float32)
 
 
 class BBFlip(Op):

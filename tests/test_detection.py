@@ -11,7 +11,7 @@ import pytest
 from gpuio import ops
 from gpuio.batch import Batch, sample_seeds
 from gpuio.device import Device
-from gpuio.errors import ConfigError
+from gpuio.errors import ConfigError, DataError
 from gpuio.ops.decode_slice import crop_window
 from gpuio.ops.detection import encode_boxes
 from gpuio.sample import sample_image
@@ -356,3 +356,28 @@ def test_detection_ops_reject_bad_arguments():
         ops.bbox_paste(2.0, paste_x=(0.2, 1.5))
     with pytest.raises(ConfigError, match="stds"):
         ops.box_encoder([0, 0, 1, 1], stds=(0.1, 0.1, 0.0, 0.2))
+
+
+def test_random_bbox_crop_that_cannot_pass_ends_with_the_best_window():
+    """DALI searches forever here (no window of 0.3-1 can have IoU 0.95 with a tiny box);
+    gpuio stops after 10,000 windows and takes the best one."""
+    data = {"boxes": [np.array([[0.5, 0.5, 0.52, 0.52]], np.float32)], "labels": [np.array([4], np.int32)]}
+    crop = ops.random_bbox_crop(thresholds=(0.95,), scaling=(0.3, 1.0), allow_no_crop=False, num_attempts=50)
+    batch = crop(make("cpu", data))
+    (ax, ay), (sw, sh) = batch.data["crop_anchor"][0], batch.data["crop_shape"][0]
+    assert sw < 0.35 and sh < 0.35  # the smallest windows overlap the box most
+    assert batch.data["labels"][0].tolist() == [4]
+
+
+def test_random_bbox_crop_masks_that_do_not_match_the_boxes_are_bad_samples():
+    data = detection_rows(3, seed=11)
+    data["masks"] = [np.zeros((len(b) + (k == 1), 60, 80), np.uint8) for k, b in enumerate(data["boxes"])]
+    crop = ops.random_bbox_crop(**SSD_CROP)
+    with pytest.raises(DataError, match="sample 1.*pixel masks for"):
+        crop(make("cpu", {k: list(v) for k, v in data.items()}))
+    batch = make("cpu", {k: list(v) for k, v in data.items()})
+    batch.on_error = "skip"
+    crop(batch)
+    batch.drop_rejected()
+    assert batch.index.tolist() == [0, 2] and len(batch.data["crop_anchor"]) == 2
+    assert [len(m) for m in batch.data["masks"]] == [len(b) for b in batch.data["boxes"]]
