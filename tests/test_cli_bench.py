@@ -29,14 +29,15 @@ def test_bench_on_a_tree_prints_every_method_and_writes_json(tmp_path, capsys, m
     out_json = tmp_path / "r.json"
     assert main(["bench", str(tmp_path / "s"), "--repeat", "1", "--batch", "8", "--out", str(out_json)]) == 0
     text = capsys.readouterr().out
-    for method in ("gpuio", "naive loop", "np.fromfile", "sequential (ceiling)",
+    for method in ("gpuio", "naive loop", "np.fromfile", "sequential readinto", "parallel 4 MiB reads",
                    "gpuio cpu (Loader + ops.Compose)", "torch DataLoader + Pillow"):
         assert method in text
     images = json.loads((tmp_path / "r-images.json").read_text())["results"]
     assert all(r["images_s"] > 0 for r in images if r["name"].startswith(("gpuio", "torch")))
     rows = json.loads(out_json.read_text())["rows"]
     assert {(r["cache"], r["method"]) for r in rows} >= {("warm", "gpuio"), ("cold", "gpuio")}
-    assert all(r["GB/s"] > 0 for r in rows)
+    # a row has figures, or (cold runs only) says why its measurement failed
+    assert all(r["GB/s"] > 0 if "failed" not in r else r["cache"] == "cold" and r["failed"] for r in rows)
     for chart in (tmp_path / "r.png", tmp_path / "r-images.png"):  # charts beside the JSON
         assert f"wrote {chart}" in text
         with Image.open(chart) as im:
