@@ -131,10 +131,11 @@ class DecodeAudio(Op):
                     item[0].close()
         if batch.device.is_cuda:  # one upload for the batch, on the batch's stream
             cp = require("cupy")
-            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-            with cp.cuda.Device(batch.device.index), stream:
-                packed, lengths = pack(np, audio, 0)
-                audio = unpack(cp.asarray(packed), lengths, 0)
+            with cp.cuda.Device(batch.device.index):
+                stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+                with stream:
+                    packed, lengths = pack(np, audio, 0)
+                    audio = unpack(cp.asarray(packed), lengths, 0)
         batch.data[self.out] = audio
         batch.data[self.rate_out] = rates
         batch.drop_rejected()
