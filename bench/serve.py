@@ -13,7 +13,8 @@ HTTP client per thread) run in another process, so that they do not share this o
 GIL. Rounds are interleaved, each starting with the next model; the best round counts.
 
 PyTriton's Triton needs Python 3.12: under another Python this runs itself again in the
-environment of ``tests/serve_env.py`` (made once).
+environment of ``tests/serve_env.py`` (made once; it has no GPU packages). For the GPU
+row, run it with a Python 3.12 that has ``gpuio[serve,cu12]`` (or ``cu13``) installed.
 """
 
 from __future__ import annotations
