@@ -9,6 +9,7 @@ with tritonclient over HTTP and gRPC from concurrent clients.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
@@ -299,15 +300,22 @@ class _Served:
     def stop(self, timeout=120):
         """SIGTERM, as a service manager stops it; its exit status."""
         self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.kill()
+        return self.proc.wait(timeout)  # a timeout raises; the test's finally kills what is left
 
     def kill(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        """SIGKILL the server and every process it started (Triton's stubs are not in
+        its process group), a recorded one only while it still is a Triton process."""
+        alive = self.proc.poll() is None
+        started = [p for p in getattr(self, "processes", []) if "triton" in _cmdline(p)]
+        for pid in (_descendants(self.proc.pid) if alive else []) + started + ([self.proc.pid] if alive else []):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if alive:
             self.proc.wait()
+            for leftover in glob.glob(f"/dev/shm/pytrtion{self.proc.pid}-*"):  # a killed Triton's shared memory
+                os.unlink(leftover)
 
 
 @pytest.fixture(scope="module")
@@ -374,15 +382,11 @@ def test_server_over_http_and_grpc(serve_python, images, tmp_path, chained):
     requests fail alone; SIGTERM stops the server and every process under it."""
     (tmp_path / "model.py").write_text(MODEL_PY)
     served = _Served(serve_python, tmp_path, ["--model", f"{tmp_path / 'model.py'}:classify"] if chained else [])
-    try:
-        assert any("tritonserver" in _cmdline(p) for p in served.processes)
-        results = _send_all(served, images, "scores" if chained else "image")
-    except BaseException:
-        served.kill()
-        raise
     encoded, offline = images
     expected = classify(offline) if chained else offline
     try:
+        assert any("tritonserver" in _cmdline(p) for p in served.processes)
+        results = _send_all(served, images, "scores" if chained else "image")
         for error in results[-2:]:
             assert isinstance(error, Exception) and "image 0: cannot decode image" in str(error), error
         for i in range(len(encoded)):
@@ -390,7 +394,8 @@ def test_server_over_http_and_grpc(serve_python, images, tmp_path, chained):
             assert results[i].shape == (1, *expected.shape[1:]), (i, results[i].shape)
             assert np.array_equal(results[i][0], expected[i]), (i, np.abs(results[i][0] - expected[i]).max())
         assert np.array_equal(results[-3], expected[:2])
+        _check_stopped(served)
     except AssertionError as exc:
-        served.kill()
         raise AssertionError(f"{exc}\nserver log:\n{served.output()}") from None
-    _check_stopped(served)
+    finally:
+        served.kill()  # after a clean stop there is nothing left to kill
