@@ -46,7 +46,7 @@ from gpuio.batch import Batch, sample_seeds
 from gpuio.device import Device, check_cuda, parse_device, require
 from gpuio.errors import ConfigError, DataError, DependencyError, GpuioError
 
-__all__ = ["Pipeline", "Server", "load_model", "parse_ops", "INPUT", "OUTPUT", "SCORES"]
+__all__ = ["Batcher", "Pipeline", "Server", "load_model", "parse_ops", "INPUT", "OUTPUT", "SCORES"]
 
 INPUT = "images"  # encoded bytes, uint8 [n, L] per request
 OUTPUT = "image"  # the ops' output, one row per image
@@ -232,6 +232,8 @@ class Batcher:
     def submit(self, images: np.ndarray) -> np.ndarray:
         """Run one request's images (uint8 ``[n, L]``); its output rows stacked, or raise
         the error of its first bad image."""
+        if len(images) == 0:
+            raise ConfigError("a request with no images: send uint8 [n, L] with n >= 1, one encoded image per row")
         job = _Job([_unpad(row) for row in images])
         self._queue.put(job)
         job.done.wait()
@@ -293,7 +295,7 @@ class Batcher:
                                       f"({[r.shape for r in mine]}); send them in separate requests or end "
                                       f"the ops with a resize or crop to one size")
                 job.out = np.stack(mine)
-            except GpuioError as exc:
+            except Exception as exc:  # this request's own failure; the batch thread goes on
                 job.error = exc
             job.done.set()
 

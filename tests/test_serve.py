@@ -196,6 +196,12 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         serve.load_model(str(tmp_path / "m.onnx"))
     with pytest.raises(ConfigError, match="instances"):
         serve.Server(serve.parse_ops(OPS), instances=0)
+    batcher = serve.Batcher(serve.Pipeline(serve.parse_ops(OPS)))
+    try:
+        with pytest.raises(ConfigError, match="no images"):
+            batcher.submit(np.zeros((0, 16), np.uint8))
+    finally:
+        batcher.close()
 
 
 @pytest.mark.skipif(sys.version_info[:2] == (3, 12), reason="checks the message given under other Pythons")
