@@ -12,7 +12,8 @@ cache warm): gpuio on the CPU (``Loader`` + ``ops.Compose``) and NVIDIA DALI's C
 pipeline (``device_id=None``, ``num_threads`` = cores, ``readers.coco`` ->
 ``random_bbox_crop`` -> ``decoders.image_slice`` -> ``paste`` / ``bbox_paste`` ->
 ``bb_flip`` -> ``resize`` -> ``crop_mirror_normalize`` -> ``box_encoder``); on a GPU
-machine also gpuio on the GPU. ``--agreement`` also runs DALI's ``box_encoder``,
+machine also gpuio on the GPU. A second gpuio row runs ``paste`` and ``resize`` as two
+ops, as DALI does, to show what the one-pass zoom out gains. ``--agreement`` also runs DALI's ``box_encoder``,
 ``bb_flip``, ``bbox_paste`` and ``paste`` and gpuio's on the same boxes and prints the
 largest differences.
 
@@ -100,18 +101,22 @@ def ssd300_anchors() -> np.ndarray:
     return np.clip(np.array(boxes, np.float32), 0, 1)
 
 
-def gpuio_ssd(anchors: np.ndarray) -> ops.Compose:
+def gpuio_ssd(anchors: np.ndarray, one_pass_zoom: bool = True) -> ops.Compose:
     """The SSD pipeline as gpuio ops: the zoom out and the resize to 300x300 are one
-    ``paste(size=(300, 300))`` (the same output as ``paste`` then ``resize``)."""
-    return ops.Compose([ops.random_bbox_crop(**CROP), ops.decode_image_slice(),
-                        ops.paste(**ZOOM, fill_value=FILL, size=(300, 300)), ops.bbox_paste(**ZOOM, ltrb=True),
-                        ops.bb_flip(ltrb=True), ops.flip(), ops.normalize(MEAN, STD),
-                        ops.box_encoder(anchors, **ENCODE)])
+    ``paste(size=(300, 300))`` (the same output as ``paste`` then ``resize``), or with
+    ``one_pass_zoom=False`` two ops as in DALI's pipeline."""
+    zoom = [ops.paste(**ZOOM, fill_value=FILL, size=(300, 300))] if one_pass_zoom else \
+        [ops.paste(**ZOOM, fill_value=FILL)]
+    resize = [] if one_pass_zoom else [ops.resize((300, 300))]
+    return ops.Compose([ops.random_bbox_crop(**CROP), ops.decode_image_slice(), *zoom,
+                        ops.bbox_paste(**ZOOM, ltrb=True), ops.bb_flip(ltrb=True), *resize, ops.flip(),
+                        ops.normalize(MEAN, STD), ops.box_encoder(anchors, **ENCODE)])
 
 
-def gpuio_loader(root: str, ann: str, batch: int, device: str, anchors: np.ndarray) -> Any:
+def gpuio_loader(root: str, ann: str, batch: int, device: str, anchors: np.ndarray,
+                 one_pass_zoom: bool = True) -> Any:
     index = gpuio.formats.coco(root, ann, box_format="ltrb", normalized=True, skip_empty=True)
-    loader = gpuio.Loader(index, batch, fields=("data", "boxes", "labels"), ops=[gpuio_ssd(anchors)],
+    loader = gpuio.Loader(index, batch, fields=("data", "boxes", "labels"), ops=[gpuio_ssd(anchors, one_pass_zoom)],
                           device=device, output="numpy", shuffle=True, last_batch="drop")
 
     def run():
@@ -295,6 +300,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"dataset: {root}: {args.count} COCO-style JPEGs (480x640 and alike, 1-8 boxes), batches of "
           f"{args.batch}, {count} images a pass; best of {args.epochs} epochs")
     makers = [("gpuio cpu (Loader + ops.Compose)", lambda: gpuio_loader(images, ann, args.batch, "cpu", anchors)),
+              ("gpuio cpu, paste then resize (DALI's op order)",
+               lambda: gpuio_loader(images, ann, args.batch, "cpu", anchors, one_pass_zoom=False)),
               (f"DALI cpu pipeline ({args.threads} threads)",
                lambda: dali_loader(images, ann, args.batch, args.threads, anchors, count))]
     if gpuio.cuda_available():
