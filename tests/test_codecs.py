@@ -160,3 +160,22 @@ def test_slice_follows_random_bbox_crop_through_the_loader(tmp_path):
             assert img.shape == ref.shape
             assert np.abs(img.astype(int) - ref).max() <= 0
             np.testing.assert_array_equal(boxes, ref_boxes)
+
+
+def test_what_a_gpu_batch_sends_to_nvimagecodec(pixels):
+    """The routing a GPU batch uses (the decode itself needs a GPU): complete baseline
+    JPEGs, complete JPEG 2000 and TIFF go to nvImageCodec; the rest to the CPU."""
+    from gpuio.ops.decode import gpu_decodable
+
+    def arr(b):
+        return np.frombuffer(b, np.uint8)
+
+    jpeg = pillow(pixels, "JPEG", quality=90)
+    j2k = CODECS["jp2-lossless"][0](pixels)
+    routed = {"jpeg": jpeg, "jp2": j2k, "j2k": CODECS["j2k-codestream"][0](pixels),
+              "tiff": CODECS["tiff-lzw"][0](pixels), "bigendian-tiff": CODECS["tiff-big-endian"][0](pixels)}
+    cpu = {"progressive jpeg": pillow(pixels, "JPEG", progressive=True), "cut jpeg": jpeg[:-100],
+           "cut jp2": j2k[:-100], "png": CODECS["png-rgb"][0](pixels), "webp": CODECS["webp-lossy"][0](pixels),
+           "bmp": CODECS["bmp"][0](pixels), "cmyk jpeg": pillow(pixels, "JPEG", "CMYK"), "junk": b"\x00" * 32}
+    assert {name: gpu_decodable(arr(b)) for name, b in routed.items()} == dict.fromkeys(routed, True)
+    assert {name: gpu_decodable(arr(b)) for name, b in cpu.items()} == dict.fromkeys(cpu, False)
