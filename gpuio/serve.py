@@ -242,6 +242,7 @@ class Batcher:
         return job.out
 
     def close(self) -> None:
+        """End the batch threads once the requests queued before this call are done."""
         for _ in self._threads:
             self._queue.put(None)
         for t in self._threads:
