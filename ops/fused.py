@@ -213,6 +213,22 @@ class DecodeFused(Op):
         batch.drop_rejected()
         images, infos = _take(images, keep), _take(infos, keep)
         plan = {k: v[keep].copy() for k, v in plan.items()}
+        bad = self._decode_regions(batch, images, infos, plan)
+        if bad:
+            keep = _keep(len(images), bad)
+            batch.drop_rejected()
+            images = _take(images, keep)
+            plan = {k: v[keep] for k, v in plan.items()}
+        batch.data[self.fused.field] = self.fused.run_plan(batch, images, plan)
+        return batch
+
+    def _decode_regions(self, batch: Batch, images: list[Any], infos: list[Any], plan: dict[str, np.ndarray]
+                        ) -> list[int]:
+        """Decode, in place of their encoded bytes in ``images``, the source pixels the
+        plan reads of the rows with a JPEG header in ``infos`` (DCT-scaled where
+        ``_denom`` allows), into one pooled buffer (no page faults per image); ``plan``
+        moves to the decoded pixels' coordinates. Returns the rows rejected."""
+        color = self.decode.color
         regions = {}
         for row, info in enumerate(infos):
             if info is not None:
@@ -221,7 +237,7 @@ class DecodeFused(Op):
                 regions[row] = d, (y0 // d, x0 // d, min(-(-y1 // d), -(-info.height // d)),
                                    min(-(-x1 // d), -(-info.width // d)))
         sizes = {row: region_bytes(infos[row], color, region, d) for row, (d, region) in regions.items()}
-        space = pooled_empty((sum(sizes.values()),), np.uint8)  # one buffer: no page faults per image
+        space = pooled_empty((sum(sizes.values()),), np.uint8)
         start, bad = 0, []
         for row, (d, region) in regions.items():
             out = space[start: start + sizes[row]]
@@ -234,13 +250,7 @@ class DecodeFused(Op):
                 continue
             plan["box"][row] = plan["box"][row] / d - [region[0], region[1], 0, 0]
             plan["clip"][row] = [0, 0, region[2] - region[0], region[3] - region[1]]
-        if bad:
-            keep = _keep(len(images), bad)
-            batch.drop_rejected()
-            images = _take(images, keep)
-            plan = {k: v[keep] for k, v in plan.items()}
-        batch.data[self.fused.field] = self.fused.run_plan(batch, images, plan)
-        return batch
+        return bad
 
 
 def _keep(n: int, bad: list[int]) -> np.ndarray:

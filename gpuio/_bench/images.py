@@ -274,7 +274,8 @@ def profile_stages(root: str, pipeline: str, count: int = 512, batch: int = 64) 
                           if any(k in func if file == "~" else file.endswith(k) for k in keys)), "other Python")
             shares[stage] += tottime
         shares["total"] = sum(shares.values())
-        rows += [{"pipeline": pipeline, "mode": mode, "stage": k, "ms_per_image": 1e3 * v / n} for k, v in shares.items()]
+        rows += [{"pipeline": pipeline, "mode": mode, "stage": k, "ms_per_image": 1e3 * v / n}
+                 for k, v in shares.items()]
     return rows
 
 
@@ -356,7 +357,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         charts = [Group(PIPELINES[p], [(r["name"], r.get("images_s")) for r in rows if r["pipeline"] == p],
                         notes={r["name"]: r["note"] for r in rows if r.get("note") and r["pipeline"] == p})
                   for p in pipelines]
-        print(f"wrote {write_chart(os.path.splitext(args.out)[0] + '.png', 'gpuio image pipeline benchmark', 'images/s', charts)}")
+        png = write_chart(os.path.splitext(args.out)[0] + ".png", "gpuio image pipeline benchmark", "images/s", charts)
+        print(f"wrote {png}")
     ours = {name: error for name, error in failed.items() if ": gpuio" in name}
     if ours:
         raise BenchError("gpuio's own pipeline failed: " + "; ".join(f"{n}: {e}" for n, e in ours.items()))
