@@ -71,9 +71,14 @@ CHAINS = {
 }
 
 
-@pytest.mark.skipif(fused._cpuops is None, reason="gpuio._cpuops was not built (no C compiler)")
+def require_built(module, name, what):
+    if module is None:  # the install builds it where `what` exists; CI machines have it
+        pytest.fail(f"{name} was not built: {what}?")
+
+
 @pytest.mark.parametrize("name", list(CHAINS))
 def test_c_resampler_matches_reference(jpegs, name):
+    require_built(fused._cpuops, "gpuio._cpuops", "is a C compiler installed")
     images = [decode_cpu(b, "rgb", i) for i, b in enumerate(jpegs)]
     images[1] = images[1][::-1, ::2]  # a strided view
     chain = CHAINS[name]()
@@ -90,8 +95,8 @@ def test_c_resampler_matches_reference(jpegs, name):
         assert levels(got, want, chain[-1]).max() <= bound
 
 
-@pytest.mark.skipif(decode._jpeg is None, reason="gpuio._jpeg was not built (no libjpeg headers)")
 def test_region_decode_equals_whole_decode(jpegs):
+    require_built(decode._jpeg, "gpuio._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
     rng = np.random.default_rng(0)
     for k, data in enumerate(jpegs):
         info = jpeg_info(data)
@@ -108,10 +113,10 @@ def test_region_decode_equals_whole_decode(jpegs):
         np.testing.assert_array_equal(gray, decode_cpu(data, "gray", k))
 
 
-@pytest.mark.skipif(decode._jpeg is None, reason="gpuio._jpeg was not built (no libjpeg headers)")
 def test_dct_scaled_decode_then_resize_is_close_to_full_decode(jpegs):
     """A 1/2, 1/4, 1/8 decode of a large image resized to 1/d of its size or less
-    agrees with the full decode resized likewise within a couple of levels on average."""
+    agrees with the full decode resized likewise within 1.5 levels on average."""
+    require_built(decode._jpeg, "gpuio._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
     data = jpegs[4]  # 333 x 517
     info = jpeg_info(data)
     whole = decode_cpu(data, "rgb", 0)
@@ -154,14 +159,16 @@ def test_decode_fused_matches_decode_then_ops(monkeypatch, tree_jpegs, jpegs, na
         assert levels(s, w, CHAINS[name]()[-1]).mean() < 1.5
 
 
-def test_decode_fused_without_c_modules_matches(monkeypatch, tree_jpegs):
+@pytest.mark.parametrize("missing", [("_cpuops", "_jpeg"), ("_jpeg",)])
+def test_decode_fused_without_c_modules_matches(monkeypatch, tree_jpegs, missing):
     """Where neither C module was built the same pipeline decodes whole images and runs
-    the ops one by one."""
+    the ops one by one (equal results); without the region decoder alone it decodes
+    whole images with simplejpeg and resamples in C (within Pillow's 1 level)."""
     want = run(CHAINS["rrc-flip"](), tree_jpegs, fuse=False).data["image"]
-    monkeypatch.setattr(fused, "_cpuops", None)
-    monkeypatch.setattr(decode, "_jpeg", None)
+    for name in missing:
+        monkeypatch.setattr(fused if name == "_cpuops" else decode, name, None)
     got = run(CHAINS["rrc-flip"](), tree_jpegs, fuse=True).data["image"]
-    np.testing.assert_array_equal(got, want)
+    assert levels(got, want, CHAINS["rrc-flip"]()[-1]).max() <= (0.0 if "_cpuops" in missing else 1.0 + 1e-3)
 
 
 def test_decode_fused_bad_samples(monkeypatch, tree_jpegs):
