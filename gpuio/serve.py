@@ -159,7 +159,8 @@ class Pipeline:
             return self.model(x)
         if self.device.is_cuda:  # torch's stream waits for the ops' kernels (on CuPy's current stream)
             cp = require("cupy")
-            event = cp.cuda.get_current_stream().record()
+            with cp.cuda.Device(self.device.index):
+                event = cp.cuda.get_current_stream().record()
             stream = torch.cuda.current_stream(self.device.index).cuda_stream
             cp.cuda.runtime.streamWaitEvent(stream, event.ptr)
         with torch.inference_mode():
