@@ -253,10 +253,10 @@ class DecodeVideo(Op):
         cp = require("cupy")
         nvc = require("PyNvVideoCodec")
         data, packets, codecs = batch.data[self.field], batch.data["packets"], batch.data["codec"]
-        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
         device = batch.device.index
         native = [(n, codec_header(c).height, codec_header(c).width, 3) for (n, *_), c in zip(shapes, codecs)]
         with cp.cuda.Device(device):
+            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
             block = cp.empty((len(shapes), *native[0]), cp.uint8) if shapes and len(set(native)) == 1 else None
 
             def one(row: int) -> Any:
