@@ -26,6 +26,8 @@ _EXTRAS = {
     "kvikio": "cu12 or cu13",
     "nvidia.nvimgcodec": "cu12 or cu13",
     "PyNvVideoCodec": "video",
+    "av": "video",
+    "cupyx": "cu12 or cu13",
     "torch": "torch",
     "jax": "jax",
     "tensorflow": "tensorflow",
