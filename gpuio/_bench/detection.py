@@ -125,7 +125,7 @@ def gpuio_loader(root: str, ann: str, batch: int, device: str, anchors: np.ndarr
         if device == "cuda":
             import cupy
 
-            cupy.cuda.get_current_stream().synchronize()
+            cupy.cuda.Device().synchronize()  # every stream the pipeline used
 
     return run
 
