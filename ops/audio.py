@@ -4,8 +4,9 @@
 Each op reads and writes ``audio`` by default: per row a waveform ``[T]`` (or
 ``[T, C]`` without downmix), float32, samples in [-1, 1]. The ops compute per
 batch, not per sample: rows lie end to end in one array (``gpuio.ops.ragged``), which
-NumPy works through in cache-sized groups of rows and CuPy in one pass; no Python loop
-runs per window or per value (a few steps issue one vectorized call per row).
+CuPy works through in one pass and the host in one C call (``gpuio/_audio.c``, the GIL
+released; where it was not built, NumPy computes the same numbers); no
+Python loop runs per window or per value.
 
 Decoding is libsndfile's (``soundfile``: WAV, FLAC, OGG/Vorbis, Opus, MP3), on the
 host, from the bytes the storage core read (the file is never opened again by
@@ -34,7 +35,12 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, DependencyError, FormatError
-from gpuio.ops.ragged import empty, groups, pack, rows_of, segment_max, segment_span, to_host, unpack
+from gpuio.ops.ragged import empty, pack, rows_of, segment_max, segment_span, to_host, unpack
+
+try:
+    from gpuio import _audio
+except ImportError:  # built at install where a C compiler exists; else NumPy computes the same
+    _audio = None
 
 __all__ = ["DecodeAudio", "PreemphasisFilter", "NonsilentRegion", "Slice", "decode_audio",
            "preemphasis_filter", "nonsilent_region", "slice", "AUDIO_EXTENSIONS", "audio_dependency"]
@@ -234,6 +240,10 @@ class PreemphasisFilter(Op):
         x = x.astype(xp.float32, copy=False)
         c = np.float32(self.preemph_coeff)
         y = empty(xp, x.shape, np.float32)
+        if xp is np and _audio is not None:
+            _audio.preemphasis(np.ascontiguousarray(x), y, lengths, c, _BORDERS.index(self.border))
+            batch.data[self.field] = unpack(y, lengths, 0)
+            return batch
         xp.multiply(x[:-1], -c, out=y[1:])
         y[1:] += x[1:]
         starts = np.cumsum(lengths) - lengths
@@ -288,10 +298,19 @@ class NonsilentRegion(Op):
     def regions(self, xp: Any, rows: list[Any]) -> tuple[np.ndarray, np.ndarray]:
         """(begin, length) per row, host int64 arrays."""
         x, lengths = pack(xp, rows, 0)
+        if xp is not np:  # one pass over the batch
+            return self._regions(xp, x, lengths)
         begin = np.zeros(len(rows), dtype=np.int64)
         length = np.zeros(len(rows), dtype=np.int64)
-        for r0, r1, s0, s1 in groups(xp, lengths):
-            begin[r0:r1], length[r0:r1] = self._regions(xp, x[s0:s1], lengths[r0:r1])
+        if _audio is not None and x.dtype == np.float32:  # _regions of one row at a time, in one pass
+            ratio = 10.0 ** (self.cutoff_db / 10.0)
+            fixed = math.nan if self.reference_power is None else \
+                float(self.reference_power) * self.window_length * ratio
+            _audio.nonsilent(np.ascontiguousarray(x), lengths, self.window_length, ratio, fixed, begin, length)
+            return begin, length
+        ends = np.cumsum(lengths)
+        for r, (s0, s1) in enumerate(zip((ends - lengths).tolist(), ends.tolist())):
+            begin[r:r + 1], length[r:r + 1] = self._regions(np, x[s0:s1], lengths[r:r + 1])
         return begin, length
 
     def _regions(self, xp: Any, x: Any, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,69 @@
+"""The C audio ops (``gpuio/_audio.c``) against the NumPy code they replace: the same
+numbers, bit for bit, on rows of many lengths (empty, one sample, shorter than the
+window, silent, loud, NaN)."""
+
+import numpy as np
+import pytest
+
+from gpuio import ops
+from gpuio.ops import audio
+from tests.test_audio_ops import make_batch
+from tests.test_ops_cpu import require_built
+
+
+def rows(seed=0):
+    rng = np.random.default_rng(seed)
+    out = [np.zeros(0, np.float32), np.full(1, 0.5, np.float32), np.zeros(3000, np.float32),
+           (rng.standard_normal(100) * 0.1).astype(np.float32)]
+    for n in (700, 5000, 33000, 160000):
+        x = rng.standard_normal(n) * rng.uniform(1e-5, 1e-3)
+        a, b = sorted(rng.integers(0, n, 2))
+        x[a:b] += rng.standard_normal(b - a) * rng.uniform(0.01, 0.8)
+        out.append(x.astype(np.float32))
+    nan = (rng.standard_normal(4000) * 0.1).astype(np.float32)
+    nan[1234] = np.nan
+    return out + [nan]
+
+
+def numpy_and_c(monkeypatch, op, xs):
+    """``op`` on the rows with NumPy (the C module hidden), then with C."""
+    require_built(audio._audio, "gpuio._audio", "is a C compiler installed")
+    with monkeypatch.context() as m:
+        m.setattr(audio, "_audio", None)
+        reference = op(make_batch(xs))
+    return reference, op(make_batch(xs))
+
+
+@pytest.mark.parametrize("border", ["zero", "clamp", "reflect"])
+def test_c_preemphasis_equals_numpy(monkeypatch, border):
+    xs = rows()
+    reference, fast = numpy_and_c(monkeypatch, ops.preemphasis_filter(0.97, border), xs)
+    for x, a, b in zip(xs, reference.data["audio"], fast.data["audio"]):
+        assert a.dtype == b.dtype == np.float32 and len(a) == len(b) == len(x)
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cutoff_db,window,reference_power", [
+    (-60.0, 2048, None), (-30.0, 64, None), (-10.0, 1, None), (-40.0, 256, 1e-3), (-60.0, 512, 0.0)])
+def test_c_nonsilent_region_equals_numpy(monkeypatch, cutoff_db, window, reference_power):
+    xs = rows(seed=window)
+    op = ops.nonsilent_region(cutoff_db, window, reference_power, reset_interval=-1)
+    reference, fast = numpy_and_c(monkeypatch, op, xs)
+    assert reference.data["begin"].tolist() == fast.data["begin"].tolist()
+    assert reference.data["length"].tolist() == fast.data["length"].tolist()
+    found = np.array(fast.data["length"]) > 0
+    assert found[4:-1].all()  # the loud rows
+    if reference_power is None:  # a NaN row's largest power is NaN, and nothing reaches it
+        assert fast.data["length"][-1] == 0
+
+
+def test_c_ops_check_their_buffers():
+    require_built(audio._audio, "gpuio._audio", "is a C compiler installed")
+    x = np.zeros(10, np.float32)
+    with pytest.raises(ValueError, match="expected 40"):
+        audio._audio.preemphasis(x, np.zeros(9, np.float32), np.array([10]), 0.97, 1)
+    with pytest.raises(ValueError, match="negative"):
+        audio._audio.nonsilent(x, np.array([12, -2]), 4, 1e-6, np.nan, np.zeros(2, np.int64),
+                               np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="border"):
+        audio._audio.preemphasis(x, np.zeros(10, np.float32), np.array([10]), 0.97, 3)
