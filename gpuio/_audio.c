@@ -1,9 +1,11 @@
-/* CPU audio ops for gpuio.ops.audio, one call per batch, run with the GIL released.
+/* CPU audio ops for gpuio.ops.audio and gpuio.ops.spectral, one call per batch (or
+ * group of rows), run with the GIL released.
  *
  * The rows of a batch lie end to end in one float32 array (gpuio.ops.ragged.pack);
- * `lengths` (int64) says where each ends. Both functions compute exactly what the
- * NumPy code in gpuio.ops.audio computes for one row at a time (same float32 and
- * float64 operations in the same order), only in one pass and without temporaries.
+ * `lengths` (int64) says where each ends. preemphasis, nonsilent and frames compute
+ * exactly what the NumPy code they replace computes for one row at a time (same float32
+ * and float64 operations in the same order), only in one pass and without temporaries;
+ * sparse_matmul sums in another order than BLAS (float32 rounding apart).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -173,6 +175,164 @@ fail_x:
     return result;
 }
 
+enum { FRAMES_WHOLE = 0, FRAMES_REFLECT = 1, FRAMES_ZERO = 2 };
+
+/* Sample `i` of a row of `n` samples extended as np.pad's "reflect" mode extends it
+ * (mirrored without repeating the edge, periodic beyond one mirror). */
+static int64_t reflect(int64_t i, int64_t n) {
+    if (n == 1) return 0;
+    const int64_t period = 2 * (n - 1);
+    i %= period;
+    if (i < 0) i += period;
+    return i < n ? i : period - i;
+}
+
+/* `count` windows of one row, window k from sample k * step - half, times `window`, into
+ * the first `win` columns of consecutive rows of `out` (`nfft` floats apart). */
+static void frame_row(const char *x, Py_ssize_t stride, int64_t n, int64_t count, const float *window, int64_t win,
+                      int64_t step, int64_t half, int mode, float *out, int64_t nfft) {
+    for (int64_t k = 0; k < count; ++k, out += nfft) {
+        const int64_t s = k * step - half;
+        if (s >= 0 && s + win <= n) {
+            const char *p = x + s * stride;
+            if (stride == 4)
+                for (int64_t j = 0; j < win; ++j) out[j] = ((const float *)p)[j] * window[j];
+            else
+                for (int64_t j = 0; j < win; ++j) out[j] = *(const float *)(p + j * stride) * window[j];
+            continue;
+        }
+        for (int64_t j = 0; j < win; ++j) {
+            const int64_t i = s + j;
+            float v = 0.0f;
+            if (i >= 0 && i < n) v = *(const float *)(x + i * stride);
+            else if (mode == FRAMES_REFLECT) v = *(const float *)(x + reflect(i, n) * stride);
+            out[j] = v * window[j];
+        }
+    }
+}
+
+static PyObject *frames(PyObject *self, PyObject *args) {
+    PyObject *rows, *o_counts, *o_window, *o_out;
+    Py_ssize_t step, half, nfft;
+    int mode;
+    if (!PyArg_ParseTuple(args, "OOOnninO", &rows, &o_counts, &o_window, &step, &half, &mode, &nfft, &o_out))
+        return NULL;
+    if (!PyList_Check(rows)) return PyErr_Format(PyExc_TypeError, "rows must be a list");
+    if (mode < FRAMES_WHOLE || mode > FRAMES_ZERO || step < 1 || half < 0)
+        return PyErr_Format(PyExc_ValueError, "mode %d, step %zd, half %zd: want mode 0-2, step >= 1, half >= 0",
+                            mode, step, half);
+    const Py_ssize_t nrows = PyList_GET_SIZE(rows);
+    Py_buffer cv, wv, ov;
+    Py_buffer *views = calloc(nrows ? nrows : 1, sizeof(Py_buffer));
+    Py_ssize_t nviews = 0;
+    int have = 0;
+    PyObject *result = NULL;
+    if (!views) return PyErr_NoMemory();
+    if (get_buf(o_counts, &cv, nrows * 8, 0, "counts") < 0) goto done;
+    ++have;
+    if (PyObject_GetBuffer(o_window, &wv, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    ++have;
+    const int64_t win = wv.len / 4, *counts = cv.buf;
+    int64_t total = 0;
+    for (Py_ssize_t r = 0; r < nrows; ++r) total += counts[r];
+    if (PyObject_GetBuffer(o_out, &ov, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    ++have;
+    if (win < 1 || nfft < win || ov.len < total * nfft * 4) {
+        PyErr_Format(PyExc_ValueError, "out: %zd bytes for %lld frames of %zd floats (window %lld)", ov.len,
+                     (long long)total, nfft, (long long)win);
+        goto done;
+    }
+    for (; nviews < nrows; ++nviews) {
+        Py_buffer *v = &views[nviews];
+        if (PyObject_GetBuffer(PyList_GET_ITEM(rows, nviews), v, PyBUF_STRIDED_RO | PyBUF_FORMAT) < 0) goto done;
+        const int64_t n = v->ndim == 1 ? v->shape[0] : 0;
+        const int64_t need = mode == FRAMES_WHOLE ? (counts[nviews] - 1) * step + win : 0;
+        const char *format = v->format ? v->format : "B";
+        if (v->ndim != 1 || v->itemsize != 4 || format[strlen(format) - 1] != 'f' || n < 1 ||
+                counts[nviews] < 0 || need > n) {
+            PyErr_Format(PyExc_ValueError, "row %zd: want a float32 [T] row with T >= 1 holding its %lld windows",
+                         nviews, (long long)counts[nviews]);
+            ++nviews;
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    float *out = ov.buf;
+    for (Py_ssize_t r = 0; r < nrows; ++r) {
+        frame_row(views[r].buf, views[r].strides[0], views[r].shape[0], counts[r], wv.buf, win, step, half, mode,
+                  out, nfft);
+        out += counts[r] * nfft;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < nviews; ++i) PyBuffer_Release(&views[i]);
+    if (have > 2) PyBuffer_Release(&ov);
+    if (have > 1) PyBuffer_Release(&wv);
+    if (have > 0) PyBuffer_Release(&cv);
+    free(views);
+    return result;
+}
+
+/* out[t, f] = sum over k of spec[t, k] * weights[k, f], over the bins where column f of
+ * `weights` is not zero (a mel filter bank: a few bins per filter). */
+static PyObject *sparse_matmul(PyObject *self, PyObject *args) {
+    PyObject *o_spec, *o_weights, *o_out;
+    Py_ssize_t bins, nout;
+    if (!PyArg_ParseTuple(args, "OOnnO", &o_spec, &o_weights, &bins, &nout, &o_out)) return NULL;
+    if (bins < 1 || nout < 1) return PyErr_Format(PyExc_ValueError, "bins %zd, outputs %zd", bins, nout);
+    Py_buffer sv, wv, ov;
+    PyObject *result = NULL;
+    if (get_buf(o_weights, &wv, bins * nout * 4, 0, "weights") < 0) return NULL;
+    if (PyObject_GetBuffer(o_spec, &sv, PyBUF_C_CONTIGUOUS) < 0) goto fail_s;
+    const Py_ssize_t rows = sv.len / (bins * 4);
+    if (sv.len != rows * bins * 4) {
+        PyErr_Format(PyExc_ValueError, "spec: %zd bytes is not a whole number of rows of %zd floats", sv.len, bins);
+        goto fail_o;
+    }
+    if (get_buf(o_out, &ov, rows * nout * 4, 1, "out") < 0) goto fail_o;
+    const float *w = wv.buf;
+    Py_ssize_t *lo = malloc(sizeof(Py_ssize_t) * nout * 2);
+    float *packed = malloc(sizeof(float) * bins * nout);  /* column f's nonzero span, contiguous */
+    if (!lo || !packed) {
+        PyErr_NoMemory();
+    } else {
+        Py_ssize_t *hi = lo + nout, used = 0;
+        for (Py_ssize_t f = 0; f < nout; ++f) {
+            lo[f] = bins;
+            hi[f] = 0;
+            for (Py_ssize_t k = 0; k < bins; ++k)
+                if (w[k * nout + f] != 0.0f) {
+                    if (lo[f] == bins) lo[f] = k;
+                    hi[f] = k + 1;
+                }
+            if (hi[f] < lo[f]) hi[f] = lo[f];
+            for (Py_ssize_t k = lo[f]; k < hi[f]; ++k) packed[used++] = w[k * nout + f];
+        }
+        Py_BEGIN_ALLOW_THREADS
+        const float *s = sv.buf;
+        float *o = ov.buf;
+        for (Py_ssize_t t = 0; t < rows; ++t, s += bins, o += nout) {
+            const float *p = packed;
+            for (Py_ssize_t f = 0; f < nout; ++f) {
+                float acc = 0.0f;
+                for (Py_ssize_t k = lo[f]; k < hi[f]; ++k) acc += s[k] * *p++;
+                o[f] = acc;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    free(lo);
+    free(packed);
+    PyBuffer_Release(&ov);
+fail_o:
+    PyBuffer_Release(&sv);
+fail_s:
+    PyBuffer_Release(&wv);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"preemphasis", preemphasis, METH_VARARGS,
      "preemphasis(x, y, lengths, coeff, border): y[t] = x[t] - coeff * x[t-1] per row of packed float32 rows "
@@ -181,6 +341,13 @@ static PyMethodDef methods[] = {
      "nonsilent(x, lengths, window, ratio, reference, begin, length): per row of packed float32 rows, the "
      "nonsilent region into int64 begin and length; reference NaN: the row's largest window power; see "
      "gpuio.ops.audio.NonsilentRegion"},
+    {"frames", frames, METH_VARARGS,
+     "frames(rows, counts, window, step, half, mode, nfft, out): the windowed frames of float32 rows into "
+     "out [frames, nfft] (mode 0 whole windows, 1 reflect padding, 2 zero padding); see "
+     "gpuio.ops.spectral.Spectrogram.frames"},
+    {"sparse_matmul", sparse_matmul, METH_VARARGS,
+     "sparse_matmul(spec, weights, bins, outputs, out): out [T, outputs] = spec [T, bins] @ weights "
+     "[bins, outputs], float32, summing each column's nonzero span only (mel filter banks)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._audio", NULL, -1, methods};

@@ -21,7 +21,7 @@ import numpy as np
 
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError, FormatError
-from gpuio.ops.audio import audio_dependency
+from gpuio.ops.audio import _audio, audio_dependency
 from gpuio.ops.ragged import empty, groups, pack, rows_of, segment_max, unpack
 
 __all__ = ["Spectrogram", "MelFilterBank", "ToDecibels", "MFCC", "spectrogram", "mel_filter_bank",
@@ -172,8 +172,14 @@ class Spectrogram(Op):
         """The windowed frames of ``rows`` (``counts`` each), end to end, into the
         first ``window_length`` columns of ``out`` ``[frames, nfft]`` float32, whose
         other columns (the FFT's zero fill) and rows beyond the frames stay zero."""
-        window = xp.asarray(self.window)
         half = self.window_length // 2
+        if xp is np and _audio is not None:  # the same products, without the padded copy of each row
+            mode = 0 if not self.center_windows else 1 if self.reflect_padding else 2
+            _audio.frames([r.astype(np.float32, copy=False) for r in rows], np.ascontiguousarray(counts, np.int64),
+                          self.window, self.window_step, half if self.center_windows else 0, mode, out.shape[1],
+                          out)
+            return
+        window = xp.asarray(self.window)
         mode = "reflect" if self.reflect_padding else "constant"
         start = 0
         for r, n in zip(rows, counts.tolist()):
@@ -224,7 +230,7 @@ class MelFilterBank(Op):
         return self._filters[bins]
 
     def __call__(self, batch: Batch) -> Batch:
-        return _matmul_op(batch, self.field, self.time_axis, lambda bins: self.filters(bins))
+        return _matmul_op(batch, self.field, self.time_axis, lambda bins: self.filters(bins), sparse=True)
 
 
 class MFCC(Op):
@@ -261,9 +267,10 @@ class MFCC(Op):
         return _matmul_op(batch, self.field, self.time_axis, self.matrix)
 
 
-def _matmul_op(batch: Batch, field: str, time_axis: int, matrix: Any) -> Batch:
+def _matmul_op(batch: Batch, field: str, time_axis: int, matrix: Any, sparse: bool = False) -> Batch:
     """Every frame of 2-D rows times ``matrix(features)`` ``[features, out]``: one
-    product over the packed batch; rows keep their layout."""
+    product over the packed batch; rows keep their layout. ``sparse``: each column of
+    the matrix is zero outside a short span (a filter bank), which the host sums alone."""
     rows = rows_of(batch.data[field])
     if not rows:
         return batch
@@ -273,7 +280,11 @@ def _matmul_op(batch: Batch, field: str, time_axis: int, matrix: Any) -> Batch:
     packed, counts = pack(xp, rows, time_axis)
     weights = xp.asarray(matrix(packed.shape[1]))
     out = empty(xp, (len(packed), weights.shape[1]), np.float32)
-    xp.matmul(packed.astype(xp.float32, copy=False), weights, out=out)
+    if sparse and xp is np and _audio is not None:
+        _audio.sparse_matmul(np.ascontiguousarray(packed, np.float32), np.ascontiguousarray(weights),
+                             weights.shape[0], weights.shape[1], out)
+    else:
+        xp.matmul(packed.astype(xp.float32, copy=False), weights, out=out)
     batch.data[field] = unpack(out, counts, time_axis)
     return batch
 
