@@ -5,7 +5,7 @@
  * `lengths` (int64) says where each ends. preemphasis, nonsilent and frames compute
  * exactly what the NumPy code they replace computes for one row at a time (same float32
  * and float64 operations in the same order), only in one pass and without temporaries;
- * sparse_matmul sums in another order than BLAS (float32 rounding apart).
+ * sparse_matmul and normalize sum in another order than NumPy (float32 rounding apart).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -333,6 +333,76 @@ fail_s:
     return result;
 }
 
+/* Per row of `lengths[r]` consecutive [T, F] frames of packed float32 x, per feature f:
+ * (x - mean) * scale / sqrt(var + epsilon) + shift into out, the mean and the variance
+ * (divided by T - ddof, at least 1) over the row's T frames, summed in float64 and
+ * rounded to float32 as gpuio.ops.ragged.NormalizeAxes does; a zero deviation gives 0. */
+static void normalize_row(const float *x, int64_t t, int64_t f, int64_t ddof, double epsilon, double scale,
+                          float shift, double *sum, float *mean, float *inv, float *out) {
+    const double count = (double)(t - ddof > 1 ? t - ddof : 1), n = (double)(t > 1 ? t : 1);
+    memset(sum, 0, sizeof(double) * (size_t)f);
+    for (int64_t i = 0; i < t; ++i)
+        for (int64_t j = 0; j < f; ++j) sum[j] += x[i * f + j];
+    for (int64_t j = 0; j < f; ++j) mean[j] = (float)(sum[j] / n);
+    memset(sum, 0, sizeof(double) * (size_t)f);
+    for (int64_t i = 0; i < t; ++i)
+        for (int64_t j = 0; j < f; ++j) {
+            const float d = x[i * f + j] - mean[j];
+            sum[j] += d * d;
+        }
+    for (int64_t j = 0; j < f; ++j) {
+        const float v = (float)(sum[j] / count) + (float)epsilon;
+        inv[j] = v > 0.0f ? (float)scale / sqrtf(v > 1e-30f ? v : 1e-30f) : 0.0f;
+    }
+    for (int64_t i = 0; i < t; ++i)
+        for (int64_t j = 0; j < f; ++j) {
+            const float y = (x[i * f + j] - mean[j]) * inv[j];
+            out[i * f + j] = shift != 0.0f ? y + shift : y;
+        }
+}
+
+static PyObject *normalize(PyObject *self, PyObject *args) {
+    PyObject *o_x, *o_lengths, *o_out;
+    Py_ssize_t features, ddof;
+    double epsilon, scale, shift;
+    if (!PyArg_ParseTuple(args, "OOnndddO", &o_x, &o_lengths, &features, &ddof, &epsilon, &scale, &shift, &o_out))
+        return NULL;
+    if (features < 1) return PyErr_Format(PyExc_ValueError, "features %zd: must be >= 1", features);
+    Py_buffer lv, xv, ov;
+    Py_ssize_t rows;
+    int64_t total;
+    PyObject *result = NULL;
+    if (get_lengths(o_lengths, &lv, &rows, &total) < 0) return NULL;
+    if (get_buf(o_x, &xv, total * features * 4, 0, "x") < 0) goto fail_x;
+    if (get_buf(o_out, &ov, total * features * 4, 1, "out") < 0) goto fail_o;
+    double *sum = malloc(sizeof(double) * features);
+    float *stats = malloc(sizeof(float) * features * 2);
+    if (!sum || !stats) {
+        PyErr_NoMemory();
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        const int64_t *lengths = lv.buf;
+        const float *x = xv.buf;
+        float *out = ov.buf;
+        for (Py_ssize_t r = 0; r < rows; ++r) {
+            normalize_row(x, lengths[r], features, ddof, epsilon, scale, (float)shift, sum, stats, stats + features,
+                          out);
+            x += lengths[r] * features;
+            out += lengths[r] * features;
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    free(sum);
+    free(stats);
+    PyBuffer_Release(&ov);
+fail_o:
+    PyBuffer_Release(&xv);
+fail_x:
+    PyBuffer_Release(&lv);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"preemphasis", preemphasis, METH_VARARGS,
      "preemphasis(x, y, lengths, coeff, border): y[t] = x[t] - coeff * x[t-1] per row of packed float32 rows "
@@ -348,6 +418,9 @@ static PyMethodDef methods[] = {
     {"sparse_matmul", sparse_matmul, METH_VARARGS,
      "sparse_matmul(spec, weights, bins, outputs, out): out [T, outputs] = spec [T, bins] @ weights "
      "[bins, outputs], float32, summing each column's nonzero span only (mel filter banks)"},
+    {"normalize", normalize, METH_VARARGS,
+     "normalize(x, lengths, features, ddof, epsilon, scale, shift, out): per row of packed float32 [T, F] "
+     "frames, each feature normalized over the row's frames; see gpuio.ops.ragged.NormalizeAxes"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._audio", NULL, -1, methods};

@@ -35,12 +35,7 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, DependencyError, FormatError
-from gpuio.ops.ragged import empty, pack, rows_of, segment_max, segment_span, to_host, unpack
-
-try:
-    from gpuio import _audio
-except ImportError:  # built at install where a C compiler exists; else NumPy computes the same
-    _audio = None
+from gpuio.ops.ragged import _audio, empty, pack, rows_of, segment_max, segment_span, to_host, unpack
 
 __all__ = ["DecodeAudio", "PreemphasisFilter", "NonsilentRegion", "Slice", "decode_audio",
            "preemphasis_filter", "nonsilent_region", "slice", "AUDIO_EXTENSIONS", "audio_dependency"]

@@ -21,8 +21,8 @@ import numpy as np
 
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError, FormatError
-from gpuio.ops.audio import _audio, audio_dependency
-from gpuio.ops.ragged import empty, groups, pack, rows_of, segment_max, unpack
+from gpuio.ops.audio import audio_dependency
+from gpuio.ops.ragged import _audio, empty, groups, pack, rows_of, segment_max, unpack
 
 __all__ = ["Spectrogram", "MelFilterBank", "ToDecibels", "MFCC", "spectrogram", "mel_filter_bank",
            "to_decibels", "mfcc", "hann_window", "mel_filters", "dct_matrix"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gpuio import ops
-from gpuio.ops import audio, spectral
+from gpuio.ops import audio, ragged, spectral
 from tests.test_audio_ops import make_batch
 from tests.test_ops_cpu import require_built
 
@@ -28,10 +28,10 @@ def rows(seed=0):
 
 def numpy_and_c(monkeypatch, op, xs):
     """``op`` on the rows with NumPy (the C module hidden), then with C."""
-    require_built(audio._audio, "gpuio._audio", "is a C compiler installed")
+    require_built(ragged._audio, "gpuio._audio", "is a C compiler installed")
     with monkeypatch.context() as m:
-        m.setattr(audio, "_audio", None)
-        m.setattr(spectral, "_audio", None)
+        for module in (audio, ragged, spectral):
+            m.setattr(module, "_audio", None)
         reference = op(make_batch(xs))
     return reference, op(make_batch(xs))
 
@@ -84,20 +84,33 @@ def test_c_mel_filter_bank_matches_numpy(monkeypatch, formula, normalize):
         np.testing.assert_allclose(b, a, rtol=2e-6, atol=1e-6 * float(np.abs(a).max()))
 
 
+@pytest.mark.parametrize("ddof,epsilon,scale,shift", [(0, 0.0, 1.0, 0.0), (1, 1e-5, 2.0, 0.5)])
+def test_c_normalize_matches_numpy(monkeypatch, ddof, epsilon, scale, shift):
+    rng = np.random.default_rng(ddof)
+    packed = (rng.standard_normal((1500, 64)) * 4 - 30).astype(np.float32)
+    packed[:, 3] = 7.0  # a constant feature: deviation 0, output 0
+    ft = [packed[a:b].T for a, b in ((0, 1), (1, 201), (201, 1500))]  # "ft" rows, as the mel bank leaves them
+    op = ops.normalize_axes(axes=(1,), ddof=ddof, epsilon=epsilon, scale=scale, shift=shift)
+    reference, fast = numpy_and_c(monkeypatch, op, ft)
+    for a, b in zip(reference.data["audio"], fast.data["audio"]):
+        assert a.shape == b.shape and b.dtype == np.float32
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
 def test_c_ops_check_their_buffers():
-    require_built(audio._audio, "gpuio._audio", "is a C compiler installed")
+    require_built(ragged._audio, "gpuio._audio", "is a C compiler installed")
     x = np.zeros(10, np.float32)
     with pytest.raises(ValueError, match="expected 40"):
-        audio._audio.preemphasis(x, np.zeros(9, np.float32), np.array([10]), 0.97, 1)
+        ragged._audio.preemphasis(x, np.zeros(9, np.float32), np.array([10]), 0.97, 1)
     with pytest.raises(ValueError, match="negative"):
-        audio._audio.nonsilent(x, np.array([12, -2]), 4, 1e-6, np.nan, np.zeros(2, np.int64),
+        ragged._audio.nonsilent(x, np.array([12, -2]), 4, 1e-6, np.nan, np.zeros(2, np.int64),
                                np.zeros(2, np.int64))
     with pytest.raises(ValueError, match="border"):
-        audio._audio.preemphasis(x, np.zeros(10, np.float32), np.array([10]), 0.97, 3)
+        ragged._audio.preemphasis(x, np.zeros(10, np.float32), np.array([10]), 0.97, 3)
     window, counts = np.ones(4, np.float32), np.array([3])
     with pytest.raises(ValueError, match="float32"):
-        audio._audio.frames([x.astype(np.float64)], counts, window, 2, 0, 0, 4, np.zeros((3, 4), np.float32))
+        ragged._audio.frames([x.astype(np.float64)], counts, window, 2, 0, 0, 4, np.zeros((3, 4), np.float32))
     with pytest.raises(ValueError, match="out"):
-        audio._audio.frames([x], counts, window, 2, 0, 0, 4, np.zeros((2, 4), np.float32))
+        ragged._audio.frames([x], counts, window, 2, 0, 0, 4, np.zeros((2, 4), np.float32))
     with pytest.raises(ValueError, match="whole number"):
-        audio._audio.sparse_matmul(x, np.ones((4, 2), np.float32), 4, 2, np.zeros(5, np.float32))
+        ragged._audio.sparse_matmul(x, np.ones((4, 2), np.float32), 4, 2, np.zeros(5, np.float32))
