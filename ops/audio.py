@@ -71,6 +71,34 @@ def _wav_shortfall(buf: memoryview) -> tuple[int, int] | None:
     return None
 
 
+class _Reader:
+    """A read-only binary file over bytes in memory, for libsndfile's virtual I/O
+    (``io.BytesIO`` would first copy the whole file)."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data, self.pos = data, 0
+
+    def readinto(self, buf: Any) -> int:
+        n = max(min(len(buf), len(self.data) - self.pos), 0)
+        memoryview(buf).cast("B")[:n] = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self.data) if size < 0 else min(self.pos + size, len(self.data))
+        out = bytes(self.data[self.pos:end])
+        self.pos = max(self.pos, end)
+        return out
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.data)}[whence]
+        self.pos = max(base + offset, 0)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
 def _resample(x: np.ndarray, rate: float, target: float) -> np.ndarray:
     up, down = _ratio(rate, target)
     return audio_dependency("scipy.signal").resample_poly(x, up, down, axis=0).astype(x.dtype, copy=False)
@@ -152,7 +180,7 @@ class DecodeAudio(Op):
             raise FormatError(f"WAV file cut short: its data chunk declares {short[0]} bytes, "
                               f"{short[1]} are present", sample=sample)
         try:
-            f = sf.SoundFile(io.BytesIO(data))
+            f = sf.SoundFile(_Reader(data))
         except (sf.SoundFileError, RuntimeError, TypeError) as exc:
             raise FormatError(f"not an audio file libsndfile reads ({len(data)} bytes): {exc}",
                               sample=sample) from exc
@@ -181,6 +209,8 @@ class DecodeAudio(Op):
         buffer = empty(np, (int(counts.sum()), width), self.dtype)
         rows = unpack(buffer, counts, 0)
         rates = np.zeros(len(opened), dtype=np.float32)
+        # PCM_16 rows are read as int16 into one reused buffer (fresh arrays page-fault per row)
+        scratch = empty(np, (int(counts.max(initial=0)) * width,), np.int16)
         for row, item in enumerate(opened):
             if item is None:
                 continue
@@ -191,7 +221,8 @@ class DecodeAudio(Op):
                     f.seek(first)
                 if f.channels == width and self.dtype == "float32" and f.subtype == "PCM_16":
                     # the same floats as libsndfile's conversion (x / 32768), several times faster
-                    ints = f.read(frames, dtype="int16", always_2d=True)
+                    ints = f.read(frames, dtype="int16", always_2d=True,
+                                  out=scratch[:frames * width].reshape(frames, width))
                     got = np.multiply(ints, np.float32(1 / 32768), out=rows[row][:len(ints)])
                 elif f.channels == width:
                     got = f.read(frames, dtype=self.dtype, always_2d=True, out=rows[row])
