@@ -142,7 +142,11 @@ class Spectrogram(Op):
         parts = groups(xp, counts, self.nfft)
         # one zero-filled frame buffer for all groups: each group overwrites its windows
         most = max(f1 - f0 for _, _, f0, f1 in parts)
-        work = xp.zeros((most if xp is np else -(-most // _CUFFT_ROWS) * _CUFFT_ROWS, self.nfft), xp.float32)
+        if xp is np:  # pooled (no page faults per batch); only the FFT's zero fill needs zeros
+            work = empty(np, (most, self.nfft), np.float32)
+            work[:, self.window_length:] = 0
+        else:
+            work = xp.zeros((-(-most // _CUFFT_ROWS) * _CUFFT_ROWS, self.nfft), xp.float32)
         for r0, r1, f0, f1 in parts:
             frames = work[: f1 - f0 if xp is np else len(work)]
             self.frames(xp, rows[r0:r1], counts[r0:r1], frames)
