@@ -249,9 +249,10 @@ class Pad(Op):
             raise ConfigError(f"pad: rows differ along axes that are not padded (axes={axes}); "
                               f"shapes {sorted({tuple(e) for e in extents.tolist()})}")
         out = empty(xp, (len(rows), *target.tolist()), rows[0].dtype)
-        out[...] = self.fill_value
         for i, r in enumerate(rows):
             out[(i, *(np.s_[:n] for n in r.shape))] = r
+            for a, n in enumerate(r.shape):  # the rest of the row's slab: the boxes beyond r along each axis
+                out[(i, *(np.s_[:m] for m in r.shape[:a]), np.s_[n:])] = self.fill_value
         batch.data[self.field] = out
         if self.lengths is not None:
             kept = extents[:, list(axes)]

@@ -251,6 +251,9 @@ def test_pad_to_batch_max_fixed_shape_and_multiple(device):
     assert to_host(fixed.data["audio"]).shape == (3, 4, 40)
     both = ops.pad(lengths="n")(make_batch([np.ones((2, 3)), np.ones((4, 1))], device))
     assert to_host(both.data["audio"]).shape == (2, 4, 3) and both.data["n"].tolist() == [[2, 3], [4, 1]]
+    expected = np.zeros((2, 4, 3))
+    expected[0, :2, :3] = expected[1, :4, :1] = 1
+    np.testing.assert_array_equal(to_host(both.data["audio"]), expected)  # every padded element filled
     with pytest.raises(ConfigError, match="not padded"):
         ops.pad(axes=(1,))(make_batch([np.ones((2, 3)), np.ones((4, 1))], device))
 
