@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpuio.errors import ConfigError
+
 __all__ = ["ReadPlan", "build_plan"]
 
 _FILE_SHIFT = 43  # offsets below 8 TiB; file ranks below 2**20 within one batch
@@ -58,7 +60,7 @@ def build_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, *, gap:
         z = np.zeros(0, dtype=np.int64)
         return ReadPlan(z, z, z, z, z, z, z, 0, align)
     if align < 1 or align & (align - 1):
-        raise ValueError(f"align must be a power of two, got {align}")
+        raise ConfigError(f"align must be a power of two, got {align}")
     task_size = max(task_size, align) // align * align
 
     order = np.lexsort((offset, file))

@@ -3,6 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuio.errors import ConfigError
 from gpuio.plan import build_plan
 
 
@@ -77,5 +78,5 @@ def test_empty_plan():
 
 
 def test_align_must_be_power_of_two():
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="align must be a power of two, got 3000"):
         build_plan([0], [0], [1], align=3000)
