@@ -11,12 +11,11 @@ import time
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-import gpuio  # noqa: E402
+import gpuio
 
 N, B, WORLD, EPOCHS = 37, 4, 2, 2
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,14 +1,14 @@
 """Resampling against its definitions: torch's antialiased interpolate (what
 torchvision's antialias=True runs) and Pillow's resize with reducing_gap=None."""
 
+import cv2
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from gpuio.ops.geometry import _resize_cpu, filter_weights, resample
 from gpuio.sample import sample_image
-
-torch = pytest.importorskip("torch")
 
 SIZES = [(224, 224), (100, 333), (31, 17), (600, 700), (375, 250), (375, 500)]
 
@@ -46,7 +46,6 @@ def test_cpu_resize_matches_reference_within_one_level(image, hw, interp):
 
 @pytest.mark.parametrize("hw", [(224, 224), (100, 333), (31, 17), (125, 250)])
 def test_area_is_overlap_average(image, hw):
-    cv2 = pytest.importorskip("cv2")
     ours = _resize_cpu(image, hw, "area", True).astype(np.float64)
     # OpenCV's INTER_AREA averages over exact pixel overlaps when downsampling, too
     want = cv2.resize(image, (hw[1], hw[0]), interpolation=cv2.INTER_AREA).astype(np.float64)
