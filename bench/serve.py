@@ -31,6 +31,8 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from serve_env import ensure, free_ports  # noqa: E402  the 3.12 server environment, shared with the tests
 MEAN, STD = [123.7, 116.3, 103.5], [58.4, 57.1, 57.4]
 OPS = f"decode_image(), resize(shorter=256), center_crop(224), normalize({MEAN}, {STD})"
 
@@ -51,18 +53,6 @@ def pillow_preprocess(data: np.ndarray) -> np.ndarray:
 
 def pillow_infer(requests: list) -> list:
     return [{"image": np.stack([pillow_preprocess(row) for row in r["images"]])} for r in requests]
-
-
-def free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def load(port: int, model: str, clients: int, seconds: float, files: list[str]) -> dict:
@@ -143,9 +133,6 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(load(**json.loads(args.load))))
         return
     if sys.version_info[:2] != (3, 12):  # PyTriton's Triton loads models only under 3.12
-        sys.path.insert(0, os.path.join(ROOT, "tests"))
-        from serve_env import ensure
-
         python = ensure(log=lambda m: print(m, file=sys.stderr))
         sys.exit(subprocess.call([python, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]))
     run(args)

@@ -17,6 +17,7 @@ import glob
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +29,18 @@ PACKAGES = ("nvidia-pytriton", "tritonclient")  # the serve extra, checked by im
 
 class ServeEnvError(RuntimeError):
     """The 3.12 serving environment cannot be made; the message says what failed."""
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago (for Triton's
+    HTTP, gRPC and metrics endpoints)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 def _base_python() -> tuple[list[str], dict[str, str]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import glob
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,8 @@ import gpuio
 from gpuio import formats, serve
 from gpuio.errors import ConfigError, DependencyError, FormatError
 from gpuio.sample import make_image_tree
+
+from serve_env import ensure, free_ports
 
 OPS = "decode_image(), resize(40), center_crop(32), normalize([123.7, 116.3, 103.5], [58.4, 57.1, 57.4])"
 CORRUPT = b"\xff\xd8\xff\xe0" + b"\x00" * 200  # a JPEG start, then nothing a decoder can use
@@ -130,7 +131,7 @@ def test_pipeline_with_a_callable_model(images):
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 @pytest.mark.parametrize("kind", ["torchscript", "export"])
 def test_pipeline_with_a_torch_model_file(images, tmp_path, kind):
-    torch = pytest.importorskip("torch")
+    import torch
     encoded, offline = images
 
     class Net(torch.nn.Module):
@@ -163,7 +164,7 @@ def test_pipeline_with_a_torch_model_file(images, tmp_path, kind):
 
 @pytest.mark.gpu
 def test_pipeline_on_the_gpu_agrees_with_the_cpu(images):
-    torch = pytest.importorskip("torch")
+    import torch
     encoded, offline = images
     seen = []
 
@@ -219,16 +220,6 @@ def test_import_gpuio_does_not_import_pytriton():
 # ---- the real server ---------------------------------------------------------------------
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _descendants(pid):
     """Pids of every process under ``pid`` (from /proc)."""
     children: dict[int, list[int]] = {}
@@ -270,7 +261,7 @@ class _Served:
     def __init__(self, python, tmp_path, extra=()):
         import tritonclient.http as http
 
-        self.http, self.grpc, metrics = _free_ports(3)
+        self.http, self.grpc, metrics = free_ports(3)
         self.log = open(tmp_path / "server.log", "w+")
         cmd = [python, "-m", "gpuio.cli", "serve", "--ops", OPS, "--address", "127.0.0.1",
                "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(metrics),
@@ -326,8 +317,6 @@ class _Served:
 
 @pytest.fixture(scope="module")
 def serve_python():
-    from serve_env import ensure
-
     return ensure()  # makes the 3.12 environment once (minutes); a failure is an error, not a skip
 
 
