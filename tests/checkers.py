@@ -9,16 +9,22 @@ device can be checked the same way:
   epoch and the step into the next) resumes with exactly the remaining batches;
 - ``check_deterministic``: the batches do not depend on the number of threads or the
   prefetch depth.
+
+For formats, ``check_index_or_gpuio_error`` is the contract every parser keeps on
+corrupt bytes (the fuzz tests of each format call it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 import gpuio
+from gpuio._fielddecode import decoded_fields
+from gpuio.errors import GpuioError
 
 MakeLoader = Callable[..., gpuio.Loader]
 
@@ -170,3 +176,24 @@ def assert_read_matches_files(index, field, device):
             want = f.read(ext.length)
         host = arr.get() if hasattr(arr, "__cuda_array_interface__") else arr
         assert host.tobytes() == want, f"sample {row} of {ext.file}"
+
+
+def check_index_or_gpuio_error(make_index: Callable[[], Any], fields: Sequence[str]) -> None:
+    """Corrupt input gives a gpuio error, never another exception: ``make_index()``
+    raises one, or every extent of the index lies inside its file and reading ``fields``
+    of every sample raises one or returns (raw extent fields at their full length)."""
+    try:
+        index = make_index()
+    except GpuioError:
+        return
+    for name, ext in index.extents.items():
+        size = {f: os.path.getsize(index.files[f]) for f in np.unique(ext.file).tolist()}
+        end = np.array([size[f] for f in ext.file.tolist()], dtype=np.int64)
+        assert np.all(ext.offset >= 0) and np.all(ext.offset + ext.length <= end), f"{name} extents leave the file"
+    try:
+        got = gpuio.storage.read_fields(index, np.arange(len(index)), tuple(fields))
+    except GpuioError:
+        return
+    for name in fields:
+        if name in index.extents and name not in decoded_fields(index):
+            assert [len(g) for g in got[name]] == index.extents[name].length.tolist(), name

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpuio
-from checkers import assert_gpu_read_matches_cpu
-from gpuio.errors import ConfigError, DataError, FormatError, GpuioError, StorageError
+from checkers import assert_gpu_read_matches_cpu, check_index_or_gpuio_error
+from gpuio.errors import ConfigError, DataError, FormatError, StorageError
 from gpuio.formats import recordio
 from gpuio.formats.recordio import MAGIC, RecordIOParser
 
@@ -304,11 +304,7 @@ def valid_bytes(tmp_path_factory):
 
 
 def _index_and_parse_all(*args):
-    try:
-        index = recordio(*args)
-        gpuio.storage.read_fields(index, np.arange(len(index)), ("data", "label", "id", "key"))
-    except GpuioError:
-        pass
+    check_index_or_gpuio_error(lambda: recordio(*args), ("data", "label", "id", "key"))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
