@@ -15,6 +15,8 @@ from gpuio._bench.common import SAMPLE_COUNT, cache_dir, sample_root
 from gpuio.errors import GpuioError
 from gpuio.sample import make_image_tree
 
+__all__ = ["main"]
+
 
 def _index_for(path: str) -> gpuio.SampleIndex:
     if os.path.isfile(path):
@@ -22,7 +24,7 @@ def _index_for(path: str) -> gpuio.SampleIndex:
     return gpuio.formats.filetree(path)
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
+def _cmd_bench(args: argparse.Namespace) -> None:
     from gpuio._bench import images, storage
 
     out = args.out or os.path.join(cache_dir(), "results", "bench-storage.json" if args.storage else "bench.json")
@@ -66,7 +68,7 @@ def _caches(args: argparse.Namespace) -> tuple[str, ...]:
     return ("warm",) if args.warm_only else ("warm", "cold")
 
 
-def cmd_sample(args: argparse.Namespace) -> None:
+def _cmd_sample(args: argparse.Namespace) -> None:
     print(sample_root(args.count, args.seed) if args.out is None else _make(args))
 
 
@@ -81,7 +83,7 @@ def _make(args: argparse.Namespace) -> str:
     return make_image_tree(args.out, count=args.count, seed=args.seed, progress=True)
 
 
-def cmd_info(args: argparse.Namespace) -> None:
+def _cmd_info(args: argparse.Namespace) -> None:
     import importlib.util
 
     print(f"gpuio {gpuio.__version__}")
@@ -114,7 +116,7 @@ def _kvikio_report() -> str:
     return f"{kvikio.__version__} loads; compat_mode {mode} -> {how}"
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
+def _cmd_serve(args: argparse.Namespace) -> None:
     import signal
 
     from gpuio import serve
@@ -129,7 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         server.serve_forever()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuio", description="Training data from storage into GPU tensors.")
     parser.add_argument("--version", action="version", version=f"gpuio {gpuio.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,16 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the image pipeline (decode, random resized crop, flip, normalize)")
     bench.add_argument("--out", help="the results as JSON here, the chart beside it as PNG "
                        "(default: results/bench.json in the cache folder)")
-    bench.set_defaults(func=cmd_bench)
+    bench.set_defaults(func=_cmd_bench)
 
     sample = sub.add_parser("sample", help="generate the sample dataset and print its path")
     sample.add_argument("--out", help="folder to write to (default: the cache folder)")
     sample.add_argument("--count", type=_positive, default=SAMPLE_COUNT)
     sample.add_argument("--seed", type=int, default=0)
-    sample.set_defaults(func=cmd_sample)
+    sample.set_defaults(func=_cmd_sample)
 
     info = sub.add_parser("info", help="GPUs, installed GPU packages and settings")
-    info.set_defaults(func=cmd_info)
+    info.set_defaults(func=_cmd_info)
 
     serve = sub.add_parser("serve", help="serve ops (and a model) in Triton Inference Server (Python 3.12, "
                            "pip install 'gpuio[serve]')")
@@ -174,12 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=_positive, default=8002)
     serve.add_argument("--instances", type=_positive, default=4, help="requests in flight at once (default: 4)")
     serve.add_argument("--max-batch", type=_positive, default=64, help="images per merged batch (default: 64)")
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    """Run the ``gpuio`` command with ``argv`` (default: ``sys.argv[1:]``); the exit
+    status: 0, 1 after a gpuio error (printed), 130 on Ctrl-C."""
+    parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
         _check_bench_args(parser, args)

@@ -18,7 +18,7 @@ from types import ModuleType
 from gpuio._fork import refuse_cuda_after_fork
 from gpuio.errors import ConfigError, DependencyError, DeviceError
 
-__all__ = ["Device", "parse_device", "gpu_count", "cuda_available", "require"]
+__all__ = ["Device", "parse_device", "gpu_count", "cuda_available", "require", "check_cuda"]
 
 # package -> the extra that installs it
 _EXTRAS = {
