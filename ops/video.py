@@ -352,7 +352,7 @@ def _bytes(data: Any) -> bytes:
     return np.ascontiguousarray(data, dtype=np.uint8).tobytes() if isinstance(data, np.ndarray) else bytes(data)
 
 
-def _annexb(buf: bytes, table: np.ndarray, header: CodecHeader) -> list[bytes]:
+def _annexb(buf: bytes, table: np.ndarray, header: CodecHeader, sample: object = None) -> list[bytes]:
     raw = [buf[o:o + n] for o, n in table[:, :2].tolist()]
     if header.decoder in ("libdav1d", "av1"):
         if raw and len(header.extradata) > 4:
@@ -369,7 +369,7 @@ def _annexb(buf: bytes, table: np.ndarray, header: CodecHeader) -> list[bytes]:
             n = int.from_bytes(packet[at:at + size], "big")
             if at + size + n > len(packet):
                 raise FormatError(f"frame {table[k, 2]}: a NAL unit of {n} bytes runs past its packet "
-                                  f"({len(packet)} bytes, at packet byte {at})")
+                                  f"({len(packet)} bytes, at packet byte {at})", sample=sample)
             parts += [_START, packet[at + size:at + size + n]]
             at += size + n
         out.append(b"".join(parts))
@@ -381,7 +381,7 @@ def _decode_clip_nvdec(nvc: Any, cp: Any, data: Any, packets: Any, header: Codec
     """One clip on NVDEC into ``out`` (``[F, H, W, 3]`` uint8 on the GPU)."""
     table = _table(packets)
     slots = _Slots(table, sample)
-    units = _annexb(_bytes(data), table, header)
+    units = _annexb(_bytes(data), table, header, sample)
     errors = (getattr(nvc, "PyNvVCException", RuntimeError), RuntimeError, ValueError)
     cp.cuda.runtime.free(0)  # makes the device's primary context current in this thread
     try:  # the decoder works on the batch's stream: copies out of its surfaces are ordered after it

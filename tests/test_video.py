@@ -20,7 +20,7 @@ from gpuio import ops
 from gpuio.errors import ConfigError, FormatError, PipelineError
 from gpuio.formats import video
 from gpuio.index import SampleIndex
-from gpuio.ops.video import annexb_packets, codec_header, decode_clip
+from gpuio.ops.video import _annexb, annexb_packets, codec_header, decode_clip
 
 FRAMES = 40
 
@@ -195,6 +195,18 @@ def test_nvdec_bitstream_decodes_to_the_same_frames(tree):
         want = decode_clip(sample["data"], table, sample["codec"])
         kept = sorted(table[table[:, 3] >= 0, 2:4].tolist(), key=lambda r: r[1])
         np.testing.assert_array_equal(np.stack([got[f] for f, _ in kept]), want, err_msg=index.files[sample["file"]])
+
+
+def test_nvdec_bitstream_with_a_nal_length_past_its_packet_names_the_sample(tree):
+    index = video(tree, sequence_length=3, stride=5, step=11)
+    i = next(i for i in range(len(index)) if codec_header(index[i]["codec"]).decoder == "h264"
+             and codec_header(index[i]["codec"]).extradata[:1] == b"\x01")  # avcC: length-prefixed NAL units
+    sample = index[i]
+    table = np.asarray(sample["packets"])
+    data = bytearray(sample["data"])
+    data[int(table[0, 0]): int(table[0, 0]) + 4] = b"\xff\xff\xff\xff"  # the first NAL unit's length field
+    with pytest.raises(FormatError, match=rf"sample {i}: frame {table[0, 2]}: a NAL unit of \d+ bytes runs past"):
+        _annexb(bytes(data), table, codec_header(sample["codec"]), sample=i)
 
 
 def test_resize_in_the_same_pass(tree, device):
