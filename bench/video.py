@@ -19,7 +19,6 @@ GPU machine: gpuio with NVDEC, torchcodec's CUDA decoder and PyNvVideoCodec's
 from __future__ import annotations
 
 import argparse
-import fractions
 import os
 import sys
 import time

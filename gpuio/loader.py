@@ -350,7 +350,7 @@ class Loader:
     def _read(self, w: _Work, readers: dict[str, Reader], epoch: int) -> _Work:
         try:
             w.data = self._read_rows(w.src, readers)
-        except DataError as exc:
+        except DataError:
             if self.on_error != "skip":
                 raise
             bad = []
