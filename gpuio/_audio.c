@@ -2,7 +2,7 @@
  * group of rows), run with the GIL released.
  *
  * The rows of a batch lie end to end in one float32 array (gpuio.ops.ragged.pack);
- * `lengths` (int64) says where each ends. preemphasis, nonsilent and frames compute
+ * `lengths` (int64) says where each ends. preemphasis, nonsilent, frames and power compute
  * exactly what the NumPy code they replace computes for one row at a time (same float32
  * and float64 operations in the same order), only in one pass and without temporaries;
  * sparse_matmul and normalize sum in another order than NumPy (float32 rounding apart).
@@ -403,6 +403,26 @@ fail_x:
     return result;
 }
 
+/* out[i] = re[i]**2 + im[i]**2 of interleaved complex64 values (float32 squares added). */
+static PyObject *power(PyObject *self, PyObject *args) {
+    PyObject *o_spec, *o_out;
+    if (!PyArg_ParseTuple(args, "OO", &o_spec, &o_out)) return NULL;
+    Py_buffer sv, ov;
+    if (PyObject_GetBuffer(o_out, &ov, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (get_buf(o_spec, &sv, ov.len * 2, 0, "spec") < 0) {
+        PyBuffer_Release(&ov);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const float *c = sv.buf;
+    float *out = ov.buf;
+    for (Py_ssize_t i = 0, n = ov.len / 4; i < n; ++i) out[i] = c[2 * i] * c[2 * i] + c[2 * i + 1] * c[2 * i + 1];
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&sv);
+    PyBuffer_Release(&ov);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"preemphasis", preemphasis, METH_VARARGS,
      "preemphasis(x, y, lengths, coeff, border): y[t] = x[t] - coeff * x[t-1] per row of packed float32 rows "
@@ -421,6 +441,8 @@ static PyMethodDef methods[] = {
     {"normalize", normalize, METH_VARARGS,
      "normalize(x, lengths, features, ddof, epsilon, scale, shift, out): per row of packed float32 [T, F] "
      "frames, each feature normalized over the row's frames; see gpuio.ops.ragged.NormalizeAxes"},
+    {"power", power, METH_VARARGS,
+     "power(spec, out): |spec|**2 of complex64 values into float32 out (as NumPy's squares and sum)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._audio", NULL, -1, methods};

@@ -165,7 +165,9 @@ class Spectrogram(Op):
             spec = audio_dependency("scipy.fft").rfft(frames, axis=1)
         else:  # one batched cuFFT plan per padded frame count, cached by CuPy
             spec = xp.fft.rfft(frames, axis=1)[: len(out)]
-        if self.power == 2:  # re**2 + im**2 in place on the spectrum's floats
+        if self.power == 2 and xp is np and _audio is not None:
+            _audio.power(spec, out)
+        elif self.power == 2:  # re**2 + im**2 in place on the spectrum's floats
             parts = spec.view(xp.float32).reshape(*spec.shape, 2)
             xp.square(parts, out=parts)
             xp.add(parts[..., 0], parts[..., 1], out=out)
