@@ -20,7 +20,7 @@ Symbolic links that lead nowhere are skipped and counted, never raised as ``OSEr
   both paths, as in ``ImageFolder``.
 
 Either kind of skip also raises a ``UserWarning`` naming the first entry. A folder that
-cannot be listed is a ``DataError`` (``ImageFolder``'s walk leaves it out unseen), and a
+cannot be listed is a ``StorageError`` (``ImageFolder``'s walk leaves it out unseen), and a
 class folder with no files keeps its label number (``ImageFolder`` refuses it).
 """
 
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpuio.errors import DataError, FormatError
+from gpuio.errors import DataError, FormatError, StorageError
 from gpuio.index import Extents, PathTable, SampleIndex
 
 __all__ = ["filetree", "IMAGE_EXTENSIONS"]
@@ -94,7 +94,7 @@ def _walk_class(top: str, rel: str, extensions: tuple[str, ...], root: os.stat_r
             with os.scandir(path) as it:
                 entries = list(it)
         except OSError as exc:
-            raise DataError(f"cannot list directory: {exc.strerror or exc}", path=path) from exc
+            raise StorageError(f"cannot list directory: {exc.strerror or exc}", path=path) from exc
         files = []
         for entry in entries:
             try:
@@ -169,7 +169,7 @@ def _class_folders(root: str) -> list[str]:
                 except OSError:  # a link loop: not a folder
                     pass
     except OSError as exc:
-        raise DataError(f"cannot list directory: {exc.strerror or exc}", path=root) from exc
+        raise StorageError(f"cannot list directory: {exc.strerror or exc}", path=root) from exc
     return sorted(classes)
 
 
@@ -189,13 +189,15 @@ def _read_file_list(path: str, root: str, out: _Files) -> np.ndarray:
                     try:
                         size = os.stat(full).st_size
                     except OSError as exc:
-                        raise DataError(f"file named on line {lineno} of {path} cannot be read: "
-                                        f"{exc.strerror}", path=full) from exc
+                        raise StorageError(f"file named on line {lineno} of {path} cannot be read: "
+                                           f"{exc.strerror or exc}", path=full) from exc
                     out.add(parts[0], size)
                     labels.append(int(parts[1]))
                 offset += len(raw)
     except UnicodeDecodeError as exc:
         raise FormatError(f"file list is not UTF-8: {exc.reason}", path=path, offset=offset + exc.start) from exc
+    except StorageError:  # a named file's, naming it
+        raise
     except OSError as exc:
-        raise DataError(f"cannot read file list: {exc.strerror or exc}", path=path) from exc
+        raise StorageError(f"cannot read file list: {exc.strerror or exc}", path=path) from exc
     return np.frombuffer(labels, dtype=np.int64).copy()

@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from gpuio.errors import DataError, FormatError
+from gpuio.errors import DataError, FormatError, StorageError
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["manifest"]
@@ -32,7 +32,7 @@ def manifest(path: str | os.PathLike[str]) -> SampleIndex:
     """Index a NeMo JSON-lines manifest (see the module docstring). A line that is not
     a JSON object with a string ``audio_filepath`` and numeric ``duration``/``offset``
     (when present) is a ``FormatError`` naming the line and its byte offset; a file
-    that cannot be read a ``DataError``."""
+    that cannot be read a ``StorageError``."""
     path = os.path.abspath(os.fspath(path))
     folder = os.path.dirname(path)
     file_ids: dict[str, int] = {}
@@ -50,7 +50,7 @@ def manifest(path: str | os.PathLike[str]) -> SampleIndex:
                     offsets.append(offset)
                 pos += len(raw)
     except OSError as exc:
-        raise DataError(f"cannot read manifest: {exc.strerror or exc}", path=path) from exc
+        raise StorageError(f"cannot read manifest: {exc.strerror or exc}", path=path) from exc
     if not ids:
         raise DataError("no samples: the manifest has no entries", path=path)
     files = list(file_ids)
@@ -59,8 +59,8 @@ def manifest(path: str | os.PathLike[str]) -> SampleIndex:
         try:
             sizes[k] = os.stat(full).st_size
         except OSError as exc:
-            raise DataError(f"audio file named in manifest {path} cannot be read: {exc.strerror}",
-                            path=full) from exc
+            raise StorageError(f"audio file named in manifest {path} cannot be read: {exc.strerror or exc}",
+                               path=full) from exc
     file_id = np.asarray(ids, dtype=np.int32)
     extents = Extents(file_id, np.zeros(len(ids), dtype=np.int64), sizes[file_id])
     values = {

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpuio.errors import DataError, FormatError
+from gpuio.errors import DataError, FormatError, StorageError
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["numpy", "parse_npy_header"]
@@ -91,7 +91,7 @@ def numpy(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
                         head += f.read(need - len(head))
                 size = os.fstat(f.fileno()).st_size
         except OSError as exc:
-            raise DataError(f"cannot read: {exc.strerror or exc}", path=path) from exc
+            raise StorageError(f"cannot read: {exc.strerror or exc}", path=path) from exc
         dtype, shape, fortran, start = parse_npy_header(head, path)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if rows is not None:

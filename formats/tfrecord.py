@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from gpuio import config
-from gpuio.errors import ConfigError, DataError, DependencyError, FormatError
+from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
 from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
 
 __all__ = ["tfrecord", "ExampleParser", "masked_crc32c"]
@@ -124,7 +124,7 @@ def _records(path: str, index_path: str | None, verify: bool) -> tuple[np.ndarra
             size = os.fstat(f.fileno()).st_size
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     except OSError as exc:
-        raise DataError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc
+        raise StorageError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc
     try:
         _refuse_compressed(mm, size, path)
         if index_path is None:
@@ -240,7 +240,7 @@ def _decompressed(path: str, compression: str) -> str:
     try:
         st = os.stat(path)
     except OSError as exc:
-        raise DataError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc
+        raise StorageError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc
     folder = os.path.join(config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio"),
                           "tfrecord")
     tag = hashlib.sha256(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{compression}".encode()).hexdigest()[:24]
@@ -254,7 +254,7 @@ def _decompressed(path: str, compression: str) -> str:
             _inflate(src, dst, compression, path)
         os.replace(tmp, out)
     except OSError as exc:
-        raise DataError(f"cannot decompress into {folder}: {exc.strerror or exc}", path=path) from exc
+        raise StorageError(f"cannot decompress into {folder}: {exc.strerror or exc}", path=path) from exc
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -301,7 +301,7 @@ def _int_table(path: str, columns: int) -> np.ndarray:
             warnings.simplefilter("ignore", UserWarning)
             table = np.loadtxt(path, dtype=np.int64, ndmin=2, comments=None)
     except OSError as exc:
-        raise DataError(f"cannot read index file: {exc.strerror or exc}", path=path) from exc
+        raise StorageError(f"cannot read index file: {exc.strerror or exc}", path=path) from exc
     except ValueError as exc:
         raise FormatError(f"not an index file of {columns} integers per line: {exc}", path=path) from exc
     if table.size == 0:

@@ -160,6 +160,8 @@ def _demux(av, path: str) -> _Stream:
     container says."""
     try:
         container = av.open(path)
+    except OSError as exc:  # FFmpeg's errors that are the system's: a missing file, no permission, a directory
+        raise StorageError(f"cannot open: {exc.strerror or exc}", path=path) from exc
     except av.FFmpegError as exc:
         raise FormatError(f"cannot open as a video file (cut short, or not a video): {exc}", path=path) from exc
     with container:

@@ -44,3 +44,37 @@ def test_loading_a_file_that_is_not_an_index_says_so(tmp_path, kind):
 def test_loading_a_missing_index_is_a_storage_error(tmp_path):
     with pytest.raises(StorageError, match="nope.idx: cannot open the index: No such file"):
         gpuio.SampleIndex.load(tmp_path / "nope.idx")
+
+
+def _unreadable(tmp_path):
+    """Each format's call on a file that is not there, and the path its error must name."""
+    from gpuio import formats
+
+    gone = str(tmp_path / "gone")
+    (tmp_path / "tree" / "c0").mkdir(parents=True)
+    (tmp_path / "list.txt").write_text("c0/gone.jpg 0\n")
+    (tmp_path / "m.json").write_text('{"audio_filepath": "gone.wav", "duration": 1.0, "text": "a"}\n')
+    return {
+        "numpy": (lambda: formats.numpy([gone + ".npy"]), gone + ".npy"),
+        "tfrecord": (lambda: formats.tfrecord(gone), gone),
+        "tfrecord index": (lambda: formats.tfrecord(gone, gone + ".idx"), gone),
+        "recordio": (lambda: formats.recordio(gone), gone),
+        "lmdb": (lambda: formats.lmdb(gone), gone),
+        "webdataset": (lambda: formats.webdataset(gone), gone),
+        "video": (lambda: formats.video([gone + ".mp4"], sequence_length=2), gone + ".mp4"),
+        "coco": (lambda: formats.coco(tmp_path, gone + ".json"), gone + ".json"),
+        "manifest": (lambda: formats.manifest(gone), gone),
+        "manifest's audio file": (lambda: formats.manifest(tmp_path / "m.json"), str(tmp_path / "gone.wav")),
+        "file list": (lambda: formats.filetree(tmp_path / "tree", file_list=gone), gone),
+        "file in a file list": (lambda: formats.filetree(tmp_path / "tree", file_list=tmp_path / "list.txt"),
+                                str(tmp_path / "tree" / "c0" / "gone.jpg")),
+    }
+
+
+@pytest.mark.parametrize("case", ["numpy", "tfrecord", "tfrecord index", "recordio", "lmdb", "webdataset", "video",
+                                  "coco", "manifest", "manifest's audio file", "file list", "file in a file list"])
+def test_a_missing_file_is_a_storage_error_naming_it(tmp_path, case):
+    make, path = _unreadable(tmp_path)[case]
+    with pytest.raises(StorageError, match="No such file") as err:
+        make()
+    assert err.value.path == path
