@@ -35,7 +35,7 @@ from gpuio.errors import ConfigError, FormatError
 
 __all__ = ["DecodeImage", "decode_image", "decode_cpu", "decode_region", "region_bytes", "region_decodable",
            "jpeg_info", "JpegInfo",
-           "orient", "COLORS", "image_format", "gpu_decodable", "decode_gpu", "upload"]
+           "orient", "decode_rows", "COLORS", "image_format", "gpu_decodable", "decode_gpu", "upload"]
 
 COLORS = ("rgb", "gray", "unchanged")
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
@@ -258,18 +258,29 @@ class DecodeImage(Op):
     def __call__(self, batch: Batch) -> Batch:
         bufs = batch.data[self.field]
         images: list[Any] = [None] * len(bufs)
-        if batch.device.is_cuda:
-            rows = [row for row, buf in enumerate(bufs) if gpu_decodable(_bytes(buf))]
-            decode_gpu(batch, rows, [_bytes(bufs[r]) for r in rows], self.color, images)
-        for row, buf in enumerate(bufs):
-            if images[row] is None:
-                try:
-                    images[row] = decode_cpu(buf, self.color, int(batch.index[row]))
-                except FormatError as exc:
-                    batch.reject(row, exc)
+        decode_rows(batch, bufs, list(range(len(bufs))), self.color, images)
         batch.data[self.out] = upload(batch, images)
         batch.drop_rejected()
         return batch
+
+
+def decode_rows(batch: Batch, bufs: list[Any], rows: list[int], color: str, images: list[Any]) -> list[int]:
+    """Decode ``rows`` of ``bufs`` (encoded bytes) whole into ``images`` (HWC uint8): on
+    a GPU batch nvImageCodec takes what it can in one call (CuPy arrays), the rest and
+    what it fails on decode on the CPU (NumPy arrays). Returns the rows rejected (bad
+    samples; their images stay None)."""
+    if batch.device.is_cuda:
+        gpu_rows = [row for row in rows if gpu_decodable(_bytes(bufs[row]))]
+        decode_gpu(batch, gpu_rows, [_bytes(bufs[r]) for r in gpu_rows], color, images)
+    bad = []
+    for row in rows:
+        if images[row] is None:
+            try:
+                images[row] = decode_cpu(bufs[row], color, int(batch.index[row]))
+            except FormatError as exc:
+                batch.reject(row, exc)
+                bad.append(row)
+    return bad
 
 
 def gpu_decodable(data: np.ndarray) -> bool:

@@ -9,6 +9,8 @@ sliced. GPU: nvImageCodec decodes the batch in one call, JPEGs without EXIF rota
 and JPEG 2000 through its region decode (``CodeStream.get_sub_code_stream(region=)``),
 TIFFs and rotated JPEGs whole and then sliced; the rest take the CPU path and are
 uploaded. The output equals ``decode_image`` followed by the same slice.
+``code_stream``, ``stored_orientation`` and ``region_source`` are the GPU region
+machinery, shared with ``ops.fused.DecodeFused`` (the window a fused chain reads).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from gpuio.errors import ConfigError, FormatError
 from gpuio.ops.decode import (COLORS, _bytes, decode_cpu, decode_gpu, decode_region, gpu_decodable, image_format,
                               jpeg_info, region_decodable, upload)
 
-__all__ = ["DecodeImageSlice", "decode_image_slice", "crop_window"]
+__all__ = ["DecodeImageSlice", "decode_image_slice", "crop_window", "code_stream", "region_source",
+           "stored_orientation"]
 
 
 def crop_window(anchor: Sequence[float], shape: Sequence[float], h: int, w: int) -> tuple[int, int, int, int]:
@@ -89,24 +92,51 @@ class DecodeImageSlice(Op):
             data = _bytes(buf)
             if not gpu_decodable(data):
                 continue
-            info = jpeg_info(data)
-            # EXIF rotation turns the window; a TIFF may carry its own orientation tag
-            if (info is not None and info.orientation != 1) or image_format(data) == "tiff":
+            if not stored_orientation(data):
                 rows.append(row)
                 sources.append(data)
                 whole.append(row)
                 continue
-            try:
-                stream = nvimgcodec.CodeStream(data)
-                y0, x0, y1, x1 = crop_window(anchors[row], shapes[row], stream.height, stream.width)
-                sources.append(stream.get_sub_code_stream(region=nvimgcodec.Region(y0, x0, y1, x1)))
-            except RuntimeError:  # nvImageCodec cannot parse it: the CPU path decodes or rejects it
+            stream = code_stream(nvimgcodec, data)
+            if stream is None:
                 continue
+            window = crop_window(anchors[row], shapes[row], stream.height, stream.width)
             rows.append(row)
+            sources.append(region_source(nvimgcodec, stream, window))
         decode_gpu(batch, rows, sources, self.color, images)
         for row in whole:
             if images[row] is not None:
                 images[row] = _slice(images[row], anchors[row], shapes[row])
+
+
+def stored_orientation(data: np.ndarray) -> bool:
+    """Whether an image's decoded pixels are in its stored orientation, so that a
+    window in stored coordinates is the window of the decoded image: not a JPEG with an
+    EXIF rotation, not a TIFF (which may carry its own orientation tag)."""
+    info = jpeg_info(data)
+    return (info is None or info.orientation == 1) and image_format(data) != "tiff"
+
+
+def code_stream(nvimgcodec: Any, data: np.ndarray) -> Any | None:
+    """nvImageCodec's parsed code stream of ``data`` (its ``height`` and ``width`` are
+    the stored size; parsing needs no GPU), or None where it cannot parse the bytes
+    (the CPU path then decodes or rejects them)."""
+    try:
+        stream = nvimgcodec.CodeStream(data)
+        parsed = stream.height > 0 and stream.width > 0  # nvImageCodec parses on this first look
+    except RuntimeError:
+        return None
+    return stream if parsed else None
+
+
+def region_source(nvimgcodec: Any, stream: Any, window: Sequence[int]) -> Any:
+    """What ``decode_gpu`` decodes for the pixels ``window`` (y0, x0, y1, x1; stored
+    coordinates, inside the image) of ``stream``: a sub code stream with that region
+    (nvImageCodec decodes only it), or ``stream`` itself for the whole image."""
+    y0, x0, y1, x1 = (int(v) for v in window)
+    if (y0, x0, y1, x1) == (0, 0, stream.height, stream.width):
+        return stream
+    return stream.get_sub_code_stream(region=nvimgcodec.Region(y0, x0, y1, x1))
 
 
 def decode_image_slice(field: str = "data", anchor: str = "crop_anchor", shape: str = "crop_shape",

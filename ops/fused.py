@@ -11,13 +11,16 @@ released) for the linear, area and nearest filters into float32 or uint8; otherw
 (or where the C module was not built) the ops run one by one. ``fused_reference`` is
 the kernel's math in NumPy, so that the algorithm is tested without a GPU.
 
-``DecodeFused`` puts a ``decode_image`` in front of a fused chain on the CPU: each JPEG
-is decoded only where the chain's filter reads (the crop's rows and columns), and at
-1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling) when the crop keeps at least the output's
-size (times 1.5) at that scale.
+``DecodeFused`` puts a ``decode_image`` in front of a fused chain: each image is decoded
+only where the chain's filter reads (the crop's rows and columns). On the CPU JPEGs go
+through libjpeg-turbo's partial decode, at 1/2, 1/4 or 1/8 scale (libjpeg's DCT
+scaling) when the crop keeps at least the output's size (times 1.5) at that scale; on
+the GPU the batch goes through nvImageCodec's region decode in one call
+(``ops.decode_slice.region_source``), the rest falling back per image as in
+``decode_image``.
 
 ``Compose(ops)`` runs ops in order, dropping rejected rows between them, and swaps
-every fusable chain for the fused op (and, on the CPU, a decoder in front of one for
+every fusable chain for the fused op (and a decoder in front of one for
 ``DecodeFused``).
 """
 
@@ -30,9 +33,12 @@ import numpy as np
 
 from gpuio.batch import Batch, Op
 from gpuio.buffers import pooled_empty
+from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 from gpuio.ops.color import Normalize, cast, stack_or_list
-from gpuio.ops.decode import DecodeImage, decode_cpu, decode_region, jpeg_info, region_bytes, region_decodable
+from gpuio.ops.decode import (DecodeImage, _bytes, decode_cpu, decode_gpu, decode_region, decode_rows, gpu_decodable,
+                              jpeg_info, region_bytes, region_decodable, upload)
+from gpuio.ops.decode_slice import code_stream, region_source, stored_orientation
 from gpuio.ops.geometry import INTERPOLATIONS, CenterCrop, Flip, RandomResizedCrop, Resize, _Crop, _sizes, resample
 
 try:
@@ -173,7 +179,9 @@ class DecodeFused(Op):
     docstring. Outputs equal those of the two ops in turn, up to the DCT scaling (when
     it applies: within 1.5 levels on average). Corrupt data in rows below a crop is
     never read, so it is not an error here (a truncated file still is). On a GPU batch
-    the two ops run in turn."""
+    nvImageCodec decodes only the window the chain reads, then the fused kernel runs
+    (no DCT scaling there: outputs equal the two ops in turn up to the region decode's
+    chroma upsampling at the window's edges)."""
 
     def __init__(self, decode: DecodeImage, fused: FusedCropResizeNormalize) -> None:
         if decode.out != fused.field:
@@ -182,7 +190,9 @@ class DecodeFused(Op):
         self.ops = [decode, *fused.ops]
 
     def __call__(self, batch: Batch) -> Batch:
-        if batch.device.is_cuda or not self.fused.runs_in_c():
+        if batch.device.is_cuda:
+            return self._call_gpu(batch)
+        if not self.fused.runs_in_c():
             batch = self.decode(batch)
             batch.drop_rejected()
             return self.fused(batch)
@@ -248,9 +258,56 @@ class DecodeFused(Op):
                 batch.reject(row, exc)
                 bad.append(row)
                 continue
-            plan["box"][row] = plan["box"][row] / d - [region[0], region[1], 0, 0]
-            plan["clip"][row] = [0, 0, region[2] - region[0], region[3] - region[1]]
+            to_region(plan, row, region, d)
         return bad
+
+    def _call_gpu(self, batch: Batch) -> Batch:
+        """nvImageCodec decodes only the window the plan reads (``clip``) of the images
+        it takes in stored orientation, all in one call; the images it does not take,
+        or the rotated ones, are decoded whole first (``decode_rows``: nvImageCodec, else
+        the CPU), and so are those it fails on in the window call. The random draws are
+        made on the stored sizes, as the unfused ops make them on the decoded images."""
+        color = self.decode.color
+        bufs = [_bytes(buf) for buf in batch.data[self.decode.field]]
+        windowed = [gpu_decodable(data) and stored_orientation(data) for data in bufs]
+        nvimgcodec = require("nvidia.nvimgcodec") if any(windowed) else None
+        streams = [code_stream(nvimgcodec, data) if w else None for data, w in zip(bufs, windowed)]
+        images: list[Any] = [None] * len(bufs)
+        bad = decode_rows(batch, bufs, [row for row, stream in enumerate(streams) if stream is None], color, images)
+        hw = [(s.height, s.width) if s is not None else img.shape[:2] if img is not None else (0, 0)
+              for s, img in zip(streams, images)]
+        keep = _keep(len(bufs), bad)
+        batch.drop_rejected()
+        bufs, streams, images = _take(bufs, keep), _take(streams, keep), _take(images, keep)
+        plan = self.fused.plan(batch, np.array(_take(hw, keep), np.int64).reshape(-1, 2))
+        keep = plan.pop("ok")
+        batch.drop_rejected()
+        bufs, streams, images = _take(bufs, keep), _take(streams, keep), _take(images, keep)
+        plan = {k: v[keep].copy() for k, v in plan.items()}
+        rows = [row for row, stream in enumerate(streams) if stream is not None]
+        windows = {row: tuple(plan["clip"][row].tolist()) for row in rows}
+        decode_gpu(batch, rows, [region_source(nvimgcodec, streams[r], windows[r]) for r in rows], color, images)
+        for row in rows:
+            y0, x0, y1, x1 = windows[row]
+            if images[row] is not None and images[row].shape[:2] != (y1 - y0, x1 - x0):
+                images[row] = None  # a decoder that ignored the region: decoded again whole
+            if images[row] is not None:
+                to_region(plan, row, windows[row], 1)
+        bad = decode_rows(batch, bufs, [row for row in rows if images[row] is None], color, images)
+        keep = _keep(len(bufs), bad)
+        batch.drop_rejected()
+        images = upload(batch, _take(images, keep))
+        batch.data[self.fused.field] = self.fused.run_plan(batch, images, {k: v[keep] for k, v in plan.items()})
+        return batch
+
+
+def to_region(plan: dict[str, np.ndarray], row: int, region: Sequence[int], denom: int) -> None:
+    """Move ``row`` of a fused ``plan`` (source pixel coordinates) to the pixels of its
+    decoded ``region`` (y0, x0, y1, x1 of the image scaled by 1/``denom``): the box is
+    scaled and shifted, the filter reads the whole region."""
+    y0, x0, y1, x1 = region
+    plan["box"][row] = plan["box"][row] / denom - [y0, x0, 0, 0]
+    plan["clip"][row] = [0, 0, y1 - y0, x1 - x0]
 
 
 def _keep(n: int, bad: list[int]) -> np.ndarray:
@@ -320,19 +377,18 @@ def _fuse_decode(ops: list[Op]) -> list[Op]:
 class Compose(Op):
     """Run ``ops`` in order, dropping the rows they reject after each. With
     ``fuse=True`` each chain ``[crop | resize]* -> [flip] -> normalize`` runs as one
-    fused op (a kernel on a GPU batch, C on a CPU batch), on the CPU together with a
-    ``decode_image`` right before it. ``host_inputs`` lists the fields its ops need in
-    host memory."""
+    fused op (a kernel on a GPU batch, C on a CPU batch), together with a
+    ``decode_image`` right before it (``DecodeFused``). ``host_inputs`` lists the
+    fields its ops need in host memory."""
 
     def __init__(self, ops: Sequence[Op], *, fuse: bool = True) -> None:
         # a Compose inside (crop_mirror_normalize) is opened, so that its chain fuses with the ops around it
         self.ops = [o for op in ops for o in (op.ops if isinstance(op, Compose) else [op])]
-        self.fused = _fuse(self.ops) if fuse else self.ops
-        self.fused_cpu = _fuse_decode(self.fused)
+        self.fused = _fuse_decode(_fuse(self.ops)) if fuse else self.ops
         self.host_inputs = tuple(dict.fromkeys(f for op in self.ops for f in getattr(op, "host_inputs", ())))
 
     def __call__(self, batch: Batch) -> Batch:
-        for op in self.fused if batch.device.is_cuda else self.fused_cpu:
+        for op in self.fused:
             batch = op(batch)
             batch.drop_rejected()
         return batch

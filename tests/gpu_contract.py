@@ -13,7 +13,8 @@ deprecated), and the modules gpuio imports (``require("...")``,
 Methods called on objects the libraries return are not visible to the scan; they are
 listed in ``METHODS``. Then the parts of gpuio's GPU code that need no driver run for
 real: kvikio loading and configuration, cuFile open errors, ``gpuio info``, the
-nvImageCodec decode parameters, and the CuPy arrays gpuio builds on raw pointers.
+nvImageCodec decode parameters and region code streams, and the CuPy arrays gpuio
+builds on raw pointers.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ STATIC = {"PyNvVideoCodec"}
 # "module.Class.method" -> keywords gpuio passes
 METHODS = {
     "nvidia.nvimgcodec.Decoder.decode": ("params", "cuda_stream"),
+    "nvidia.nvimgcodec.CodeStream.get_sub_code_stream": ("region",),
+    "nvidia.nvimgcodec.CodeStream.height": (),
+    "nvidia.nvimgcodec.CodeStream.width": (),
     "kvikio.CuFile.pread": (),
     "kvikio.CuFile.close": (),
     "cupy.ndarray.set": ("stream",),
@@ -194,8 +198,8 @@ def _split(key: str) -> tuple[str, list[str]]:
 
 def run_gpuio(report: dict[str, Any]) -> None:
     """Run the parts of gpuio's GPU code that need no driver."""
-    steps = [("kvikio", _kvikio), ("decode params", _decode_params), ("device arrays", _device_arrays),
-             ("gpuio info", _info)]
+    steps = [("kvikio", _kvikio), ("decode params", _decode_params), ("region streams", _region_streams),
+             ("device arrays", _device_arrays), ("gpuio info", _info)]
     for name, step in steps:
         try:
             step()
@@ -281,6 +285,29 @@ def _decode_params() -> None:
     for color in COLORS:
         params = make(nvimgcodec, color)
         assert isinstance(params, nvimgcodec.DecodeParams), color
+
+
+def _region_streams() -> None:
+    """The region machinery of the GPU window decodes (``decode_image_slice``,
+    ``DecodeFused``) on nvImageCodec's parser, which needs no GPU: the stored size, the
+    sub code stream of a window, the whole image as itself, unparsable bytes as None."""
+    import io
+
+    import numpy as np
+    from nvidia import nvimgcodec
+    from PIL import Image
+
+    from gpuio.ops.decode_slice import code_stream, region_source
+
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((70, 90, 3), np.uint8)).save(buf, "JPEG")
+    data = np.frombuffer(buf.getvalue(), np.uint8)
+    stream = code_stream(nvimgcodec, data)
+    assert (stream.height, stream.width) == (70, 90), stream
+    region = region_source(nvimgcodec, stream, (5, 10, 60, 31)).view.region
+    assert (tuple(region.start), tuple(region.end)) == ((5, 10), (60, 31)), region
+    assert region_source(nvimgcodec, stream, (0, 0, 70, 90)) is stream
+    assert code_stream(nvimgcodec, data[:40]) is None and code_stream(nvimgcodec, data[:0]) is None
 
 
 def _device_arrays() -> None:

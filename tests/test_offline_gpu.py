@@ -121,7 +121,7 @@ def test_gpu_wheels_have_what_gpuio_uses(flavor):
     report = json.loads(lines[-1])
     assert report["problems"] == [], f"{flavor} ({report['versions']}):\n" + "\n".join(report["problems"])
     assert report["checked"] >= 30  # the scan found gpuio's uses
-    assert report["ran"] == ["kvikio", "decode params", "device arrays", "gpuio info"]
+    assert report["ran"] == ["kvikio", "decode params", "region streams", "device arrays", "gpuio info"]
 
 
 # Files that still pick CuPy's current stream outside ``with cp.cuda.Device(...)``

@@ -146,7 +146,7 @@ def test_decode_fused_matches_decode_then_ops(monkeypatch, tree_jpegs, jpegs, na
     scaling applies; with it (the default) within 1.5 levels on average per image."""
     bufs = tree_jpegs + jpegs
     pipe = ops.Compose([ops.decode_image()] + CHAINS[name]())
-    assert isinstance(pipe.fused_cpu[0], DecodeFused) and len(pipe.fused_cpu) == 1
+    assert isinstance(pipe.fused[0], DecodeFused) and len(pipe.fused) == 1
     want = run(CHAINS[name](), bufs, fuse=False).data["image"]
     scaled = pipe(make_batch(bufs)).data["image"]
     monkeypatch.setattr(fused, "_denom", lambda box, out_hw: 1)

@@ -1,24 +1,40 @@
 """The fused chain's math (``fused_reference``, which the CUDA kernel mirrors line by
-line) against the unfused CPU ops, on real decoded JPEGs. Runs without a GPU."""
+line) against the unfused CPU ops, on real decoded JPEGs; the window a fused chain
+decodes (``DecodeFused``: libjpeg-turbo's partial decode on the CPU, nvImageCodec's
+region decode on the GPU) and the plan moved onto it; decode + chain fused against
+unfused on each device."""
 
 import numpy as np
 import pytest
 
 from gpuio import ops
 from gpuio.batch import Batch, sample_seeds
-from gpuio.ops.fused import FusedCropResizeNormalize, fused_reference
+from gpuio.device import Device
+from gpuio.ops import fused
+from gpuio.ops.fused import DecodeFused, FusedCropResizeNormalize, fused_reference, to_region
 from gpuio.ops.geometry import _sizes
 from gpuio.sample import make_image_tree
+from tests.conftest import to_host
 
 MEAN, STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
 
 
-@pytest.fixture(scope="module")
-def decoded(tmp_path_factory):
+def sample_jpegs(tmp_path_factory):
+    """JPEGs of the sample generator: some grayscale, progressive, CMYK, EXIF-rotated."""
     import glob
 
     root = make_image_tree(tmp_path_factory.mktemp("imgs"), count=24, classes=2, seed=1, progress=False)
-    bufs = [np.fromfile(p, np.uint8) for p in sorted(glob.glob(f"{root}/*/*.jpg"))]
+    return [np.fromfile(p, np.uint8) for p in sorted(glob.glob(f"{root}/*/*.jpg"))]
+
+
+@pytest.fixture(scope="module")
+def encoded(tmp_path_factory):
+    return sample_jpegs(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def decoded(tmp_path_factory):  # imported by other test modules: no fixtures of this one
+    bufs = sample_jpegs(tmp_path_factory)
     index = np.arange(len(bufs))
     batch = ops.decode_image()(Batch({"data": bufs}, index, sample_seeds(0, 0, index)))
     return batch.data["image"]
@@ -105,3 +121,72 @@ def test_fused_plan_rejects_small_images(decoded):
     plan = FusedCropResizeNormalize(chain).plan(batch, hw)
     assert plan["ok"].tolist() == [False, True] and [i for i, _ in batch.errors] == [100]
     assert plan["out_hw"][1].tolist() == [5, 5]
+
+
+@pytest.mark.parametrize("name", ["rrc-flip-norm", "rrc-cubic-vflip", "crop-resize-crop"])
+def test_window_a_fused_chain_decodes(decoded, name):
+    """The window ``DecodeFused`` has decoded (on the GPU: the nvImageCodec region) is the
+    plan's ``clip``; for random_resized_crop it is the crop the op draws alone for the same
+    (seed, epoch, sample). The plan moved onto the window (``to_region``) gives the same
+    output from the window's pixels as the plan from the whole image, bit for bit."""
+    chain = CHAINS[name]()
+    op = FusedCropResizeNormalize(chain)
+    plan = op.plan(fresh(decoded), _sizes(decoded))
+    if name.startswith("rrc"):
+        crops, ok = chain[0].boxes(fresh(decoded), _sizes(decoded))
+        assert ok.all()
+        want = np.concatenate([crops[:, :2], crops[:, :2] + crops[:, 2:4]], axis=1)
+        assert plan["clip"].tolist() == want.tolist()
+    moved = {k: v.copy() for k, v in plan.items()}
+    windows = []
+    for row, img in enumerate(decoded):
+        y0, x0, y1, x1 = plan["clip"][row].tolist()
+        assert 0 <= y0 < y1 <= img.shape[0] and 0 <= x0 < x1 <= img.shape[1]
+        windows.append(img[y0:y1, x0:x1])
+        to_region(moved, row, (y0, x0, y1, x1), 1)
+        assert moved["clip"][row].tolist() == [0, 0, y1 - y0, x1 - x0]
+    mean, inv_std = chain[-1].channel_params(3)
+    args = dict(interp=op.interp, antialias=op.antialias, layout=chain[-1].layout, dtype=chain[-1].dtype)
+    whole = fused_reference(decoded, plan, mean, inv_std, **args)
+    assert np.array_equal(fused_reference(windows, moved, mean, inv_std, **args), whole)
+
+
+DECODE_CHAINS = {
+    "rrc-flip": lambda: [ops.random_resized_crop(64), ops.flip(), ops.normalize(MEAN, STD)],
+    "rrc-area-hwc-u8": lambda: [ops.random_resized_crop((48, 40), interp="area"), ops.flip(False, p=1.0),
+                                ops.normalize(0, 1, layout="HWC", dtype="uint8")],
+    "resize-centercrop": lambda: [ops.resize(shorter=80), ops.center_crop(64), ops.normalize(MEAN, STD)],
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CHAINS))
+def test_decode_fused_equals_decode_then_ops(device, monkeypatch, encoded, name):
+    """``decode_image`` + chain fused (CPU: partial decode + C resampler; GPU: nvImageCodec
+    region decode + the kernel) against the unfused ops on the same device: the same
+    draws, rows and errors, outputs within 1 level (Pillow's rounding) plus, on the GPU,
+    the region decode's chroma upsampling at the window's edges (2 levels). Progressive,
+    CMYK, EXIF-rotated, truncated and non-image rows take the per-image fallbacks."""
+    monkeypatch.setattr(fused, "_denom", lambda box, out_hw: 1)  # the CPU's DCT scaling is tested elsewhere
+    bufs = list(encoded) + [encoded[0][: len(encoded[0]) // 2], np.frombuffer(b"not an image", np.uint8)]
+
+    def run(fuse):
+        index = np.arange(len(bufs))
+        dev = Device("cuda", 0) if device == "cuda" else Device("cpu")
+        batch = Batch({"data": list(bufs)}, index, sample_seeds(5, 2, index), device=dev, on_error="skip")
+        pipe = ops.Compose([ops.decode_image()] + DECODE_CHAINS[name](), fuse=fuse)
+        assert isinstance(pipe.fused[0], DecodeFused) == fuse
+        return pipe(batch)
+
+    got, want = run(True), run(False)
+    assert got.index.tolist() == want.index.tolist() == list(range(len(encoded)))
+    assert [i for i, _ in got.errors] == [i for i, _ in want.errors] == [len(encoded), len(encoded) + 1]
+    normalize = DECODE_CHAINS[name]()[-1]
+    scale = np.ones(3) if normalize.dtype == "uint8" else np.asarray(STD)
+    bound = 1.0 if device == "cpu" else 3.0
+    assert len(got.data["image"]) == len(want.data["image"])
+    for g, w in zip(got.data["image"], want.data["image"]):
+        g, w = to_host(g).astype(np.float64), to_host(w).astype(np.float64)
+        assert g.shape == w.shape
+        axis = (-1, 1, 1) if normalize.layout == "CHW" else (1, 1, -1)
+        levels = np.abs(g - w) * scale.reshape(axis)
+        assert levels.max() <= bound + 1e-3 and levels.mean() < 0.5
