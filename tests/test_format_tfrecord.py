@@ -17,7 +17,7 @@ import gpuio
 from checkers import assert_gpu_read_matches_cpu, check_index_or_gpuio_error
 from gpuio.errors import ConfigError, DataError, FormatError
 from gpuio.formats import tfrecord
-from gpuio.formats.tfrecord import ExampleParser, masked_crc32c
+from gpuio.formats.tfrecord import ExampleParser
 
 FEATURES = {"image/encoded": "bytes", "image/class/label": "int64", "bbox": "float", "tags": "bytes",
             "score": "float", "ids": "int64"}
@@ -152,10 +152,7 @@ def test_hand_written_protobuf_variants(tmp_path):
     unknown = varint(9 << 3 | 0) + varint(5) + varint(10 << 3 | 5) + b"abcd"
     entries = ld(1, ld(1, b"i") + ld(2, ints)) + ld(1, ld(1, b"f") + ld(2, floats)) + ld(1, ld(1, b"e") + ld(2, b""))
     payload = unknown + ld(1, entries)
-    header = struct.pack("<Q", len(payload))
-    path = tmp_path / "hand.tfrecord"
-    path.write_bytes(header + struct.pack("<I", masked_crc32c(header)) + payload
-                     + struct.pack("<I", masked_crc32c(payload)))
+    path = _write_payloads(tmp_path / "hand.tfrecord", [payload])
     index = tfrecord(path, features={"i": "int64", "f": "float"}, verify=True)
     sample = index[0]
     np.testing.assert_array_equal(sample["i"], [-7, 9])
@@ -369,11 +366,7 @@ def test_corrupted_files_raise_only_gpuio_errors(tmp_path, valid_bytes, cut, fli
 @given(payload=st.binary(max_size=300))
 def test_random_payloads_raise_only_gpuio_errors(tmp_path, payload):
     """Valid framing around random bytes: only the protobuf decoder is exercised."""
-    header = struct.pack("<Q", len(payload))
-    path = tmp_path / "p.tfrecord"
-    path.write_bytes(header + struct.pack("<I", masked_crc32c(header)) + payload
-                     + struct.pack("<I", masked_crc32c(payload)))
-    _index_and_parse_all(path, True)
+    _index_and_parse_all(_write_payloads(tmp_path / "p.tfrecord", [payload]), True)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
