@@ -365,9 +365,13 @@ def _send_all(served, images, output):
 
 def _check_stopped(served):
     assert served.stop() == 0, served.output()
-    time.sleep(0.5)
-    left = [p for p in served.processes if _alive(p)]
-    left += [p for p in _descendants(1) if f"--http-port={served.http}" in _cmdline(p) and _alive(p)]
+    deadline = time.monotonic() + 30  # processes of a clean stop may take a moment to be reaped
+    while True:
+        left = [p for p in served.processes if _alive(p)]
+        left += [p for p in _descendants(1) if f"--http-port={served.http}" in _cmdline(p) and _alive(p)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert not left, f"processes left behind: {[(p, _cmdline(p)) for p in left]}"
 
 
