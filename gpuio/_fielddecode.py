@@ -20,6 +20,7 @@ import ast
 import functools
 import io
 import json
+import operator
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,23 @@ import numpy as np
 
 from gpuio.errors import ConfigError, FormatError
 
-__all__ = ["DECODERS", "decoded_fields", "host_decoded_fields", "decode", "descr_dtype"]
+__all__ = ["DECODERS", "Rows", "decoded_fields", "host_decoded_fields", "decode", "descr_dtype"]
+
+
+class Rows(list):
+    """A list of the rows of one array ``whole`` of 2 or more dimensions (``list(whole)``: views), so that a
+    batch stacks them with no copy and no check per row; see ``stacked``."""
+
+    def __init__(self, whole: Any) -> None:
+        super().__init__(whole)
+        self.whole = whole
+        self._made = tuple(self)
+
+    def stacked(self) -> Any:
+        """``whole``, if the list still holds the rows it was made with, in that order
+        (an op may have replaced or reordered some); else ``None``."""
+        same = len(self) == len(self._made) and all(map(operator.is_, self, self._made))
+        return self.whole if same else None
 
 
 def _int(data: bytes) -> np.int64:
@@ -95,6 +112,13 @@ def decode(index: Any, field: str, rows: np.ndarray, raw: list[Any]) -> list[Any
 
 
 def _arrays(index: Any, field: str, rows: np.ndarray, raw: list[Any]) -> list[Any]:
+    whole = raw.stacked() if isinstance(raw, Rows) else None
+    if whole is not None and len(rows) and _same_value(index.values["shape"], rows) and (
+            _same_value(index.values["dtype"], rows) and not np.asarray(index.values["fortran_order"])[rows].any()):
+        shape = tuple(index.values["shape"][int(rows[0])].tolist())
+        stacked = _stacked_array(whole, shape, descr_dtype(index.values["dtype"][int(rows[0])]))
+        if stacked is not None and shape:  # rows of a 1-D array would be scalars, not 0-d arrays
+            return Rows(stacked)
     shapes = index.values["shape"].rows(rows)
     descrs = index.values["dtype"].rows(rows)
     fortran = np.asarray(index.values["fortran_order"])[rows].tolist()
@@ -110,6 +134,29 @@ def _arrays(index: Any, field: str, rows: np.ndarray, raw: list[Any]) -> list[An
             data = data.copy()  # on the same device
         out.append(data.view(dtype).reshape(tuple(shape.tolist()), order="F" if f_order else "C"))
     return out
+
+
+def _same_value(col: Any, rows: np.ndarray) -> bool:
+    """Whether the ``Ragged`` column ``col`` holds one value for all of ``rows``."""
+    part = col.take(rows)
+    lengths = np.diff(part.offsets)
+    if (lengths != lengths[0]).any():
+        return False
+    values = part.values.reshape(len(rows), -1) if lengths[0] else part.values
+    return bool((values == values[:1]).all())
+
+
+def _stacked_array(whole: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """``whole``, ``[B, nbytes]`` uint8 rows of C-order arrays, as one ``[B, *shape]``
+    view of ``dtype``; ``None`` where the rows' addresses do not suit the dtype (the
+    per-row path copies those or reports them) or it has no GPU array type."""
+    on_host = isinstance(whole, np.ndarray)
+    address = whole.__array_interface__["data"][0] if on_host else whole.data.ptr
+    row_bytes = whole.shape[1]
+    if (row_bytes != dtype.itemsize * int(np.prod(shape)) or address % dtype.alignment or row_bytes % dtype.alignment
+            or (not on_host and (dtype.kind not in "biufc" or not dtype.isnative))):
+        return None
+    return whole.view(dtype).reshape((len(whole), *shape))
 
 
 def _error(index: Any, field: str, rows: np.ndarray, j: int, message: str) -> FormatError:

@@ -32,7 +32,7 @@ from gpuio.index import Ragged, SampleIndex
 from gpuio.storage import Reader, read_fields
 from gpuio._deferred import hand_over
 from gpuio._executor import Executor, Stage, StageStats
-from gpuio._fielddecode import decoded_fields, host_decoded_fields
+from gpuio._fielddecode import Rows, decoded_fields, host_decoded_fields
 from gpuio._opfields import LoaderBatch, check_op_fields, consumed_fields
 from gpuio._order import EpochPlan, epoch_order
 
@@ -456,6 +456,9 @@ class Loader:
         if isinstance(self.index.values.get(name), Ragged) or (
                 name in self._raw_fields and first.ndim == 1 and first.dtype == np.uint8):
             return col  # ragged by nature (boxes, raw bytes): a list, even when a batch's rows agree
+        whole = col.stacked() if isinstance(col, Rows) else None
+        if whole is not None:  # the rows of one array, as read and decoded: no check per row
+            return xp.asarray(whole) if cuda else whole
         shape, dtype = first.shape, first.dtype
         if any(not _is_array(a) or a.shape != shape or a.dtype != dtype for a in col):
             return col

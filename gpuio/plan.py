@@ -5,6 +5,12 @@ and offset, merges those that overlap, touch or lie within ``gap`` bytes of each
 into one read, widens reads to ``align`` bytes for O_DIRECT, splits reads longer than
 ``task_size`` into tasks that run in parallel, and records where every sample's bytes
 land in the batch buffer.
+
+Where bytes land is independent of the order reads are issued in. Without alignment,
+when reading each run of samples that follow each other in the file *in the order
+given* takes no more reads than merging in file order (one file per sample, say), the
+samples land back to back in the order given: a batch of same-shape arrays is then one
+``[B, ...]`` view of the buffer, with no stacking copy.
 """
 
 from __future__ import annotations
@@ -79,6 +85,12 @@ def build_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, *, gap:
     first = np.flatnonzero(new)
     group = np.cumsum(new) - 1
 
+    # runs of samples in the order given, each starting where the one before ends
+    follows = np.zeros(n, dtype=bool)
+    follows[1:] = (file[1:] == file[:-1]) & (offset[1:] == offset[:-1] + length[:-1])
+    if align == 1 and n - int(follows.sum()) <= len(first):
+        return _given_order_plan(file, offset, length, follows, task_size)
+
     g_file = f[first]
     g_start = a_start[first]
     g_len = np.maximum.reduceat(a_end, first) - g_start
@@ -90,10 +102,28 @@ def build_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, *, gap:
 
     sample_dest = np.empty(n, dtype=np.int64)
     sample_dest[order] = g_dest[group] + (start - g_start[group])
+    return _split(g_file, g_start, g_len, g_need, g_dest, sample_dest, length, align, task_size)
 
-    # split long reads into tasks of at most task_size bytes
+
+def _given_order_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, follows: np.ndarray,
+                      task_size: int) -> ReadPlan:
+    """Samples back to back in the buffer in the order given; one read per run of
+    samples that follow each other in the file, issued in file order."""
+    sample_dest = np.zeros(len(file), dtype=np.int64)
+    np.cumsum(length[:-1], out=sample_dest[1:])
+    first = np.flatnonzero(~follows)
+    run_len = np.add.reduceat(length, first)
+    by_file = np.lexsort((offset[first], file[first]))
+    first, run_len = first[by_file], run_len[by_file]
+    return _split(file[first], offset[first], run_len, run_len, sample_dest[first], sample_dest, length, 1,
+                  task_size)
+
+
+def _split(g_file: np.ndarray, g_start: np.ndarray, g_len: np.ndarray, g_need: np.ndarray, g_dest: np.ndarray,
+           sample_dest: np.ndarray, length: np.ndarray, align: int, task_size: int) -> ReadPlan:
+    """The plan of reads ``g_*``, each split into tasks of at most ``task_size`` bytes."""
     pieces = np.maximum(1, -(-g_len // task_size))
-    g_of = np.repeat(np.arange(len(first)), pieces)
+    g_of = np.repeat(np.arange(len(g_len)), pieces)
     k = np.arange(len(g_of)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
     t_rel = k * task_size
     t_len = np.minimum(task_size, g_len[g_of] - t_rel)
@@ -106,6 +136,6 @@ def build_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, *, gap:
         task_need=t_need,
         sample_dest=sample_dest,
         sample_length=length.copy(),
-        nbytes=int(g_dest[-1] + g_len[-1]),
+        nbytes=int((g_dest + g_len).max()),
         align=align,
     )

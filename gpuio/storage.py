@@ -24,7 +24,7 @@ from gpuio._fork import RenewedLock
 from gpuio.buffers import BufferPool, Lease, default_pool
 from gpuio.device import Device, check_cuda, cuda_available, parse_device, require
 from gpuio.errors import ConfigError, OutOfRangeError
-from gpuio._fielddecode import decode, decoded_fields
+from gpuio._fielddecode import Rows, decode, decoded_fields
 from gpuio.index import Ragged, SampleIndex, register_sample_reader
 from gpuio.plan import build_plan
 
@@ -117,6 +117,10 @@ class Reader:
             return read_fields(index, rows, (field,), self.device, reader=self)[field]
         lease, starts, lengths = self.read_batch(index, rows, field)
         buf = lease.array
+        n = int(lengths[0]) if len(lengths) else 0
+        if len(starts) and (lengths == n).all() and (starts == starts[0] + n * np.arange(len(starts))).all():
+            # back to back, in order (the plan's layout for one file per sample): rows of one array
+            return Rows(buf[starts[0]: starts[0] + n * len(starts)].reshape(len(starts), n))
         return [buf[s: s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
 
     def close(self) -> None:

@@ -48,11 +48,15 @@ def tree(tmp_path):
 
 @pytest.fixture
 def npy(tmp_path):
-    root = tmp_path / "npy"
-    root.mkdir()
     rng = np.random.default_rng(3)
-    for i in range(N):
-        np.save(root / f"{i:03d}.npy", rng.integers(0, 255, (4, 5), dtype=np.uint8))
+    return npy_files(tmp_path / "npy", [rng.integers(0, 255, (4, 5), dtype=np.uint8) for _ in range(N)])
+
+
+def npy_files(root, arrays) -> SampleIndex:
+    """A ``formats.numpy`` index of one ``.npy`` file per array."""
+    root.mkdir()
+    for i, a in enumerate(arrays):
+        np.save(root / f"{i:03d}.npy", a)
     return npy_format(str(root))
 
 
@@ -120,13 +124,13 @@ def test_numpy_output_stacks_fixed_shapes(npy):
 
 
 def test_stack_is_a_view_when_rows_lie_in_order(npy):
-    """Unshuffled, the samples land back to back in one batch buffer, in row order, and
-    are stacked without a copy; shuffled, they are copied into a new pooled,
-    page-aligned buffer (which JAX takes without a copy of its own)."""
+    """Shuffled or not, one file per sample lands back to back in one batch buffer, in
+    row order, and is stacked without a copy, page aligned (JAX takes 64-byte aligned
+    memory without a copy of its own)."""
     b = next(iter(gpuio.Loader(npy, 6, ops=[AsArray()], output="numpy", threads=1)))
     assert not b["data"].flags.owndata
     s = next(iter(gpuio.Loader(npy, 6, ops=[AsArray()], output="numpy", threads=1, shuffle=True)))
-    assert s["data"].ctypes.data % 4096 == 0
+    assert not s["data"].flags.owndata and s["data"].ctypes.data % 4096 == 0
     for batch in (b, s):
         for row, i in enumerate(batch["index"].tolist()):
             np.testing.assert_array_equal(batch["data"][row], np.load(npy.extent(i).file))
@@ -442,3 +446,49 @@ def test_gpu_matches_cpu(npy):
     for x, y in zip(cpu, gpu):
         assert_same_batch(x, y)
     assert not loader_threads()
+
+
+@pytest.fixture
+def float_npy(tmp_path):
+    rng = np.random.default_rng(5)
+    return npy_files(tmp_path / "f32", [rng.standard_normal((3, 7)).astype(np.float32) for _ in range(N)])
+
+
+def test_shuffled_arrays_stack_as_a_view_of_the_read_buffer(float_npy, monkeypatch):
+    """One file per sample, shuffled: the read plan lays the samples out in batch order,
+    so the [B, ...] batch is the read buffer itself (64-byte aligned for JAX), no copy."""
+    reads = []
+    read = gpuio.Reader.read
+
+    def recorded(self, *args, **kwargs):
+        reads.append(read(self, *args, **kwargs))
+        return reads[-1]
+
+    monkeypatch.setattr(gpuio.Reader, "read", recorded)
+    batches = list(gpuio.Loader(float_npy, 8, output="numpy", shuffle=True, seed=1, threads=1))
+    assert sorted(i for b in batches for i in b["index"].tolist()) == list(range(N))
+    assert len(reads) == len(batches)
+    for b, rows in zip(batches, reads):
+        data = b["data"]
+        assert data.shape == (len(b["index"]), 3, 7) and data.dtype == np.float32
+        assert all(np.shares_memory(data, row) for row in rows)
+        assert data.flags.c_contiguous and data.ctypes.data % 64 == 0
+        for row, i in enumerate(b["index"].tolist()):
+            np.testing.assert_array_equal(data[row], np.load(float_npy.extent(i).file))
+
+
+class ReplaceFirstRow(Op):
+    """Changes the batch's list of rows in place: row 0 becomes a new array, the rest reversed."""
+
+    def __call__(self, batch):
+        rows = batch.data["data"]
+        rows[0] = rows[0] + 1
+        rows[1:] = rows[:0:-1]
+        return batch
+
+
+def test_rows_changed_by_an_op_are_stacked_as_they_are(float_npy):
+    b = next(iter(gpuio.Loader(float_npy, 8, ops=[ReplaceFirstRow()], output="numpy", shuffle=True, threads=1)))
+    index = b["index"].tolist()
+    want = [np.load(float_npy.extent(index[0]).file) + 1] + [np.load(float_npy.extent(i).file) for i in index[:0:-1]]
+    np.testing.assert_array_equal(b["data"], np.stack(want))

@@ -37,10 +37,10 @@ def test_plan_puts_every_sample_where_it_says(extents, gap, align, task_size):
         assert (plan.task_offset % align == 0).all()
         assert (plan.task_dest % align == 0).all()
         assert (plan.task_length % align == 0).all()
-    # reads never overlap in the buffer
-    order = np.argsort(plan.task_dest)
-    ends = plan.task_dest[order] + plan.task_length[order]
-    assert (plan.task_dest[order][1:] >= ends[:-1]).all()
+    # reads never overlap in the buffer (a read of nothing, for an empty sample, is nowhere)
+    dest, length = plan.task_dest[plan.task_length > 0], plan.task_length[plan.task_length > 0]
+    order = np.argsort(dest)
+    assert (dest[order][1:] >= (dest + length)[order][:-1]).all()
 
 
 def test_adjacent_and_near_extents_merge_into_one_read():
@@ -80,3 +80,38 @@ def test_empty_plan():
 def test_align_must_be_power_of_two():
     with pytest.raises(ConfigError, match="align must be a power of two, got 3000"):
         build_plan([0], [0], [1], align=3000)
+
+
+def test_one_file_per_sample_lands_in_the_order_given():
+    """Shuffled samples of one file each: back to back in the buffer in the order given
+    (a [B, ...] batch is then a view of it), the reads still issued in file order."""
+    files = np.array([5, 2, 9, 0, 7])
+    plan = build_plan(files, np.full(5, 128), np.full(5, 400))
+    assert plan.sample_dest.tolist() == [0, 400, 800, 1200, 1600] and plan.nbytes == 2000
+    assert plan.task_file.tolist() == [0, 2, 5, 7, 9]
+    assert plan.task_dest.tolist() == [1200, 400, 0, 1600, 800]
+    assert plan.task_need.tolist() == plan.task_length.tolist() == [400] * 5
+
+
+def test_samples_that_follow_in_the_file_and_in_the_batch_share_a_read():
+    # file 1's two samples, then file 0's two: two reads, rows in the order given
+    plan = build_plan([1, 1, 0, 0], [0, 100, 0, 100], [100] * 4, gap=0)
+    assert plan.sample_dest.tolist() == [0, 100, 200, 300]
+    assert plan.task_file.tolist() == [0, 1] and plan.task_dest.tolist() == [200, 0]
+    assert plan.task_length.tolist() == [200, 200]
+
+
+def test_file_order_is_kept_where_it_saves_reads():
+    # one file, shuffled: one merged read in file order beats four in batch order
+    plan = build_plan([0, 0, 0, 0], [300, 0, 200, 100], [100] * 4, gap=0)
+    assert len(plan) == 1 and plan.sample_dest.tolist() == [300, 0, 200, 100]
+    # O_DIRECT reads start on aligned destinations: file order, as before
+    aligned = build_plan([3, 1], [128, 128], [400, 400], align=4096)
+    assert aligned.task_dest.tolist() == [0, 4096] and aligned.sample_dest.tolist() == [4096 + 128, 128]
+
+
+def test_given_order_reads_split_into_tasks():
+    plan = build_plan([1, 0], [0, 0], [10 << 20, 10 << 20], task_size=4 << 20)
+    assert plan.sample_dest.tolist() == [0, 10 << 20]
+    assert plan.task_file.tolist() == [0, 0, 0, 1, 1, 1]
+    assert plan.task_dest.tolist() == [10 << 20, 14 << 20, 18 << 20, 0, 4 << 20, 8 << 20]
