@@ -16,7 +16,7 @@ from gpuio.buffers import pooled_empty
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError
 
-__all__ = ["ColorJitter", "Normalize", "color_jitter", "normalize", "DTYPES", "LAYOUTS"]
+__all__ = ["ColorJitter", "Normalize", "color_jitter", "normalize", "cast", "stack_or_list", "DTYPES", "LAYOUTS"]
 
 DTYPES = ("float32", "float16", "uint8")
 LAYOUTS = ("CHW", "HWC")

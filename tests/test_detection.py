@@ -366,6 +366,7 @@ def test_random_bbox_crop_that_cannot_pass_ends_with_the_best_window():
     batch = crop(make("cpu", data))
     (ax, ay), (sw, sh) = batch.data["crop_anchor"][0], batch.data["crop_shape"][0]
     assert sw < 0.35 and sh < 0.35  # the smallest windows overlap the box most
+    assert ax <= 0.5 and ay <= 0.5 and ax + sw >= 0.52 and ay + sh >= 0.52  # ... when they hold all of it
     assert batch.data["labels"][0].tolist() == [4]
 
 
