@@ -137,6 +137,38 @@ def best_time(fn: Callable[[], Any], repeat: int) -> float:
     return best
 
 
+def interleaved_rounds(runs: dict[str, Callable[[], Any]], epochs: int, count: int | None = None,
+                       desc: str = "pipelines") -> tuple[dict[str, float], dict[str, str]]:
+    """Items/s of each competitor's fastest pass, and the error of each that failed.
+    ``runs`` maps a name to a function that makes one pass, yielding batches (``shape[0]``
+    items each). One untimed pass each first (workers, decoders and caches warm up), then
+    ``epochs`` rounds that run every competitor once, so that drift of the machine hits
+    them alike. A pass that does not yield ``count`` items (when given) fails; a
+    competitor that fails drops out with its whole error, the others go on."""
+    from tqdm import tqdm
+
+    best, seen = dict.fromkeys(runs, float("inf")), {}
+    failed: dict[str, str] = {}
+    with tqdm(total=(epochs + 1) * len(runs), desc=desc, unit="pass", leave=False) as bar:
+        for timed in [False] + [True] * epochs:
+            for name, run in runs.items():
+                bar.update()
+                if name in failed:
+                    continue
+                try:
+                    t0 = time.perf_counter()
+                    seen[name] = sum(int(batch.shape[0]) for batch in run())
+                    elapsed = time.perf_counter() - t0
+                    if count is not None and seen[name] != count:
+                        raise RuntimeError(f"a pass yielded {seen[name]} items, expected {count}")
+                except Exception as exc:  # a competitor's failure is a result to report, not a crash
+                    failed[name] = f"{type(exc).__name__}: {exc}"
+                    continue
+                if timed:
+                    best[name] = min(best[name], elapsed)
+    return {name: seen[name] / t for name, t in best.items() if name not in failed}, failed
+
+
 def print_table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> None:
     """``columns``: (key, heading, format spec)."""
     cells = [[format(r.get(k, ""), f) if r.get(k) is not None and r.get(k) != "" else "-"

@@ -38,7 +38,7 @@ from PIL import Image
 
 import gpuio
 from gpuio import ops
-from gpuio._bench.common import BenchError, cache_dir, machine, print_table, write_json
+from gpuio._bench.common import BenchError, cache_dir, interleaved_rounds, machine, print_table, write_json
 from gpuio.batch import Batch, sample_seeds
 from gpuio.sample import sample_image
 
@@ -166,25 +166,6 @@ def dali_loader(root: str, ann: str, batch: int, threads: int, anchors: np.ndarr
             yield np.empty((len(images), 0))
 
     return run
-
-
-def _rounds(runs: dict[str, Any], epochs: int) -> tuple[dict[str, float], dict[str, str]]:
-    """Images/s of each competitor's fastest pass (one untimed pass first, then
-    ``epochs`` interleaved rounds); a competitor that fails drops out with its error."""
-    best, seen, failed = dict.fromkeys(runs, float("inf")), {}, {}
-    for timed in [False] + [True] * epochs:
-        for name, run in runs.items():
-            if name in failed:
-                continue
-            try:
-                t0 = time.perf_counter()
-                seen[name] = sum(int(images.shape[0]) for images in run())
-            except Exception as exc:  # a competitor's failure is a result to report, not a crash
-                failed[name] = f"{type(exc).__name__}: {exc}"
-                continue
-            if timed:
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: seen[name] / t for name, t in best.items() if name not in failed}, failed
 
 
 CODECS = {"JPEG": dict(quality=90), "PNG": {}, "JPEG 2000": {}, "TIFF": dict(compression="tiff_lzw"),
@@ -316,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except ImportError as exc:
             row["note"] = f"not installed ({exc.name})"
         rows.append(row)
-    speeds, failed = _rounds(runs, args.epochs)
+    speeds, failed = interleaved_rounds(runs, args.epochs, desc="SSD pipelines")
     dali = next((speeds.get(r["name"]) for r in rows if r["name"].startswith("DALI")), None)
     for row in rows:
         if row["name"] in speeds:

@@ -29,40 +29,10 @@ import numpy as np
 import gpuio
 from gpuio import ops
 from gpuio._bench.chart import Group, write_chart
-from gpuio._bench.common import BenchError, machine, print_table, sample_root, write_json
+from gpuio._bench.common import BenchError, interleaved_rounds, machine, print_table, sample_root, write_json
 
 MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
 STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
-
-
-def _rounds(runs: dict[str, Any], epochs: int, count: int) -> tuple[dict[str, float], dict[str, str]]:
-    """Images/s of each competitor's fastest pass, and the error of each that failed.
-    One untimed pass each first (workers, decoders and caches warm up), then ``epochs``
-    rounds that run every competitor once, so that drift of the machine hits them
-    alike. A competitor that fails drops out with its whole error; the others go on."""
-    from tqdm import tqdm
-
-    best = dict.fromkeys(runs, float("inf"))
-    failed: dict[str, str] = {}
-    with tqdm(total=(epochs + 1) * len(runs), desc="image pipelines", unit="pass", leave=False) as bar:
-        for timed in [False] + [True] * epochs:
-            for name, run in runs.items():
-                bar.update()
-                if name in failed:
-                    continue
-                try:
-                    seen = 0
-                    t0 = time.perf_counter()
-                    for images in run():
-                        seen += int(images.shape[0])
-                    if seen != count:
-                        raise RuntimeError(f"a pass yielded {seen} images, expected {count}")
-                except Exception as exc:  # a competitor's failure is a result to report, not a crash
-                    failed[name] = f"{type(exc).__name__}: {exc}"
-                    continue
-                if timed:
-                    best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: count / t for name, t in best.items() if name not in failed}, failed
 
 
 PIPELINES = {"train": "decode, random resized crop 224, flip, normalize to float32 CHW",
@@ -329,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except ImportError as exc:
                 row["note"] = f"not installed ({exc.name})"
             rows.append(row)
-    speeds, failed = _rounds(runs, args.epochs, count)
+    speeds, failed = interleaved_rounds(runs, args.epochs, count, desc="image pipelines")
     for row in rows:
         key = f"{row['pipeline']}: {row['name']}"
         if key in speeds:
