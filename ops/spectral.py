@@ -2,8 +2,9 @@
 ``spectrogram``, ``mel_filter_bank``, ``to_decibels`` and ``mfcc``.
 
 Each reads and writes ``audio`` by default. The batch is computed at once: the
-spectrogram frames every row into one ``[frames, window_length]`` array (one strided
-copy per row, no loop per window) and runs one batched real FFT over it
+spectrogram frames every row into one ``[frames, window_length]`` array (on the host one
+C call, ``gpuio/_audio.c``, where it was built; else one strided copy per row; no loop
+per window) and runs one batched real FFT over it
 (``scipy.fft`` on the CPU, in groups of rows whose buffers stay in cache; CuPy's cuFFT
 on a GPU, the whole batch at once, the frame count rounded up so that batches of
 similar size reuse one cached plan); the mel filter bank and the DCT of
