@@ -344,20 +344,28 @@ def test_no_threads_after_gc(tree):
 
 
 def test_close_does_not_drain_the_pipeline(tree):
-    class Counted(Slow):
+    class Held(Op):
+        """Holds every batch after the first until close() stops the pass, so that close
+        meets each worker inside a call with more batches queued behind it."""
+
         calls = 0
 
         def __call__(self, batch):
-            Counted.calls += 1
-            return super().__call__(batch)
+            Held.calls += 1
+            if int(batch.index[0]) != 0:
+                ld._executor._stop.wait(30)
+            return batch
 
-    ld = gpuio.Loader(tree, 2, ops=[Counted()], threads=2, prefetch=8)
+    ld = gpuio.Loader(tree, 2, ops=[Held()], threads=2, prefetch=8)
     it = iter(ld)
     next(it)
-    started = Counted.calls
+    deadline = time.monotonic() + 30  # batch 0, then one batch held by each of the 2 workers
+    while Held.calls < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert Held.calls == 3
     ld.close()
-    # each of the 2 workers finishes at most the batch it holds; the queued ones are dropped
-    assert Counted.calls - started <= 2 and not loader_threads()
+    # each worker finishes the batch it holds; the queued ones are dropped
+    assert Held.calls == 3 and not loader_threads()
 
 
 # ---- end to end with the real image ops ---------------------------------------------
