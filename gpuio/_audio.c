@@ -92,49 +92,51 @@ fail_x:
     return NULL;
 }
 
-/* One row: the window sums of x*x (float32 squares summed in float64, as a prefix sum:
- * power[k] = p[k + 1] - p[max(k + 1 - w, 0)], rounded to float32) into `power`, then the
- * first and the last k with power[k] >= the threshold: the row's largest power times
- * `ratio` in float32 when `fixed` is NaN, else `fixed` (float64). `ring` holds w doubles. */
-static void region_row(const float *x, int64_t n, int64_t w, double ratio, double fixed, float *power,
-                       double *ring, int64_t *first, int64_t *last) {
-    memset(ring, 0, sizeof(double) * (size_t)w);
-    double p = 0.0;
-    float top = -INFINITY;
-    int nan = 0;
-    int64_t slot = 0;
-    for (int64_t k = 0; k < n; ++k) {
-        p += (double)(x[k] * x[k]);
-        if (++slot == w) slot = 0;
-        const float v = (float)(p - ring[slot]);  /* ring[slot] = p[k + 1 - w], 0 before the row */
-        ring[slot] = p;
-        power[k] = v;
-        if (v > top) top = v;
-        nan |= v != v;
-    }
+/* One row as DALI's nonsilent_region computes it: power[k], the mean of x*x over the w
+ * samples up to sample k (fewer at the row's start; w = min(window, n)), a float32 running
+ * sum that adds the square of sample k, gives power[k], then subtracts the square of the
+ * window's first sample; at every `reset`-th sample (`reset` < 0: only the first) the sum
+ * restarts from the w - 1 samples before it, added in order. Then the first and the last
+ * k with power[k] >= the threshold: the row's largest power (NaNs skipped, unless the
+ * first is NaN) times `ratio` in float32 when `fixed` is NaN, else `fixed` (a float32
+ * value). */
+static void region_row(const float *x, int64_t n, int64_t window, int64_t reset, double ratio, double fixed,
+                       float *power, int64_t *first, int64_t *last) {
+    const int64_t w = window < n ? window : n, interval = reset < 0 ? n : reset;
+    const float mean = 1.0f / (float)w;
     *first = *last = -1;
-    if (isnan(fixed)) {
-        if (nan) return;  /* NumPy's maximum propagates NaN; nothing compares >= NaN */
-        const float threshold = top * (float)ratio;
-        for (int64_t k = 0; k < n && *first < 0; ++k)
-            if (power[k] >= threshold) *first = k;
-        for (int64_t k = n - 1; k >= 0 && *last < 0; --k)
-            if (power[k] >= threshold) *last = k;
-    } else {
-        for (int64_t k = 0; k < n && *first < 0; ++k)
-            if ((double)power[k] >= fixed) *first = k;
-        for (int64_t k = n - 1; k >= 0 && *last < 0; --k)
-            if ((double)power[k] >= fixed) *last = k;
+    for (int64_t start = 0; start < n; start += interval) {
+        float sum = 0.0f;
+        for (int64_t j = start - w + 1 > 0 ? start - w + 1 : 0; j < start; ++j) sum += x[j] * x[j];
+        const int64_t stop = start + interval < n ? start + interval : n;
+        for (int64_t k = start; k < stop; ++k) {
+            sum += x[k] * x[k];
+            power[k] = sum * mean;
+            if (k + 1 >= w) sum -= x[k + 1 - w] * x[k + 1 - w];
+        }
     }
+    float threshold = (float)fixed;
+    if (isnan(fixed) && n > 0) {
+        float top = power[0];  /* as std::max from the first: a NaN first stays, later NaNs are skipped */
+        for (int64_t k = 1; k < n; ++k)
+            if (top < power[k]) top = power[k];
+        threshold = top * (float)ratio;
+    }
+    for (int64_t k = 0; k < n && *first < 0; ++k)
+        if (power[k] >= threshold) *first = k;
+    for (int64_t k = n - 1; k >= 0 && *last < 0; --k)
+        if (power[k] >= threshold) *last = k;
 }
 
 static PyObject *nonsilent(PyObject *self, PyObject *args) {
     PyObject *o_x, *o_lengths, *o_begin, *o_length;
-    Py_ssize_t w;
+    Py_ssize_t w, reset;
     double ratio, fixed;
-    if (!PyArg_ParseTuple(args, "OOnddOO", &o_x, &o_lengths, &w, &ratio, &fixed, &o_begin, &o_length))
+    if (!PyArg_ParseTuple(args, "OOnnddOO", &o_x, &o_lengths, &w, &reset, &ratio, &fixed, &o_begin, &o_length))
         return NULL;
     if (w < 1) return PyErr_Format(PyExc_ValueError, "window %zd: must be >= 1", w);
+    if (reset == 0 || (reset > 0 && reset % w))
+        return PyErr_Format(PyExc_ValueError, "reset interval %zd: must be -1 or a multiple of the window", reset);
     Py_buffer lv, xv, bv, nv;
     Py_ssize_t rows;
     int64_t total, longest = 0;
@@ -146,8 +148,7 @@ static PyObject *nonsilent(PyObject *self, PyObject *args) {
     const int64_t *lengths = lv.buf;
     for (Py_ssize_t r = 0; r < rows; ++r) longest = lengths[r] > longest ? lengths[r] : longest;
     float *power = malloc(sizeof(float) * (size_t)(longest ? longest : 1));
-    double *ring = malloc(sizeof(double) * (size_t)w);
-    if (!power || !ring) {
+    if (!power) {
         PyErr_NoMemory();
     } else {
         int64_t *begin = bv.buf, *length = nv.buf;
@@ -155,8 +156,10 @@ static PyObject *nonsilent(PyObject *self, PyObject *args) {
         const float *x = xv.buf;
         for (Py_ssize_t r = 0; r < rows; ++r) {
             int64_t first, last;
-            region_row(x, lengths[r], w, ratio, fixed, power, ring, &first, &last);
-            begin[r] = last < 0 ? 0 : (first - (w - 1) > 0 ? first - (w - 1) : 0);
+            region_row(x, lengths[r], w, reset, ratio, fixed, power, &first, &last);
+            /* from the start of the first loud window (w samples, fewer in a shorter row) */
+            const int64_t row_w = w < lengths[r] ? w : lengths[r];
+            begin[r] = last < 0 ? 0 : (first - (row_w - 1) > 0 ? first - (row_w - 1) : 0);
             length[r] = last < 0 ? 0 : last - begin[r] + 1;
             x += lengths[r];
         }
@@ -164,7 +167,6 @@ static PyObject *nonsilent(PyObject *self, PyObject *args) {
         result = Py_NewRef(Py_None);
     }
     free(power);
-    free(ring);
     PyBuffer_Release(&nv);
 fail_n:
     PyBuffer_Release(&bv);
@@ -428,8 +430,9 @@ static PyMethodDef methods[] = {
      "preemphasis(x, y, lengths, coeff, border): y[t] = x[t] - coeff * x[t-1] per row of packed float32 rows "
      "(border 0 zero, 1 clamp, 2 reflect); see gpuio.ops.audio.PreemphasisFilter"},
     {"nonsilent", nonsilent, METH_VARARGS,
-     "nonsilent(x, lengths, window, ratio, reference, begin, length): per row of packed float32 rows, the "
-     "nonsilent region into int64 begin and length; reference NaN: the row's largest window power; see "
+     "nonsilent(x, lengths, window, reset, ratio, threshold, begin, length): per row of packed float32 rows, "
+     "the nonsilent region into int64 begin and length; threshold NaN: the row's largest window power times "
+     "ratio; see "
      "gpuio.ops.audio.NonsilentRegion"},
     {"frames", frames, METH_VARARGS,
      "frames(rows, counts, window, step, half, mode, nfft, out): the windowed frames of float32 rows into "

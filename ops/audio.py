@@ -287,20 +287,39 @@ class PreemphasisFilter(Op):
         return batch
 
 
+def _ordered_cumsum(xp: Any, terms: Any) -> Any:
+    """float32 cumulative sums along axis 1 of a C-contiguous ``[rows, width]`` array,
+    each row added strictly in order (the float32 roundings of a sequential loop):
+    NumPy's accumulate does; CuPy's cumsum is a parallel scan, so a thread per row."""
+    if xp is np:
+        return np.cumsum(terms, axis=1, dtype=np.float32)
+    kernel = xp.ElementwiseKernel(
+        "raw float32 terms, int64 width", "raw float32 sums",
+        "float s = 0.0f; for (long long j = i * width; j < (i + 1) * width; ++j) { s += terms[j]; sums[j] = s; }",
+        "gpuio_ordered_cumsum")
+    sums = xp.empty_like(terms)
+    if terms.size:
+        kernel(terms, terms.shape[1], sums, size=terms.shape[0])
+    return sums
+
+
 class NonsilentRegion(Op):
-    """DALI's ``nonsilent_region`` on mono audio: the short-term power (the mean of
-    ``x**2`` over the last ``window_length`` samples) in dB against
-    ``reference_power`` (default: the row's largest short-term power) is compared
-    with ``cutoff_db``; ``out`` gets, per row, the first sample of the first window
-    that reaches it and the length up to the last such sample (int64 ``[B]`` each;
-    length 0 when none does). ``reset_interval`` is accepted for DALI's signature; the
-    running sums here are float64 prefix sums, exact enough without resets."""
+    """DALI's ``nonsilent_region`` on mono audio, computed as DALI 2.4's CPU operator
+    computes it. Per sample ``k`` of a row, the short-term power is the mean of ``x**2``
+    over the ``w = min(window_length, T)`` samples up to ``k`` (fewer at the row's start),
+    a float32 running sum: add ``x[k]**2``, read the power, subtract the square of the
+    window's first sample; every ``reset_interval`` samples (-1: never) the sum restarts
+    from the ``w - 1`` samples before, added in order. A sample is loud when its power
+    reaches, in float32, ``reference_power`` (default: the row's largest power) times
+    ``10 ** (cutoff_db / 10)``. ``out`` gets, per row, the start of the first loud
+    sample's window and the length up to the last loud sample (int64 ``[B]`` each; 0
+    and 0 when no sample is loud)."""
 
     def __init__(self, cutoff_db: float = -60.0, window_length: int = 2048, reference_power: float | None = None,
                  reset_interval: int = 8192, *, field: str = "audio", out: Sequence[str] = ("begin", "length")) -> None:
         if window_length < 1:
             raise ConfigError(f"window_length must be >= 1, got {window_length}")
-        if reset_interval != -1 and reset_interval % window_length:
+        if reset_interval != -1 and (reset_interval < 1 or reset_interval % window_length):
             raise ConfigError(f"reset_interval ({reset_interval}) must be -1 or a multiple of "
                               f"window_length ({window_length}), as in DALI")
         if len(out) != 2:
@@ -324,45 +343,55 @@ class NonsilentRegion(Op):
     def regions(self, xp: Any, rows: list[Any]) -> tuple[np.ndarray, np.ndarray]:
         """(begin, length) per row, host int64 arrays."""
         x, lengths = pack(xp, rows, 0)
+        # DALI's threshold factor: float32 10 ** (cutoff_db * (1 / 10)), times the reference in float32
+        ratio = np.float32(10) ** (np.float32(self.cutoff_db) * (np.float32(1) / np.float32(10)))
+        fixed = None if self.reference_power is None else np.float32(self.reference_power) * ratio
         if xp is not np:  # one pass over the batch
-            return self._regions(xp, x, lengths)
+            return self._regions(xp, x, lengths, ratio, fixed)
         begin = np.zeros(len(rows), dtype=np.int64)
         length = np.zeros(len(rows), dtype=np.int64)
         if _audio is not None and x.dtype == np.float32:  # _regions of one row at a time, in one pass
-            ratio = 10.0 ** (self.cutoff_db / 10.0)
-            fixed = math.nan if self.reference_power is None else \
-                float(self.reference_power) * self.window_length * ratio
-            _audio.nonsilent(np.ascontiguousarray(x), lengths, self.window_length, ratio, fixed, begin, length)
+            _audio.nonsilent(np.ascontiguousarray(x), lengths, self.window_length, self.reset_interval,
+                             float(ratio), math.nan if fixed is None else float(fixed), begin, length)
             return begin, length
         ends = np.cumsum(lengths)
         for r, (s0, s1) in enumerate(zip((ends - lengths).tolist(), ends.tolist())):
-            begin[r:r + 1], length[r:r + 1] = self._regions(np, x[s0:s1], lengths[r:r + 1])
+            begin[r:r + 1], length[r:r + 1] = self._regions(np, x[s0:s1], lengths[r:r + 1], ratio, fixed)
         return begin, length
 
-    def _regions(self, xp: Any, x: Any, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        n, w = len(x), self.window_length
-        ends = np.cumsum(lengths)
-        starts = ends - lengths
-        prefix = xp.empty(n + 1, dtype=xp.float64)
-        prefix[0] = 0
-        xp.cumsum(xp.square(x), dtype=xp.float64, out=prefix[1:])
-        # window sums (w times the short-term power): x[i-w+1..i] inside the row
-        power = xp.empty(n, dtype=xp.float32)
-        if n >= w:
-            xp.subtract(prefix[w:], prefix[:n + 1 - w], out=power[w - 1:])
-        head = np.arange(min(w - 1, n))[None, :]
-        near = (starts[:, None] + head)[head < lengths[:, None]]  # a row's first w-1 samples
-        row_start = np.repeat(starts, np.minimum(lengths, w - 1))
-        power[xp.asarray(near)] = prefix[xp.asarray(near + 1)] - prefix[xp.asarray(row_start)]
-        if self.reference_power is None:
-            reference = segment_max(xp, power, lengths)
+    def _regions(self, xp: Any, x: Any, lengths: np.ndarray, ratio: np.float32,
+                 fixed: np.float32 | None) -> tuple[np.ndarray, np.ndarray]:
+        starts = np.cumsum(lengths) - lengths
+        w = np.minimum(lengths, self.window_length)  # DALI shortens the window to a shorter row
+        interval = np.maximum(lengths, 1) if self.reset_interval == -1 else np.full_like(lengths, self.reset_interval)
+        # blocks of samples that share one running sum: row, first sample, number of samples
+        blocks = -(-lengths // interval)
+        row = np.repeat(np.arange(len(lengths)), blocks)
+        first = (np.arange(len(row)) - np.repeat(np.cumsum(blocks) - blocks, blocks)) * interval[row]
+        size = np.minimum(interval[row], lengths[row] - first)
+        # per block, the terms its float32 running sum adds in order: the squares of the
+        # w - 1 samples before it, then per sample k +x[k]**2 (power[k] is the sum here) and
+        # -x[k + 1 - w]**2; a cumulative sum along each block adds them in that order
+        wb, sb, origin, start = (xp.asarray(a[:, None]) for a in (w[row], size, starts[row] + first, first))
+        rel = xp.arange(int((w[row] - 1 + 2 * size).max(initial=0)))[None, :] - (wb - 1)
+        leave = (rel >= 0) & (rel % 2 == 1)
+        at = xp.where(rel < 0, rel, xp.where(leave, rel // 2 + 1 - wb, rel // 2))  # sample, from the block's first
+        used = (at + start >= 0) & (rel < 2 * sb)
+        sq = xp.square(x.astype(xp.float32, copy=False))
+        term = sq[xp.where(used, origin + at, 0)]
+        term = xp.where(used, xp.where(leave, -term, term), xp.float32(0))
+        sums = _ordered_cumsum(xp, term)
+        power = (sums * (xp.float32(1) / wb.astype(xp.float32)))[(rel >= 0) & ~leave & (rel < 2 * sb)]
+        if fixed is None:  # the largest power as DALI takes it: NaNs skipped, unless the first is NaN
+            top = segment_max(xp, xp.where(xp.isnan(power), xp.float32(-np.inf), power), lengths)
+            head = power[xp.asarray(np.minimum(starts, max(len(power) - 1, 0)))] if len(power) else top
+            threshold = xp.where(xp.isnan(head), head, top) * xp.float32(ratio)
         else:
-            reference = xp.full(len(lengths), float(self.reference_power) * w)
-        first, last = segment_span(xp, power, reference * 10.0 ** (self.cutoff_db / 10.0), lengths)
-        found = last >= 0
-        begin = np.where(found, np.maximum(first - (w - 1), 0), 0).astype(np.int64)
-        length = np.where(found, last - begin + 1, 0).astype(np.int64)
-        return begin, length
+            threshold = xp.full(len(lengths), fixed, dtype=xp.float32)
+        loud_first, loud_last = segment_span(xp, power, threshold, lengths)
+        found = loud_last >= 0
+        begin = np.where(found, np.maximum(loud_first - (w - 1), 0), 0)
+        return begin, np.where(found, loud_last - begin + 1, 0)
 
 
 class Slice(Op):

@@ -84,11 +84,29 @@ def ref_mel_bank(sr, nfft, nfilter, lo, hi):
     return bank
 
 
-def ref_nonsilent(x, cutoff_db, window):
-    p = x.astype(np.float64) ** 2
-    power = np.array([p[max(0, i - window + 1): i + 1].sum() / window for i in range(len(p))])
-    loud = np.nonzero(10 * np.log10(np.maximum(power, 1e-300) / power.max()) >= cutoff_db)[0]
-    begin = max(loud[0] - window + 1, 0)
+def ref_nonsilent(x, cutoff_db, window, reset_interval):
+    """DALI's nonsilent_region, one sample at a time: the float32 running sum of squares
+    over the last ``window`` samples (add the new square, take the power, subtract the
+    leaving square), restarted every ``reset_interval`` samples from the ``window - 1``
+    before; the threshold ``max power * 10 ** (cutoff_db / 10)`` in float32."""
+    f32 = np.float32
+    n, w = len(x), min(window, len(x))
+    interval = n if reset_interval == -1 else reset_interval
+    power = np.empty(n, f32)
+    total = f32(0)
+    for k in range(n):
+        if k % interval == 0:
+            total = f32(0)
+            for j in range(max(k - w + 1, 0), k):
+                total = f32(total + x[j] * x[j])
+        total = f32(total + x[k] * x[k])
+        power[k] = total * (f32(1) / f32(w))
+        if k + 1 >= w:
+            total = f32(total - x[k + 1 - w] * x[k + 1 - w])
+    loud = np.nonzero(power >= power.max() * f32(10) ** (f32(cutoff_db) * (f32(1) / f32(10))))[0]
+    if len(loud) == 0:
+        return 0, 0
+    begin = max(loud[0] - (w - 1), 0)
     return begin, loud[-1] - begin + 1
 
 
@@ -130,16 +148,20 @@ def test_preemphasis_filter(device, border):
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_nonsilent_region_and_slice(device):
+@pytest.mark.parametrize("reset_interval", [1024, -1])
+def test_nonsilent_region_and_slice(device, reset_interval):
     rng = np.random.default_rng(3)
     xs = []
     for n, a, b in [(20000, 5000, 9000), (6000, 0, 300), (5000, 4000, 5000), (9000, 10, 8990)]:
         x = (rng.standard_normal(n) * 1e-5).astype(np.float32)
         x[a:b] += rng.standard_normal(b - a).astype(np.float32)
         xs.append(x)
-    batch = ops.nonsilent_region(cutoff_db=-50, window_length=512, reset_interval=8192)(make_batch(xs, device))
+    # a tail fading into the cutoff, where the float32 running sum's rounding decides the end
+    xs.append((rng.standard_normal(30000) * np.exp(-np.arange(30000) / 3000)).astype(np.float32))
+    op = ops.nonsilent_region(cutoff_db=-50, window_length=512, reset_interval=reset_interval)
+    batch = op(make_batch(xs, device))
     for x, b, n in zip(xs, batch.data["begin"].tolist(), batch.data["length"].tolist()):
-        assert (b, n) == ref_nonsilent(x, -50, 512)
+        assert (b, n) == ref_nonsilent(x, -50, 512, reset_interval)
     out = host_rows(ops.slice()(batch))
     for x, y, b, n in zip(xs, out, batch.data["begin"].tolist(), batch.data["length"].tolist()):
         np.testing.assert_array_equal(y, x[b:b + n])
@@ -265,6 +287,8 @@ def test_gpu_branches_with_numpy_standing_in_for_cupy(monkeypatch):
     fake, fakex = types.ModuleType("cupy"), types.ModuleType("cupyx")
     fake.__getattr__ = lambda name: getattr(np, name)
     fakex.scatter_max = lambda a, rows, values: np.maximum.at(a, rows, values)
+    # the one-thread-per-row kernel of nonsilent_region: a row-wise cumulative sum
+    fake.ElementwiseKernel = lambda *_: lambda terms, width, sums, size: np.cumsum(terms, axis=1, out=sums)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setitem(sys.modules, "cupyx", fakex)
     xs = signals([16000, 4410, 777, 3, 39, 50000])
