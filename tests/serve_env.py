@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -33,14 +34,24 @@ class ServeEnvError(RuntimeError):
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago (for Triton's
-    HTTP, gRPC and metrics endpoints)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    HTTP, gRPC and metrics endpoints), drawn below the kernel's ephemeral range: every
+    outgoing connection takes its local port from that range, and one made while the
+    server starts could take a port picked there (Triton then never becomes ready)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    candidates = list(range(10_000, ephemeral))
+    random.shuffle(candidates)  # two runs at once rarely try the same ports
+    ports = []
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise ServeEnvError(f"fewer than {n} free TCP ports between 10000 and {ephemeral}")
 
 
 def _base_python() -> tuple[list[str], dict[str, str]]:
