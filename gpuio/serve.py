@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import queue
 import runpy
+import socket
 import sys
 import sysconfig
 import threading
@@ -384,6 +385,7 @@ class Server:
         second for the first one's handshake socket; on a loaded machine that can run
         out and the model fails to load. Such a start is tried again, ``tries`` times in
         all, then its error is raised."""
+        self._check_ports()
         triton, _ = _pytriton()
         _libpython_on_path()
         config = triton.TritonConfig(http_address=self.address, grpc_address=self.address,
@@ -406,6 +408,20 @@ class Server:
                 self.stop()
                 raise
         return self
+
+    def _check_ports(self) -> None:
+        """A port another process holds is a ConfigError now: Triton itself would wait on it
+        without failing."""
+        for kind, port in self.ports.items():
+            if not port:
+                continue
+            with socket.socket(socket.AF_INET6 if ":" in self.address else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds
+                try:
+                    probe.bind((self.address, port))
+                except OSError as exc:
+                    raise ConfigError(f"the {kind} port {port} on {self.address} cannot be used "
+                                      f"({exc.strerror}); pick another with --{kind}-port") from None
 
     def serve_forever(self) -> None:
         """Block until Triton stops (Ctrl-C or SIGTERM stops it)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -209,6 +210,16 @@ def test_bad_arguments_are_clear_errors(tmp_path):
 def test_server_outside_python_312_says_why():
     with pytest.raises(DependencyError, match="Python 3.12"):
         serve.Server(serve.parse_ops(OPS)).start()
+
+
+def test_a_port_in_use_is_refused_before_triton_starts():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"grpc port {port} on 127.0.0.1 cannot be used"):
+            serve.Server(serve.parse_ops(OPS), address="127.0.0.1", http_port=0, grpc_port=port,
+                         metrics_port=0).start()
 
 
 def test_import_gpuio_does_not_import_pytriton():
