@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(cases) - set(CASES)
     if unknown:
         p.error(f"unknown case(s) {sorted(unknown)}; choose from {', '.join(CASES)}")
-    if "tfrecord" in cases and importlib.util.find_spec("gpuio.formats.tfrecord") is None:
-        print("tfrecord: skipped, gpuio.formats.tfrecord does not exist yet")
+    if "tfrecord" in cases and importlib.util.find_spec("tfrecord") is None:
+        print("tfrecord: skipped, the tfrecord package writes its file: pip install 'gpuio[bench]'")
         cases.remove("tfrecord")
     dir_files = min(a.dir_files, a.n)
     info = machine()
