@@ -71,21 +71,27 @@ def test_pipeline_equals_the_loader_and_rejects_only_the_bad_image(images):
     assert got.dtype == np.float32 and np.array_equal(got, offline)
 
 
+def submit_concurrently(batcher, requests, error):
+    """Each request (a list of encoded images) from 8 threads at once; its result, or the
+    ``error`` it raised. Closes the batcher."""
+    def request(rows):
+        try:
+            return batcher.submit([np.frombuffer(r, np.uint8) for r in rows])
+        except error as exc:
+            return exc
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            return list(pool.map(request, requests))
+    finally:
+        batcher.close()
+
+
 def test_batcher_merges_concurrent_requests_and_isolates_errors(images):
     encoded, offline = images
     batcher = serve.Batcher(serve.Pipeline(serve.parse_ops(OPS)), max_batch=64, workers=1)
-    try:
-        def request(i):
-            rows = [CORRUPT] if i == 7 else [encoded[i], CORRUPT] if i == 9 else [encoded[i]]
-            try:
-                return batcher.submit([np.frombuffer(r, np.uint8) for r in rows])
-            except FormatError as exc:
-                return exc
-
-        with ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(request, range(24)))
-    finally:
-        batcher.close()
+    requests = [[CORRUPT] if i == 7 else [encoded[i], CORRUPT] if i == 9 else [encoded[i]] for i in range(24)]
+    results = submit_concurrently(batcher, requests, FormatError)
     # each bad request's error names the image by its place in that request
     assert isinstance(results[7], FormatError) and "image 0: cannot decode image" in str(results[7])
     assert isinstance(results[9], FormatError) and "image 1: cannot decode image" in str(results[9])
@@ -107,17 +113,7 @@ def test_a_model_error_fails_only_its_own_request(images):
         return classify(x)
 
     batcher = serve.Batcher(serve.Pipeline(serve.parse_ops(OPS), model=model), workers=1)
-    try:
-        def request(i):
-            try:
-                return batcher.submit([np.frombuffer(white if i == 5 else encoded[i], np.uint8)])
-            except ValueError as exc:
-                return exc
-
-        with ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(request, range(24)))
-    finally:
-        batcher.close()
+    results = submit_concurrently(batcher, [[white if i == 5 else encoded[i]] for i in range(24)], ValueError)
     assert isinstance(results[5], ValueError) and "a white image" in str(results[5])
     expected = classify(offline)
     assert all(np.array_equal(r[0], expected[i]) for i, r in enumerate(results) if i != 5)
