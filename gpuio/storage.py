@@ -186,7 +186,7 @@ def read_sample(index: SampleIndex, i: int) -> dict[str, Any]:
     """Sample ``i``'s fields as host values: ``bytes`` for extent fields, Python
     scalars for scalar values, decoded values as they are (``index[i]``)."""
     row = read_fields(index, np.array([i]), index.fields, device="cpu")
-    decoded = index.meta.get("decode") or {}  # decoded fields hold values, not bytes
+    decoded = decoded_fields(index)  # decoded fields hold values, not bytes
     return {name: _host_value(col[0], raw=name not in decoded) for name, col in row.items()}
 
 
