@@ -199,7 +199,7 @@ class DecodeFused(Op):
         color = self.decode.color
         images, infos, hw, bad = [], [], [], []
         for row, buf in enumerate(batch.data[self.decode.field]):
-            data = np.ascontiguousarray(buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8))
+            data = _bytes(buf)
             info = jpeg_info(data)
             if region_decodable(data, info):  # decoded below, once the plan says where
                 images.append(data)
@@ -222,7 +222,7 @@ class DecodeFused(Op):
         keep = plan.pop("ok")
         batch.drop_rejected()
         images, infos = _take(images, keep), _take(infos, keep)
-        plan = {k: v[keep].copy() for k, v in plan.items()}
+        plan = {k: v[keep] for k, v in plan.items()}  # indexing by a mask copies: to_region may write it
         bad = self._decode_regions(batch, images, infos, plan)
         if bad:
             keep = _keep(len(images), bad)
@@ -283,7 +283,7 @@ class DecodeFused(Op):
         keep = plan.pop("ok")
         batch.drop_rejected()
         bufs, streams, images = _take(bufs, keep), _take(streams, keep), _take(images, keep)
-        plan = {k: v[keep].copy() for k, v in plan.items()}
+        plan = {k: v[keep] for k, v in plan.items()}  # indexing by a mask copies: to_region may write it
         rows = [row for row, stream in enumerate(streams) if stream is not None]
         windows = {row: tuple(plan["clip"][row].tolist()) for row in rows}
         decode_gpu(batch, rows, [region_source(nvimgcodec, streams[r], windows[r]) for r in rows], color, images)
