@@ -383,3 +383,16 @@ def test_gpu_read_matches_cpu(dataset):
     path, idx = dataset
     index = tfrecord(path, idx)
     assert_gpu_read_matches_cpu(index, "data")
+
+
+def test_directory_and_fifo_name_the_path(dataset, tmp_path):
+    path, index_path = dataset
+    (tmp_path / "dir.tfrecord").mkdir()
+    os.mkfifo(tmp_path / "fifo.tfrecord")
+    for idx in (None, index_path):
+        with pytest.raises(DataError, match="a TFRecord file must be a regular file, this is a directory") as err:
+            tfrecord(tmp_path / "dir.tfrecord", idx)
+        assert err.value.path == str(tmp_path / "dir.tfrecord")
+        with pytest.raises(DataError, match="this is a device, FIFO or socket") as err:
+            tfrecord(tmp_path / "fifo.tfrecord", idx)  # must not wait for a writer
+        assert err.value.path == str(tmp_path / "fifo.tfrecord")
