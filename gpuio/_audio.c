@@ -51,6 +51,24 @@ static int get_lengths(PyObject *obj, Py_buffer *view, Py_ssize_t *rows, int64_t
     return 0;
 }
 
+/* Packed float32 rows in and out: their lengths, x, and a writable out of the same size
+ * (`width` floats per time step); -1 with an exception set and nothing held otherwise. */
+static int get_rows(PyObject *o_lengths, PyObject *o_x, PyObject *o_out, Py_ssize_t width, Py_buffer *lv,
+                    Py_buffer *xv, Py_buffer *ov, Py_ssize_t *rows) {
+    int64_t total;
+    if (get_lengths(o_lengths, lv, rows, &total) < 0) return -1;
+    if (get_buf(o_x, xv, total * width * 4, 0, "x") < 0) {
+        PyBuffer_Release(lv);
+        return -1;
+    }
+    if (get_buf(o_out, ov, total * width * 4, 1, "out") < 0) {
+        PyBuffer_Release(xv);
+        PyBuffer_Release(lv);
+        return -1;
+    }
+    return 0;
+}
+
 static void preemphasis_rows(const float *x, float *y, const int64_t *lengths, Py_ssize_t rows, float c,
                              int border) {
     for (Py_ssize_t r = 0; r < rows; ++r) {
@@ -74,10 +92,7 @@ static PyObject *preemphasis(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "border %d: 0 (zero), 1 (clamp) or 2 (reflect)", border);
     Py_buffer lv, xv, yv;
     Py_ssize_t rows;
-    int64_t total;
-    if (get_lengths(o_lengths, &lv, &rows, &total) < 0) return NULL;
-    if (get_buf(o_x, &xv, total * 4, 0, "x") < 0) goto fail_x;
-    if (get_buf(o_y, &yv, total * 4, 1, "y") < 0) goto fail_y;
+    if (get_rows(o_lengths, o_x, o_y, 1, &lv, &xv, &yv, &rows) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     preemphasis_rows(xv.buf, yv.buf, lv.buf, rows, c, border);
     Py_END_ALLOW_THREADS
@@ -85,11 +100,6 @@ static PyObject *preemphasis(PyObject *self, PyObject *args) {
     PyBuffer_Release(&xv);
     PyBuffer_Release(&lv);
     Py_RETURN_NONE;
-fail_y:
-    PyBuffer_Release(&xv);
-fail_x:
-    PyBuffer_Release(&lv);
-    return NULL;
 }
 
 /* One row as DALI's nonsilent_region computes it: power[k], the mean of x*x over the w
@@ -372,11 +382,8 @@ static PyObject *normalize(PyObject *self, PyObject *args) {
     if (features < 1) return PyErr_Format(PyExc_ValueError, "features %zd: must be >= 1", features);
     Py_buffer lv, xv, ov;
     Py_ssize_t rows;
-    int64_t total;
     PyObject *result = NULL;
-    if (get_lengths(o_lengths, &lv, &rows, &total) < 0) return NULL;
-    if (get_buf(o_x, &xv, total * features * 4, 0, "x") < 0) goto fail_x;
-    if (get_buf(o_out, &ov, total * features * 4, 1, "out") < 0) goto fail_o;
+    if (get_rows(o_lengths, o_x, o_out, features, &lv, &xv, &ov, &rows) < 0) return NULL;
     double *sum = malloc(sizeof(double) * features);
     float *stats = malloc(sizeof(float) * features * 2);
     if (!sum || !stats) {
@@ -398,9 +405,7 @@ static PyObject *normalize(PyObject *self, PyObject *args) {
     free(sum);
     free(stats);
     PyBuffer_Release(&ov);
-fail_o:
     PyBuffer_Release(&xv);
-fail_x:
     PyBuffer_Release(&lv);
     return result;
 }
