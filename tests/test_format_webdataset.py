@@ -380,3 +380,14 @@ def test_header_checksum_mismatch_names_the_header(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(FormatError, match=r"at byte 1024: bad tar header: checksum mismatch"):
         webdataset(path, fields=("jpg",))
+
+
+def test_directory_and_fifo_name_the_path(tmp_path):
+    (tmp_path / "dir.tar").mkdir()
+    os.mkfifo(tmp_path / "fifo.tar")
+    with pytest.raises(DataError, match="a tar file must be a regular file, this is a directory") as err:
+        webdataset(tmp_path / "dir.tar")
+    assert err.value.path == str(tmp_path / "dir.tar")
+    with pytest.raises(DataError, match="this is a device, FIFO or socket") as err:
+        webdataset(tmp_path / "fifo.tar")  # must not wait for a writer
+    assert err.value.path == str(tmp_path / "fifo.tar")
