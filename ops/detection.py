@@ -42,6 +42,7 @@ from gpuio.ops.decode_slice import crop_window
 from gpuio.ops.color import Normalize
 from gpuio.ops.fused import FusedCropResizeNormalize
 from gpuio.ops.geometry import Flip, Resize, _size2
+from gpuio.ops.ragged import to_host
 
 __all__ = ["RandomBBoxCrop", "BBFlip", "Paste", "BBoxPaste", "BoxEncoder", "random_bbox_crop", "bb_flip",
            "paste", "bbox_paste", "box_encoder", "encode_boxes"]
@@ -55,12 +56,8 @@ def _module(a: Any) -> Any:
     return np if isinstance(a, np.ndarray) else require("cupy")
 
 
-def _host(a: Any) -> np.ndarray:
-    return a if isinstance(a, np.ndarray) else a.get()
-
-
 def _boxes(row: Any) -> np.ndarray:
-    return np.asarray(_host(row) if not isinstance(row, (list, tuple)) else row, np.float32).reshape(-1, 4)
+    return np.asarray(to_host(row), np.float32).reshape(-1, 4)
 
 
 def _to_ltrb(b: np.ndarray, ltrb: bool) -> np.ndarray:
@@ -100,8 +97,8 @@ def _select_masks(batch: Batch, row: int, keep: np.ndarray, boxes: int, polygons
     if masks in data and data[masks][row] is not None and len(data[masks][row]) != boxes:
         raise DataError(f"{len(data[masks][row])} pixel masks for {boxes} boxes", sample=int(batch.index[row]))
     if polygons in data and vertices in data:
-        poly = np.asarray(_host(data[polygons][row]), np.int64).reshape(-1, 3)
-        xy = np.asarray(_host(data[vertices][row]), np.float32).reshape(-1, 2)
+        poly = np.asarray(to_host(data[polygons][row]), np.int64).reshape(-1, 3)
+        xy = np.asarray(to_host(data[vertices][row]), np.float32).reshape(-1, 2)
         renumber = np.full(max(int(poly[:, 0].max(initial=-1)), int(keep.max(initial=-1))) + 1, -1, np.int64)
         renumber[keep] = np.arange(len(keep))
         kept = poly[renumber[poly[:, 0]] >= 0]
@@ -553,7 +550,7 @@ class BoxEncoder(Op):
 
     def __call__(self, batch: Batch) -> Batch:
         rows = [_boxes(b) for b in batch.data[self.field]]
-        labels = [np.asarray(_host(v), np.int32).reshape(-1) for v in batch.data[self.labels]]
+        labels = [np.asarray(to_host(v), np.int32).reshape(-1) for v in batch.data[self.labels]]
         args = (self.criteria, self.offset, self.scale, self.means, self.stds)
         if batch.device.is_cuda:
             cp = require("cupy")
