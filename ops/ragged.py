@@ -27,7 +27,7 @@ except ImportError:  # built at install where a C compiler exists; else NumPy co
     _audio = None
 
 __all__ = ["NormalizeAxes", "Pad", "normalize_axes", "pad", "pack", "unpack", "segment_max", "segment_span",
-           "rows_of", "to_host", "empty", "groups"]
+           "rows_of", "to_host", "empty", "groups", "ragged_axis"]
 
 
 def rows_of(col: Any) -> list[Any]:
@@ -142,6 +142,12 @@ def segment_span(xp: Any, values: Any, thresholds: Any, lengths: np.ndarray) -> 
     return first, last
 
 
+def ragged_axis(rows: Sequence[Any]) -> int:
+    """The first axis along which the rows' extents differ (0 when none does): the axis
+    to pack them along."""
+    return next((a for a in range(rows[0].ndim) if len({r.shape[a] for r in rows}) > 1), 0)
+
+
 def _axes(axes: tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
     """``axes`` of a row with ``ndim`` dimensions, negatives resolved; None: all."""
     return tuple(range(ndim)) if axes is None else tuple(a % ndim for a in axes)
@@ -191,7 +197,7 @@ class NormalizeAxes(Op):
             inv = [xp.where(v + self.epsilon > 0, self.scale / xp.sqrt(xp.maximum(v + self.epsilon, np.float32(1e-30))), 0.0)
                    .astype(xp.float32) for v in var]
         # outputs end to end in one buffer, along the axis the rows differ in
-        ragged = next((a for a in range(ndim) if len({r.shape[a] for r in rows}) > 1), 0)
+        ragged = ragged_axis(rows)
         lengths = np.array([r.shape[ragged] for r in rows], dtype=np.int64)
         rest = [rows[0].shape[a] for a in range(ndim) if a != ragged]
         out = unpack(empty(xp, (int(lengths.sum()), *rest), np.float32), lengths, ragged)

@@ -23,7 +23,7 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError, FormatError
 from gpuio.ops.audio import audio_dependency
-from gpuio.ops.ragged import _audio, empty, groups, pack, rows_of, segment_max, unpack
+from gpuio.ops.ragged import _audio, empty, groups, pack, ragged_axis, rows_of, segment_max, unpack
 
 __all__ = ["Spectrogram", "MelFilterBank", "ToDecibels", "MFCC", "spectrogram", "mel_filter_bank",
            "to_decibels", "mfcc", "hann_window", "mel_filters", "dct_matrix"]
@@ -310,7 +310,7 @@ class ToDecibels(Op):
         if not rows:
             return batch
         xp = batch.xp
-        ragged = next((a for a in range(rows[0].ndim) if len({r.shape[a] for r in rows}) > 1), 0)
+        ragged = ragged_axis(rows)
         x, counts = pack(xp, rows, ragged)
         x = x.astype(xp.float32, copy=False)
         out = empty(xp, x.shape, np.float32)
