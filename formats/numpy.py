@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpuio.errors import DataError, FormatError, StorageError
+from gpuio.formats._files import open_regular_file
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["numpy", "parse_npy_header"]
@@ -81,15 +82,15 @@ def numpy(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
             raise DataError("no samples: an empty list of .npy files was given")
     offsets, lengths, shapes, dtypes, fortran_order = [], [], [], [], []
     for path in paths:
+        f, size = open_regular_file(path, ".npy file")
         try:
-            with open(path, "rb") as f:
+            with f:
                 head = f.read(4096)
                 if len(head) >= 12 and head.startswith(_MAGIC) and head[6] in (1, 2, 3):
                     need = (10 + struct.unpack("<H", head[8:10])[0] if head[6] == 1
                             else 12 + struct.unpack("<I", head[8:12])[0])
                     if need > len(head):
                         head += f.read(need - len(head))
-                size = os.fstat(f.fileno()).st_size
         except OSError as exc:
             raise StorageError(f"cannot read: {exc.strerror or exc}", path=path) from exc
         dtype, shape, fortran, start = parse_npy_header(head, path)

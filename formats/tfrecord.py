@@ -40,7 +40,7 @@ import numpy as np
 
 from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
-from gpuio.formats._files import regular_file_size
+from gpuio.formats._files import open_regular_file
 from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
 
 __all__ = ["tfrecord", "ExampleParser", "masked_crc32c"]
@@ -120,9 +120,9 @@ def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
 
 def _records(path: str, index_path: str | None, verify: bool) -> tuple[np.ndarray, np.ndarray]:
     """``(record start, payload length)`` arrays for one file, in bytes."""
-    size = regular_file_size(path, "TFRecord file")  # a FIFO would block open()
+    f, size = open_regular_file(path, "TFRecord file")
     try:
-        with open(path, "rb") as f:
+        with f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     except OSError as exc:
         raise StorageError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc

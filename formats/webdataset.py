@@ -26,8 +26,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from gpuio.errors import ConfigError, DataError, FormatError, StorageError
-from gpuio.formats._files import regular_file_size
+from gpuio.errors import ConfigError, DataError, FormatError
+from gpuio.formats._files import open_regular_file
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["webdataset"]
@@ -94,11 +94,7 @@ def webdataset(tar_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[st
 def _scan(path: str, t: int, wanted: dict[str, int], skip: bool, tar_id: array, offsets: list[array],
           lengths: list[array], keys: bytearray, key_lengths: array) -> None:
     """Append the samples of one tar to the output arrays."""
-    size = regular_file_size(path, "tar file")  # a FIFO would block open()
-    try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise StorageError(f"cannot open tar file: {exc.strerror or exc}", path=path) from exc
+    f, size = open_regular_file(path, "tar file")
     with f:
         head = f.read(6)
         for magic, name in _COMPRESSED.items():

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpuio
-from gpuio.errors import DataError, FormatError
+from gpuio.errors import DataError, FormatError, StorageError
 from gpuio.formats import filetree
 from gpuio.formats import numpy as npy_format
 from gpuio.formats.numpy import parse_npy_header
@@ -298,3 +298,17 @@ def test_parse_npy_header_raises_only_format_errors(head):
         assert err.path == "x.npy"
         return
     assert isinstance(dtype, np.dtype) and all(d >= 0 for d in shape) and start <= len(head)
+
+
+def test_npy_fifo_directory_and_missing_name_the_path(tmp_path):
+    os.mkfifo(tmp_path / "fifo.npy")
+    with pytest.raises(DataError, match="a .npy file must be a regular file, this is a device, FIFO") as err:
+        npy_format(tmp_path)  # found by the directory walk; must not wait for a writer
+    assert err.value.path == str(tmp_path / "fifo.npy")
+    (tmp_path / "dir.npy").mkdir()
+    with pytest.raises(DataError, match="this is a directory") as err:
+        npy_format([tmp_path / "dir.npy"])
+    assert err.value.path == str(tmp_path / "dir.npy")
+    with pytest.raises(StorageError, match="No such file") as err:
+        npy_format([tmp_path / "missing.npy"])
+    assert err.value.path == str(tmp_path / "missing.npy")
