@@ -115,8 +115,7 @@ class Spectrogram(Op):
                               f"window_length; got {window_length}, {window_step}, {self.nfft}")
         if power not in (1, 2):
             raise ConfigError(f"power {power!r}; choose 1 (amplitude) or 2 (power)")
-        if layout not in _LAYOUTS:
-            raise ConfigError(f"layout {layout!r}; choose one of {', '.join(_LAYOUTS)}")
+        self.time_axis = _time_axis(layout)
         self.window = hann_window(window_length) if window_fn is None else np.asarray(window_fn, np.float32)
         if self.window.shape != (window_length,):
             raise ConfigError(f"window_fn has {self.window.size} values for window_length {window_length}")
@@ -152,7 +151,7 @@ class Spectrogram(Op):
             frames = work[: f1 - f0 if xp is np else len(work)]
             self.frames(xp, rows[r0:r1], counts[r0:r1], frames)
             self._power(xp, frames, out[f0:f1])
-        batch.data[self.field] = unpack(out, counts, 1 if self.layout == "ft" else 0)
+        batch.data[self.field] = unpack(out, counts, self.time_axis)
         return batch
 
     def _windows(self, t: int) -> int:
@@ -237,7 +236,7 @@ class MelFilterBank(Op):
         return self._filters[bins]
 
     def __call__(self, batch: Batch) -> Batch:
-        return _matmul_op(batch, self.field, self.time_axis, lambda bins: self.filters(bins), sparse=True)
+        return _matmul_op(batch, self.field, self.time_axis, self.filters, sparse=True)
 
 
 class MFCC(Op):
