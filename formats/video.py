@@ -52,6 +52,7 @@ import numpy as np
 
 from gpuio.device import require
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
+from gpuio.formats._files import regular_file_size
 from gpuio.formats.filetree import filetree
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
@@ -158,6 +159,7 @@ def _container_end(mm: mmap.mmap) -> int:
 def _demux(av, path: str) -> _Stream:
     """Demux ``path`` once (no decoding) and check each packet's bytes lie where the
     container says."""
+    regular_file_size(path, "video file")  # FFmpeg would wait on a FIFO
     try:
         container = av.open(path)
     except OSError as exc:  # FFmpeg's errors that are the system's: a missing file, no permission, a directory

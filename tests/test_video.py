@@ -17,7 +17,7 @@ from conftest import to_host
 
 import gpuio
 from gpuio import ops
-from gpuio.errors import ConfigError, FormatError, PipelineError
+from gpuio.errors import ConfigError, DataError, FormatError, PipelineError, StorageError
 from gpuio.formats import video
 from gpuio.index import SampleIndex
 from gpuio.ops.video import _annexb, annexb_packets, codec_header, decode_clip
@@ -295,6 +295,20 @@ def test_file_without_video_is_an_index_error(tmp_path):
     with pytest.raises(FormatError, match=rf"{path}: no video stream"):
         video([path], sequence_length=1)
 
+
+
+def test_missing_directory_or_fifo_names_the_file(tmp_path):
+    (tmp_path / "dir.mp4").mkdir()
+    os.mkfifo(tmp_path / "fifo.mp4")
+    with pytest.raises(StorageError, match="No such file") as err:
+        video([tmp_path / "missing.mp4"], sequence_length=1)
+    assert err.value.path == str(tmp_path / "missing.mp4")
+    with pytest.raises(DataError, match="a video file must be a regular file, this is a directory") as err:
+        video([tmp_path / "dir.mp4"], sequence_length=1)
+    assert err.value.path == str(tmp_path / "dir.mp4")
+    with pytest.raises(DataError, match="this is a device, FIFO or socket") as err:
+        video([tmp_path / "fifo.mp4"], sequence_length=1)  # must not wait for a writer
+    assert err.value.path == str(tmp_path / "fifo.mp4")
 
 def test_settings_are_checked(tree):
     for bad in (dict(sequence_length=0), dict(sequence_length=2, stride=0), dict(sequence_length=2, step=-1)):
