@@ -1,12 +1,16 @@
-"""Checks on a dataset's data files before a format indexes them."""
+"""Checks on a dataset's data files before a format indexes them, and the reader of
+the integer tables that are their sidecar index files."""
 
 from __future__ import annotations
 
 import os
 import stat
+import warnings
 from typing import BinaryIO
 
-from gpuio.errors import DataError, StorageError
+import numpy as np
+
+from gpuio.errors import DataError, FormatError, StorageError
 
 __all__: list[str] = []
 
@@ -33,3 +37,26 @@ def regular_file_size(path: str, what: str) -> int:
     f, size = open_regular_file(path, what)
     f.close()
     return size
+
+
+def int_table(path: str, columns: int) -> np.ndarray:
+    """A text file of ``columns`` whitespace-separated integers per line (an index
+    file), as an ``(n, columns)`` int64 array (NumPy's C parser; no Python loop per
+    line). Checked as ``open_regular_file`` does first."""
+    f, size = open_regular_file(path, "text index file")
+    with f:
+        if size == 0:
+            return np.zeros((0, columns), dtype=np.int64)
+        try:
+            with warnings.catch_warnings():  # a file of blank lines is an empty index
+                warnings.simplefilter("ignore", UserWarning)
+                table = np.loadtxt(f, dtype=np.int64, ndmin=2, comments=None)
+        except OSError as exc:
+            raise StorageError(f"cannot read text index file: {exc.strerror or exc}", path=path) from exc
+        except ValueError as exc:
+            raise FormatError(f"not an index file of {columns} integers per line: {exc}", path=path) from exc
+    if table.size == 0:
+        return np.zeros((0, columns), dtype=np.int64)
+    if table.shape[1] != columns:
+        raise FormatError(f"expected {columns} integers per line, found {table.shape[1]}", path=path, offset=0)
+    return table

@@ -37,8 +37,7 @@ from typing import Any
 import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError
-from gpuio.formats._files import regular_file_size
-from gpuio.formats.tfrecord import _int_table
+from gpuio.formats._files import int_table, regular_file_size
 from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
 
 __all__ = ["recordio", "RecordIOParser", "MAGIC"]
@@ -88,7 +87,7 @@ def recordio(rec_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
 def _from_idx(idx: str, path: str, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(key, offset, length)`` from an ``.idx`` file; a record runs to the next
     distinct indexed offset or to the end of the file."""
-    table = _int_table(idx, 2)
+    table = int_table(idx, 2)
     key, offset = table[:, 0].copy(), table[:, 1].copy()
     bad = (offset < 0) | (offset + 8 > size)
     if bad.any():

@@ -30,7 +30,6 @@ import hashlib
 import mmap
 import os
 import struct
-import warnings
 import zlib
 from array import array
 from collections.abc import Mapping, Sequence
@@ -40,7 +39,7 @@ import numpy as np
 
 from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
-from gpuio.formats._files import open_regular_file
+from gpuio.formats._files import int_table, open_regular_file
 from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
 
 __all__ = ["tfrecord", "ExampleParser", "masked_crc32c"]
@@ -192,7 +191,7 @@ def _crc_at(mm: Any, start: int, end: int) -> int:
 def _read_index(index_path: str, path: str, size: int) -> tuple[np.ndarray, np.ndarray]:
     """``(record start, record length)`` from a ``tfrecord2idx`` file, checked
     against the data file's ``size``."""
-    table = _int_table(index_path, 2)
+    table = int_table(index_path, 2)
     start, total = table[:, 0], table[:, 1]
     bad = (start < 0) | (total < _FRAMING) | (start + total > size)
     if bad.any():
@@ -290,26 +289,6 @@ def _inflate(src: Any, dst: Any, compression: str, path: str) -> None:
     if not d.eof:
         raise FormatError(f"the {compression} stream ends early: the file is cut short", path=path,
                           offset=src.tell())
-
-
-def _int_table(path: str, columns: int) -> np.ndarray:
-    """A text file of ``columns`` whitespace-separated integers per line, as an
-    ``(n, columns)`` int64 array (NumPy's C parser; no Python loop per line)."""
-    try:
-        if os.path.getsize(path) == 0:
-            return np.zeros((0, columns), dtype=np.int64)
-        with warnings.catch_warnings():  # a file of blank lines is an empty index
-            warnings.simplefilter("ignore", UserWarning)
-            table = np.loadtxt(path, dtype=np.int64, ndmin=2, comments=None)
-    except OSError as exc:
-        raise StorageError(f"cannot read index file: {exc.strerror or exc}", path=path) from exc
-    except ValueError as exc:
-        raise FormatError(f"not an index file of {columns} integers per line: {exc}", path=path) from exc
-    if table.size == 0:
-        return np.zeros((0, columns), dtype=np.int64)
-    if table.shape[1] != columns:
-        raise FormatError(f"expected {columns} integers per line, found {table.shape[1]}", path=path, offset=0)
-    return table
 
 
 # ---- tf.train.Example, wire format ------------------------------------------------

@@ -221,6 +221,10 @@ def test_directory_fifo_and_bad_path_name_the_path(tmp_path):
         with pytest.raises(DataError, match="this is a device, FIFO or socket") as err:
             recordio(tmp_path / "fifo.rec", idx)  # must not wait for a writer
         assert err.value.path == str(tmp_path / "fifo.rec")
+    for idx in ("dir.rec", "fifo.rec"):  # as .idx files
+        with pytest.raises(DataError, match="a text index file must be a regular file") as err:
+            recordio(tmp_path / "a.rec", tmp_path / idx)
+        assert err.value.path == str(tmp_path / idx)
     with pytest.raises(StorageError, match="No such file"):
         recordio(tmp_path / "missing.rec")
     with pytest.raises(StorageError, match="cannot read .rec file"):

@@ -396,3 +396,7 @@ def test_directory_and_fifo_name_the_path(dataset, tmp_path):
         with pytest.raises(DataError, match="this is a device, FIFO or socket") as err:
             tfrecord(tmp_path / "fifo.tfrecord", idx)  # must not wait for a writer
         assert err.value.path == str(tmp_path / "fifo.tfrecord")
+    for idx in ("dir.tfrecord", "fifo.tfrecord"):  # as index files
+        with pytest.raises(DataError, match="a text index file must be a regular file") as err:
+            tfrecord(path, tmp_path / idx)
+        assert err.value.path == str(tmp_path / idx)
