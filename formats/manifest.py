@@ -23,6 +23,7 @@ import os
 import numpy as np
 
 from gpuio.errors import DataError, FormatError, StorageError
+from gpuio.formats._files import open_regular_file, regular_file_size
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["manifest"]
@@ -31,15 +32,17 @@ __all__ = ["manifest"]
 def manifest(path: str | os.PathLike[str]) -> SampleIndex:
     """Index a NeMo JSON-lines manifest (see the module docstring). A line that is not
     a JSON object with a string ``audio_filepath`` and numeric ``duration``/``offset``
-    (when present) is a ``FormatError`` naming the line and its byte offset; a file
-    that cannot be read a ``StorageError``."""
+    (when present) is a ``FormatError`` naming the line and its byte offset; the
+    manifest or an audio file that cannot be read is a ``StorageError``, one that is
+    not a regular file (a directory, a FIFO) a ``DataError``, naming the file."""
     path = os.path.abspath(os.fspath(path))
     folder = os.path.dirname(path)
     file_ids: dict[str, int] = {}
     ids, texts, durations, offsets = [], [], [], []
     pos = 0
+    f, _ = open_regular_file(path, "manifest")
     try:
-        with open(path, "rb") as f:
+        with f:
             for lineno, raw in enumerate(f, 1):
                 if raw.strip():
                     rel, text, duration, offset = _entry(raw, path, lineno, pos)
@@ -54,13 +57,8 @@ def manifest(path: str | os.PathLike[str]) -> SampleIndex:
     if not ids:
         raise DataError("no samples: the manifest has no entries", path=path)
     files = list(file_ids)
-    sizes = np.empty(len(files), dtype=np.int64)
-    for k, full in enumerate(files):
-        try:
-            sizes[k] = os.stat(full).st_size
-        except OSError as exc:
-            raise StorageError(f"audio file named in manifest {path} cannot be read: {exc.strerror or exc}",
-                               path=full) from exc
+    sizes = np.array([regular_file_size(full, f"sound file named in manifest {path}") for full in files],
+                     dtype=np.int64)
     file_id = np.asarray(ids, dtype=np.int32)
     extents = Extents(file_id, np.zeros(len(ids), dtype=np.int64), sizes[file_id])
     values = {

@@ -14,7 +14,7 @@ import gpuio
 from gpuio import formats, ops
 from gpuio.batch import Batch, sample_seeds
 from gpuio.device import Device
-from gpuio.errors import DataError, FormatError, PipelineError
+from gpuio.errors import DataError, FormatError, PipelineError, StorageError
 from gpuio.ops.audio import AUDIO_EXTENSIONS
 from tests.conftest import to_host
 
@@ -95,12 +95,29 @@ def test_manifest_bad_lines_name_line_and_byte(tmp_path, line, match):
 def test_manifest_missing_audio_file_and_empty_manifest(tmp_path):
     path = tmp_path / "m.json"
     path.write_text('{"audio_filepath": "gone.wav", "duration": 1}\n')
-    with pytest.raises(DataError, match="cannot be read") as err:
+    with pytest.raises(StorageError, match="cannot read sound file named in manifest") as err:
         formats.manifest(path)
     assert err.value.path == str(tmp_path / "gone.wav")
     path.write_text("\n")
     with pytest.raises(DataError, match="no samples"):
         formats.manifest(path)
+
+
+def test_manifest_naming_a_directory_or_fifo_names_it(tmp_path):
+    """As in the other formats: not a regular file is a DataError naming it (a FIFO
+    must not block the indexing), the manifest itself too."""
+    (tmp_path / "dir.wav").mkdir()
+    os.mkfifo(tmp_path / "fifo.wav")
+    sf.write(tmp_path / "a.wav", tone(0.1), RATE)
+    for name, kind in (("dir.wav", "a directory"), ("fifo.wav", "a device, FIFO or socket")):
+        path = tmp_path / "m.json"
+        path.write_text(f'{{"audio_filepath": "a.wav"}}\n{{"audio_filepath": "{name}"}}\n')
+        with pytest.raises(DataError, match=f"must be a regular file, this is {kind}") as err:
+            formats.manifest(path)
+        assert err.value.path == str(tmp_path / name) and "m.json" in str(err.value)
+        with pytest.raises(DataError, match=f"a manifest must be a regular file, this is {kind}") as err:
+            formats.manifest(tmp_path / name)
+        assert err.value.path == str(tmp_path / name)
 
 
 def test_filetree_with_audio_extensions(tmp_path):
