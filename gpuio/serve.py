@@ -137,6 +137,8 @@ class Pipeline:
         """Run a batch of encoded images (1-D uint8 arrays or bytes); one entry per image:
         its output row (host NumPy) or the ``DataError`` that rejected it (naming it). ``seeds``
         (uint64 per image) drive random ops; default: ``sample_seeds(0, 0, arange(n))``."""
+        from gpuio.ops.ragged import to_host
+
         n = len(images)
         rows = [np.frombuffer(a, np.uint8) if isinstance(a, (bytes, bytearray, memoryview)) else a for a in images]
         seeds = sample_seeds(0, 0, np.arange(n)) if seeds is None else seeds
@@ -149,7 +151,7 @@ class Pipeline:
         kept = batch.index.tolist()
         if self.model is not None and kept:
             out = self._run_model(_stacked(out, batch.xp))
-        out = [_to_host(a) for a in out] if isinstance(out, list) else _to_host(out)  # one copy per batch
+        out = [to_host(a) for a in out] if isinstance(out, list) else to_host(out)  # one copy per batch
         for j, row in enumerate(kept):
             results[row] = out[j]
         return results
@@ -182,16 +184,6 @@ def _stacked(out: Any, xp: Any) -> Any:
         raise ConfigError(f"the ops give images of different shapes ({sorted({a.shape for a in out})}); a model "
                           f"takes one shape: end the ops with a resize or crop to one size")
     return xp.stack(out)
-
-
-def _to_host(a: Any) -> np.ndarray:
-    if isinstance(a, np.ndarray):
-        return a
-    if hasattr(a, "detach"):  # a torch tensor
-        return a.detach().cpu().numpy()
-    if hasattr(a, "get"):  # a CuPy array
-        return a.get()
-    return np.asarray(a)
 
 
 def _unpad(row: np.ndarray) -> np.ndarray:

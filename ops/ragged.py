@@ -11,6 +11,7 @@ array (``segment_max``, ``segment_span``).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +37,12 @@ def rows_of(col: Any) -> list[Any]:
 
 
 def to_host(a: Any) -> np.ndarray:
-    """A NumPy copy of a CuPy array; NumPy arrays (and lists) as they are."""
+    """``a`` as a host NumPy array: a CuPy array or a torch tensor (on any device) copied
+    to the host, a NumPy array as it is, anything else (a list, a number) through
+    ``np.asarray``."""
+    torch = sys.modules.get("torch")  # never imported here: a tensor means torch is loaded
+    if torch is not None and isinstance(a, torch.Tensor):
+        return a.detach().cpu().numpy()
     return a.get() if hasattr(a, "__cuda_array_interface__") else np.asarray(a)
 
 
