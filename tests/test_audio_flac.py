@@ -1,0 +1,287 @@
+"""gpuio's FLAC decoder (gpuio/_flac.c) against libsndfile: FLACs written in tmp_path by
+libsndfile (through soundfile) and by FFmpeg's encoder (through PyAV) in many settings,
+each decoded bit for bit as soundfile.read decodes it, in every dtype; corrupt and cut
+files are gpuio errors naming the byte of the bad frame."""
+
+import io
+import json
+
+import av
+import numpy as np
+import pytest
+import soundfile as sf
+
+import gpuio
+from gpuio import formats, ops
+from gpuio.errors import FormatError, PipelineError
+from gpuio.ops import audio as audio_ops
+from tests.test_audio_data import make_batch
+
+pytestmark = pytest.mark.skipif(audio_ops._flac is None, reason="gpuio._flac was not built (no C compiler)")
+
+DTYPES = ("float32", "float64", "int16", "int32")
+
+
+def signal(n, channels, seed=0, kind="speech"):
+    """float64 [n, channels] in [-1, 1]: noise bursts under an envelope (``speech``),
+    zeros, full-scale white noise or a clipped square wave."""
+    rng = np.random.default_rng(seed)
+    if kind == "silence":
+        return np.zeros((n, channels))
+    if kind == "noise":
+        return rng.uniform(-1, 1, (n, channels))
+    if kind == "coarse":  # 8 significant bits in any sample width: wasted bits
+        return np.round(rng.uniform(-1, 1, (n, channels)) * 100) / 128
+    if kind == "clipping":
+        t = np.arange(n)[:, None] / 16000
+        return np.clip(3 * np.sign(np.sin(2 * np.pi * 220 * t * (1 + np.arange(channels)))), -1, 1)
+    envelope = np.repeat(rng.uniform(0.01, 0.6, n // 800 + 1), 800)[:n, None]
+    tone = 0.3 * np.sin(2 * np.pi * 300 * np.arange(n)[:, None] / 16000 * (1 + np.arange(channels)))
+    return np.clip(rng.standard_normal((n, channels)) * envelope * 0.3 + tone * envelope, -1, 1)
+
+
+def soundfile_flac(x, subtype="PCM_16", rate=16000, level=None):
+    buf = io.BytesIO()
+    sf.write(buf, x, rate, format="FLAC", subtype=subtype, compression_level=level)
+    return np.frombuffer(buf.getvalue(), np.uint8)
+
+
+def ffmpeg_flac(x, rate=16000, fmt="s16", **options):
+    """FFmpeg's FLAC encoder on int samples ``x`` [n, channels] (s32: 24 bits in the
+    top of 32, or 32 bits with strict=experimental)."""
+    layouts = {1: "mono", 2: "stereo", 6: "5.1"}
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="flac") as out:
+        stream = out.add_stream("flac", rate=rate, layout=layouts[x.shape[1]])
+        stream.codec_context.format = fmt
+        stream.codec_context.options = {k: str(v) for k, v in options.items()}
+        for i in range(0, len(x), 1000):
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(x[i:i + 1000]).reshape(1, -1), format=fmt,
+                                               layout=layouts[x.shape[1]])
+            frame.sample_rate = rate
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return np.frombuffer(buf.getvalue(), np.uint8)
+
+
+def ints(x, bits):
+    """float samples as ``bits``-bit integers, in the top of int16 (<= 16) or int32."""
+    full = np.clip(np.round(x * 2.0 ** (bits - 1)), -2 ** (bits - 1), 2 ** (bits - 1) - 1)
+    return full.astype(np.int16) if bits <= 16 else (full.astype(np.int64) << (32 - bits)).astype(np.int32)
+
+
+def c_decode(buf, dtype, downmix, first=0, count=None):
+    """gpuio._flac on one file, asserting that it decoded it itself (no fallback)."""
+    stream = audio_ops._FlacStream.parse(memoryview(buf))
+    assert stream is not None
+    count = stream.frames - first if count is None else count
+    out = np.empty((count, 1 if downmix else stream.channels), dtype)
+    [(status, done, _, error)] = audio_ops._flac.decode(
+        [(buf, stream.start, first, count, stream.channels, stream.bits, out)], DTYPES.index(dtype), downmix)
+    assert (status, done, error) == (0, count, None)
+    return out
+
+
+def reference(buf, dtype, downmix, first=0, count=-1):
+    """What decode_audio gave through libsndfile: soundfile.read, channels averaged in float64."""
+    x = sf.read(io.BytesIO(buf.tobytes()), dtype=dtype, always_2d=True, start=first,
+                frames=count)[0]
+    if downmix:
+        mean = x.mean(axis=1, keepdims=True, dtype=np.float64)
+        x = (mean if dtype.startswith("float") else np.rint(mean)).astype(dtype)
+    return x
+
+
+def check(buf, dtypes=DTYPES):
+    """Every dtype, with and without downmix, bit for bit as libsndfile, through the
+    C decoder and through decode_audio."""
+    for dtype in dtypes:
+        for downmix in (True, False):
+            ref = reference(buf, dtype, downmix)
+            got = c_decode(buf, dtype, downmix)
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            np.testing.assert_array_equal(got, ref, err_msg=f"{dtype} downmix={downmix}")
+    batch = ops.decode_audio(dtype=dtypes[0], downmix=False)(make_batch([buf, buf]))
+    for row in batch.data["audio"]:
+        np.testing.assert_array_equal(row, reference(buf, dtypes[0], False))
+
+
+@pytest.mark.parametrize("subtype", ["PCM_16", "PCM_24", "PCM_S8"])
+@pytest.mark.parametrize("channels", [1, 2, 6])
+def test_libsndfile_files_decode_as_libsndfile_does(subtype, channels):
+    for level, kind, n in [(None, "speech", 30001), (0.0, "speech", 9000), (1.0, "speech", 20000),
+                           (0.5, "noise", 5000), (0.5, "silence", 7000), (0.5, "clipping", 6000),
+                           (0.5, "coarse", 5000)]:
+        check(soundfile_flac(signal(n, channels, seed=n, kind=kind), subtype, level=level))
+
+
+@pytest.mark.parametrize("level", range(13))
+def test_ffmpeg_compression_levels(level):
+    for channels, fmt, bits in [(1, "s16", 16), (2, "s16", 16), (2, "s32", 24), (6, "s16", 16)]:
+        x = ints(signal(12345, channels, seed=level), bits)
+        buf = ffmpeg_flac(x, fmt=fmt, compression_level=level)
+        check(buf, ("int32", "float32"))
+        np.testing.assert_array_equal(c_decode(buf, "int16" if bits == 16 else "int32", False), x)
+
+
+@pytest.mark.parametrize("options", [
+    {"lpc_type": "none"}, {"lpc_type": "fixed"}, {"lpc_type": "levinson"},
+    {"lpc_type": "cholesky", "lpc_passes": 3},
+    {"max_prediction_order": 32, "lpc_coeff_precision": 15, "compression_level": 12},
+    {"min_prediction_order": 1, "max_prediction_order": 1},
+    {"ch_mode": "indep"}, {"ch_mode": "left_side"}, {"ch_mode": "right_side"}, {"ch_mode": "mid_side"},
+    {"exact_rice_parameters": 1, "max_partition_order": 8},
+    {"frame_size": 17}, {"frame_size": 1000}, {"frame_size": 4608}, {"frame_size": 192}, {"frame_size": 16},
+])
+@pytest.mark.parametrize("fmt,bits", [("s16", 16), ("s32", 24)])
+def test_ffmpeg_encoder_options(options, fmt, bits):
+    for kind in ("speech", "noise", "silence", "clipping", "coarse"):
+        x = ints(signal(7001, 2, kind=kind), bits)
+        buf = ffmpeg_flac(x, fmt=fmt, **options)
+        if "frame_size" in options:  # STREAMINFO's largest block size
+            assert int.from_bytes(buf[10:12].tobytes(), "big") == options["frame_size"]
+        check(buf)
+
+
+@pytest.mark.parametrize("rate", [8000, 11025, 12000, 16000, 22050, 37800, 44100, 48000, 88200, 96000, 192000])
+def test_every_sample_rate_code(rate):
+    """The frame header's rate codes: the table, kHz in 8 bits, Hz and tens of Hz in 16."""
+    x = ints(signal(3000, 1, seed=rate), 16)
+    buf = ffmpeg_flac(x, rate=rate)
+    check(buf, ("int16",))
+    batch = ops.decode_audio()(make_batch([buf]))
+    assert batch.data["sample_rate"].tolist() == [rate]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 15, 16, 17, 100, 4095])
+def test_clips_shorter_than_a_block(n):
+    for channels in (1, 2):
+        check(soundfile_flac(signal(n, channels, seed=n), "PCM_16"))
+        check(ffmpeg_flac(ints(signal(n, channels, seed=n), 16)))
+
+
+def test_32_bit_streams_decode_to_the_encoded_samples():
+    """libsndfile 1.2.2 does not open 32-bit FLAC; gpuio gives the encoded samples
+    (float: x / 2**31). Stereo here is coded as independent channels."""
+    rng = np.random.default_rng(0)
+    for channels in (1, 2):
+        x = rng.integers(-2 ** 31, 2 ** 31, (5000, channels), dtype=np.int64).astype(np.int32)
+        x[:1000] //= 2 ** 20  # quiet: predictable, so LPC subframes too
+        buf = ffmpeg_flac(x, fmt="s32", strict="experimental", ch_mode="indep")
+        assert (int.from_bytes(buf[18:26].tobytes(), "big") >> 36 & 31) + 1 == 32
+        np.testing.assert_array_equal(c_decode(buf, "int32", False), x)
+        np.testing.assert_array_equal(c_decode(buf, "float64", False), x / 2.0 ** 31)
+        np.testing.assert_array_equal(c_decode(buf, "float32", False), x.astype(np.float32) * np.float32(2.0 ** -31))
+
+
+def test_segments_and_resampling_match_libsndfile():
+    buf = soundfile_flac(signal(50000, 2, seed=3), "PCM_24")
+    for first, count in [(0, 1), (4095, 2), (4096, 4096), (12345, 20000), (49999, 1), (50000, 0)]:
+        for dtype in DTYPES:
+            np.testing.assert_array_equal(c_decode(buf, dtype, True, first, count),
+                                          reference(buf, dtype, True, first, count))
+    offset, duration = np.array([0.5, 0.0]), np.array([1.25, np.nan])
+    got = ops.decode_audio(sample_rate=8000)(make_batch([buf, buf], offset=offset, duration=duration))
+    audio_ops_flac, audio_ops._flac = audio_ops._flac, None  # the libsndfile path, as without a compiler
+    try:
+        ref = ops.decode_audio(sample_rate=8000)(make_batch([buf, buf], offset=offset, duration=duration))
+    finally:
+        audio_ops._flac = audio_ops_flac
+    assert [len(a) for a in got.data["audio"]] == [10000, 25000]
+    for a, b in zip(got.data["audio"], ref.data["audio"]):
+        np.testing.assert_array_equal(a, b)
+
+
+def frame_offsets(buf):
+    """Byte offsets of the file's frames: the sync codes at which a prefix of the file
+    decodes to the end of a frame (the decoder then says the data ends there)."""
+    stream = audio_ops._FlacStream.parse(memoryview(buf))
+    found = []
+    for pos in np.flatnonzero((buf[:-1] == 0xFF) & (buf[1:] == 0xF8)).tolist():
+        out = np.empty((stream.frames, 1), np.float32)
+        [(status, _, at, error)] = audio_ops._flac.decode(
+            [(buf[:pos], stream.start, 0, stream.frames, stream.channels, stream.bits, out)], 0, True)
+        if pos >= stream.start and status == 1 and at == pos and "ends before" in error:
+            found.append(pos)
+    return found
+
+
+def crc(data, bits, poly):
+    """FLAC's CRC-8 (poly 0x07) or CRC-16 (poly 0x8005): MSB first, initial 0."""
+    c, top, mask = 0, 1 << (bits - 1), (1 << bits) - 1
+    for byte in data:
+        c ^= byte << (bits - 8)
+        for _ in range(8):
+            c = ((c << 1) ^ poly if c & top else c << 1) & mask
+    return c
+
+
+def coded_number(v):
+    """FLAC's UTF-8-like coding of a frame or sample number (up to 36 bits)."""
+    if v < 0x80:
+        return bytes([v])
+    n = next(n for n in range(2, 8) if v < 1 << (5 * n + 1 if n < 7 else 36))
+    return bytes([(0xFF << (8 - n) & 0xFF) | v >> 6 * (n - 1)] + [0x80 | (v >> 6 * k & 0x3F) for k in range(n - 2, -1, -1)])
+
+
+def variable_block_size(buf, offsets, block):
+    """The same stream re-framed as a variable-block-size one: each frame header says
+    the blocking-strategy bit 1 and its first sample's number, CRCs recomputed."""
+    out = bytearray(buf[:offsets[0]].tobytes())
+    for k, (start, end) in enumerate(zip(offsets, offsets[1:] + [len(buf)])):
+        frame = buf[start:end].tobytes()
+        lead = frame[4]
+        old = 1 if lead < 0x80 else 8 - (~lead & 0xFF).bit_length()  # bytes of the frame number
+        extra = {6: 1, 7: 2}.get(frame[2] >> 4, 0) + {12: 1, 13: 2, 14: 2}.get(frame[2] & 15, 0)
+        header = frame[:1] + b"\xf9" + frame[2:4] + coded_number(k * block) + frame[4 + old:4 + old + extra]
+        header += bytes([crc(header, 8, 0x07)])
+        body = header + frame[4 + old + extra + 1:-2]
+        out += body + crc(body, 16, 0x8005).to_bytes(2, "big")
+    return np.frombuffer(bytes(out), np.uint8)
+
+
+def test_variable_block_size_streams():
+    good = soundfile_flac(signal(20000, 2, seed=4), "PCM_24")
+    variable = variable_block_size(good, frame_offsets(good), 4096)
+    assert variable[frame_offsets(good)[0] + 1] == 0xF9 and len(variable) > len(good)  # sample numbers take more bytes
+    check(variable)
+    np.testing.assert_array_equal(c_decode(variable, "int32", False), c_decode(good, "int32", False))
+
+
+def test_corrupt_and_cut_files_name_the_bad_frame(tmp_path):
+    good = soundfile_flac(signal(20000, 1, seed=1))
+    offsets = frame_offsets(good)
+    assert len(offsets) == 5  # 4 frames of 4096 samples and one of 3616
+    third = offsets[2]
+    cases = []
+    for at in (third + 1, third + 3, third + 40, offsets[3] - 1):  # header fields, subframe, CRC-16 footer
+        bad = good.copy()
+        bad[at] ^= 0x10
+        cases.append((bad, third, "CRC|reserved|sync|residual|partition|subframe|predictor|wasted"))
+    cases.append((good[:offsets[3] - 1], third, "ends inside a frame|residual runs past"))  # cut mid-frame
+    cases.append((good[:offsets[3]], offsets[3], "ends before the last frame"))  # cut between frames
+    for bad, at, match in cases:
+        with pytest.raises(FormatError, match=match) as err:
+            ops.decode_audio()(make_batch([good, bad]))
+        assert err.value.sample == 1 and err.value.offset == at and f"at byte {at}" in str(err.value)
+    batch = ops.decode_audio()(make_batch([good] + [b for b, _, _ in cases] + [good], on_error="skip"))
+    assert batch.index.tolist() == [0, len(cases) + 1] and len(batch.errors) == len(cases)
+    # through the loader, the error names the file as well
+    (tmp_path / "good.flac").write_bytes(good.tobytes())
+    (tmp_path / "bad.flac").write_bytes(cases[0][0].tobytes())
+    (tmp_path / "m.json").write_text("\n".join(json.dumps({"audio_filepath": name, "duration": 1.25, "text": name})
+                                               for name in ("good.flac", "bad.flac")))
+    loader = gpuio.Loader(formats.manifest(tmp_path / "m.json"), 2, ops=[ops.decode_audio()], output="numpy")
+    with pytest.raises(PipelineError, match=rf"bad\.flac.*at byte {third}"):
+        list(loader)
+
+
+def test_files_the_decoder_does_not_take_go_to_libsndfile():
+    """No STREAMINFO total (a stream written without seeking back) and non-FLAC bytes
+    are not parsed as FLAC streams; libsndfile keeps them."""
+    buf = soundfile_flac(signal(3000, 1)).copy()
+    buf[21:26] = np.frombuffer(bytes([buf[21] & 0xF0, 0, 0, 0, 0]), np.uint8)  # total samples 0: unknown
+    assert audio_ops._FlacStream.parse(memoryview(buf)) is None
+    assert audio_ops._FlacStream.parse(memoryview(np.frombuffer(b"RIFF" * 20, np.uint8))) is None
