@@ -1,0 +1,301 @@
+/* The fused CPU resampler of gpuio.ops, shared by gpuio/_cpuops.c (decoded images) and
+ * gpuio/_jpeg.c (decode + resample per image in one call); runs without the GIL.
+ *
+ * resample_one(): crop -> resize -> flip -> normalize -> layout -> cast of one uint8
+ * HWC image, the math of gpuio.ops.fused.fused_reference (the windows and weights of
+ * gpuio.ops.geometry.filter_weights) for filters whose weights are not negative
+ * (nearest, linear, area). With such weights the horizontal pass of the reference never
+ * leaves 0-255, so the two passes commute: this runs the vertical pass first, over
+ * contiguous rows (vectorizable), then the
+ * horizontal pass with the 3 or 4 channels of a pixel as one 4-lane vector, and differs
+ * from the reference by float rounding only. A flip reverses the window tables, so the
+ * loops have no flip branch.
+ */
+#ifndef GPUIO_RESAMPLE_H
+#define GPUIO_RESAMPLE_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { NEAREST = 0, LINEAR = 1, CUBIC = 2, AREA = 3 };
+
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+static double filter(int interp, double d, double fscale) {
+    if (interp == AREA) {
+        const double half = 0.5 * fscale;
+        const double w = fmin(d + 0.5, half) - fmax(d - 0.5, -half);
+        return w > 0.0 ? w : 0.0;
+    }
+    const double x = fabs(d / fscale);
+    return x < 1.0 ? 1.0 - x : 0.0;
+}
+
+/* Output pixel o of a box resized to `out` pixels reads source pixels first[o] ..
+ * first[o] + count[o] - 1 (counted from `lo`) with weights w[o * taps ..], zero from
+ * count[o] on; `most` is the largest count; `reverse` stores the tables of a mirrored
+ * output (o -> out - 1 - o). */
+typedef struct {
+    int *first, *count, taps, most;
+    float *w;
+} Windows;
+
+static void free_windows(Windows *win) {
+    free(win->first);
+    free(win->count);
+    free(win->w);
+}
+
+/* Windows of the box [start, start + length) read from source pixels lo..hi-1; 0 on
+ * success, -1 when out of memory. */
+static int windows(int interp, int antialias, double start, double length, int out, int lo, int hi, int reverse,
+                   Windows *win) {
+    const double scale = length / out;
+    const double fscale = (antialias && scale > 1.0) ? scale : 1.0;
+    const double support = interp == AREA ? 0.5 * fscale : fscale;
+    const int taps = interp == NEAREST ? 1 : (int)ceil(2.0 * support) + 2;
+    win->taps = taps;
+    win->most = 0;
+    win->first = malloc(sizeof(int) * out);
+    win->count = malloc(sizeof(int) * out);
+    win->w = calloc((size_t)out * taps, sizeof(float));
+    double *ws = malloc(sizeof(double) * taps);
+    if (!win->first || !win->count || !win->w || !ws) {
+        free(ws);
+        return -1;
+    }
+    for (int o = 0; o < out; ++o) {
+        const double c = start + (o + 0.5) * scale;
+        int a, b;
+        if (interp == NEAREST) {
+            a = (int)floor(c);
+            a = a < lo ? lo : (a > hi - 1 ? hi - 1 : a);
+            b = a + 1;
+        } else if (interp == AREA) {
+            a = (int)floor(c - 0.5 * fscale);
+            b = (int)ceil(c + 0.5 * fscale);
+        } else {
+            a = (int)floor(c - support + 0.5);
+            b = (int)floor(c + support + 0.5);
+        }
+        if (a < lo) a = lo;
+        if (b > hi) b = hi;
+        if (b - a > taps) b = a + taps;
+        if (b < a) b = a;
+        double sum = 0.0;
+        for (int j = a; j < b; ++j) {
+            ws[j - a] = interp == NEAREST ? 1.0 : filter(interp, j + 0.5 - c, fscale);
+            sum += ws[j - a];
+        }
+        if (sum == 0.0) sum = 1.0;
+        const int at = reverse ? out - 1 - o : o;
+        for (int j = a; j < b; ++j) win->w[(size_t)at * taps + j - a] = (float)(ws[j - a] / sum);
+        win->first[at] = a - lo;
+        win->count[at] = b - a;
+        if (b - a > win->most) win->most = b - a;
+    }
+    free(ws);
+    return 0;
+}
+
+typedef struct {
+    const uint8_t *src; /* pixel (0, 0) */
+    ptrdiff_t rs, cs, chs; /* strides in bytes: row, column, channel */
+    double box[4]; /* y0, x0, h, w in source pixels */
+    int64_t clip[4], out_hw[2], offset, flip; /* clip: y0, x0, y1, x1; offset: in output items */
+} Sample;
+
+typedef struct {
+    int channels, interp, antialias, chw, to_uint8;
+    const float *mean, *inv_std;
+    char *out;
+} Job;
+
+/* row[i] = sum_k w[k] * src[k][i] over n packed values, one tap at a time (loops the
+ * compiler vectorizes, uint8 to float included). */
+static inline __attribute__((always_inline)) void vertical(float *restrict row, const uint8_t *const *src,
+                                                           const float *w, int taps, int n) {
+    for (int i = 0; i < n; ++i) row[i] = 0.0f;
+    for (int k = 0; k < taps; ++k) {
+        const uint8_t *restrict q = src[k];
+        const float wk = w[k];
+        for (int i = 0; i < n; ++i) row[i] += wk * q[i];
+    }
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+
+/* vertical() with AVX2: 16 values at a time, all taps summed in registers (GCC 12
+ * vectorizes the plain loops one tap at a time at best). */
+__attribute__((target("avx2,fma"))) static void vertical_avx2(float *restrict row, const uint8_t *const *src,
+                                                              const float *w, int taps, int n) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        for (int k = 0; k < taps; ++k) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(src[k] + i));
+            const __m256 wk = _mm256_set1_ps(w[k]);
+            lo = _mm256_fmadd_ps(wk, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), lo);
+            hi = _mm256_fmadd_ps(wk, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), hi);
+        }
+        _mm256_storeu_ps(row + i, lo);
+        _mm256_storeu_ps(row + i + 8, hi);
+    }
+    for (; i < n; ++i) {
+        float acc = 0.0f;
+        for (int k = 0; k < taps; ++k) acc += w[k] * src[k][i];
+        row[i] = acc;
+    }
+}
+#define VERTICAL(row, src, w, taps, n) \
+    (avx2 ? vertical_avx2(row, src, w, taps, n) : vertical(row, src, w, taps, n))
+#else
+#define CLONES
+#define VERTICAL(row, src, w, taps, n) vertical(row, src, w, taps, n)
+#endif
+
+/* The horizontal pass of one output row from the vertical pass's `row` (C values per
+ * pixel; readable and finite up to pixel width + x->most, plus one float for C = 3),
+ * clipped to 0-255 and normalized, into `px` (4 floats per output pixel). Every pixel
+ * sums x->most taps (the extra weights are 0): a loop the branch predictor knows. */
+static inline __attribute__((always_inline)) void horizontal(float *restrict px, const float *restrict row,
+                                                             const int C, int ow, const Windows *x, v4f mean,
+                                                             v4f inv_std) {
+    const v4f zero = {0.0f, 0.0f, 0.0f, 0.0f}, top = {255.0f, 255.0f, 255.0f, 255.0f};
+    for (int ox = 0; ox < ow; ++ox) {
+        const float *p = row + (size_t)x->first[ox] * C, *w = x->w + (size_t)ox * x->taps;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (C >= 3) {
+            v4f sum = {0};
+            for (int k = 0; k < x->most; ++k) {
+                v4f v;
+                memcpy(&v, p + k * C, sizeof v);
+                sum += w[k] * v;
+            }
+            memcpy(acc, &sum, sizeof acc);
+        } else {
+            for (int k = 0; k < x->count[ox]; ++k)
+                for (int c = 0; c < C; ++c) acc[c] += w[k] * p[k * C + c];
+        }
+        v4f v;
+        memcpy(&v, acc, sizeof v);
+        v = (v4f)((v4i)v & (v > zero)); /* clip to 0-255 with masks: vector code on any target */
+        const v4i below = v < top;
+        v = (v4f)(((v4i)v & below) | ((v4i)top & ~below));
+        v = (v - mean) * inv_std;
+        memcpy(acc, &v, sizeof acc);
+        memcpy(px + 4 * ox, acc, sizeof acc);
+    }
+}
+
+/* Store output row oy from `px` in the job's layout and type. */
+static inline __attribute__((always_inline)) void store(const Job *job, const Sample *s, const float *restrict px,
+                                                        const int C, const int chw, const int to_uint8, int oy) {
+    const int ow = (int)s->out_hw[1];
+    const int64_t plane = s->out_hw[0] * s->out_hw[1];
+#if defined(__x86_64__)
+    if (C == 3 && chw && !to_uint8) { /* 4 pixels at a time: a 4x4 transpose, then one store per plane */
+        float *r = (float *)job->out + s->offset + (int64_t)oy * ow, *g = r + plane, *b = g + plane;
+        int ox = 0;
+        for (; ox + 4 <= ow; ox += 4) {
+            __m128 p0 = _mm_loadu_ps(px + 4 * ox), p1 = _mm_loadu_ps(px + 4 * ox + 4);
+            __m128 p2 = _mm_loadu_ps(px + 4 * ox + 8), p3 = _mm_loadu_ps(px + 4 * ox + 12);
+            _MM_TRANSPOSE4_PS(p0, p1, p2, p3);
+            _mm_storeu_ps(r + ox, p0);
+            _mm_storeu_ps(g + ox, p1);
+            _mm_storeu_ps(b + ox, p2);
+        }
+        for (; ox < ow; ++ox) {
+            r[ox] = px[4 * ox];
+            g[ox] = px[4 * ox + 1];
+            b[ox] = px[4 * ox + 2];
+        }
+        return;
+    }
+#endif
+    for (int c = 0; c < C; ++c) {
+        const int64_t base = s->offset + (chw ? c * plane + (int64_t)oy * ow : (int64_t)oy * ow * C + c);
+        const int64_t step = chw ? 1 : C;
+        if (to_uint8) {
+            uint8_t *restrict dst = (uint8_t *)job->out + base;
+            for (int ox = 0; ox < ow; ++ox) {
+                float v = floorf(px[4 * ox + c] + 0.5f);
+                v = v > 0.0f ? v : 0.0f;
+                dst[ox * step] = (uint8_t)(v < 255.0f ? v : 255.0f);
+            }
+        } else {
+            float *restrict dst = (float *)job->out + base;
+            for (int ox = 0; ox < ow; ++ox) dst[ox * step] = px[4 * ox + c];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void rows(const Job *job, const Sample *s, const Windows *y,
+                                                       const Windows *x, float *restrict row, float *restrict px,
+                                                       const int C, const int chw, const int to_uint8) {
+    const int width = (int)(s->clip[3] - s->clip[1]);
+    const int packed = s->cs == C && s->chs == 1;
+#if defined(__x86_64__)
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    v4f mean = {0}, inv_std = {0};
+    for (int c = 0; c < C && c < 4; ++c) {
+        mean[c] = job->mean[c];
+        inv_std[c] = job->inv_std[c];
+    }
+    const uint8_t *origin = s->src + s->clip[0] * s->rs + s->clip[1] * s->cs;
+    for (int oy = 0; oy < (int)s->out_hw[0]; ++oy) {
+        const int taps = y->count[oy];
+        const uint8_t *src[taps > 0 ? taps : 1];
+        for (int k = 0; k < taps; ++k) src[k] = origin + (ptrdiff_t)(y->first[oy] + k) * s->rs;
+        const float *wy = y->w + (size_t)oy * y->taps;
+        if (packed) {
+            VERTICAL(row, src, wy, taps, width * C);
+        } else {
+            for (int i = 0; i < width; ++i)
+                for (int c = 0; c < C; ++c) {
+                    float acc = 0.0f;
+                    for (int k = 0; k < taps; ++k) acc += wy[k] * src[k][i * s->cs + c * s->chs];
+                    row[i * C + c] = acc;
+                }
+        }
+        horizontal(px, row, C, (int)s->out_hw[1], x, mean, inv_std);
+        store(job, s, px, C, chw, to_uint8, oy);
+    }
+}
+
+/* One sample; 0 on success, -1 when out of memory. */
+CLONES static int resample_one(const Job *job, const Sample *s) {
+    const int C = job->channels, oh = (int)s->out_hw[0], ow = (int)s->out_hw[1];
+    const int width = (int)(s->clip[3] - s->clip[1]);
+    Windows y = {0}, x = {0};
+    float *row = NULL, *px = NULL;
+    int ok = -1;
+    if (windows(job->interp, job->antialias, s->box[0], s->box[2], oh, (int)s->clip[0], (int)s->clip[2],
+                (int)(s->flip & 2), &y) < 0
+            || windows(job->interp, job->antialias, s->box[1], s->box[3], ow, (int)s->clip[1], (int)s->clip[3],
+                       (int)(s->flip & 1), &x) < 0)
+        goto done;
+    row = calloc((size_t)(width + x.most) * C + 4, sizeof(float));
+    px = malloc(sizeof(float) * 4 * (size_t)ow);
+    if (!row || !px) goto done;
+    if (C == 3 && job->chw && !job->to_uint8) rows(job, s, &y, &x, row, px, 3, 1, 0); /* the common case */
+    else if (C == 3) rows(job, s, &y, &x, row, px, 3, job->chw, job->to_uint8);
+    else if (C == 1) rows(job, s, &y, &x, row, px, 1, job->chw, job->to_uint8);
+    else rows(job, s, &y, &x, row, px, C, job->chw, job->to_uint8);
+    ok = 0;
+done:
+    free_windows(&y);
+    free_windows(&x);
+    free(row);
+    free(px);
+    return ok;
+}
+
+#endif
