@@ -1,18 +1,25 @@
-/* Region JPEG decoding for gpuio.ops on the CPU, run with the GIL released.
+/* JPEG decoding for gpuio.ops on the CPU, fused with the resampler of gpuio/_resample.h,
+ * run with the GIL released. Built where jpeglib.h and libjpeg exist; elsewhere gpuio
+ * decodes whole images with simplejpeg.
  *
- * decode_jpeg(): the rows y0..y1 of a JPEG decoded by libjpeg(-turbo), DCT-scaled by
- * 1/denom, with columns x0..x1 (aligned down to an iMCU by libjpeg) only: rows above
- * are skipped, rows below never decoded. Built where jpeglib.h and libjpeg exist;
- * elsewhere gpuio decodes whole images with simplejpeg.
+ * headers(): the frame facts of a batch of JPEGs (libjpeg's jpeg_read_header, the EXIF
+ * orientation from APP1).
+ * decode_resample(): per image, the rows a fused chain reads of the 1/denom-scaled
+ * image (rows above skipped, rows below never decoded; columns cropped to the iMCUs
+ * covering them), then crop -> resize -> flip -> normalize into the batch output, one
+ * call per batch. One decompressor and one scratch buffer serve the whole batch, so the
+ * decoded window is still in the cache when the resampler reads it. libjpeg's defaults
+ * stay: the accurate integer IDCT (JDCT_ISLOW) and fancy upsampling.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_resample.h"
 
-#include <stdlib.h>
-#include <string.h>
 #include <setjmp.h>
 #include <stdio.h>
 #include <jpeglib.h>
+
+/* columns decoded beyond each side of a window: libjpeg upsamples chroma at a cropped
+ * edge as at the image's edge, which would change the window's outermost pixels */
+#define EDGE 4
 
 typedef struct {
     struct jpeg_error_mgr mgr;
@@ -30,103 +37,275 @@ static void on_message(j_common_ptr cinfo, int level) {
     if (level < 0) on_error(cinfo); /* a warning (corrupt data): strict, as simplejpeg */
 }
 
-typedef struct {
-    const unsigned char *data;
-    size_t size;
-    int gray, denom, y0, x0, y1, x1;
-    unsigned char *out;
-    size_t capacity;
-    unsigned int xoff, width;
-    Errors err;
-} Decode;
+static void new_decompressor(struct jpeg_decompress_struct *cinfo, Errors *err) {
+    cinfo->err = jpeg_std_error(&err->mgr);
+    err->mgr.error_exit = on_error;
+    err->mgr.emit_message = on_message;
+    jpeg_create_decompress(cinfo);
+}
 
-/* Runs without the GIL; 0 on success, else d->err.message says why. */
-static int decode_rows(Decode *d) {
+static unsigned read16(const uint8_t *p, int little) { return little ? p[0] | p[1] << 8 : p[0] << 8 | p[1]; }
+
+static uint32_t read32(const uint8_t *p, int little) {
+    return little ? read16(p, 1) | (uint32_t)read16(p + 2, 1) << 16 : (uint32_t)read16(p, 0) << 16 | read16(p + 2, 0);
+}
+
+/* Orientation tag (0x0112) of IFD0 in an APP1 Exif payload; 1 when absent or malformed
+ * (decoders ignore bad EXIF), as gpuio.ops.decode._exif_orientation. */
+static int exif_orientation(const uint8_t *p, size_t n) {
+    if (n < 6 || memcmp(p, "Exif\0\0", 6) != 0) return 0; /* not Exif: no say */
+    p += 6;
+    n -= 6;
+    if (n < 8 || !((p[0] == 'I' && p[1] == 'I') || (p[0] == 'M' && p[1] == 'M'))) return 1;
+    const int little = p[0] == 'I';
+    const uint32_t ifd = read32(p + 4, little);
+    if ((size_t)ifd + 2 > n) return 1;
+    const unsigned count = read16(p + ifd, little);
+    for (unsigned k = 0; k < count; ++k) {
+        const size_t e = (size_t)ifd + 2 + 12 * (size_t)k;
+        if (e + 10 > n) return 1;
+        if (read16(p + e, little) == 0x0112) {
+            const unsigned v = read16(p + e + 8, little);
+            return v >= 1 && v <= 8 ? (int)v : 1;
+        }
+    }
+    return 1;
+}
+
+enum { COMPONENTS, PROGRESSIVE, ORIENTATION, HEIGHT, WIDTH, COMPLETE, FACTS };
+
+/* The facts of one JPEG into out[FACTS]; all 0 where libjpeg cannot read its headers. */
+static void read_facts(struct jpeg_decompress_struct *cinfo, Errors *err, const uint8_t *data, size_t size,
+                       int64_t *out) {
+    memset(out, 0, sizeof(int64_t) * FACTS);
+    if (size < 4 || data[0] != 0xFF || data[1] != 0xD8) return;
+    if (setjmp(err->jump)) {
+        memset(out, 0, sizeof(int64_t) * FACTS);
+        jpeg_abort_decompress(cinfo);
+        return;
+    }
+    jpeg_mem_src(cinfo, data, (unsigned long)size);
+    jpeg_read_header(cinfo, TRUE);
+    out[COMPONENTS] = cinfo->num_components;
+    out[PROGRESSIVE] = cinfo->progressive_mode;
+    out[ORIENTATION] = 1;
+    for (jpeg_saved_marker_ptr m = cinfo->marker_list; m; m = m->next) {
+        const int o = m->marker == JPEG_APP0 + 1 ? exif_orientation(m->data, m->data_length) : 0;
+        if (o) out[ORIENTATION] = o;
+    }
+    out[HEIGHT] = cinfo->image_height;
+    out[WIDTH] = cinfo->image_width;
+    out[COMPLETE] = data[size - 2] == 0xFF && data[size - 1] == 0xD9;
+    jpeg_abort_decompress(cinfo);
+}
+
+/* The encoded images of a list as buffers; the count held, or -1 with an exception set
+ * (none held then). */
+static Py_ssize_t get_images(PyObject *list, Py_buffer **views) {
+    if (!PyList_Check(list)) {
+        PyErr_Format(PyExc_TypeError, "the encoded images must be a list");
+        return -1;
+    }
+    const Py_ssize_t n = PyList_GET_SIZE(list);
+    *views = calloc(n ? n : 1, sizeof(Py_buffer));
+    if (!*views) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; ++i)
+        if (PyObject_GetBuffer(PyList_GET_ITEM(list, i), &(*views)[i], PyBUF_SIMPLE) < 0) {
+            while (i--) PyBuffer_Release(&(*views)[i]);
+            free(*views);
+            return -1;
+        }
+    return n;
+}
+
+static void release_images(Py_buffer *views, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; ++i) PyBuffer_Release(&views[i]);
+    free(views);
+}
+
+static PyObject *headers(PyObject *self, PyObject *args) {
+    PyObject *list;
+    Py_buffer out, *views;
+    if (!PyArg_ParseTuple(args, "Ow*", &list, &out)) return NULL;
+    const Py_ssize_t n = get_images(list, &views);
+    if (n < 0 || out.len < (Py_ssize_t)sizeof(int64_t) * FACTS * n) {
+        if (n >= 0) {
+            PyErr_Format(PyExc_ValueError, "out: %zd bytes, need %zd", out.len,
+                         (Py_ssize_t)sizeof(int64_t) * FACTS * n);
+            release_images(views, n);
+        }
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
     struct jpeg_decompress_struct cinfo;
-    JSAMPROW *volatile rows = NULL; /* volatile: read after a longjmp */
-    cinfo.err = jpeg_std_error(&d->err.mgr);
-    d->err.mgr.error_exit = on_error;
-    d->err.mgr.emit_message = on_message;
-    jpeg_create_decompress(&cinfo);
-    if (setjmp(d->err.jump)) {
-        free(rows);
-        jpeg_destroy_decompress(&cinfo);
-        return -1;
-    }
-    jpeg_mem_src(&cinfo, d->data, (unsigned long)d->size);
-    jpeg_read_header(&cinfo, TRUE);
-    cinfo.out_color_space = d->gray ? JCS_GRAYSCALE : JCS_RGB;
-    cinfo.scale_num = 1;
-    cinfo.scale_denom = (unsigned int)d->denom;
-    jpeg_start_decompress(&cinfo);
-    const int C = d->gray ? 1 : 3;
-    if (d->y1 > (int)cinfo.output_height || d->x1 > (int)cinfo.output_width) {
-        snprintf(d->err.message, sizeof d->err.message, "region %dx%d is outside the %ux%u decoded image",
-                 d->y1, d->x1, cinfo.output_height, cinfo.output_width);
-        jpeg_destroy_decompress(&cinfo);
-        return -1;
-    }
-    JDIMENSION xoff = (JDIMENSION)d->x0, width = (JDIMENSION)(d->x1 - d->x0);
-    if (width < cinfo.output_width) jpeg_crop_scanline(&cinfo, &xoff, &width);
-    d->xoff = xoff;
-    d->width = width;
-    const size_t stride = (size_t)width * C, nrows = (size_t)(d->y1 - d->y0);
-    if (stride * nrows > d->capacity) {
-        snprintf(d->err.message, sizeof d->err.message, "%zu rows of %zu bytes do not fit in %zu bytes",
-                 nrows, stride, d->capacity);
-        jpeg_destroy_decompress(&cinfo);
-        return -1;
-    }
-    if (d->y0 > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)d->y0);
-    rows = malloc(sizeof(JSAMPROW) * nrows);
-    if (!rows) {
-        snprintf(d->err.message, sizeof d->err.message, "out of memory");
-        jpeg_destroy_decompress(&cinfo);
-        return -1;
-    }
-    for (size_t r = 0; r < nrows; ++r) rows[r] = d->out + r * stride;
-    while (cinfo.output_scanline < (JDIMENSION)d->y1)
-        jpeg_read_scanlines(&cinfo, rows + (cinfo.output_scanline - d->y0), (JDIMENSION)d->y1 - cinfo.output_scanline);
-    free(rows);
-    rows = NULL;
-    jpeg_abort_decompress(&cinfo); /* rows below the region are never decoded */
+    Errors err;
+    new_decompressor(&cinfo, &err);
+    jpeg_save_markers(&cinfo, JPEG_APP0 + 1, 0xFFFF);
+    for (Py_ssize_t i = 0; i < n; ++i)
+        read_facts(&cinfo, &err, views[i].buf, (size_t)views[i].len, (int64_t *)out.buf + FACTS * i);
     jpeg_destroy_decompress(&cinfo);
+    Py_END_ALLOW_THREADS
+    release_images(views, n);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+typedef struct {
+    struct jpeg_decompress_struct cinfo;
+    Errors err;
+    uint8_t *scratch; /* decoded windows, one at a time */
+    size_t capacity;
+    JSAMPROW *rows;
+    size_t nrows;
+} Decoder;
+
+/* Grow `*buf` to hold `need` items of `size` bytes; 0, or -1 when out of memory. */
+static int reserve(void **buf, size_t *have, size_t need, size_t size) {
+    if (need <= *have) return 0;
+    void *grown = realloc(*buf, need * size);
+    if (!grown) return -1;
+    *buf = grown;
+    *have = need;
     return 0;
 }
 
-static PyObject *decode_jpeg(PyObject *self, PyObject *args) {
-    Py_buffer data, out;
-    Decode d;
-    memset(&d, 0, sizeof d);
-    if (!PyArg_ParseTuple(args, "y*iiiiiiw*", &data, &d.gray, &d.denom, &d.y0, &d.x0, &d.y1, &d.x1, &out))
-        return NULL;
-    PyObject *result = NULL;
-    if (d.denom != 1 && d.denom != 2 && d.denom != 4 && d.denom != 8) {
-        PyErr_Format(PyExc_ValueError, "denom %d: 1, 2, 4 or 8", d.denom);
-    } else if (d.y0 < 0 || d.x0 < 0 || d.y1 <= d.y0 || d.x1 <= d.x0) {
-        PyErr_Format(PyExc_ValueError, "empty or negative region (%d, %d, %d, %d)", d.y0, d.x0, d.y1, d.x1);
-    } else {
-        d.data = data.buf;
-        d.size = (size_t)data.len;
-        d.out = out.buf;
-        d.capacity = (size_t)out.len;
-        int failed;
-        Py_BEGIN_ALLOW_THREADS
-        failed = decode_rows(&d);
-        Py_END_ALLOW_THREADS
-        if (failed) PyErr_Format(PyExc_ValueError, "%s", d.err.message);
-        else result = Py_BuildValue("II", d.xoff, d.width);
+/* Decode the window of sample s of `data` (its clip, in pixels of the full image) at
+ * 1/denom scale into d->scratch and point s at it: the box moves to the window's
+ * coordinates, scaled. 0, or -1 with d->err.message saying why. */
+static int decode_window(Decoder *d, const uint8_t *data, size_t size, int gray, int denom, Sample *s) {
+    struct jpeg_decompress_struct *cinfo = &d->cinfo;
+    if (setjmp(d->err.jump)) {
+        jpeg_abort_decompress(cinfo);
+        return -1;
     }
-    PyBuffer_Release(&data);
-    PyBuffer_Release(&out);
+    jpeg_mem_src(cinfo, data, (unsigned long)size);
+    jpeg_read_header(cinfo, TRUE);
+    cinfo->out_color_space = gray ? JCS_GRAYSCALE : JCS_RGB;
+    cinfo->scale_num = 1;
+    cinfo->scale_denom = (unsigned int)denom;
+    jpeg_start_decompress(cinfo);
+    const int C = gray ? 1 : 3, h = (int)cinfo->output_height, w = (int)cinfo->output_width;
+    const int64_t *c = s->clip;
+    const int y0 = (int)(c[0] / denom), x0 = (int)(c[1] / denom);
+    int y1 = (int)((c[2] + denom - 1) / denom), x1 = (int)((c[3] + denom - 1) / denom);
+    y1 = y1 < h ? y1 : h;
+    x1 = x1 < w ? x1 : w;
+    if (c[0] < 0 || c[1] < 0 || y0 >= y1 || x0 >= x1) {
+        snprintf(d->err.message, sizeof d->err.message, "window (%lld, %lld, %lld, %lld) is outside the %ux%u image",
+                 (long long)c[0], (long long)c[1], (long long)c[2], (long long)c[3], cinfo->image_height,
+                 cinfo->image_width);
+        jpeg_abort_decompress(cinfo);
+        return -1;
+    }
+    JDIMENSION xoff = (JDIMENSION)(x0 > EDGE ? x0 - EDGE : 0);
+    JDIMENSION width = (JDIMENSION)((x1 + EDGE < w ? x1 + EDGE : w) - (int)xoff);
+    if (width < cinfo->output_width) jpeg_crop_scanline(cinfo, &xoff, &width);
+    const size_t stride = (size_t)width * C, nrows = (size_t)(y1 - y0);
+    if (reserve((void **)&d->scratch, &d->capacity, stride * nrows, 1) < 0
+            || reserve((void **)&d->rows, &d->nrows, nrows, sizeof(JSAMPROW)) < 0) {
+        snprintf(d->err.message, sizeof d->err.message, "out of memory");
+        jpeg_abort_decompress(cinfo);
+        return -1;
+    }
+    for (size_t r = 0; r < nrows; ++r) d->rows[r] = d->scratch + r * stride;
+    if (y0 > 0) jpeg_skip_scanlines(cinfo, (JDIMENSION)y0);
+    while (cinfo->output_scanline < (JDIMENSION)y1)
+        jpeg_read_scanlines(cinfo, d->rows + (cinfo->output_scanline - y0), (JDIMENSION)y1 - cinfo->output_scanline);
+    jpeg_abort_decompress(cinfo); /* rows below the window are never decoded */
+    s->src = d->scratch + (size_t)(x0 - (int)xoff) * C;
+    s->rs = (ptrdiff_t)stride;
+    s->cs = C;
+    s->chs = 1;
+    s->box[0] = s->box[0] / denom - y0;
+    s->box[1] = s->box[1] / denom - x0;
+    s->box[2] /= denom;
+    s->box[3] /= denom;
+    s->clip[0] = s->clip[1] = 0;
+    s->clip[2] = y1 - y0;
+    s->clip[3] = x1 - x0;
+    return 0;
+}
+
+static PyObject *decode_resample(PyObject *self, PyObject *args) {
+    PyObject *list, *objs[8];
+    Py_buffer o_denoms, *views;
+    BatchArgs a;
+    int gray;
+    if (!PyArg_ParseTuple(args, "Oy*pOOOOOOOOiiip", &list, &o_denoms, &gray, &objs[0], &objs[1], &objs[2],
+                          &objs[3], &objs[4], &objs[5], &objs[6], &objs[7], &a.job.interp, &a.job.antialias,
+                          &a.job.chw, &a.job.to_uint8))
+        return NULL;
+    const Py_ssize_t n = get_images(list, &views);
+    if (n < 0) {
+        PyBuffer_Release(&o_denoms);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    char(*messages)[JMSG_LENGTH_MAX] = calloc(n ? n : 1, JMSG_LENGTH_MAX);
+    int *status = calloc(n ? n : 1, sizeof(int));
+    const int64_t *denoms = o_denoms.buf;
+    if (!messages || !status) {
+        PyErr_NoMemory();
+    } else if (o_denoms.len < (Py_ssize_t)sizeof(int64_t) * n) {
+        PyErr_Format(PyExc_ValueError, "denoms: %zd bytes, need %zd", o_denoms.len, (Py_ssize_t)sizeof(int64_t) * n);
+    } else if (get_args(objs, n, gray ? 1 : 3, &a) == 0) {
+        Py_ssize_t bad = -1;
+        for (Py_ssize_t i = 0; i < n && bad < 0; ++i) {
+            const int64_t dn = denoms[i];
+            Sample s;
+            if ((dn != 1 && dn != 2 && dn != 4 && dn != 8) || sample_args(&a, i, &s) < 0) bad = i;
+        }
+        if (bad >= 0) {
+            PyErr_Format(PyExc_ValueError, "image %zd: want a denom of 1, 2, 4 or 8 and an output inside `out`", bad);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            Decoder d = {0};
+            new_decompressor(&d.cinfo, &d.err);
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                Sample s;
+                sample_args(&a, i, &s);
+                if (decode_window(&d, views[i].buf, (size_t)views[i].len, gray, (int)denoms[i], &s) < 0) {
+                    memcpy(messages[i], d.err.message, JMSG_LENGTH_MAX);
+                    status[i] = 1;
+                } else if (resample_one(&a.job, &s) < 0) {
+                    snprintf(messages[i], JMSG_LENGTH_MAX, "out of memory");
+                    status[i] = 1;
+                }
+            }
+            jpeg_destroy_decompress(&d.cinfo);
+            free(d.scratch);
+            free(d.rows);
+            Py_END_ALLOW_THREADS
+            result = PyList_New(0);
+            for (Py_ssize_t i = 0; result && i < n; ++i) {
+                if (!status[i]) continue;
+                PyObject *item = Py_BuildValue("(ns)", i, messages[i]);
+                if (!item || PyList_Append(result, item) < 0) Py_CLEAR(result);
+                Py_XDECREF(item);
+            }
+        }
+        release_args(&a);
+    }
+    free(messages);
+    free(status);
+    release_images(views, n);
+    PyBuffer_Release(&o_denoms);
     return result;
 }
 
 static PyMethodDef methods[] = {
-    {"decode_jpeg", decode_jpeg, METH_VARARGS,
-     "decode_jpeg(data, gray, denom, y0, x0, y1, x1, out) -> (xoff, width): rows y0..y1 of the "
-     "1/denom-scaled image, columns xoff..xoff+width (covering x0..x1; libjpeg moves x0 down to an iMCU, "
-     "at most 31 pixels), HWC uint8 written to `out`"},
+    {"headers", headers, METH_VARARGS,
+     "headers(images, out): per encoded image (a list of buffers) int64 components, progressive, EXIF "
+     "orientation, height, width, complete (ends with EOI) into out [N, 6]; all 0 where libjpeg cannot read the "
+     "headers"},
+    {"decode_resample", decode_resample, METH_VARARGS,
+     "decode_resample(images, denoms, gray, boxes, clips, out_hw, offsets, flips, mean, inv_std, out, interp, "
+     "antialias, chw, to_uint8) -> [(row, message)] of the images that failed: each image decoded where its clip "
+     "reads, DCT-scaled by 1/denom (the box and clip in full-image pixels), then resampled as gpuio._cpuops.resample"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._jpeg", NULL, -1, methods};

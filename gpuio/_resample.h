@@ -14,6 +14,9 @@
 #ifndef GPUIO_RESAMPLE_H
 #define GPUIO_RESAMPLE_H
 
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -296,6 +299,74 @@ done:
     free(row);
     free(px);
     return ok;
+}
+
+/* The batch arguments both modules take: boxes (float64 [N, 4]), clips, out_hw, offsets,
+ * flips (int64 [N, 4], [N, 2], [N], [N]), mean, inv_std (float32 per channel), out
+ * (float32 or uint8), then interp, antialias, chw, to_uint8. */
+typedef struct {
+    Py_buffer views[8];
+    int held;
+    Py_ssize_t n;
+    const double *boxes;
+    const int64_t *clips, *out_hw, *offsets, *flips;
+    Job job;
+} BatchArgs;
+
+static void release_args(BatchArgs *a) {
+    for (int i = 0; i < a->held; ++i) PyBuffer_Release(&a->views[i]);
+    a->held = 0;
+}
+
+/* 0, or -1 with an exception set (nothing held then). */
+static int get_args(PyObject *const objs[8], Py_ssize_t n, int channels, BatchArgs *a) {
+    const Py_ssize_t needs[8] = {32 * n, 32 * n, 16 * n, 8 * n, 8 * n, 4 * channels, 4 * channels, 0};
+    static const char *names[8] = {"boxes", "clips", "out_hw", "offsets", "flips", "mean", "inv_std", "out"};
+    a->n = n;
+    for (a->held = 0; a->held < 8; ++a->held) {
+        Py_buffer *v = &a->views[a->held];
+        if (PyObject_GetBuffer(objs[a->held], v, a->held == 7 ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) break;
+        if (v->len < needs[a->held]) {
+            PyErr_Format(PyExc_ValueError, "%s: %zd bytes, need %zd", names[a->held], v->len, needs[a->held]);
+            PyBuffer_Release(v);
+            break;
+        }
+    }
+    if (a->held < 8) {
+        release_args(a);
+        return -1;
+    }
+    if (a->job.interp == CUBIC || a->job.interp < NEAREST || a->job.interp > AREA) {
+        PyErr_Format(PyExc_ValueError, "interp %d: nearest, linear or area only", a->job.interp);
+        release_args(a);
+        return -1;
+    }
+    a->boxes = a->views[0].buf;
+    a->clips = a->views[1].buf;
+    a->out_hw = a->views[2].buf;
+    a->offsets = a->views[3].buf;
+    a->flips = a->views[4].buf;
+    a->job.channels = channels;
+    a->job.mean = a->views[5].buf;
+    a->job.inv_std = a->views[6].buf;
+    a->job.out = a->views[7].buf;
+    return 0;
+}
+
+/* Sample i's parameters (src and strides are the caller's); 0, or -1 when its output
+ * is empty or does not fit in `out`. */
+static int sample_args(const BatchArgs *a, Py_ssize_t i, Sample *s) {
+    const int64_t *hw = a->out_hw + 2 * i;
+    const Py_ssize_t item = a->job.to_uint8 ? 1 : 4;
+    if (hw[0] < 1 || hw[1] < 1 || a->offsets[i] < 0
+            || (a->offsets[i] + hw[0] * hw[1] * a->job.channels) * item > a->views[7].len)
+        return -1;
+    memcpy(s->box, a->boxes + 4 * i, sizeof s->box);
+    memcpy(s->clip, a->clips + 4 * i, sizeof s->clip);
+    memcpy(s->out_hw, hw, sizeof s->out_hw);
+    s->offset = a->offsets[i];
+    s->flip = a->flips[i];
+    return 0;
 }
 
 #endif

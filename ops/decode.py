@@ -33,7 +33,7 @@ from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 
-__all__ = ["DecodeImage", "decode_image", "decode_cpu", "decode_region", "region_bytes", "region_decodable",
+__all__ = ["DecodeImage", "decode_image", "decode_cpu", "decode_region", "region_decodable", "jpeg_facts",
            "jpeg_info", "JpegInfo",
            "orient", "decode_rows", "COLORS", "image_format", "gpu_decodable", "decode_gpu", "upload"]
 
@@ -167,11 +167,12 @@ def _gray(color: str, components: int) -> bool:
     return color == "gray" or (color == "unchanged" and components == 1)
 
 
-def decode_cpu(buf: Any, color: str, sample: int) -> np.ndarray:
+def decode_cpu(buf: Any, color: str, sample: int, info: JpegInfo | None = None) -> np.ndarray:
     """One encoded image to HWC uint8 on the host (see the module docstring); bad bytes
-    raise ``FormatError`` naming ``sample``."""
+    raise ``FormatError`` naming ``sample``. ``info``: its ``jpeg_info`` where the
+    caller has read it already."""
     buf = _bytes(buf)
-    info = jpeg_info(buf)
+    info = jpeg_info(buf) if info is None else info
     try:
         if info is not None and info.components in (1, 3):
             img = simplejpeg.decode_jpeg(buf, colorspace="GRAY" if _gray(color, info.components) else "RGB")
@@ -194,44 +195,51 @@ try:
 except ImportError:  # built at install where libjpeg's headers exist; else whole-image decodes only
     _jpeg = None
 
-# columns decoded beyond each side of a region: libjpeg upsamples chroma at a cropped
-# edge as at the image's edge, which would change the region's outermost pixels
-_EDGE = 4
+
+def jpeg_facts(bufs: list[np.ndarray]) -> np.ndarray:
+    """libjpeg's reading of the headers of encoded images (contiguous uint8 arrays;
+    ``gpuio._jpeg`` must be built), int64 ``[N, 6]``: components, progressive, EXIF
+    orientation, height, width (as stored), complete (ends with EOI); all 0 where
+    libjpeg cannot read them (not a JPEG, a broken header)."""
+    facts = np.empty((len(bufs), 6), np.int64)
+    _jpeg.headers(bufs, facts)
+    return facts
 
 
-def region_decodable(data: np.ndarray, info: JpegInfo | None) -> bool:
-    """Whether ``decode_region`` takes this image: a complete (ends with EOI) 1- or
-    3-component JPEG without EXIF rotation, and the region decoder is built."""
-    return (_jpeg is not None and info is not None and info.components in (1, 3) and info.orientation == 1
-            and info.height > 0 and info.width > 0 and data[-2] == 0xFF and data[-1] == 0xD9)
+def facts_info(facts: np.ndarray) -> JpegInfo | None:
+    """One row of ``jpeg_facts`` as ``jpeg_info`` gives it (None where libjpeg could
+    not read the headers)."""
+    components, progressive, orientation, height, width, _ = facts.tolist()
+    return JpegInfo(components, bool(progressive), orientation, height, width) if components else None
 
 
-def region_bytes(info: JpegInfo, color: str, region: tuple[int, int, int, int], denom: int) -> int:
-    """Bytes ``decode_region`` needs in ``out`` for ``region``."""
+def region_decodable(facts: np.ndarray) -> np.ndarray:
+    """Which rows of ``jpeg_facts`` the region decoder (``gpuio._jpeg.decode_resample``)
+    takes: complete 1- or 3-component JPEGs without EXIF rotation."""
+    components = facts[:, 0]
+    return (((components == 1) | (components == 3)) & (facts[:, 2] == 1) & (facts[:, 3] > 0) & (facts[:, 4] > 0)
+            & (facts[:, 5] == 1))
+
+
+def decode_region(data: np.ndarray, components: int, color: str, region: tuple[int, int, int, int], denom: int,
+                  sample: int) -> np.ndarray:
+    """Pixels ``y0:y1, x0:x1`` (``region``) of a JPEG that ``region_decodable`` takes
+    (``components`` from its facts), DCT-scaled by 1/``denom`` (1, 2, 4, 8; the scaled
+    image has ``ceil(size / denom)`` pixels per side), HWC uint8 as ``decode_cpu``
+    gives. Rows below the region are not decoded at all, rows above and columns beside
+    it are not IDCT'd. (``decode_resample`` with a one-to-one nearest-pixel plan.)"""
     y0, x0, y1, x1 = region
-    # libjpeg moves x0 down to an iMCU boundary: fewer than 32 more columns
-    return (y1 - y0) * (x1 - x0 + 2 * _EDGE + 31) * (1 if _gray(color, info.components) else 3)
-
-
-def decode_region(data: np.ndarray, info: JpegInfo, color: str, region: tuple[int, int, int, int], denom: int,
-                  sample: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Pixels ``y0:y1, x0:x1`` (``region``) of a JPEG that ``region_decodable`` takes,
-    DCT-scaled by 1/``denom`` (1, 2, 4, 8; the scaled image has ``ceil(size / denom)``
-    pixels per side), HWC uint8 as ``decode_cpu`` gives: a view into ``out`` (uint8,
-    ``region_bytes`` long; a new array when None). Rows below the region are not
-    decoded at all, rows above and columns beside it are not IDCT'd."""
-    y0, x0, y1, x1 = region
-    lo, hi = max(0, x0 - _EDGE), min(-(-info.width // denom), x1 + _EDGE)
-    gray = _gray(color, info.components)
-    if out is None:
-        out = np.empty(region_bytes(info, color, region, denom), np.uint8)
-    try:
-        xoff, width = _jpeg.decode_jpeg(data, gray, denom, y0, lo, y1, hi, out)
-    except ValueError as exc:
-        raise FormatError(f"cannot decode image ({len(data)} bytes): {exc}", sample=sample) from exc
-    channels = 1 if gray else 3
-    img = out[: (y1 - y0) * width * channels].reshape(y1 - y0, width, channels)
-    return img[:, x0 - xoff: x1 - xoff]
+    channels = 1 if _gray(color, components) else 3
+    out = np.empty((y1 - y0, x1 - x0, channels), np.uint8)
+    full = np.array([[y0, x0, y1, x1]], np.int64) * denom
+    box = np.array([[y0, x0, y1 - y0, x1 - x0]], np.float64) * denom
+    failed = _jpeg.decode_resample([data], np.array([denom], np.int64), channels == 1, box, full,
+                                   np.array([out.shape[:2]], np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                   np.zeros(channels, np.float32), np.ones(channels, np.float32), out,
+                                   0, False, False, True)  # nearest, HWC uint8
+    if failed:
+        raise FormatError(f"cannot decode image ({len(data)} bytes): {failed[0][1]}", sample=sample)
+    return out
 
 
 _local = threading.local()

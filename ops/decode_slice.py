@@ -3,12 +3,12 @@
 
 The window comes per row as a relative ``anchor`` (x, y) and ``shape`` (w, h), both
 0-1, rounded to pixels by ``crop_window``. CPU: JPEGs that ``region_decodable`` takes
-are decoded by libjpeg-turbo only where the window is (rows below it are not decoded,
-columns beside it not IDCT'd; ``gpuio._jpeg``); other images are decoded whole and
-sliced. GPU: nvImageCodec decodes the batch in one call, JPEGs without EXIF rotation
-and JPEG 2000 through its region decode (``CodeStream.get_sub_code_stream(region=)``),
-TIFFs and rotated JPEGs whole and then sliced; the rest take the CPU path and are
-uploaded. The output equals ``decode_image`` followed by the same slice.
+(their headers read in one call per batch) are decoded by libjpeg-turbo only where the
+window is (rows below it are not decoded, columns beside it not IDCT'd;
+``gpuio._jpeg``); other images are decoded whole and sliced. GPU: nvImageCodec decodes
+the batch in one call, JPEGs without EXIF rotation and JPEG 2000 through its region
+decode (``CodeStream.get_sub_code_stream(region=)``), TIFFs and rotated JPEGs whole and
+then sliced; the rest take the CPU path and are uploaded. The output equals ``decode_image`` followed by the same slice.
 ``code_stream``, ``stored_orientation`` and ``region_source`` are the GPU region
 machinery, shared with ``ops.fused.DecodeFused`` (the window a fused chain reads).
 """
@@ -23,8 +23,9 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
-from gpuio.ops.decode import (COLORS, _bytes, decode_cpu, decode_gpu, decode_region, gpu_decodable, image_format,
-                              jpeg_info, region_decodable, upload)
+from gpuio.ops import decode
+from gpuio.ops.decode import (COLORS, _bytes, decode_cpu, decode_gpu, decode_region, facts_info, gpu_decodable,
+                              image_format, jpeg_facts, jpeg_info, region_decodable, upload)
 
 __all__ = ["DecodeImageSlice", "decode_image_slice", "crop_window", "code_stream", "region_source",
            "stored_orientation"]
@@ -64,24 +65,28 @@ class DecodeImageSlice(Op):
         images: list[Any] = [None] * len(bufs)
         if batch.device.is_cuda:
             self._decode_gpu(batch, bufs, anchors, shapes, images)
-        for row, buf in enumerate(bufs):
-            if images[row] is not None:
-                continue
+        rows = [row for row in range(len(bufs)) if images[row] is None]
+        data = [_bytes(bufs[row]) for row in rows]
+        facts = jpeg_facts(data) if decode._jpeg is not None else None
+        for k, row in enumerate(rows):
             try:
-                images[row] = self._decode_cpu(_bytes(buf), anchors[row], shapes[row], int(batch.index[row]))
+                images[row] = self._decode_cpu(data[k], None if facts is None else facts[k], anchors[row],
+                                               shapes[row], int(batch.index[row]))
             except FormatError as exc:
                 batch.reject(row, exc)
         batch.data[self.out] = upload(batch, images)
         batch.drop_rejected()
         return batch
 
-    def _decode_cpu(self, data: np.ndarray, anchor: Sequence[float], shape: Sequence[float],
-                    sample: int) -> np.ndarray:
-        info = jpeg_info(data)
-        if region_decodable(data, info):
-            window = crop_window(anchor, shape, info.height, info.width)
-            return np.ascontiguousarray(decode_region(data, info, self.color, window, 1, sample))
-        return np.ascontiguousarray(_slice(decode_cpu(data, self.color, sample), anchor, shape))
+    def _decode_cpu(self, data: np.ndarray, facts: np.ndarray | None, anchor: Sequence[float],
+                    shape: Sequence[float], sample: int) -> np.ndarray:
+        """The window of one image: by the region decoder where it takes the image
+        (``facts``: its row of ``jpeg_facts``, None where the decoder is not built)."""
+        if facts is not None and region_decodable(facts[None])[0]:
+            window = crop_window(anchor, shape, int(facts[3]), int(facts[4]))
+            return decode_region(data, int(facts[0]), self.color, window, 1, sample)
+        info = facts_info(facts) if facts is not None else None
+        return np.ascontiguousarray(_slice(decode_cpu(data, self.color, sample, info), anchor, shape))
 
     def _decode_gpu(self, batch: Batch, bufs: list[Any], anchors: list[Any], shapes: list[Any],
                     images: list[Any]) -> None:

@@ -12,11 +12,15 @@ released) for the linear, area and nearest filters into float32 or uint8; otherw
 the kernel's math in NumPy, so that the algorithm is tested without a GPU.
 
 ``DecodeFused`` puts a ``decode_image`` in front of a fused chain: each image is decoded
-only where the chain's filter reads (the crop's rows and columns). On the CPU JPEGs go
-through libjpeg-turbo's partial decode, at 1/2, 1/4 or 1/8 scale (libjpeg's DCT
-scaling) when the crop keeps at least the output's size (times 1.5) at that scale; on
-the GPU the batch goes through nvImageCodec's region decode in one call
-(``ops.decode_slice.region_source``), the rest falling back per image as in
+only where the chain's filter reads (the crop's rows and columns). On the CPU libjpeg
+reads the batch's JPEG headers in one C call, the plan's random draws are made, and one
+more C call (``gpuio._jpeg.decode_resample``, the GIL released) decodes each JPEG's
+window with libjpeg-turbo's partial decode, at 1/2, 1/4 or 1/8 scale (libjpeg's DCT
+scaling) when the crop keeps at least the output's size (times 1.5) at that scale, and
+resamples it into the batch output while it is still in the cache; images it does not
+take (CMYK, EXIF-rotated, truncated, not JPEG) are decoded whole and resampled by
+``gpuio._cpuops``. On the GPU the batch goes through nvImageCodec's region decode in
+one call (``ops.decode_slice.region_source``), the rest falling back per image as in
 ``decode_image``.
 
 ``Compose(ops)`` runs ops in order, dropping rejected rows between them, and swaps
@@ -36,8 +40,9 @@ from gpuio.buffers import pooled_empty
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 from gpuio.ops.color import Normalize, cast, stack_or_list
-from gpuio.ops.decode import (DecodeImage, _bytes, decode_cpu, decode_gpu, decode_region, decode_rows, gpu_decodable,
-                              jpeg_info, region_bytes, region_decodable, upload)
+from gpuio.ops import decode as decode_ops
+from gpuio.ops.decode import (DecodeImage, _bytes, _gray, decode_cpu, decode_gpu, decode_rows, facts_info,
+                              gpu_decodable, jpeg_facts, region_decodable, upload)
 from gpuio.ops.decode_slice import code_stream, region_source, stored_orientation
 from gpuio.ops.geometry import INTERPOLATIONS, CenterCrop, Flip, RandomResizedCrop, Resize, _Crop, _sizes, resample
 
@@ -148,30 +153,45 @@ class FusedCropResizeNormalize(Op):
                                          mean=mean, inv_std=inv_std, **args)
         if not self.runs_in_c() or any(img.ndim != 3 or img.shape[2] != channels for img in images):
             return fused_reference(images, plan, mean, inv_std, **args)
-        out_hw = plan["out_hw"]
+        out, offsets = self.c_output(plan["out_hw"], channels)
+        _cpuops.resample(images, *self.c_args(plan, offsets, out, channels))
+        return self.c_result(out, offsets, plan["out_hw"], channels)
+
+    def c_output(self, out_hw: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarray]:
+        """The flat output of the C path for outputs of sizes ``out_hw`` ``[N, 2]`` (a
+        pooled buffer) and where each sample starts in it (items, int64 ``[N]``)."""
         sizes = out_hw[:, 0] * out_hw[:, 1] * channels
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        out = pooled_empty((int(sizes.sum()),), self.normalize.dtype)
-        _cpuops.resample(images, np.ascontiguousarray(plan["box"], np.float64),
-                         np.ascontiguousarray(plan["clip"], np.int64), np.ascontiguousarray(out_hw, np.int64),
-                         offsets, np.ascontiguousarray(plan["flip"], np.int64), mean, inv_std, out,
-                         INTERPOLATIONS[self.interp], self.antialias, self.normalize.layout == "CHW",
-                         self.normalize.dtype == "uint8")
+        return pooled_empty((int(sizes.sum()),), self.normalize.dtype), offsets
+
+    def c_args(self, plan: dict[str, np.ndarray], offsets: np.ndarray, out: np.ndarray, channels: int) -> tuple:
+        """The batch arguments of ``gpuio._cpuops.resample`` and
+        ``gpuio._jpeg.decode_resample`` after their images."""
+        mean, inv_std = self.normalize.channel_params(channels)
+        return (np.ascontiguousarray(plan["box"], np.float64), np.ascontiguousarray(plan["clip"], np.int64),
+                np.ascontiguousarray(plan["out_hw"], np.int64), np.ascontiguousarray(offsets, np.int64),
+                np.ascontiguousarray(plan["flip"], np.int64), mean, inv_std, out, INTERPOLATIONS[self.interp],
+                self.antialias, self.normalize.layout == "CHW", self.normalize.dtype == "uint8")
+
+    def c_result(self, out: np.ndarray, offsets: np.ndarray, out_hw: np.ndarray, channels: int) -> Any:
+        """The samples in ``out`` (``c_output``) as one array, or a list where their
+        shapes differ."""
         chw = self.normalize.layout == "CHW"
         shapes = [(channels, h, w) if chw else (h, w, channels) for h, w in out_hw.tolist()]
         if all(shape == shapes[0] for shape in shapes):
-            return out.reshape(len(images), *shapes[0])
-        return [out[o: o + n].reshape(shape) for o, n, shape in zip(offsets.tolist(), sizes.tolist(), shapes)]
+            return out.reshape(len(shapes), *shapes[0])
+        return [out[o: o + int(np.prod(shape))].reshape(shape) for o, shape in zip(offsets.tolist(), shapes)]
 
 
-def _denom(box: np.ndarray, out_hw: np.ndarray) -> int:
-    """The largest DCT scale 1/d (d = 8, 4, 2) that keeps the box at least 1.5x
-    ``out_hw``: the resize after it then smooths the scaled IDCT's sharper edges (at
-    1x, small images differed from a full decode by up to 2.2 levels on average)."""
-    for d in (8, 4, 2):
-        if box[2] >= 1.5 * d * out_hw[0] and box[3] >= 1.5 * d * out_hw[1]:
-            return d
-    return 1
+def _denoms(box: np.ndarray, out_hw: np.ndarray) -> np.ndarray:
+    """Per row the largest DCT scale 1/d (d = 8, 4, 2, else 1), int64 ``[N]``, that keeps
+    the box (``[N, 4]``) at least 1.5x ``out_hw`` (``[N, 2]``): the resize after it then
+    smooths the scaled IDCT's sharper edges (at 1x, small images differed from a full
+    decode by up to 2.2 levels on average)."""
+    denoms = np.ones(len(box), np.int64)
+    for d in (2, 4, 8):
+        denoms[(box[:, 2] >= 1.5 * d * out_hw[:, 0]) & (box[:, 3] >= 1.5 * d * out_hw[:, 1])] = d
+    return denoms
 
 
 class DecodeFused(Op):
@@ -192,74 +212,69 @@ class DecodeFused(Op):
     def __call__(self, batch: Batch) -> Batch:
         if batch.device.is_cuda:
             return self._call_gpu(batch)
-        if not self.fused.runs_in_c():
+        if not self.fused.runs_in_c() or decode_ops._jpeg is None:
             batch = self.decode(batch)
             batch.drop_rejected()
             return self.fused(batch)
+        return self._call_cpu(batch)
+
+    def _call_cpu(self, batch: Batch) -> Batch:
+        """libjpeg reads the batch's headers in one call; the JPEGs the region decoder
+        takes are decoded where the plan reads and resampled in one more call
+        (``gpuio._jpeg.decode_resample``), the others decoded whole (``decode_cpu``) and
+        resampled by ``gpuio._cpuops``, into the same output."""
         color = self.decode.color
-        images, infos, hw, bad = [], [], [], []
-        for row, buf in enumerate(batch.data[self.decode.field]):
-            data = _bytes(buf)
-            info = jpeg_info(data)
-            if region_decodable(data, info):  # decoded below, once the plan says where
-                images.append(data)
-                infos.append(info)
-                hw.append((info.height, info.width))
-                continue
-            try:
-                img = decode_cpu(data, color, int(batch.index[row]))
-            except FormatError as exc:
-                batch.reject(row, exc)
-                bad.append(row)
-                img = np.zeros((0, 0, 1), np.uint8)
-            images.append(img)
-            infos.append(None)
-            hw.append(img.shape[:2])
+        bufs = [_bytes(buf) for buf in batch.data[self.decode.field]]
+        facts = jpeg_facts(bufs)
+        windowed = region_decodable(facts)
+        images: list[Any] = list(bufs)  # encoded where windowed, else decoded here
+        hw = facts[:, 3:5].copy()
+        bad: list[int] = []
+
+        def decode_whole(rows: np.ndarray) -> None:
+            for row in rows.tolist():
+                try:
+                    images[row] = decode_cpu(bufs[row], color, int(batch.index[row]), facts_info(facts[row]))
+                    hw[row] = images[row].shape[:2]
+                except FormatError as exc:
+                    batch.reject(row, exc)
+                    bad.append(row)
+            windowed[rows] = False
+
+        decode_whole(np.flatnonzero(~windowed))
+        channels = {1 if _gray(color, c) else 3 for c in facts[windowed, 0].tolist()}
+        channels |= {img.shape[2] for row, img in enumerate(images) if not windowed[row] and row not in bad}
+        if len(channels) > 1:  # gray and colour images ("unchanged"): decoded whole, NumPy math in run_plan
+            decode_whole(np.flatnonzero(windowed))
         keep = _keep(len(images), bad)
         batch.drop_rejected()
-        images, infos = _take(images, keep), _take(infos, keep)
-        plan = self.fused.plan(batch, np.array(_take(hw, keep), np.int64).reshape(-1, 2))
+        images, windowed = _take(images, keep), windowed[keep]
+        plan = self.fused.plan(batch, hw[keep])
         keep = plan.pop("ok")
         batch.drop_rejected()
-        images, infos = _take(images, keep), _take(infos, keep)
-        plan = {k: v[keep] for k, v in plan.items()}  # indexing by a mask copies: to_region may write it
-        bad = self._decode_regions(batch, images, infos, plan)
-        if bad:
-            keep = _keep(len(images), bad)
-            batch.drop_rejected()
-            images = _take(images, keep)
-            plan = {k: v[keep] for k, v in plan.items()}
-        batch.data[self.fused.field] = self.fused.run_plan(batch, images, plan)
+        images, windowed = _take(images, keep), windowed[keep]
+        plan = {k: v[keep] for k, v in plan.items()}
+        if len(channels) != 1 or not images:
+            batch.data[self.fused.field] = self.fused.run_plan(batch, images, plan)
+            return batch
+        channels = channels.pop()
+        out, offsets = self.fused.c_output(plan["out_hw"], channels)
+        rows = np.flatnonzero(windowed)
+        part = {k: v[rows] for k, v in plan.items()}
+        failed = decode_ops._jpeg.decode_resample(
+            [images[r] for r in rows], _denoms(part["box"], part["out_hw"]), channels == 1,
+            *self.fused.c_args(part, offsets[rows], out, channels))
+        rest = np.flatnonzero(~windowed)
+        if len(rest):
+            part = {k: v[rest] for k, v in plan.items()}
+            _cpuops.resample([images[r] for r in rest], *self.fused.c_args(part, offsets[rest], out, channels))
+        for k, message in failed:
+            row = int(rows[k])
+            batch.reject(row, FormatError(f"cannot decode image ({len(images[row])} bytes): {message}",
+                                          sample=int(batch.index[row])))
+        batch.data[self.fused.field] = self.fused.c_result(out, offsets, plan["out_hw"], channels)
+        batch.drop_rejected()
         return batch
-
-    def _decode_regions(self, batch: Batch, images: list[Any], infos: list[Any], plan: dict[str, np.ndarray]
-                        ) -> list[int]:
-        """Decode, in place of their encoded bytes in ``images``, the source pixels the
-        plan reads of the rows with a JPEG header in ``infos`` (DCT-scaled where
-        ``_denom`` allows), into one pooled buffer (no page faults per image); ``plan``
-        moves to the decoded pixels' coordinates. Returns the rows rejected."""
-        color = self.decode.color
-        regions = {}
-        for row, info in enumerate(infos):
-            if info is not None:
-                d = _denom(plan["box"][row], plan["out_hw"][row])
-                y0, x0, y1, x1 = plan["clip"][row].tolist()
-                regions[row] = d, (y0 // d, x0 // d, min(-(-y1 // d), -(-info.height // d)),
-                                   min(-(-x1 // d), -(-info.width // d)))
-        sizes = {row: region_bytes(infos[row], color, region, d) for row, (d, region) in regions.items()}
-        space = pooled_empty((sum(sizes.values()),), np.uint8)
-        start, bad = 0, []
-        for row, (d, region) in regions.items():
-            out = space[start: start + sizes[row]]
-            start += sizes[row]
-            try:
-                images[row] = decode_region(images[row], infos[row], color, region, d, int(batch.index[row]), out)
-            except FormatError as exc:
-                batch.reject(row, exc)
-                bad.append(row)
-                continue
-            to_region(plan, row, region, d)
-        return bad
 
     def _call_gpu(self, batch: Batch) -> Batch:
         """nvImageCodec decodes only the window the plan reads (``clip``) of the images

@@ -14,7 +14,7 @@ from gpuio import ops
 from gpuio.batch import Batch, sample_seeds
 from gpuio.errors import FormatError
 from gpuio.ops import decode, fused
-from gpuio.ops.decode import decode_cpu, decode_region, jpeg_info, region_decodable
+from gpuio.ops.decode import decode_cpu, decode_region, facts_info, jpeg_facts, jpeg_info, region_decodable
 from gpuio.ops.fused import DecodeFused, FusedCropResizeNormalize, fused_reference
 from gpuio.ops.geometry import _sizes
 from gpuio.sample import make_image_tree, sample_image
@@ -95,21 +95,35 @@ def test_c_resampler_matches_reference(jpegs, name):
         assert levels(got, want, chain[-1]).max() <= bound
 
 
+def test_jpeg_facts_equal_jpeg_info(tree_jpegs, jpegs):
+    """libjpeg's header reading (one C call per batch) gives what the Python parser
+    gives, on gray, progressive, CMYK and EXIF-rotated JPEGs; zeros for other bytes."""
+    require_built(decode._jpeg, "gpuio._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
+    bufs = tree_jpegs + jpegs
+    facts = jpeg_facts(bufs + [np.frombuffer(b"not an image", np.uint8), tree_jpegs[0][:40]])
+    assert [facts_info(f) for f in facts[:-2]] == [jpeg_info(b) for b in bufs]
+    assert {jpeg_info(b).orientation for b in bufs} > {1} and {jpeg_info(b).components for b in bufs} == {1, 3, 4}
+    assert facts[-2:].tolist() == [[0] * 6] * 2
+    complete = [b[-2] == 0xFF and b[-1] == 0xD9 for b in bufs]
+    assert facts[:-2, 5].tolist() == complete and all(complete)
+
+
 def test_region_decode_equals_whole_decode(jpegs):
     require_built(decode._jpeg, "gpuio._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
     rng = np.random.default_rng(0)
+    facts = jpeg_facts(jpegs)
+    assert region_decodable(facts).all()
     for k, data in enumerate(jpegs):
         info = jpeg_info(data)
-        assert region_decodable(data, info)
         whole = decode_cpu(data, "rgb", k)
         h, w = whole.shape[:2]
         assert (info.height, info.width) == (h, w)
         for _ in range(12):
             y0, x0 = int(rng.integers(0, h - 1)), int(rng.integers(0, w - 1))
             y1, x1 = int(rng.integers(y0 + 1, h + 1)), int(rng.integers(x0 + 1, w + 1))
-            got = decode_region(data, info, "rgb", (y0, x0, y1, x1), 1, k)
+            got = decode_region(data, info.components, "rgb", (y0, x0, y1, x1), 1, k)
             np.testing.assert_array_equal(got, whole[y0:y1, x0:x1])
-        gray = decode_region(data, info, "gray", (0, 0, h, w), 1, k)
+        gray = decode_region(data, info.components, "gray", (0, 0, h, w), 1, k)
         np.testing.assert_array_equal(gray, decode_cpu(data, "gray", k))
 
 
@@ -122,7 +136,7 @@ def test_dct_scaled_decode_then_resize_is_close_to_full_decode(jpegs):
     whole = decode_cpu(data, "rgb", 0)
     for d, out_hw in [(2, (160, 250)), (4, (80, 120)), (8, (40, 60))]:
         sh, sw = -(-info.height // d), -(-info.width // d)
-        small = decode_region(data, info, "rgb", (0, 0, sh, sw), d, 0)
+        small = decode_region(data, info.components, "rgb", (0, 0, sh, sw), d, 0)
         assert small.shape == (sh, sw, 3)
         chain = lambda: [ops.resize(out_hw), ops.normalize(0, 1, layout="HWC")]  # noqa: E731
         a = ops.Compose(chain())(make_batch([whole], field="image")).data["image"]
@@ -149,7 +163,7 @@ def test_decode_fused_matches_decode_then_ops(monkeypatch, tree_jpegs, jpegs, na
     assert isinstance(pipe.fused[0], DecodeFused) and len(pipe.fused) == 1
     want = run(CHAINS[name](), bufs, fuse=False).data["image"]
     scaled = pipe(make_batch(bufs)).data["image"]
-    monkeypatch.setattr(fused, "_denom", lambda box, out_hw: 1)
+    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw: np.ones(len(box), np.int64))
     got = pipe(make_batch(bufs)).data["image"]
     assert len(got) == len(want) == len(scaled) == len(bufs)
     for g, s, w in zip(got, scaled, want):
@@ -174,8 +188,8 @@ def test_decode_fused_without_c_modules_matches(monkeypatch, tree_jpegs, missing
 def test_decode_fused_bad_samples(monkeypatch, tree_jpegs):
     """Corrupt and truncated JPEGs are errors naming the sample; with on_error="skip"
     the other rows come out as decode-then-ops gives them."""
-    monkeypatch.setattr(fused, "_denom", lambda box, out_hw: 1)
-    good = [b for b in tree_jpegs if region_decodable(b, jpeg_info(b))][:6]
+    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw: np.ones(len(box), np.int64))
+    good = [b for b, ok in zip(tree_jpegs, region_decodable(jpeg_facts(tree_jpegs))) if ok][:6]
     corrupt = good[1].copy()
     scan = corrupt.tobytes().index(b"\xff\xda") + 40
     corrupt[scan: scan + 64] = 0xFF  # bad entropy-coded data in the first rows, EOI intact

@@ -166,7 +166,8 @@ def test_decode_fused_equals_decode_then_ops(device, monkeypatch, encoded, name)
     draws, rows and errors, outputs within 1 level (Pillow's rounding) plus, on the GPU,
     the region decode's chroma upsampling at the window's edges (2 levels). Progressive,
     CMYK, EXIF-rotated, truncated and non-image rows take the per-image fallbacks."""
-    monkeypatch.setattr(fused, "_denom", lambda box, out_hw: 1)  # the CPU's DCT scaling is tested elsewhere
+    # the CPU's DCT scaling is tested elsewhere
+    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw: np.ones(len(box), np.int64))
     bufs = list(encoded) + [encoded[0][: len(encoded[0]) // 2], np.frombuffer(b"not an image", np.uint8)]
 
     def run(fuse):
