@@ -14,8 +14,8 @@ or ``xywh`` (``"xyWH"``: left, top, width, height); labels int32 ``[n]``.
   and ``p`` mirrors the image (the same draw from ``(seed, epoch, sample)``).
 - ``paste`` / ``bbox_paste``: zoom out, the image on a canvas ``ratio`` times larger
   and the boxes moved with it; both draw ``ratio``, ``paste_x``, ``paste_y`` alike.
-- ``box_encoder``: matches boxes to anchors and encodes them (SSD); a GPU batch is
-  encoded in one vectorized CuPy pass over ``[B, boxes, anchors]``.
+- ``box_encoder``: matches boxes to anchors and encodes them (SSD), a batch in one
+  vectorized NumPy or CuPy pass over ``[boxes of all rows, anchors]``.
 
 Masks and polygons follow these ops: the fields ``polygons`` (int32 ``[p, 3]``:
 annotation, first vertex, end vertex) and ``vertices`` (float32 ``[v, 2]``, relative
@@ -42,7 +42,7 @@ from gpuio.ops.decode_slice import crop_window
 from gpuio.ops.color import Normalize
 from gpuio.ops.fused import FusedCropResizeNormalize
 from gpuio.ops.geometry import Flip, Resize, _size2
-from gpuio.ops.ragged import to_host
+from gpuio.ops.ragged import segment_max, to_host
 
 __all__ = ["RandomBBoxCrop", "BBFlip", "Paste", "BBoxPaste", "BoxEncoder", "random_bbox_crop", "bb_flip",
            "paste", "bbox_paste", "box_encoder", "encode_boxes"]
@@ -474,45 +474,51 @@ class BBoxPaste(_PasteDraws, Op):
         return batch
 
 
-def encode_boxes(xp: Any, boxes: Any, counts: Any, labels: Any, anchors: Any, criteria: float = 0.5,
+def encode_boxes(xp: Any, boxes: Any, counts: np.ndarray, labels: Any, anchors: Any, criteria: float = 0.5,
                  offset: bool = False, scale: float = 1.0, means: Sequence[float] = (0, 0, 0, 0),
                  stds: Sequence[float] = (1, 1, 1, 1)) -> tuple[Any, Any]:
-    """DALI's box encoding for a padded batch, vectorized in ``xp`` (NumPy or CuPy):
-    ``boxes`` float32 ``[B, M, 4]`` (ltrb; row ``b`` uses its first ``counts[b]``),
-    ``labels`` int32 ``[B, M]``, ``anchors`` float32 ``[A, 4]`` (ltrb). Returns float32
-    ``[B, A, 4]`` and int32 ``[B, A]``.
+    """DALI's box encoding for a batch, vectorized in ``xp`` (NumPy or CuPy): ``boxes``
+    float32 ``[T, 4]`` (ltrb) and ``labels`` int32 ``[T]``, the rows' boxes end to end,
+    ``counts[b]`` (host int64 ``[B]``) of them in row ``b``; ``anchors`` float32 ``[A, 4]``
+    (ltrb). Returns float32 ``[B, A, 4]`` and int32 ``[B, A]``.
 
     Each box claims the anchor it overlaps most (IoU set to 2; the last of ties); each
-    anchor then takes the box of highest IoU (the last of ties) if that IoU is above
-    ``criteria``. Matched anchors get the box's centre and size ``(cx, cy, w, h)`` and
-    label, the others their own centre and size and label 0; with ``offset`` matched
-    anchors get ``((c_box - c_anchor) / w_anchor - mean) / std`` and ``(log(w_box /
-    w_anchor) - mean) / std`` (coordinates times ``scale`` first), the others 0."""
-    n, m = boxes.shape[:2]
-    if m == 0:  # no box in any row: one padding box, never valid
-        boxes, labels, m = xp.zeros((n, 1, 4), xp.float32), xp.zeros((n, 1), xp.int32), 1
-    # coordinates one array each: [B, M, 1] for boxes, [A] for anchors, so that every
-    # step runs over contiguous [B, M, A] arrays
-    bl, bt, br, bb = (boxes[:, :, k, None] for k in range(4))
+    anchor then takes the box of its row with the highest IoU (the last of ties) if that
+    IoU is above ``criteria``. Matched anchors get the box's centre and size ``(cx, cy,
+    w, h)`` and label, the others their own centre and size and label 0; with ``offset``
+    matched anchors get ``((c_box - c_anchor) / w_anchor - mean) / std`` and ``(log(w_box
+    / w_anchor) - mean) / std`` (coordinates times ``scale`` first), the others 0."""
+    total = len(boxes)
+    if total == 0:  # no box in any row: one that no row owns, so that the gathers below have a source
+        boxes, labels = xp.zeros((1, 4), xp.float32), xp.zeros(1, xp.int32)
+    # coordinates one array each: [T, 1] for boxes, [A] for anchors, so that every step
+    # runs over a contiguous [T, A] array
+    bl, bt, br, bb = (boxes[:, k, None] for k in range(4))
     al, at, ar, ab = (xp.ascontiguousarray(anchors[:, k]) for k in range(4))
-    iw = xp.maximum(xp.minimum(br, ar) - xp.maximum(bl, al), 0)
-    ih = xp.maximum(xp.minimum(bb, ab) - xp.maximum(bt, at), 0)
-    inter = iw * ih
-    union = (br - bl) * (bb - bt) + (ar - al) * (ab - at) - inter
+    inter = xp.minimum(br, ar)
+    inter -= xp.maximum(bl, al)
+    xp.maximum(inter, 0, out=inter)
+    ih = xp.minimum(bb, ab)
+    ih -= xp.maximum(bt, at)
+    xp.maximum(ih, 0, out=ih)
+    inter *= ih
+    union = xp.add((br - bl) * (bb - bt), (ar - al) * (ab - at), out=ih)
+    union -= inter
     iou = xp.where(inter > 0, inter / xp.where(union > 0, union, 1), 0).astype(xp.float32, copy=False)
-    valid = xp.arange(m)[None, :] < xp.asarray(counts)[:, None]
-    iou = xp.where(valid[..., None], iou, -1)
     count_a = anchors.shape[0]
-    best_anchor = count_a - 1 - xp.argmax(iou[..., ::-1], axis=2)  # [B, M]
-    rows, cols = xp.nonzero(valid)
-    iou[rows, cols, best_anchor[rows, cols]] = 2
-    best_box = m - 1 - xp.argmax(iou[:, ::-1, :], axis=1)  # [B, A]
-    matched = xp.take_along_axis(iou, best_box[:, None, :], axis=1)[:, 0] > criteria
-    out_labels = xp.where(matched, xp.take_along_axis(labels, best_box, axis=1), 0).astype(xp.int32)
+    iou[xp.arange(len(boxes)), count_a - 1 - xp.argmax(iou[:, ::-1], axis=1)] = 2
+    # each anchor's best box in each row, the last of ties: the row's largest key, the
+    # IoU's bits (they order as the values, IoU >= 0) above the box's number
+    key = iou.view(xp.uint32).astype(xp.uint64)
+    key <<= xp.uint64(32)
+    key |= xp.arange(len(boxes), dtype=xp.uint64)[:, None]
+    best = segment_max(xp, key[:total], counts)  # [B, A]; 0 (box 0, IoU 0) for a row without boxes
+    best_box = (best & xp.uint64(0xFFFFFFFF)).astype(xp.int64)
+    matched = (best >> xp.uint64(32)).astype(xp.uint32).view(xp.float32) > criteria
+    out_labels = xp.where(matched, labels[best_box], 0).astype(xp.int32)
     # centre and size: of each box, gathered per anchor ([B, A] each), and of each anchor ([A] each)
-    box_cs = [xp.take_along_axis(v, best_box, axis=1) for v in
-              ((boxes[..., 0] + boxes[..., 2]) * 0.5, (boxes[..., 1] + boxes[..., 3]) * 0.5,
-               boxes[..., 2] - boxes[..., 0], boxes[..., 3] - boxes[..., 1])]
+    box_cs = [v[best_box] for v in ((boxes[:, 0] + boxes[:, 2]) * 0.5, (boxes[:, 1] + boxes[:, 3]) * 0.5,
+                                    boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1])]
     anchor_cs = [(al + ar) * 0.5, (at + ab) * 0.5, ar - al, ab - at]
     if not offset:
         out = [xp.where(matched, b, a) for b, a in zip(box_cs, anchor_cs)]
@@ -530,8 +536,9 @@ def encode_boxes(xp: Any, boxes: Any, counts: Any, labels: Any, anchors: Any, cr
 class BoxEncoder(Op):
     """DALI's ``box_encoder``: boxes (ltrb, relative) and labels per row against
     ``anchors`` (ltrb, ``[A, 4]`` or flat ``4 * A`` floats) to float32 ``[N, A, 4]``
-    and int32 ``[N, A]`` (see ``encode_boxes``). On a GPU batch the whole batch is one
-    vectorized CuPy pass; on the CPU one NumPy pass per row."""
+    and int32 ``[N, A]`` (see ``encode_boxes``): the whole batch in one vectorized
+    NumPy (CPU) or CuPy (GPU) pass. A row with a number of labels other than its
+    number of boxes is a bad sample."""
 
     def __init__(self, anchors: Sequence[float] | np.ndarray, criteria: float = 0.5, offset: bool = False,
                  scale: float = 1.0, means: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
@@ -551,29 +558,26 @@ class BoxEncoder(Op):
     def __call__(self, batch: Batch) -> Batch:
         rows = [_boxes(b) for b in batch.data[self.field]]
         labels = [np.asarray(to_host(v), np.int32).reshape(-1) for v in batch.data[self.labels]]
+        for row, (r, lab) in enumerate(zip(rows, labels)):
+            if len(lab) != len(r):
+                batch.reject(row, DataError(f"{len(lab)} labels for {len(r)} boxes", sample=int(batch.index[row])))
+                rows[row], labels[row] = r[:0], lab[:0]
+        counts = np.array([len(r) for r in rows], np.int64)
+        boxes = np.concatenate(rows) if rows else np.zeros((0, 4), np.float32)
+        labels = np.concatenate(labels) if labels else np.zeros(0, np.int32)
         args = (self.criteria, self.offset, self.scale, self.means, self.stds)
         if batch.device.is_cuda:
             cp = require("cupy")
-            m = max([len(r) for r in rows] + [1])
-            padded = np.zeros((len(rows), m, 4), np.float32)
-            padded_labels = np.zeros((len(rows), m), np.int32)
-            for k, (r, lab) in enumerate(zip(rows, labels)):
-                padded[k, :len(r)], padded_labels[k, :len(lab)] = r, lab
-            counts = np.array([len(r) for r in rows], np.int64)
             with cp.cuda.Device(batch.device.index):
                 stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
                 with stream:
                     anchors = self._device_anchors.get(batch.device.index)
                     if anchors is None:
                         anchors = self._device_anchors[batch.device.index] = cp.asarray(self.anchors)
-                    boxes, out_labels = encode_boxes(cp, cp.asarray(padded), cp.asarray(counts),
-                                                     cp.asarray(padded_labels), anchors, *args)
+                    boxes, labels = encode_boxes(cp, cp.asarray(boxes), counts, cp.asarray(labels), anchors, *args)
         else:
-            out = [encode_boxes(np, r[None], np.array([len(r)]), lab[None], self.anchors, *args)
-                   for r, lab in zip(rows, labels)]
-            boxes = np.concatenate([o[0] for o in out]) if out else np.zeros((0, len(self.anchors), 4), np.float32)
-            out_labels = np.concatenate([o[1] for o in out]) if out else np.zeros((0, len(self.anchors)), np.int32)
-        batch.data[self.field], batch.data[self.labels] = boxes, out_labels
+            boxes, labels = encode_boxes(np, boxes, counts, labels, self.anchors, *args)
+        batch.data[self.field], batch.data[self.labels] = boxes, labels
         return batch
 
 

@@ -108,11 +108,13 @@ def unpack(packed: Any, lengths: np.ndarray, axis: int) -> list[Any]:
 
 
 def segment_max(xp: Any, values: Any, lengths: np.ndarray) -> Any:
-    """Per row maximum over axis 0 of a packed float array: ``[N, ...]`` ->
-    ``[B, ...]``, -inf for an empty row. On the host one contiguous reduction per row
-    (several times faster than ``np.maximum.reduceat`` along axis 0); on a GPU one
-    ``cupyx.scatter_max`` for the batch (float32, which CUDA's atomics take)."""
-    out = xp.full((len(lengths), *values.shape[1:]), -np.inf, dtype=values.dtype)
+    """Per row maximum over axis 0 of a packed array: ``[N, ...]`` -> ``[B, ...]``,
+    the dtype's lowest value (-inf for floats) for an empty row. On the host one
+    contiguous reduction per row (several times faster than ``np.maximum.reduceat``
+    along axis 0); on a GPU one ``cupyx.scatter_max`` for the batch (float32, int32,
+    uint32 or uint64, which CUDA's atomics take)."""
+    lowest = -np.inf if np.dtype(values.dtype).kind == "f" else np.iinfo(values.dtype).min
+    out = xp.full((len(lengths), *values.shape[1:]), lowest, dtype=values.dtype)
     ends = np.cumsum(lengths)
     if xp is np:
         for i, (start, end) in enumerate(zip((ends - lengths).tolist(), ends.tolist())):

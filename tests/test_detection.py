@@ -127,22 +127,37 @@ def test_box_encoder_matches_dali_formula(device, encoder_case, kw):
 
 
 def test_batched_encoding_equals_row_by_row(encoder_case):
-    """The GPU's one pass over a padded ``[B, M, A]`` batch, run by NumPy, gives what
-    each row alone gives (padding never matches)."""
+    """The one pass over the rows' boxes end to end (as both devices run it) gives
+    exactly what each row alone gives: no box matches an anchor of another row, and a
+    row without boxes (row 2) is background everywhere."""
     anchors, boxes, labels = encoder_case
-    m = max(len(b) for b in boxes)
-    padded = np.full((len(boxes), m, 4), 0.5, np.float32)  # padding overlapping everything
-    padded_labels = np.full((len(boxes), m), 99, np.int32)
-    for k, (b, lab) in enumerate(zip(boxes, labels)):
-        padded[k, :len(b)], padded_labels[k, :len(lab)] = b, lab
     counts = np.array([len(b) for b in boxes])
     for kw in (dict(), dict(offset=True, scale=300.0)):
-        all_boxes, all_labels = encode_boxes(np, padded, counts, padded_labels, anchors, **kw)
+        all_boxes, all_labels = encode_boxes(np, np.concatenate(boxes), counts, np.concatenate(labels), anchors,
+                                             **kw)
         for k, (b, lab) in enumerate(zip(boxes, labels)):
-            one_boxes, one_labels = encode_boxes(np, b[None], np.array([len(b)]), lab[None], anchors, **kw)
+            one_boxes, one_labels = encode_boxes(np, b, np.array([len(b)]), lab, anchors, **kw)
             np.testing.assert_array_equal(all_boxes[k], one_boxes[0])
             np.testing.assert_array_equal(all_labels[k], one_labels[0])
-        assert 99 not in all_labels
+        none_boxes, none_labels = encode_boxes(np, np.zeros((0, 4), np.float32), np.zeros(3, np.int64),
+                                               np.zeros(0, np.int32), anchors, **kw)  # no boxes in the batch
+        assert none_boxes.shape == (3, len(anchors), 4) and not none_labels.any()
+        np.testing.assert_array_equal(none_boxes[1], all_boxes[2])
+
+
+def test_box_encoder_rejects_a_row_whose_labels_do_not_match_its_boxes(encoder_case):
+    anchors, boxes, labels = encoder_case
+    labels = [labels[0], labels[1][:0], labels[2], labels[3]]
+    with pytest.raises(DataError, match="0 labels for 1 boxes") as err:
+        ops.box_encoder(anchors)(make("cpu", {"boxes": boxes, "labels": labels}))
+    assert err.value.sample == 1
+    rows = np.arange(4)
+    out = ops.box_encoder(anchors)(Batch({"boxes": list(boxes), "labels": labels}, rows, sample_seeds(0, 0, rows),
+                                         on_error="skip"))
+    assert [row for row, _ in out.errors] == [1]
+    expected = ops.box_encoder(anchors)(make("cpu", {"boxes": boxes, "labels": encoder_case[2]}))
+    for row in (0, 2, 3):  # the other rows as without the bad one
+        np.testing.assert_array_equal(out.data["labels"][row], expected.data["labels"][row])
 
 
 # ---------------------------------------------------------------- bb_flip
