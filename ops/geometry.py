@@ -32,6 +32,7 @@ from PIL import Image
 
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError, DataError
+from gpuio.ops._streams import Streams
 
 __all__ = ["Resize", "CenterCrop", "RandomResizedCrop", "Flip", "resize", "center_crop",
            "random_resized_crop", "flip", "filter_weights", "resample", "INTERPOLATIONS"]
@@ -252,25 +253,41 @@ class RandomResizedCrop(_Crop):
         self.scale, self.ratio = (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1]))
         self.interp, self.antialias, self.field = _check_interp(interp), bool(antialias), field
 
-    def box(self, batch: Batch, row: int, h: int, w: int) -> tuple[int, int, int, int]:
-        rng = batch.rng(row, self.salt)
-        area = h * w
+    def boxes(self, batch: Batch, hw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """As ``_Crop.boxes``, drawn for the whole batch at once (``ops._streams``: the
+        numbers of ``batch.rng(row, salt)``). Per row: up to 10 tries of a target area
+        and a log-uniform aspect, then the top and left offsets of the first box that
+        fits; no fit: the centered box of the ratio closest to the image's."""
+        hw = np.asarray(hw, np.int64).reshape(-1, 2)
+        h, w = hw[:, 0], hw[:, 1]
+        out = np.zeros((len(hw), 4), dtype=np.int64)
+        ok = (h > 0) & (w > 0)  # rows rejected by an earlier crop of the same chain have no size
+        streams = Streams(batch.seeds, self.salt)
+        area = (h * w).astype(np.float64)
         log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        trying = ok.copy()
         for _ in range(10):
-            target = area * rng.uniform(self.scale[0], self.scale[1])
-            aspect = math.exp(rng.uniform(log_lo, log_hi))
-            cw = int(round(math.sqrt(target * aspect)))
-            ch = int(round(math.sqrt(target / aspect)))
-            if 0 < cw <= w and 0 < ch <= h:
-                return int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1)), ch, cw
-        in_ratio = w / h
-        if in_ratio < self.ratio[0]:
-            cw, ch = w, int(round(w / self.ratio[0]))
-        elif in_ratio > self.ratio[1]:
-            ch, cw = h, int(round(h * self.ratio[1]))
-        else:
-            ch, cw = h, w
-        return (h - ch) // 2, (w - cw) // 2, ch, cw
+            if not trying.any():
+                break
+            target = area * streams.uniform(self.scale[0], self.scale[1], trying)
+            # math.exp, as the generator's users call it (NumPy's SIMD exp may differ in the last bit)
+            aspect = np.array([math.exp(v) for v in streams.uniform(log_lo, log_hi, trying).tolist()])
+            with np.errstate(divide="ignore", invalid="ignore"):  # rows not trying have aspect 1, target 0
+                cw = np.round(np.sqrt(target * aspect)).astype(np.int64)
+                ch = np.round(np.sqrt(target / aspect)).astype(np.int64)
+            fits = trying & (cw > 0) & (cw <= w) & (ch > 0) & (ch <= h)
+            top = streams.integers(np.where(fits, h - ch + 1, 1), fits)
+            left = streams.integers(np.where(fits, w - cw + 1, 1), fits)
+            out[fits] = np.stack([top, left, ch, cw], axis=1)[fits]
+            trying &= ~fits
+        if trying.any():
+            in_ratio = w / np.maximum(h, 1)
+            narrow, wide = in_ratio < self.ratio[0], in_ratio > self.ratio[1]
+            cw = np.where(narrow, w, np.where(wide, np.round(h * self.ratio[1]).astype(np.int64), w))
+            ch = np.where(narrow, np.round(w / self.ratio[0]).astype(np.int64), h)
+            centered = np.stack([(h - ch) // 2, (w - cw) // 2, ch, cw], axis=1)
+            out[trying] = centered[trying]
+        return out, ok
 
     def __call__(self, batch: Batch) -> Batch:
         images = batch.data[self.field]
@@ -299,8 +316,7 @@ class Flip(Op):
     def flips(self, batch: Batch) -> np.ndarray:
         """Per row: 1 (mirror left-right), 2 (upside down) or 0."""
         bit = 1 if self.horizontal else 2
-        return np.array([bit if batch.rng(row, self.salt).random() < self.p else 0 for row in range(len(batch))],
-                        dtype=np.int64)
+        return np.where(Streams(batch.seeds, self.salt).random() < self.p, bit, 0).astype(np.int64)
 
     def __call__(self, batch: Batch) -> Batch:
         flips = self.flips(batch)

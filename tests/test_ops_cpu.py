@@ -5,6 +5,7 @@ JPEGs written with Pillow."""
 
 import glob
 import io
+import math
 
 import numpy as np
 import pytest
@@ -201,3 +202,46 @@ def test_decode_fused_bad_samples(monkeypatch, tree_jpegs):
     assert batch.index.tolist() == [0, 2] and sorted(i for i, _ in batch.errors) == [1, 3, 4]
     want = run(CHAINS["rrc-flip"](), [bufs[0], good[5], bufs[2]], fuse=False).data["image"]
     assert levels(batch.data["image"], want[[0, 2]], CHAINS["rrc-flip"]()[-1]).max() <= 1.0 + 1e-3
+
+
+def scalar_rrc_box(op, batch, row, h, w):
+    """torchvision's RandomResizedCrop draw for one row from ``batch.rng`` (the numbers
+    ``RandomResizedCrop.boxes`` draws for the whole batch at once)."""
+    rng = batch.rng(row, op.salt)
+    log_lo, log_hi = math.log(op.ratio[0]), math.log(op.ratio[1])
+    for _ in range(10):
+        target = h * w * rng.uniform(op.scale[0], op.scale[1])
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        cw, ch = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
+        if 0 < cw <= w and 0 < ch <= h:
+            return [int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1)), ch, cw]
+    if w / h < op.ratio[0]:
+        cw, ch = w, int(round(w / op.ratio[0]))
+    elif w / h > op.ratio[1]:
+        ch, cw = h, int(round(h * op.ratio[1]))
+    else:
+        ch, cw = h, w
+    return [(h - ch) // 2, (w - cw) // 2, ch, cw]
+
+
+@pytest.mark.parametrize("scale, ratio", [((0.08, 1.0), (3 / 4, 4 / 3)), ((0.9, 1.0), (0.2, 5.0)),
+                                          ((0.5, 0.5), (1.0, 1.0))])
+def test_batch_draws_equal_per_row_generators(scale, ratio):
+    """The random crops and flips drawn for a whole batch at once (``ops._streams``)
+    equal those of one NumPy generator per row (``batch.rng``), for seeds of one and
+    two 32-bit words, crops that fit at once, after retries, never (the centered
+    fallback), whole-image crops (no offset drawn) and rows without a size."""
+    rng = np.random.default_rng(5)
+    hw = np.concatenate([rng.integers(1, 900, (400, 2)), [[1, 1], [1, 500], [500, 1], [3, 2], [0, 0], [224, 224]]])
+    index = np.arange(len(hw))
+    op = ops.random_resized_crop(224, scale=scale, ratio=ratio)
+    for seeds in (sample_seeds(11, 3, index), index.astype(np.uint64)):
+        batch = Batch({"image": [None] * len(hw)}, index, seeds)
+        boxes, ok = op.boxes(batch, hw)
+        assert ok.tolist() == [h > 0 and w > 0 for h, w in hw.tolist()]
+        want = [scalar_rrc_box(op, batch, r, h, w) if h > 0 else [0] * 4 for r, (h, w) in enumerate(hw.tolist())]
+        assert boxes.tolist() == want
+        for flip in (ops.flip(p=0.3), ops.flip(False)):
+            bit = 1 if flip.horizontal else 2
+            assert flip.flips(batch).tolist() == [bit if batch.rng(r, flip.salt).random() < flip.p else 0
+                                                  for r in range(len(hw))]
