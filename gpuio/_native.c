@@ -14,8 +14,7 @@
  * dests[k] and needs at least needs[k] of them. A file read by several tasks is
  * opened once: fds[file] holds its descriptor (-1 until the first task opens it,
  * -2 while it is being opened); the caller closes those afterwards. A file read by
- * one task (shared[file] == 0) is opened and closed by that task; one read in large
- * pieces (shared[file] == 2) gets POSIX_FADV_SEQUENTIAL when it is opened.
+ * one task (shared[file] == 0) is opened and closed by that task.
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
@@ -62,8 +61,6 @@ static int open_shared(Batch *b, int32_t f, int *err) {
                 __atomic_store_n(&b->fds[f], -1, __ATOMIC_RELEASE);
                 return -1;
             }
-            if (b->shared[f] == 2) /* large pieces read in parallel: keep readahead on (see _posix.py) */
-                posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
             __atomic_store_n(&b->fds[f], fd, __ATOMIC_RELEASE);
             return fd;
         }

@@ -2,8 +2,9 @@
 
 Small files are latency-bound, so what matters is how many reads are in flight, not
 how many cores there are: ``io_threads`` (16 by default) reader threads each take the
-next task from a shared counter. Large reads are split into ``task_size`` pieces so
-that page-cache copies run on several cores.
+next task from a shared counter. The plan splits a batch's large reads into a few long
+tasks (``read_streams``): each is one sequential stream that the kernel's readahead
+serves, and page-cache copies still run on several cores.
 
 Where the C accelerator (``_native.c``) was built, each reader thread runs the task
 loop in C with the GIL released for the whole batch. Otherwise the loop runs in
@@ -39,18 +40,6 @@ from gpuio.plan import ReadPlan
 
 
 _PARALLEL_COPY = 64 << 10  # mean read size from which cached copies run on several cores
-# Mean task size from which a file read by several tasks is advised POSIX_FADV_SEQUENTIAL:
-# parallel pieces of one large extent land at scattered offsets of one open file, which
-# the kernel's readahead takes for random reads (cold 128 MiB files: 0.6x one sequential
-# read without the advice, 0.9-1.0x with it).
-_SEQUENTIAL_TASK = 1 << 20
-
-
-def _sequential_files(plan: ReadPlan, inverse: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Per unique file of the plan: read by several tasks of ``_SEQUENTIAL_TASK`` bytes
-    or more on average (a large extent in pieces)."""
-    nbytes = np.bincount(inverse, weights=plan.task_length, minlength=len(counts))
-    return (counts > 1) & (nbytes >= _SEQUENTIAL_TASK * counts)
 
 
 def native_available() -> bool:
@@ -120,7 +109,7 @@ class PosixBackend:
         stop = np.zeros(1, dtype=np.int32)
         pending, npending, done = np.empty(n, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(n, dtype=np.int64)
         direct = self.o_direct and not (self._no_direct & set(names))
-        shared = (counts > 1).astype(np.int8) + _sequential_files(plan, inverse, counts)  # 2: advise sequential
+        shared = (counts > 1).astype(np.int8)
         common = (names, inverse.astype(np.int32), plan.task_offset, plan.task_length, plan.task_dest,
                   plan.task_need, shared, fds)
         tail = (pending, npending, done, lease.array.ctypes.data, self._flags | (os.O_DIRECT if direct else 0))
@@ -170,12 +159,11 @@ class PosixBackend:
         names = paths.many(unique)
         files = [names[i] for i in inverse.tolist()]
         owns = (counts[inverse] == 1).tolist()  # the task's file has no other task: open it alone
-        sequential = {names[i] for i in np.flatnonzero(_sequential_files(plan, inverse, counts)).tolist()}
         offsets, lengths = plan.task_offset.tolist(), plan.task_length.tolist()
         dests, needs = plan.task_dest.tolist(), plan.task_need.tolist()
         shared: dict[str, int] = {}  # path -> fd, for files with several tasks
         tasks = itertools.count()
-        errors: list[BaseException] = []
+        errors: list[tuple[int, BaseException]] = []  # (task, error): the first task's is raised, as in C
         blocked: list[Future[None]] = []
         nowait = self._nowait
         open_, close, preadv, flag = self._open, os.close, os.preadv, getattr(os, "RWF_NOWAIT", 0)
@@ -184,8 +172,6 @@ class PosixBackend:
             fd = shared.get(path)
             if fd is None:
                 fd = open_(path)
-                if path in sequential:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 kept = shared.setdefault(path, fd)  # atomic: one fd wins per path
                 if kept != fd:
                     close(fd)
@@ -196,12 +182,13 @@ class PosixBackend:
             try:
                 self._read_into(fd, files[k], offsets[k], needs[k], view[dests[k]: dests[k] + lengths[k]], got)
             except BaseException as exc:  # handed to the caller below
-                errors.append(exc)
+                errors.append((k, exc))
             finally:
                 if own:
                     close(fd)
 
         def fast_lane() -> None:
+            k = -1
             try:
                 while not errors:
                     k = next(tasks)
@@ -225,7 +212,7 @@ class PosixBackend:
                     else:
                         finish(fd, k, got, own)
             except BaseException as exc:  # handed to the caller below
-                errors.append(exc)
+                errors.append((k, exc))
 
         if not nowait:
             lanes = min(n, self.threads)
@@ -244,7 +231,7 @@ class PosixBackend:
             for fd in shared.values():
                 os.close(fd)
         if errors:
-            raise errors[0]
+            raise min(errors, key=lambda e: e[0])[1]
 
     def _nowait_refused(self, exc: OSError, path: str, offset: int) -> None:
         """A non-blocking read failed: either RWF_NOWAIT is not supported here (then

@@ -33,7 +33,9 @@ GiB = 1 << 30
 # name -> (default, help). Sizes are in bytes.
 DEFAULTS: dict[str, tuple[Any, str]] = {
     "io_threads": (16, "threads issuing reads; queue depth matters more than cores"),
-    "task_size": (4 * MiB, "largest single read; bigger extents split into tasks"),
+    "task_size": (4 * MiB, "long reads are split into parallel tasks, each a multiple of this size"),
+    "read_streams": (4, "a batch's reads longer than task_size make about this many tasks in all, "
+                        "each one sequential stream for the kernel's readahead"),
     "merge_gap": (4 * KiB, "extents this close in one file are merged into one read"),
     "o_direct": (False, "bypass the page cache (O_DIRECT), where the filesystem allows"),
     "buffer_budget": (4 * GiB, "bytes of batch buffers one pool may hold, host and device together "

@@ -77,6 +77,7 @@ class Reader:
         self.pool = pool if pool is not None else default_pool()
         self.gap = config.get("merge_gap")
         self.task_size = config.get("task_size")
+        self.streams = config.get("read_streams")
 
     @property
     def lands_on_device(self) -> bool:
@@ -90,7 +91,7 @@ class Reader:
         rows = _check_rows(index, rows)
         ext = index._extents(field)
         plan = build_plan(ext.file[rows], ext.offset[rows], ext.length[rows], gap=self.gap,
-                          align=self.backend.align, task_size=self.task_size)
+                          align=self.backend.align, task_size=self.task_size, streams=self.streams)
         if self.lands_on_device:
             lease = self.pool.acquire(plan.nbytes, self.device)
             self.backend.read(plan, index.files, lease)
@@ -214,7 +215,7 @@ _READERS_KEPT = 4
 def _default_reader(device: str | Device) -> Reader:
     device = parse_device(device)
     key = (device, config.get("backend"), config.get("io_threads"), config.get("o_direct"),
-           config.get("merge_gap"), config.get("task_size"), config.get("native"))
+           config.get("merge_gap"), config.get("task_size"), config.get("read_streams"), config.get("native"))
     with _readers_lock:
         reader = _readers.get(key)
         if reader is None:

@@ -23,16 +23,21 @@ extent_lists = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(extent_lists, st.sampled_from([0, 1, 64, 4096]), st.sampled_from([1, 512, 4096]),
-       st.sampled_from([4096, 1000, 1 << 20]))
-def test_plan_puts_every_sample_where_it_says(extents, gap, align, task_size):
+       st.sampled_from([4096, 1000, 1 << 20]), st.sampled_from([1, 2, 4]))
+def test_plan_puts_every_sample_where_it_says(extents, gap, align, task_size, streams):
     rng = np.random.default_rng(0)
     files = [rng.integers(0, 256, 9000, dtype=np.uint8) for _ in range(4)]
     f, o, n = (np.array(c, dtype=np.int64) for c in zip(*extents))
-    plan = build_plan(f, o, n, gap=gap, align=align, task_size=task_size)
+    plan = build_plan(f, o, n, gap=gap, align=align, task_size=task_size, streams=streams)
     got = run_plan(plan, files, f, o, n)
     for i in range(len(f)):
         assert got[i] == files[f[i]][o[i]: o[i] + n[i]].tobytes()
-    assert (plan.task_length <= max(task_size, align) // align * align).all()
+    # the reads unsplit; those longer than task_size make about `streams` tasks of one size
+    reads = build_plan(f, o, n, gap=gap, align=align, task_size=1 << 40).task_length
+    unit = max(task_size, align) // align * align
+    piece = unit * max(1, -(-int(reads[reads > unit].sum()) // (streams * unit)))
+    assert len(plan) == np.maximum(1, -(-reads // piece)).sum()
+    assert (plan.task_length <= piece).all()
     if align > 1:
         assert (plan.task_offset % align == 0).all()
         assert (plan.task_dest % align == 0).all()
@@ -70,6 +75,27 @@ def test_large_extent_splits_into_tasks():
     plan = build_plan([0], [0], [10 << 20], task_size=4 << 20)
     assert plan.task_length.tolist() == [4 << 20, 4 << 20, 2 << 20]
     assert plan.task_dest.tolist() == [0, 4 << 20, 8 << 20]
+    assert build_plan([0], [0], [10 << 20], task_size=4 << 20, streams=1).task_length.tolist() == [10 << 20]
+
+
+def test_long_reads_make_about_streams_tasks_in_all():
+    """One 128 MiB .npy array: 4 sequential streams of 32 MiB, not 32 tasks of 4 MiB; four
+    such files in one batch: one stream each."""
+    one = build_plan([0], [128], [128 << 20], task_size=4 << 20, streams=4)
+    assert one.task_offset.tolist() == [128 + (k << 25) for k in range(4)]
+    assert one.task_length.tolist() == [32 << 20] * 4
+    four = build_plan([0, 1, 2, 3], [128] * 4, [256 << 20] * 4, task_size=4 << 20, streams=4)
+    assert four.task_length.tolist() == [256 << 20] * 4
+    # short reads beside them are not counted and not split
+    mixed = build_plan([0, 1], [0, 0], [100 << 20, 100_000], task_size=4 << 20, streams=4)
+    assert mixed.task_length.tolist() == [28 << 20] * 3 + [16 << 20, 100_000]
+    # O_DIRECT: an unaligned extent of an odd size, tasks still aligned
+    direct = build_plan([0], [1000], [(9 << 20) + 3], align=4096, task_size=1 << 20, streams=3)
+    assert direct.task_length.tolist() == [4 << 20, 4 << 20, (1 << 20) + 4096]
+    assert (direct.task_offset % 4096 == 0).all() and (direct.task_dest % 4096 == 0).all()
+    assert direct.sample_dest.tolist() == [1000] and direct.task_need.tolist()[-1] == (1 << 20) + 1003
+    with pytest.raises(ConfigError, match="streams must be at least 1, got 0"):
+        build_plan([0], [0], [1], streams=0)
 
 
 def test_empty_plan():
@@ -113,5 +139,5 @@ def test_file_order_is_kept_where_it_saves_reads():
 def test_given_order_reads_split_into_tasks():
     plan = build_plan([1, 0], [0, 0], [10 << 20, 10 << 20], task_size=4 << 20)
     assert plan.sample_dest.tolist() == [0, 10 << 20]
-    assert plan.task_file.tolist() == [0, 0, 0, 1, 1, 1]
-    assert plan.task_dest.tolist() == [10 << 20, 14 << 20, 18 << 20, 0, 4 << 20, 8 << 20]
+    assert plan.task_file.tolist() == [0, 0, 1, 1]  # 20 MiB in 4 streams: tasks of 8 MiB
+    assert plan.task_dest.tolist() == [10 << 20, 18 << 20, 0, 8 << 20]

@@ -294,15 +294,28 @@ def test_gpuio_read_keeps_few_readers_alive(tmp_path):
         assert peak > 0, "the reads ran on reader threads"
 
 
-def test_large_extents_in_pieces_are_advised_sequential():
-    """A file read as several tasks of 1 MiB or more (one large extent in pieces) gets
-    POSIX_FADV_SEQUENTIAL; records packed in one file and single-task files do not."""
-    from gpuio._posix import _sequential_files
-    from gpuio.plan import build_plan
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_large_extents_read_as_a_few_streams(tmp_path, o_direct):
+    """Long unaligned extents of odd sizes, split into about read_streams tasks of a
+    multiple of task_size, read exactly, with and without O_DIRECT."""
+    sizes = [(5 << 20) + 4097, (3 << 20) + 1, 777]
+    paths, blobs = write_files(tmp_path, sizes)
+    offsets = np.array([1000, 4095, 3])
+    index = SampleIndex(paths, {"data": Extents(np.arange(3), offsets, np.array(sizes) - offsets)})
+    with gpuio.config.override(o_direct=o_direct, task_size=1 << 20, read_streams=3, io_threads=4):
+        with Reader("cpu") as reader:
+            out = reader.read(index, [1, 0, 2])
+    assert [a.tobytes() for a in out] == [blobs[i][offsets[i]:] for i in (1, 0, 2)]
 
-    file = np.array([0, 1, 1, 1, 2])
-    offset = np.array([0, 0, 20_000, 40_000, 0])
-    length = np.array([12 << 20, 8000, 8000, 8000, 100_000])
-    plan = build_plan(file, offset, length, gap=0, task_size=4 << 20)
-    _, inverse, counts = np.unique(plan.task_file, return_inverse=True, return_counts=True)
-    assert _sequential_files(plan, inverse, counts).tolist() == [True, False, False]
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_large_extent_of_a_truncated_file_names_path_and_offset(tmp_path, o_direct):
+    """A file shorter than the index says, read as several streams: the error names the
+    file and the byte where it ends."""
+    paths, _ = write_files(tmp_path, [6 << 20])
+    index = file_index(paths, [6 << 20])
+    os.truncate(paths[0], (3 << 20) + 123)
+    with gpuio.config.override(o_direct=o_direct, task_size=1 << 20, read_streams=3):
+        with Reader("cpu") as reader, pytest.raises(StorageError, match="file ends before") as info:
+            reader.read(index, [0])
+    assert info.value.path == paths[0] and info.value.offset == (3 << 20) + 123

@@ -7,6 +7,9 @@ and measures the ceiling in the same run: the faster of one sequential ``readint
 the same bytes laid out in one file and those bytes read by ``io_threads`` threads at
 once, 4 MiB per read. With a GPU it adds gpuio into GPU memory, per-file kvikio reads,
 ``torch.from_numpy(np.fromfile(...)).cuda()`` and the pinned host-to-device bandwidth.
+
+``--npy`` times issue 16's case instead: large ``.npy`` files (128 MiB in ``full``), one
+``gpuio.read`` call per file, against one sequential ``readinto`` of each file.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 import gpuio
 from gpuio._bench.chart import Group, write_chart
+from gpuio.formats import numpy as npy_index
 from gpuio._bench.common import best_time, cache_dir, drop_cache, machine, print_table, write_json
 from gpuio.index import Extents, SampleIndex
 
@@ -30,6 +34,7 @@ SIZES = {  # name: (small files, small size, large files, large size, records, r
     "quick": (1000, 100_000, 2, 32 << 20, 2048, 16 << 10),
     "tiny": (50, 10_000, 2, 1 << 20, 100, 1000),  # for tests of the bench itself
 }
+NPY_SIZES = {"full": (4, 128 << 20), "quick": (2, 32 << 20), "tiny": (2, 1 << 20)}  # name: (files, array bytes)
 
 
 def _write(path: str, nbytes: int, block: np.ndarray, shift: int) -> None:
@@ -77,6 +82,35 @@ def make_datasets(root: str, size: str = "full", seed: int = 0) -> dict[str, Sam
                               {"data": Extents(np.zeros(n_rec), rec_offsets, rec_sizes)}),
         "_ceiling_small": os.path.join(root, "ceiling", "small.bin"),
     }
+
+
+def make_npy(root: str, size: str = "full") -> SampleIndex:
+    """Create (once) and index ``.npy`` files of one uint8 array each."""
+    count, nbytes = NPY_SIZES[size]
+    root = os.path.join(root, f"storage-npy-{size}")
+    os.makedirs(root, exist_ok=True)
+    paths = [os.path.join(root, f"{i:02d}.npy") for i in range(count)]
+    block = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
+    for k, path in enumerate(paths):
+        if not os.path.exists(path):
+            with open(path + ".tmp", "wb") as f:
+                np.save(f, np.resize(np.roll(block, k), nbytes))
+                f.flush()
+                os.fsync(f.fileno())  # clean pages can be dropped for the cold runs
+            os.replace(path + ".tmp", path)
+    return npy_index(paths)
+
+
+def run_npy(root: str | None = None, size: str = "full", repeat: int = 3,
+            caches: tuple[str, ...] = ("warm", "cold"), out: str | None = None) -> dict[str, Any]:
+    """Large ``.npy`` files, one ``gpuio.read`` call per file (issue 16's case); baseline:
+    one sequential ``readinto`` of each file."""
+    index = make_npy(root or cache_dir(), size)
+    paths = index.files.many(np.arange(len(index.files)))
+    rows = measure("large .npy, one call per file", index, paths, batch=1, repeat=repeat, caches=caches,
+                   baseline=SEQUENTIAL)
+    print("baseline: one sequential readinto per file; gpuio: one gpuio.read call per file")
+    return report(f"gpuio storage benchmark, .npy files ({size})", rows, out, {"size": size})
 
 
 def _batches(n: int, batch: int, order: np.ndarray) -> list[np.ndarray]:
@@ -173,7 +207,8 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
     """Time every method over one dataset (one sample per file unless ``packed``).
 
     Methods run in ``repeat`` rounds, each round starting with the next method, and
-    each keeps its best time. Before every cold run the files are flushed and dropped
+    each keeps its best time; ``median round vs baseline`` is the median over rounds of
+    the baseline's time in that round over the method's (the disk drifts between rounds). Before every cold run the files are flushed and dropped
     from the page cache, and the drop is checked; a cold row whose drop did not take,
     or that beats its own ceiling (the faster of a sequential and a parallel read of the
     same bytes in one file), is a failed measurement: it carries
@@ -207,7 +242,7 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
         for cache in caches:
             if cache == "warm":
                 _naive_files(all_files)
-            times = dict.fromkeys(names, float("inf"))
+            rounds: dict[str, list[float]] = {m: [] for m in names}
             resident = dict.fromkeys(names, 0.0)
             with tqdm(total=repeat * len(names), desc=f"{name}, {cache} page cache", unit="run",
                       leave=False) as bar:
@@ -217,8 +252,9 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
                             resident[m] = max(resident[m], drop_cache(all_files))
                         t0 = time.perf_counter()
                         methods[m]()
-                        times[m] = min(times[m], time.perf_counter() - t0)
+                        rounds[m].append(time.perf_counter() - t0)
                         bar.update()
+            times = {m: min(ts) for m, ts in rounds.items()}
             ceiling = min(times[m] for m in bounds) if bounds else None
             failed = {m: _failure(cache, resident[m], times[m], ceiling, m in bounds) for m in names}
             bound_failed = next((failed[m] for m in bounds if failed[m]), None)
@@ -231,6 +267,8 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
                 base = times[baseline] if not failed[baseline] else None
                 rows.append({**row, "seconds": t, "GB/s": total / t / 1e9, "files/s": n / t if n > 16 else None,
                              "vs baseline": base / t if base else None,
+                             "median round vs baseline": float(np.median(np.divide(rounds[baseline], rounds[method])))
+                             if base else None,
                              "vs ceiling": ceiling / t if ceiling else None,
                              "ceiling GB/s": total / ceiling / 1e9 if ceiling else None})
     return rows
@@ -252,7 +290,8 @@ def _failure(cache: str, resident: float, t: float, t_ceiling: float | None, is_
 
 COLUMNS = [("dataset", "dataset", ""), ("cache", "cache", ""), ("method", "method", ""),
            ("GB/s", "GB/s", ".2f"), ("files/s", "files/s", ",.0f"),
-           ("vs baseline", "vs baseline", ".2f"), ("vs ceiling", "vs ceiling", ".2f")]
+           ("vs baseline", "vs baseline", ".2f"), ("median round vs baseline", "per round", ".2f"),
+           ("vs ceiling", "vs ceiling", ".2f")]
 
 
 def report(title: str, rows: list[dict[str, Any]], out: str | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -362,10 +401,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--warm-only", action="store_true")
+    parser.add_argument("--npy", action="store_true",
+                        help="only large .npy files, one gpuio.read call per file (issue 16's case)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    run(args.root, args.size, args.batch, args.repeat, ("warm",) if args.warm_only else ("warm", "cold"), args.out)
+    caches = ("warm",) if args.warm_only else ("warm", "cold")
+    if args.npy:
+        run_npy(args.root, args.size, args.repeat, caches, args.out)
+    else:
+        run(args.root, args.size, args.batch, args.repeat, caches, args.out)
     print(f"done in {time.perf_counter() - t0:.1f} s")
 
 
