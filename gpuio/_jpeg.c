@@ -15,6 +15,7 @@
 
 #include <setjmp.h>
 #include <stdio.h>
+#include <time.h>
 #include <jpeglib.h>
 
 /* columns decoded beyond each side of a window: libjpeg upsamples chroma at a cropped
@@ -230,6 +231,21 @@ static int decode_window(Decoder *d, const uint8_t *data, size_t size, int gray,
     return 0;
 }
 
+/* CPU nanoseconds decode_resample has spent decoding and resampling, all threads (for
+ * bench/images.py --profile: the two stages run in one call) */
+static int64_t stage_ns[2];
+
+static int64_t thread_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static PyObject *stage_times(PyObject *self, PyObject *args) {
+    return Py_BuildValue("dd", 1e-9 * __atomic_load_n(&stage_ns[0], __ATOMIC_RELAXED),
+                         1e-9 * __atomic_load_n(&stage_ns[1], __ATOMIC_RELAXED));
+}
+
 static PyObject *decode_resample(PyObject *self, PyObject *args) {
     PyObject *list, *objs[8];
     Py_buffer o_denoms, *views;
@@ -265,17 +281,26 @@ static PyObject *decode_resample(PyObject *self, PyObject *args) {
             Py_BEGIN_ALLOW_THREADS
             Decoder d = {0};
             new_decompressor(&d.cinfo, &d.err);
+            int64_t ns[2] = {0, 0}, start = thread_ns();
             for (Py_ssize_t i = 0; i < n; ++i) {
                 Sample s;
                 sample_args(&a, i, &s);
-                if (decode_window(&d, views[i].buf, (size_t)views[i].len, gray, (int)denoms[i], &s) < 0) {
+                const int decoded = decode_window(&d, views[i].buf, (size_t)views[i].len, gray, (int)denoms[i], &s);
+                const int64_t middle = thread_ns();
+                if (decoded < 0) {
                     memcpy(messages[i], d.err.message, JMSG_LENGTH_MAX);
                     status[i] = 1;
                 } else if (resample_one(&a.job, &s) < 0) {
                     snprintf(messages[i], JMSG_LENGTH_MAX, "out of memory");
                     status[i] = 1;
                 }
+                const int64_t end = thread_ns();
+                ns[0] += middle - start;
+                ns[1] += end - middle;
+                start = end;
             }
+            __atomic_fetch_add(&stage_ns[0], ns[0], __ATOMIC_RELAXED);
+            __atomic_fetch_add(&stage_ns[1], ns[1], __ATOMIC_RELAXED);
             jpeg_destroy_decompress(&d.cinfo);
             free(d.scratch);
             free(d.rows);
@@ -306,6 +331,8 @@ static PyMethodDef methods[] = {
      "decode_resample(images, denoms, gray, boxes, clips, out_hw, offsets, flips, mean, inv_std, out, interp, "
      "antialias, chw, to_uint8) -> [(row, message)] of the images that failed: each image decoded where its clip "
      "reads, DCT-scaled by 1/denom (the box and clip in full-image pixels), then resampled as gpuio._cpuops.resample"},
+    {"stage_times", stage_times, METH_NOARGS,
+     "stage_times() -> (decode, resample): CPU seconds decode_resample has spent in each, all threads"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._jpeg", NULL, -1, methods};

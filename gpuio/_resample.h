@@ -166,34 +166,45 @@ __attribute__((target("avx2,fma"))) static void vertical_avx2(float *restrict ro
 /* The horizontal pass of one output row from the vertical pass's `row` (C values per
  * pixel; readable and finite up to pixel width + x->most, plus one float for C = 3),
  * clipped to 0-255 and normalized, into `px` (4 floats per output pixel). Every pixel
- * sums x->most taps (the extra weights are 0): a loop the branch predictor knows. */
-static inline __attribute__((always_inline)) void horizontal(float *restrict px, const float *restrict row,
-                                                             const int C, int ow, const Windows *x, v4f mean,
-                                                             v4f inv_std) {
+ * sums `taps` = x->most taps (the extra weights are 0); a constant `taps` unrolls the
+ * sum (3 or 4 channels: one 4-lane multiply-add per tap). */
+static inline __attribute__((always_inline)) void horizontal_taps(float *restrict px, const float *restrict row,
+                                                                  const int C, int ow, const Windows *x, v4f mean,
+                                                                  v4f inv_std, const int taps) {
     const v4f zero = {0.0f, 0.0f, 0.0f, 0.0f}, top = {255.0f, 255.0f, 255.0f, 255.0f};
     for (int ox = 0; ox < ow; ++ox) {
         const float *p = row + (size_t)x->first[ox] * C, *w = x->w + (size_t)ox * x->taps;
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        v4f v = zero;
         if (C >= 3) {
-            v4f sum = {0};
-            for (int k = 0; k < x->most; ++k) {
-                v4f v;
-                memcpy(&v, p + k * C, sizeof v);
-                sum += w[k] * v;
+            for (int k = 0; k < taps; ++k) {
+                v4f pixel;
+                memcpy(&pixel, p + k * C, sizeof pixel);
+                v += w[k] * pixel;
             }
-            memcpy(acc, &sum, sizeof acc);
         } else {
-            for (int k = 0; k < x->count[ox]; ++k)
-                for (int c = 0; c < C; ++c) acc[c] += w[k] * p[k * C + c];
+            for (int k = 0; k < taps; ++k)
+                for (int c = 0; c < C; ++c) v[c] += w[k] * p[k * C + c];
         }
-        v4f v;
-        memcpy(&v, acc, sizeof v);
         v = (v4f)((v4i)v & (v > zero)); /* clip to 0-255 with masks: vector code on any target */
         const v4i below = v < top;
         v = (v4f)(((v4i)v & below) | ((v4i)top & ~below));
         v = (v - mean) * inv_std;
-        memcpy(acc, &v, sizeof acc);
-        memcpy(px + 4 * ox, acc, sizeof acc);
+        memcpy(px + 4 * ox, &v, sizeof v);
+    }
+}
+
+static inline __attribute__((always_inline)) void horizontal(float *restrict px, const float *restrict row,
+                                                             const int C, int ow, const Windows *x, v4f mean,
+                                                             v4f inv_std) {
+    switch (x->most) { /* the tap counts of scales from 1/3 up */
+    case 1: horizontal_taps(px, row, C, ow, x, mean, inv_std, 1); break;
+    case 2: horizontal_taps(px, row, C, ow, x, mean, inv_std, 2); break;
+    case 3: horizontal_taps(px, row, C, ow, x, mean, inv_std, 3); break;
+    case 4: horizontal_taps(px, row, C, ow, x, mean, inv_std, 4); break;
+    case 5: horizontal_taps(px, row, C, ow, x, mean, inv_std, 5); break;
+    case 6: horizontal_taps(px, row, C, ow, x, mean, inv_std, 6); break;
+    case 7: horizontal_taps(px, row, C, ow, x, mean, inv_std, 7); break;
+    default: horizontal_taps(px, row, C, ow, x, mean, inv_std, x->most);
     }
 }
 

@@ -211,27 +211,33 @@ def dali_agreement(root: str, threads: int, n: int = 64) -> float:
 def profile_stages(root: str, pipeline: str, count: int = 512, batch: int = 64) -> list[dict[str, Any]]:
     """CPU time per image (one thread, ``time.thread_time``) of each stage of the
     pipeline, op by op (``Compose(fuse=False)``: simplejpeg, Pillow, NumPy) and fused
-    (``DecodeFused``: region decode in libjpeg, resample + normalize in C)."""
+    (``DecodeFused``: JPEG headers, window decode and resample in C, the whole decodes of
+    the images the window decoder does not take, the crop plan's random draws). The
+    window decode and the resample run in one C call, which times them itself."""
     import cProfile
     import pstats
 
     from gpuio.batch import Batch, sample_seeds
+    from gpuio.ops import decode
 
     index = gpuio.formats.filetree(root)
     bufs = [np.fromfile(p, np.uint8) for p in list(index.files)[:count]]
     # what a stage is made of: builtin (C) functions by name, Python functions by file
     stages = {"op by op": [("decode (simplejpeg, Pillow)", ("decode_jpeg", "'decode'", "decode.py")),
-                           ("crop + resize (Pillow)", ("'resize'", "geometry.py")),
+                           ("crop + resize (Pillow)", ("'resize'", "geometry.py", "_streams.py")),
                            ("normalize (NumPy)", ("color.py",))],
-              "fused": [("region decode (libjpeg)", ("decode_jpeg", "'decode'")),
-                        ("resample + normalize (C)", ("resample",)),
-                        ("JPEG headers, crop plan (Python)", ("decode.py", "geometry.py"))]}
+              "fused": [("window decode (libjpeg, C)", ()),
+                        ("resample + normalize (C)", ("_cpuops.resample",)),
+                        ("JPEG headers (libjpeg, C)", ("_jpeg.headers",)),
+                        ("whole decode, other images (simplejpeg, Pillow)", ("decode_jpeg", "'decode'")),
+                        ("random draws, crop plan (Python)", ("geometry.py", "_streams.py"))]}
     rows = []
     n = len(bufs) // batch * batch
     for mode, parts in stages.items():
         pipe = gpuio_ops(pipeline)
         if mode == "op by op":
             pipe = ops.Compose(pipe.ops, fuse=False)
+        in_c = decode._jpeg.stage_times() if decode._jpeg is not None else (0.0, 0.0)
         prof = cProfile.Profile(time.thread_time)
         prof.enable()
         for s in range(0, n, batch):
@@ -243,6 +249,11 @@ def profile_stages(root: str, pipeline: str, count: int = 512, batch: int = 64) 
             stage = next((name for name, keys in parts
                           if any(k in func if file == "~" else file.endswith(k) for k in keys)), "other Python")
             shares[stage] += tottime
+        if mode == "fused" and decode._jpeg is not None:  # decode_resample's time: its own split, the rest other
+            window, resample = (b - a for a, b in zip(in_c, decode._jpeg.stage_times()))
+            shares["window decode (libjpeg, C)"] += window
+            shares["resample + normalize (C)"] += resample
+            shares["other Python"] -= window + resample
         shares["total"] = sum(shares.values())
         rows += [{"pipeline": pipeline, "mode": mode, "stage": k, "ms_per_image": 1e3 * v / n}
                  for k, v in shares.items()]
