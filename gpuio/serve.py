@@ -150,7 +150,7 @@ class Pipeline:
         out = batch.data[self.output]
         kept = batch.index.tolist()
         if self.model is not None and kept:
-            out = self._run_model(_stacked(out, batch.xp))
+            out = self._run_model(out if not isinstance(out, list) else _stacked(out, batch.xp, "the model's inputs"))
         out = [to_host(a) for a in out] if isinstance(out, list) else to_host(out)  # one copy per batch
         for j, row in enumerate(kept):
             results[row] = out[j]
@@ -177,13 +177,13 @@ def _for_image(err: BaseException, row: int) -> DataError:
     return DataError(f"{type(err).__name__}: {err}", sample=f"image {row}")
 
 
-def _stacked(out: Any, xp: Any) -> Any:
-    if not isinstance(out, list):
-        return out
-    if any(a.shape != out[0].shape for a in out):
-        raise ConfigError(f"the ops give images of different shapes ({sorted({a.shape for a in out})}); a model "
-                          f"takes one shape: end the ops with a resize or crop to one size")
-    return xp.stack(out)
+def _stacked(rows: list[Any], xp: Any, what: str) -> Any:
+    """``rows`` stacked into one array; rows of different shapes are a ``ConfigError``
+    that says they are ``what`` (a model's inputs, a request's outputs) and how to fix it."""
+    if any(a.shape != rows[0].shape for a in rows):
+        raise ConfigError(f"{what} have different shapes ({sorted({a.shape for a in rows})}): end the ops with a "
+                          f"resize or crop to one size")
+    return xp.stack(rows)
 
 
 def _unpad(row: np.ndarray) -> np.ndarray:
@@ -285,11 +285,7 @@ class Batcher:
             try:
                 if bad:  # named by its place in its own request
                     raise _for_image(bad[0][1], bad[0][0])
-                if any(r.shape != mine[0].shape for r in mine):
-                    raise ConfigError(f"the images of one request give outputs of different shapes "
-                                      f"({[r.shape for r in mine]}); send them in separate requests or end "
-                                      f"the ops with a resize or crop to one size")
-                job.out = np.stack(mine)
+                job.out = _stacked(mine, np, "the outputs of one request's images")
             except Exception as exc:  # this request's own failure; the batch thread goes on
                 job.error = exc
             job.done.set()

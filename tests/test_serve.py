@@ -119,6 +119,22 @@ def test_a_model_error_fails_only_its_own_request(images):
     assert all(np.array_equal(r[0], expected[i]) for i, r in enumerate(results) if i != 5)
 
 
+def test_outputs_of_different_shapes_for_a_model_or_one_response_name_the_fix():
+    import simplejpeg
+
+    small, large = (simplejpeg.encode_jpeg(np.full((h, 40, 3), 9, np.uint8)) for h in (24, 32))
+    with pytest.raises(ConfigError, match=r"the model's inputs have different shapes \(\[\(24, 40, 3\), "
+                                          r"\(32, 40, 3\)\]\): end the ops with a resize or crop"):
+        serve.Pipeline([gpuio.ops.decode_image()], model=classify)([small, large])
+    batcher = serve.Batcher(serve.Pipeline([gpuio.ops.decode_image()]))
+    try:
+        with pytest.raises(ConfigError, match="the outputs of one request's images have different shapes"):
+            batcher.submit([np.frombuffer(small, np.uint8), np.frombuffer(large, np.uint8)])
+        assert batcher.submit([np.frombuffer(large, np.uint8)]).shape == (1, 32, 40, 3)  # the batcher goes on
+    finally:
+        batcher.close()
+
+
 def test_pipeline_with_a_callable_model(images):
     encoded, offline = images
     out = serve.Pipeline(serve.parse_ops(OPS), model=classify)(encoded)
