@@ -21,6 +21,14 @@
 #include <string.h>
 
 enum { OK = 0, CORRUPT = 1, UNSUPPORTED = 2 };
+
+/* The hot functions are inlined into decode_file, which x86-64 GCC and clang builds
+ * compile twice: for any x86-64, and for Haswell's instructions (BMI2's shifts by a
+ * register and LZCNT: the Rice loop is a chain of them), run where the CPU has them. */
+#define HOT static inline __attribute__((always_inline))
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HASWELL 1
+#endif
 enum { F32 = 0, F64 = 1, I16 = 2, I32 = 3 };
 #define MAX_BLOCK 65536
 #define MAX_CHANNELS 8
@@ -52,7 +60,7 @@ static unsigned crc8(const uint8_t *p, size_t n) {
 }
 
 /* CRC-16 (x^16 + x^15 + x^2 + 1, initial 0, not reflected), eight bytes per step. */
-static unsigned crc16(const uint8_t *p, size_t n) {
+HOT unsigned crc16(const uint8_t *p, size_t n) {
     unsigned c = 0;
     for (; n >= 8; n -= 8, p += 8) {
         const unsigned b0 = p[0] ^ (c >> 8), b1 = p[1] ^ (c & 0xFF);
@@ -128,24 +136,47 @@ static int64_t get_unary(Bits *b) {
     }
 }
 
-/* `n` Rice-coded residuals with parameter k (0..30) into out; -1 past the data. */
-static int rice(Bits *b, int32_t *out, int n, int k) {
+/* `n` Rice-coded residuals with parameter k (0..30) into out; -1 past the data. The
+ * reader's state lives in locals here (the hot loop); a code whose unary part and
+ * remainder are not all in the cache takes get_unary. */
+HOT int rice(Bits *b, int32_t *out, int n, int k) {
+    uint64_t cache = b->cache;
+    int bits = b->bits;
+    const uint8_t *p = b->p;
+    const uint8_t *const fast_end = b->end - 8;
     for (int i = 0; i < n; ++i) {
-        if (b->bits < 40) refill(b);
-        const int lz = b->cache ? __builtin_clzll(b->cache) : 64;
+        if (bits < 40 && p <= fast_end) {
+            uint64_t w;
+            memcpy(&w, p, 8);
+            cache |= __builtin_bswap64(w) >> bits;
+            const int take = (63 - bits) >> 3;
+            p += take;
+            bits += take * 8;
+        }
+        const int lz = __builtin_clzll(cache | 1);
+        const int total = lz + 1 + k;
         uint64_t u;
-        if (lz + 1 + k <= b->bits) { /* stop bit and remainder already in the cache */
-            const uint64_t v = b->cache << lz;
-            u = ((uint64_t)lz << k) + (v >> (63 - k)) - ((uint64_t)1 << k);
-            b->cache = (v << 1) << k;
-            b->bits -= lz + 1 + k;
+        if (__builtin_expect(total <= bits, 1)) {
+            /* the stop bit and the remainder: (1 << k) | r, so u = ((lz - 1) << k) + that */
+            u = ((uint64_t)(lz - 1) << k) + ((cache << lz) >> (63 - k));
+            cache <<= total;
+            bits -= total;
         } else {
+            b->cache = cache;
+            b->bits = bits;
+            b->p = p;
             const int64_t q = get_unary(b);
             if (q < 0) return -1;
             u = ((uint64_t)q << k) | (k ? get_bits(b, k) : 0);
+            cache = b->cache;
+            bits = b->bits;
+            p = b->p;
         }
         out[i] = (int32_t)((u >> 1) ^ (~(u & 1) + 1));
     }
+    b->cache = cache;
+    b->bits = bits;
+    b->p = p;
     return 0;
 }
 
@@ -162,7 +193,7 @@ typedef struct {
     } while (0)
 
 /* The residual of a subframe with predictor `order` into s[order..n). */
-static int residual(Bits *b, int32_t *s, int n, int order, Outcome *o) {
+HOT int residual(Bits *b, int32_t *s, int n, int order, Outcome *o) {
     const unsigned method = (unsigned)get_bits(b, 2);
     if (method > 1) FAIL(o, CORRUPT, "reserved residual coding method");
     const int pbits = method ? 5 : 4, escape = method ? 31 : 15;
@@ -184,7 +215,7 @@ static int residual(Bits *b, int32_t *s, int n, int order, Outcome *o) {
     return 0;
 }
 
-static void restore_fixed(int32_t *s, int n, int order) {
+HOT void restore_fixed(int32_t *s, int n, int order) {
     switch (order) {
     case 1:
         for (int i = 1; i < n; ++i) s[i] = (int32_t)((int64_t)s[i] + s[i - 1]);
@@ -205,8 +236,7 @@ static void restore_fixed(int32_t *s, int n, int order) {
 
 /* s[i] += (sum_j c[j] * s[i-1-j]) >> shift; `order` a constant where inlined, so the
  * inner sum is unrolled for each order. */
-static inline __attribute__((always_inline)) void lpc_order(int32_t *s, int n, const int32_t *c, int order,
-                                                            int shift) {
+HOT void lpc_order(int32_t *s, int n, const int32_t *c, int order, int shift) {
     for (int i = order; i < n; ++i) {
         int64_t sum = 0;
         for (int j = 0; j < order; ++j) sum += (int64_t)c[j] * s[i - 1 - j];
@@ -214,7 +244,7 @@ static inline __attribute__((always_inline)) void lpc_order(int32_t *s, int n, c
     }
 }
 
-static void restore_lpc(int32_t *s, int n, const int32_t *c, int order, int shift) {
+HOT void restore_lpc(int32_t *s, int n, const int32_t *c, int order, int shift) {
     switch (order) {
 #define CASE(k) \
     case k:     \
@@ -229,7 +259,7 @@ static void restore_lpc(int32_t *s, int n, const int32_t *c, int order, int shif
 }
 
 /* One subframe of n samples at `bps` bits into s. */
-static int subframe(Bits *b, int32_t *s, int n, int bps, Outcome *o) {
+HOT int subframe(Bits *b, int32_t *s, int n, int bps, Outcome *o) {
     const unsigned head = (unsigned)get_bits(b, 8);
     if (head & 0x80) FAIL(o, CORRUPT, "subframe padding bit set");
     const unsigned type = (head >> 1) & 0x3F;
@@ -281,7 +311,7 @@ static inline int32_t as_i32(int32_t x, int bps) { return (int32_t)((uint32_t)x 
 
 /* Samples [lo, hi) of a frame's channels into out rows from `row`; `width` 1 with
  * several channels: their mean (float64 sum in channel order, as NumPy's mean). */
-static void emit(int32_t *const *ch, int channels, int lo, int hi, void *out, int64_t row, int width, int dtype,
+HOT void emit(int32_t *const *ch, int channels, int lo, int hi, void *out, int64_t row, int width, int dtype,
                  int bps) {
     const float nf = (float)(1.0 / (double)(1u << (bps - 1)));
     const double nd = 1.0 / (double)(1u << (bps - 1));
@@ -382,7 +412,7 @@ static int frame_header(const Job *job, int64_t pos, int *block, int *assign, in
 
 /* Decode the frames of one file until `first + count` samples; ch: MAX_CHANNELS
  * buffers of MAX_BLOCK samples. */
-static void decode_file(Job *job, int32_t *const *ch, int width, int dtype) {
+HOT void decode_frames(Job *job, int32_t *const *ch, int width, int dtype) {
     Outcome *o = &job->outcome;
     int64_t pos = job->start, sample = 0;
     const int64_t end = job->first + job->count;
@@ -435,6 +465,15 @@ static void decode_file(Job *job, int32_t *const *ch, int width, int dtype) {
     }
 }
 
+static void decode_file(Job *job, int32_t *const *ch, int width, int dtype) { decode_frames(job, ch, width, dtype); }
+
+#ifdef HASWELL
+__attribute__((target("avx2,bmi,bmi2,lzcnt,popcnt,fma,movbe"))) static void decode_file_haswell(Job *job, int32_t *const *ch, int width,
+                                                                         int dtype) {
+    decode_frames(job, ch, width, dtype);
+}
+#endif
+
 static const int itemsize[4] = {4, 8, 2, 4};
 
 static PyObject *decode(PyObject *self, PyObject *args) {
@@ -479,7 +518,11 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     int32_t *ch[MAX_CHANNELS];
     for (int c = 0; c < MAX_CHANNELS; ++c) ch[c] = store + (size_t)c * MAX_BLOCK;
-    for (Py_ssize_t k = 0; k < n; ++k) decode_file(&jobs[k], ch, downmix ? 1 : jobs[k].channels, dtype);
+    void (*decode_one)(Job *, int32_t *const *, int, int) = decode_file;
+#ifdef HASWELL
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2")) decode_one = decode_file_haswell;
+#endif
+    for (Py_ssize_t k = 0; k < n; ++k) decode_one(&jobs[k], ch, downmix ? 1 : jobs[k].channels, dtype);
     Py_END_ALLOW_THREADS
     result = PyList_New(n);
     for (Py_ssize_t k = 0; result && k < n; ++k) {
@@ -508,6 +551,9 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._flac", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__flac(void) {
+#ifdef HASWELL
+    __builtin_cpu_init();
+#endif
     make_tables();
     return PyModule_Create(&module);
 }
