@@ -23,6 +23,7 @@ import errno
 import itertools
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -89,6 +90,10 @@ class PosixBackend:
         except OSError as exc:
             raise open_error(path, exc) from exc
 
+    def _direct(self, names: Sequence[str | bytes]) -> bool:
+        """Whether a batch of these files is read with O_DIRECT (none of them refused it)."""
+        return self.o_direct and not (self._no_direct & set(names))
+
     def read(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
         """Fill the host buffer ``lease`` as the plan says; raise StorageError on any failure."""
         if len(plan) == 0:
@@ -101,24 +106,27 @@ class PosixBackend:
     def _read_native(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
         """Every reader thread runs the C task loop with the GIL released (``_native.c``):
         first one thread per core copies what the page cache holds, then ``io_threads``
-        threads read the rest from the disk."""
+        threads read the rest from the disk. Under O_DIRECT, ``io_threads`` threads read
+        everything: there ``RWF_NOWAIT`` does not stop at the page cache, the read waits
+        for the disk (a first pass on one thread per core read a cold batch at that queue depth)."""
         n = len(plan)
         unique, inverse, counts = np.unique(plan.task_file, return_inverse=True, return_counts=True)
         names = tuple(paths.many_bytes(unique))
         fds = np.full(len(unique), -1, dtype=np.int32)
         stop = np.zeros(1, dtype=np.int32)
         pending, npending, done = np.empty(n, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        direct = self.o_direct and not (self._no_direct & set(names))
+        direct = self._direct(names)
         shared = (counts > 1).astype(np.int8)
         common = (names, inverse.astype(np.int32), plan.task_offset, plan.task_length, plan.task_dest,
                   plan.task_need, shared, fds)
         tail = (pending, npending, done, lease.array.ctypes.data, self._flags | (os.O_DIRECT if direct else 0))
         try:
             todo = np.arange(n, dtype=np.int64)
-            results = self._run_phase(common, stop, todo, tail, nowait=True,
-                                      workers=min(n, self.threads, os.cpu_count() or 1))
-            if npending[0] and not any(r[0] for r in results):
-                todo = pending[: npending[0]].copy()
+            if not direct:
+                results = self._run_phase(common, stop, todo, tail, nowait=True,
+                                          workers=min(n, self.threads, os.cpu_count() or 1))
+                todo = todo[:0] if any(r[0] for r in results) else pending[: npending[0]].copy()
+            if len(todo):
                 results = self._run_phase(common, stop, todo, tail, nowait=False, workers=min(len(todo), self.threads))
         finally:
             for fd in fds[fds >= 0].tolist():
@@ -157,6 +165,7 @@ class PosixBackend:
         view = memoryview(lease.array)
         unique, inverse, counts = np.unique(plan.task_file, return_inverse=True, return_counts=True)
         names = paths.many(unique)
+        direct = self._direct(names)
         files = [names[i] for i in inverse.tolist()]
         owns = (counts[inverse] == 1).tolist()  # the task's file has no other task: open it alone
         offsets, lengths = plan.task_offset.tolist(), plan.task_length.tolist()
@@ -165,7 +174,7 @@ class PosixBackend:
         tasks = itertools.count()
         errors: list[tuple[int, BaseException]] = []  # (task, error): the first task's is raised, as in C
         blocked: list[Future[None]] = []
-        nowait = self._nowait
+        nowait = self._nowait and not direct  # as in C: under O_DIRECT, RWF_NOWAIT reads wait for the disk
         open_, close, preadv, flag = self._open, os.close, os.preadv, getattr(os, "RWF_NOWAIT", 0)
 
         def shared_fd(path: str) -> int:

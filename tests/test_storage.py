@@ -319,3 +319,21 @@ def test_large_extent_of_a_truncated_file_names_path_and_offset(tmp_path, o_dire
         with Reader("cpu") as reader, pytest.raises(StorageError, match="file ends before") as info:
             reader.read(index, [0])
     assert info.value.path == paths[0] and info.value.offset == (3 << 20) + 123
+
+
+def test_o_direct_reads_skip_the_page_cache_pass(tmp_path, read_loop, monkeypatch):
+    """Under O_DIRECT a read with RWF_NOWAIT waits for the disk, so the first pass (one
+    thread per core, meant for page-cache copies) is skipped: io_threads read it all."""
+    from gpuio._posix import PosixBackend
+
+    paths, blobs = write_files(tmp_path, [100_000] * 8)
+    phases = []
+    run_phase = PosixBackend._run_phase
+    monkeypatch.setattr(PosixBackend, "_run_phase",
+                        lambda self, *args, nowait, workers: phases.append(nowait) or run_phase(
+                            self, *args, nowait=nowait, workers=workers))
+    for o_direct in (True, False):
+        with gpuio.config.override(o_direct=o_direct), Reader("cpu") as reader:
+            assert [a.tobytes() for a in reader.read(file_index(paths, [100_000] * 8), range(8))] == blobs
+    if read_loop == "native":
+        assert phases == [False, True]  # O_DIRECT: one blocking pass; buffered (cached files): the copy pass
