@@ -6,10 +6,11 @@
  * gpuio.ops.geometry.filter_weights) for filters whose weights are not negative
  * (nearest, linear, area). With such weights the horizontal pass of the reference never
  * leaves 0-255, so the two passes commute: this runs the vertical pass first, over
- * contiguous rows (vectorizable), then the
- * horizontal pass with the 3 or 4 channels of a pixel as one 4-lane vector, and differs
- * from the reference by float rounding only. A flip reverses the window tables, so the
- * loops have no flip branch.
+ * contiguous rows (vectorizable), then the horizontal pass with the 3 or 4 channels of a
+ * pixel as one 4-lane vector, and differs from the reference by float rounding only. A flip reverses the window tables, so the
+ * loops have no flip branch. On x86-64 the resampler is built twice (target_clones: for
+ * AVX2 + FMA and for the baseline) and picks one at run time; GPUIO_PORTABLE builds only
+ * the plain C (tests/test_ops_cpu.py checks it against the fast path).
  */
 #ifndef GPUIO_RESAMPLE_H
 #define GPUIO_RESAMPLE_H
@@ -130,7 +131,7 @@ static inline __attribute__((always_inline)) void vertical(float *restrict row, 
     }
 }
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(GPUIO_PORTABLE)
 #include <immintrin.h>
 #define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 
@@ -213,7 +214,7 @@ static inline __attribute__((always_inline)) void store(const Job *job, const Sa
                                                         const int C, const int chw, const int to_uint8, int oy) {
     const int ow = (int)s->out_hw[1];
     const int64_t plane = s->out_hw[0] * s->out_hw[1];
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(GPUIO_PORTABLE)
     if (C == 3 && chw && !to_uint8) { /* 4 pixels at a time: a 4x4 transpose, then one store per plane */
         float *r = (float *)job->out + s->offset + (int64_t)oy * ow, *g = r + plane, *b = g + plane;
         int ox = 0;
@@ -255,7 +256,7 @@ static inline __attribute__((always_inline)) void rows(const Job *job, const Sam
                                                        const int C, const int chw, const int to_uint8) {
     const int width = (int)(s->clip[3] - s->clip[1]);
     const int packed = s->cs == C && s->chs == 1;
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(GPUIO_PORTABLE)
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
     v4f mean = {0}, inv_std = {0};

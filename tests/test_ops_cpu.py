@@ -4,8 +4,12 @@ decoding, and ``DecodeFused`` against decoding then running the chain op by op. 
 JPEGs written with Pillow."""
 
 import glob
+import importlib.util
 import io
 import math
+import pathlib
+import subprocess
+import sysconfig
 
 import numpy as np
 import pytest
@@ -245,3 +249,33 @@ def test_batch_draws_equal_per_row_generators(scale, ratio):
             bit = 1 if flip.horizontal else 2
             assert flip.flips(batch).tolist() == [bit if batch.rng(r, flip.salt).random() < flip.p else 0
                                                   for r in range(len(hw))]
+
+
+@pytest.fixture(scope="module")
+def portable_cpuops(tmp_path_factory):
+    """``gpuio/_cpuops.c`` built with ``GPUIO_PORTABLE``: the plain C resampler (no
+    AVX2 path, no run-time clones), which CPUs without AVX2 run."""
+    cc = sysconfig.get_config_var("CC").split()[0]
+    path = tmp_path_factory.mktemp("portable") / ("_cpuops" + sysconfig.get_config_var("EXT_SUFFIX"))
+    source = pathlib.Path(fused.__file__).resolve().parents[1] / "gpuio" / "_cpuops.c"
+    subprocess.run([cc, "-O3", "-shared", "-fPIC", "-DGPUIO_PORTABLE", f"-I{sysconfig.get_paths()['include']}",
+                    "-o", str(path), str(source)], check=True, capture_output=True)
+    spec = importlib.util.spec_from_file_location("_cpuops", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_portable_resampler_matches_fast_path(monkeypatch, jpegs, portable_cpuops, name):
+    require_built(fused._cpuops, "gpuio._cpuops", "is a C compiler installed")
+    images = [decode_cpu(b, "rgb", i) for i, b in enumerate(jpegs)]
+    images[1] = images[1][::-1, ::2]  # a strided view
+    chain = CHAINS[name]()
+    op = FusedCropResizeNormalize(chain)
+    fast = op(make_batch(images, field="image")).data["image"]
+    monkeypatch.setattr(fused, "_cpuops", portable_cpuops)
+    plain = op(make_batch(images, field="image")).data["image"]
+    for got, want in zip(plain, fast):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert levels(got, want, chain[-1]).max() <= (1.0 if chain[-1].dtype == "uint8" else 1e-3)
