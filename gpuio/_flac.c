@@ -277,13 +277,13 @@ HOT int subframe(Bits *b, int32_t *s, int n, int bps, Outcome *o) {
         for (int i = 0; i < n; ++i) s[i] = (int32_t)get_signed(b, bps);
     } else if (type >= 8 && type <= 12) {
         const int order = (int)type - 8;
-        if (order > n) FAIL(o, CORRUPT, "predictor order above the block size");
+        if (order >= n) FAIL(o, CORRUPT, "predictor order not below the block size");
         for (int i = 0; i < order; ++i) s[i] = (int32_t)get_signed(b, bps);
         if (residual(b, s, n, order, o) < 0) return -1;
         restore_fixed(s, n, order);
     } else if (type >= 32) {
         const int order = (int)type - 31;
-        if (order > n) FAIL(o, CORRUPT, "predictor order above the block size");
+        if (order >= n) FAIL(o, CORRUPT, "predictor order not below the block size");
         for (int i = 0; i < order; ++i) s[i] = (int32_t)get_signed(b, bps);
         const int precision = (int)get_bits(b, 4) + 1;
         if (precision == 16) FAIL(o, CORRUPT, "bad LPC coefficient precision");

@@ -250,6 +250,157 @@ def test_variable_block_size_streams():
     np.testing.assert_array_equal(c_decode(variable, "int32", False), c_decode(good, "int32", False))
 
 
+class BitWriter:
+    """MSB-first bits, for the FLAC writer below."""
+
+    def __init__(self):
+        self.parts = []
+
+    def put(self, value, width):
+        if width:
+            self.parts.append(format(int(value) & (1 << width) - 1, f"0{width}b"))
+
+    def rice(self, values, k):
+        for u in np.where(values >= 0, 2 * values, -2 * values - 1).tolist():
+            self.parts.append("0" * (u >> k) + "1" + (format(u & (1 << k) - 1, f"0{k}b") if k else ""))
+
+    def bytes(self):
+        bits = "".join(self.parts)
+        bits += "0" * (-len(bits) % 8)
+        return int(bits, 2).to_bytes(len(bits) // 8, "big") if bits else b""
+
+
+def write_subframe(w, x, bps, rng):
+    """One subframe of int samples ``x`` in a randomly chosen coding: CONSTANT,
+    VERBATIM, FIXED 0-4 or LPC 1-32 (random precision, shift and coefficients), wasted
+    bits, Rice or Rice2 partitions of a random order, some partitions escaped."""
+    n = len(x)
+    nonzero = x[x != 0]
+    wasted = int(np.min([(int(v) & -int(v)).bit_length() - 1 for v in nonzero])) if len(nonzero) else 0
+    wasted = min(wasted, bps - 1) if rng.random() < 0.7 else 0
+    x = x >> wasted
+    sbps = bps - wasted
+    kinds = ["verbatim", "fixed", "lpc"] + (["constant"] * 3 if np.all(x == x[0]) else [])
+    kind = kinds[rng.integers(len(kinds))]
+    order = int(rng.integers(0, 5)) if kind == "fixed" else int(rng.integers(1, 33)) if kind == "lpc" else 0
+    order = min(order, n - 1)  # libFLAC takes no predictor as long as the block
+    code = {"constant": 0, "verbatim": 1, "fixed": 8 + order, "lpc": 31 + order}[kind]
+    w.put(code << 1 | (wasted > 0), 8)
+    if wasted:
+        w.put(1, wasted)  # wasted - 1 zeros, then a one
+    if kind == "constant":
+        w.put(x[0], sbps)
+        return
+    if kind == "verbatim":
+        for v in x.tolist():
+            w.put(v, sbps)
+        return
+    for v in x[:order].tolist():
+        w.put(v, sbps)
+    if kind == "fixed":
+        residual = np.diff(x, order)
+    else:
+        precision = int(rng.integers(1, 16))
+        coefs = rng.integers(-(1 << precision - 1), 1 << precision - 1, order) if precision > 1 else rng.integers(-1, 1, order)
+        shift = min(precision - 1 + int(order - 1).bit_length(), 15)
+        w.put(precision - 1, 4)
+        w.put(shift, 5)
+        for c in coefs.tolist():
+            w.put(c, precision)
+        prediction = sum(int(c) * x[order - 1 - j:n - 1 - j] for j, c in enumerate(coefs.tolist()))
+        residual = x[order:] - (np.asarray(prediction, dtype=np.int64) >> shift)
+    method = int(rng.integers(0, 2))
+    orders = [p for p in range(9) if n % (1 << p) == 0 and (n >> p) >= order]
+    porder = orders[rng.integers(len(orders))]
+    w.put(method, 2)
+    w.put(porder, 4)
+    escape, pos = (31 if method else 15), 0
+    for part in range(1 << porder):
+        values = residual[pos:pos + (n >> porder) - (order if part == 0 else 0)]
+        pos += len(values)
+        need = max([int(v).bit_length() + 1 for v in values.tolist()] + [0]) if np.any(values) else 0
+        k = min(max(int(np.log2(np.mean(np.abs(values)) + 1)) if len(values) else 0, 0), escape - 1)
+        if rng.random() < 0.2 or 2 * np.abs(values).max(initial=0) >> k > 4000:
+            w.put(escape, 5 if method else 4)
+            w.put(need, 5)
+            for v in values.tolist():
+                w.put(v, need)
+        else:
+            w.put(k, 5 if method else 4)
+            w.rice(values, k)
+
+
+def written_flac(x, bps, rate, rng):
+    """A FLAC stream of int samples ``x`` [n, channels] written here from RFC 9639 in
+    variable-size blocks (8-bit, 16-bit and table block-size codes), every channel
+    assignment, bit depth and rate code, random subframe codings."""
+    n, channels = x.shape
+    blocks, pos = [], 0
+    while pos < n:
+        size = int(rng.choice([16, 17, 192, 255, 256, 576, 1000, 1152, 4096, 4608, 8192]))
+        blocks.append(min(size, n - pos))
+        pos += blocks[-1]
+    total = x.shape[0]
+    info = ((rate << 44) | ((channels - 1) << 41) | ((bps - 1) << 36) | total).to_bytes(8, "big")
+    streaminfo = (min(blocks).to_bytes(2, "big") + max(blocks).to_bytes(2, "big") + bytes(6) + info + bytes(16))
+    out = bytearray(b"fLaC" + bytes([0x80, 0, 0, 34]) + streaminfo)
+    bs_codes = {192: 1, 576: 2, 1152: 3, 2304: 4, 4608: 5, 256: 8, 512: 9, 1024: 10, 2048: 11, 4096: 12, 8192: 13}
+    rate_codes = {88200: 1, 176400: 2, 192000: 3, 8000: 4, 16000: 5, 22050: 6, 24000: 7, 32000: 8, 44100: 9,
+                  48000: 10, 96000: 11}
+    bits_codes = {8: 1, 12: 2, 16: 4, 20: 5, 24: 6}
+    pos = 0
+    for size in blocks:
+        block = x[pos:pos + size].astype(np.int64)
+        assign = int(rng.integers(0, 4)) if channels == 2 else 0
+        bs = bs_codes.get(size, 6 if size <= 256 else 7)
+        sr = rng.choice([0, rate_codes.get(rate, 0), 12 if rate % 1000 == 0 and rate < 256000 else 0, 13 if rate < 65536 else 0, 14 if rate % 10 == 0 else 0])
+        head = BitWriter()
+        head.put(0b11111111111110, 14)
+        head.put(1, 2)  # reserved 0, variable block size
+        head.put(bs, 4)
+        head.put(sr, 4)
+        head.put(channels - 1 if assign == 0 else 7 + assign, 4)
+        head.put(bits_codes[bps] if rng.random() < 0.5 else 0, 3)
+        head.put(0, 1)
+        header = head.bytes() + coded_number(pos)
+        header += (size - 1).to_bytes(1 if bs == 6 else 2, "big") if bs in (6, 7) else b""
+        header += {12: (rate // 1000).to_bytes(1, "big"), 13: rate.to_bytes(2, "big"),
+                   14: (rate // 10).to_bytes(2, "big")}.get(sr, b"")
+        header += bytes([crc(header, 8, 0x07)])
+        left, right = block[:, 0], block[:, -1]
+        signals = {0: [(block[:, c], bps) for c in range(channels)], 1: [(left, bps), (left - right, bps + 1)],
+                   2: [(left - right, bps + 1), (right, bps)], 3: [((left + right) >> 1, bps), (left - right, bps + 1)]}[assign]
+        w = BitWriter()
+        for signal_, sbps in signals:
+            write_subframe(w, signal_, sbps, rng)
+        frame = header + w.bytes()
+        out += frame + crc(frame, 16, 0x8005).to_bytes(2, "big")
+        pos += size
+    return np.frombuffer(bytes(out), np.uint8)
+
+
+@pytest.mark.parametrize("bps", [8, 12, 16, 20, 24])
+@pytest.mark.parametrize("channels", [1, 2, 3])
+def test_every_coding_written_here_from_the_spec(bps, channels):
+    """Codings that encoders seldom write (escaped partitions, FIXED 3-4, LPC up to
+    order 32, wasted bits under predictors, 12- and 20-bit samples, every rate code):
+    the decoder gives back the samples written, and libsndfile's samples where it
+    reads the file (8, 16 and 24 bits)."""
+    rng = np.random.default_rng(bps * 10 + channels)
+    for rate in (16000, 44100, 12000, 11025):
+        n = int(rng.integers(3000, 20000))
+        walk = np.cumsum(rng.normal(0, 2.0 ** (bps - 8), (n, channels)), axis=0)
+        x = np.clip(walk, -2 ** (bps - 1), 2 ** (bps - 1) - 1).astype(np.int64)
+        x[n // 3:n // 2] = x[n // 3]  # constant stretches
+        x[n // 2:2 * n // 3] &= ~np.int64(15)  # wasted bits
+        buf = written_flac(x, bps, rate, rng)
+        got = c_decode(buf, "int32", False)
+        np.testing.assert_array_equal(got, (x << 32 - bps).astype(np.int32))
+        np.testing.assert_array_equal(c_decode(buf, "float64", True), (x / 2.0 ** (bps - 1)).mean(axis=1, keepdims=True))
+        if bps in (8, 16, 24):
+            check(buf)
+
+
 def test_corrupt_and_cut_files_name_the_bad_frame(tmp_path):
     good = soundfile_flac(signal(20000, 1, seed=1))
     offsets = frame_offsets(good)
