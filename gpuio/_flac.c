@@ -90,7 +90,7 @@ static inline void refill(Bits *b) {
         b->p += take;
         b->bits += take * 8;
     } else {
-        while (b->bits <= 56) {
+        while (b->bits <= 48) { /* leaves 49..56 bits: shifts by `bits` stay below 64 */
             uint64_t byte = 0;
             if (b->p < b->end) byte = *b->p++;
             else ++b->over;
@@ -103,7 +103,7 @@ static inline void refill(Bits *b) {
 /* The bit position reached, from the data's start. */
 static inline int64_t bit_pos(const Bits *b) { return (int64_t)(b->p - b->start + b->over) * 8 - b->bits; }
 
-static inline uint64_t get_bits(Bits *b, int n) { /* n in 1..56 */
+static inline uint64_t get_bits(Bits *b, int n) { /* n in 1..48 */
     if (b->bits < n) refill(b);
     const uint64_t v = b->cache >> (64 - n);
     b->cache <<= n;
@@ -468,8 +468,8 @@ HOT void decode_frames(Job *job, int32_t *const *ch, int width, int dtype) {
 static void decode_file(Job *job, int32_t *const *ch, int width, int dtype) { decode_frames(job, ch, width, dtype); }
 
 #ifdef HASWELL
-__attribute__((target("avx2,bmi,bmi2,lzcnt,popcnt,fma,movbe"))) static void decode_file_haswell(Job *job, int32_t *const *ch, int width,
-                                                                         int dtype) {
+__attribute__((target("avx2,bmi,bmi2,lzcnt,popcnt,fma,movbe"))) static void decode_file_haswell(
+    Job *job, int32_t *const *ch, int width, int dtype) {
     decode_frames(job, ch, width, dtype);
 }
 #endif

@@ -223,7 +223,8 @@ def coded_number(v):
     if v < 0x80:
         return bytes([v])
     n = next(n for n in range(2, 8) if v < 1 << (5 * n + 1 if n < 7 else 36))
-    return bytes([(0xFF << (8 - n) & 0xFF) | v >> 6 * (n - 1)] + [0x80 | (v >> 6 * k & 0x3F) for k in range(n - 2, -1, -1)])
+    lead = (0xFF << (8 - n) & 0xFF) | v >> 6 * (n - 1)
+    return bytes([lead] + [0x80 | (v >> 6 * k & 0x3F) for k in range(n - 2, -1, -1)])
 
 
 def variable_block_size(buf, offsets, block):
@@ -301,7 +302,7 @@ def write_subframe(w, x, bps, rng):
         residual = np.diff(x, order)
     else:
         precision = int(rng.integers(1, 16))
-        coefs = rng.integers(-(1 << precision - 1), 1 << precision - 1, order) if precision > 1 else rng.integers(-1, 1, order)
+        coefs = rng.integers(-(1 << precision - 1), 1 << precision - 1, order)
         shift = min(precision - 1 + int(order - 1).bit_length(), 15)
         w.put(precision - 1, 4)
         w.put(shift, 5)
@@ -337,7 +338,7 @@ def written_flac(x, bps, rate, rng):
     n, channels = x.shape
     blocks, pos = [], 0
     while pos < n:
-        size = int(rng.choice([16, 17, 192, 255, 256, 576, 1000, 1152, 4096, 4608, 8192]))
+        size = int(rng.choice([16, 17, 192, 255, 256, 512, 576, 1000, 1024, 1152, 2048, 2304, 4096, 4608, 8192, 16384]))
         blocks.append(min(size, n - pos))
         pos += blocks[-1]
     total = x.shape[0]
@@ -353,7 +354,8 @@ def written_flac(x, bps, rate, rng):
         block = x[pos:pos + size].astype(np.int64)
         assign = int(rng.integers(0, 4)) if channels == 2 else 0
         bs = bs_codes.get(size, 6 if size <= 256 else 7)
-        sr = rng.choice([0, rate_codes.get(rate, 0), 12 if rate % 1000 == 0 and rate < 256000 else 0, 13 if rate < 65536 else 0, 14 if rate % 10 == 0 else 0])
+        sr = rng.choice([0, rate_codes.get(rate, 0), 12 if rate % 1000 == 0 and rate < 256000 else 0,
+                         13 if rate < 65536 else 0, 14 if rate % 10 == 0 else 0])
         head = BitWriter()
         head.put(0b11111111111110, 14)
         head.put(1, 2)  # reserved 0, variable block size
@@ -368,8 +370,10 @@ def written_flac(x, bps, rate, rng):
                    14: (rate // 10).to_bytes(2, "big")}.get(sr, b"")
         header += bytes([crc(header, 8, 0x07)])
         left, right = block[:, 0], block[:, -1]
-        signals = {0: [(block[:, c], bps) for c in range(channels)], 1: [(left, bps), (left - right, bps + 1)],
-                   2: [(left - right, bps + 1), (right, bps)], 3: [((left + right) >> 1, bps), (left - right, bps + 1)]}[assign]
+        signals = {0: [(block[:, c], bps) for c in range(channels)],
+                   1: [(left, bps), (left - right, bps + 1)],  # left / side
+                   2: [(left - right, bps + 1), (right, bps)],  # side / right
+                   3: [((left + right) >> 1, bps), (left - right, bps + 1)]}[assign]  # mid / side
         w = BitWriter()
         for signal_, sbps in signals:
             write_subframe(w, signal_, sbps, rng)
@@ -396,7 +400,8 @@ def test_every_coding_written_here_from_the_spec(bps, channels):
         buf = written_flac(x, bps, rate, rng)
         got = c_decode(buf, "int32", False)
         np.testing.assert_array_equal(got, (x << 32 - bps).astype(np.int32))
-        np.testing.assert_array_equal(c_decode(buf, "float64", True), (x / 2.0 ** (bps - 1)).mean(axis=1, keepdims=True))
+        mean = (x / 2.0 ** (bps - 1)).mean(axis=1, keepdims=True)
+        np.testing.assert_array_equal(c_decode(buf, "float64", True), mean)
         if bps in (8, 16, 24):
             check(buf)
 
