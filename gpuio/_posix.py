@@ -19,9 +19,11 @@ file in pieces) is opened once per batch and shared by them.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +43,34 @@ from gpuio.plan import ReadPlan
 
 
 _PARALLEL_COPY = 64 << 10  # mean read size from which cached copies run on several cores
+# Cold long reads go around the page cache (O_DIRECT): on the development disk a cold
+# 128 MiB .npy read at 1.3x one sequential readinto (best against best) and 2.0x per round
+# that way, against 0.9x and 1.2x through the page cache (bench/RESULTS.md).
+_DIRECT_TASK = 1 << 20  # reads from this size on count as long
+_DIRECT_CACHED = 0.125  # the largest fraction of their pages the page cache may hold
+_CACHESTAT = 451  # cachestat(2), Linux 6.5: how much of a file range the page cache holds
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_syscall = ctypes.CDLL(None, use_errno=True).syscall if sys.platform.startswith("linux") else None
+
+
+def cached_pages(fd: int, offset: int, length: int) -> int | None:
+    """Pages of the file range the page cache holds, without reading anything (cachestat(2));
+    None where the kernel has no cachestat."""
+    out = _Cachestat()
+    if _syscall is None or _syscall(_CACHESTAT, fd, ctypes.byref(_CachestatRange(offset, length)),
+                                    ctypes.byref(out), 0):
+        return None
+    return int(out.nr_cache)
 
 
 def native_available() -> bool:
@@ -77,8 +107,35 @@ class PosixBackend:
     def align(self) -> int:
         return 4096 if self.o_direct else 1
 
-    def _open(self, path: str) -> int:
-        if self.o_direct and path not in self._no_direct:
+    def reads_cold_direct(self, plan: ReadPlan, paths: PathTable) -> bool:
+        """Whether to read this batch with O_DIRECT although ``o_direct`` is off: most of
+        its bytes are long reads (1 MiB and more) and the page cache holds almost none of
+        them, so it bypasses the page cache and the readahead window."""
+        long = plan.task_length >= _DIRECT_TASK
+        if self.o_direct or 2 * int(plan.task_length[long].sum()) < plan.nbytes or not long.any():
+            return False
+        cached = total = 0
+        for f in np.unique(plan.task_file[long]).tolist():
+            path = paths[f]
+            if path in self._no_direct:
+                return False
+            mine = long & (plan.task_file == f)
+            try:
+                fd = os.open(path, self._flags)
+            except OSError:
+                return False  # the read reports it
+            try:
+                for off, n in zip(plan.task_offset[mine].tolist(), plan.task_length[mine].tolist()):
+                    pages = cached_pages(fd, off, n)
+                    if pages is None:
+                        return False
+                    cached, total = cached + pages, total + -(-n // 4096)
+            finally:
+                os.close(fd)
+        return cached <= _DIRECT_CACHED * total
+
+    def _open(self, path: str, direct: bool) -> int:
+        if direct and path not in self._no_direct:
             try:
                 return os.open(path, self._flags | os.O_DIRECT)
             except OSError as exc:
@@ -90,9 +147,10 @@ class PosixBackend:
         except OSError as exc:
             raise open_error(path, exc) from exc
 
-    def _direct(self, names: Sequence[str | bytes]) -> bool:
-        """Whether a batch of these files is read with O_DIRECT (none of them refused it)."""
-        return self.o_direct and not (self._no_direct & set(names))
+    def _direct(self, plan: ReadPlan, names: Sequence[str | bytes]) -> bool:
+        """Whether a batch of these files is read with O_DIRECT: its plan is aligned for it
+        (``o_direct``, or a cold batch of long reads) and none of the files refused it."""
+        return plan.align >= 4096 and not (self._no_direct & set(names))
 
     def read(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
         """Fill the host buffer ``lease`` as the plan says; raise StorageError on any failure."""
@@ -115,7 +173,7 @@ class PosixBackend:
         fds = np.full(len(unique), -1, dtype=np.int32)
         stop = np.zeros(1, dtype=np.int32)
         pending, npending, done = np.empty(n, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        direct = self._direct(names)
+        direct = self._direct(plan, names)
         shared = (counts > 1).astype(np.int8)
         common = (names, inverse.astype(np.int32), plan.task_offset, plan.task_length, plan.task_dest,
                   plan.task_need, shared, fds)
@@ -165,7 +223,7 @@ class PosixBackend:
         view = memoryview(lease.array)
         unique, inverse, counts = np.unique(plan.task_file, return_inverse=True, return_counts=True)
         names = paths.many(unique)
-        direct = self._direct(names)
+        direct = self._direct(plan, names)
         files = [names[i] for i in inverse.tolist()]
         owns = (counts[inverse] == 1).tolist()  # the task's file has no other task: open it alone
         offsets, lengths = plan.task_offset.tolist(), plan.task_length.tolist()
@@ -175,7 +233,10 @@ class PosixBackend:
         errors: list[tuple[int, BaseException]] = []  # (task, error): the first task's is raised, as in C
         blocked: list[Future[None]] = []
         nowait = self._nowait and not direct  # as in C: under O_DIRECT, RWF_NOWAIT reads wait for the disk
-        open_, close, preadv, flag = self._open, os.close, os.preadv, getattr(os, "RWF_NOWAIT", 0)
+        close, preadv, flag = os.close, os.preadv, getattr(os, "RWF_NOWAIT", 0)
+
+        def open_(path: str) -> int:
+            return self._open(path, direct)
 
         def shared_fd(path: str) -> int:
             fd = shared.get(path)

@@ -78,6 +78,7 @@ class Reader:
         self.gap = config.get("merge_gap")
         self.task_size = config.get("task_size")
         self.streams = config.get("read_streams")
+        self.cold_direct = config.get("cold_direct")
 
     @property
     def lands_on_device(self) -> bool:
@@ -90,8 +91,14 @@ class Reader:
         (start, length) in it. The buffer goes back to the pool when no view remains."""
         rows = _check_rows(index, rows)
         ext = index._extents(field)
-        plan = build_plan(ext.file[rows], ext.offset[rows], ext.length[rows], gap=self.gap,
-                          align=self.backend.align, task_size=self.task_size, streams=self.streams)
+        extents = (ext.file[rows], ext.offset[rows], ext.length[rows])
+        plan = build_plan(*extents, gap=self.gap, align=self.backend.align, task_size=self.task_size,
+                          streams=self.streams)
+        if self.cold_direct and not self.lands_on_device and self.backend.reads_cold_direct(plan, index.files):
+            aligned = build_plan(*extents, gap=self.gap, align=4096, task_size=self.task_size, streams=self.streams)
+            # within the buffer a Loader reserved per batch: the extents plus a merge gap each
+            if self.pool.charge(aligned.nbytes) <= self.pool.charge(int(extents[2].sum()) + len(rows) * self.gap):
+                plan = aligned
         if self.lands_on_device:
             lease = self.pool.acquire(plan.nbytes, self.device)
             self.backend.read(plan, index.files, lease)
@@ -215,7 +222,7 @@ _READERS_KEPT = 4
 def _default_reader(device: str | Device) -> Reader:
     device = parse_device(device)
     key = (device, config.get("backend"), config.get("io_threads"), config.get("o_direct"),
-           config.get("merge_gap"), config.get("task_size"), config.get("read_streams"), config.get("native"))
+           config.get("merge_gap"), config.get("task_size"), config.get("read_streams"), config.get("cold_direct"), config.get("native"))
     with _readers_lock:
         reader = _readers.get(key)
         if reader is None:

@@ -308,14 +308,66 @@ def test_large_extents_read_as_a_few_streams(tmp_path, o_direct):
     assert [a.tobytes() for a in out] == [blobs[i][offsets[i]:] for i in (1, 0, 2)]
 
 
-@pytest.mark.parametrize("o_direct", [False, True])
-def test_large_extent_of_a_truncated_file_names_path_and_offset(tmp_path, o_direct):
+def drop_from_page_cache(paths):
+    """Flush and evict the files' pages; the number of their pages still cached after (by
+    cachestat), or None where the kernel cannot say."""
+    from gpuio._posix import cached_pages
+
+    left = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            pages = cached_pages(fd, 0, os.path.getsize(path))
+        finally:
+            os.close(fd)
+        if pages is None:
+            return None
+        left += pages
+    return left
+
+
+def test_cold_long_reads_go_around_the_page_cache(tmp_path):
+    """A batch of long reads that the page cache does not hold is read with O_DIRECT (it
+    stays out of the page cache), unaligned extents of odd sizes exactly; once the files
+    are cached, the same batch is copied from the page cache."""
+    from gpuio._posix import cached_pages
+
+    sizes = [(5 << 20) + 4097, (3 << 20) + 1]
+    paths, blobs = write_files(tmp_path, sizes)
+    offsets = np.array([1000, 4095])
+    index = SampleIndex(paths, {"data": Extents(np.arange(2), offsets, np.array(sizes) - offsets)})
+    expected = [blobs[1][offsets[1]:], blobs[0][offsets[0]:]]
+    cold = drop_from_page_cache(paths) == 0  # False where cachestat or the drop is missing (tmpfs)
+    with gpuio.config.override(task_size=1 << 20, io_threads=4), Reader("cpu") as reader:
+        plan = gpuio.plan.build_plan(np.arange(2), offsets, np.array(sizes) - offsets, task_size=1 << 20)
+        assert reader.backend.reads_cold_direct(plan, index.files) == cold
+        assert [a.tobytes() for a in reader.read(index, [1, 0])] == expected
+        if cold:
+            fd = os.open(paths[0], os.O_RDONLY)
+            assert cached_pages(fd, 0, sizes[0]) < 8  # read around the page cache
+            os.close(fd)
+        for p in paths:
+            with open(p, "rb") as f:
+                f.read()
+        assert not reader.backend.reads_cold_direct(plan, index.files)
+        assert [a.tobytes() for a in reader.read(index, [1, 0])] == expected
+    with gpuio.config.override(cold_direct=False), Reader("cpu") as reader:
+        drop_from_page_cache(paths)
+        assert [a.tobytes() for a in reader.read(index, [1, 0])] == expected
+
+
+@pytest.mark.parametrize("mode", ["buffered", "o_direct", "cold"])
+def test_large_extent_of_a_truncated_file_names_path_and_offset(tmp_path, mode):
     """A file shorter than the index says, read as several streams: the error names the
     file and the byte where it ends."""
     paths, _ = write_files(tmp_path, [6 << 20])
     index = file_index(paths, [6 << 20])
     os.truncate(paths[0], (3 << 20) + 123)
-    with gpuio.config.override(o_direct=o_direct, task_size=1 << 20, read_streams=3):
+    if mode == "cold":
+        drop_from_page_cache(paths)
+    with gpuio.config.override(o_direct=mode == "o_direct", task_size=1 << 20, read_streams=3):
         with Reader("cpu") as reader, pytest.raises(StorageError, match="file ends before") as info:
             reader.read(index, [0])
     assert info.value.path == paths[0] and info.value.offset == (3 << 20) + 123
