@@ -81,23 +81,43 @@ def require_built(module, name, what):
         pytest.fail(f"{name} was not built: {what}?")
 
 
+@pytest.fixture(scope="module")
+def portable_cpuops(tmp_path_factory):
+    """``gpuio/_cpuops.c`` built with ``GPUIO_PORTABLE``: the plain C resampler (no
+    AVX2 path, no run-time clones), which CPUs without AVX2 run. Needs the C compiler
+    the install builds the module with."""
+    cc = sysconfig.get_config_var("CC").split()[0]
+    path = tmp_path_factory.mktemp("portable") / ("_cpuops" + sysconfig.get_config_var("EXT_SUFFIX"))
+    source = pathlib.Path(fused.__file__).resolve().parents[1] / "gpuio" / "_cpuops.c"
+    subprocess.run([cc, "-O3", "-shared", "-fPIC", "-DGPUIO_PORTABLE", f"-I{sysconfig.get_paths()['include']}",
+                    "-o", str(path), str(source)], check=True, capture_output=True)
+    spec = importlib.util.spec_from_file_location("_cpuops", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("name", list(CHAINS))
-def test_c_resampler_matches_reference(jpegs, name):
+def test_c_resampler_matches_reference(monkeypatch, jpegs, portable_cpuops, name):
+    """The C resampler as built (AVX2 where the CPU has it) and its plain C build
+    (``portable_cpuops``) against the NumPy reference."""
     require_built(fused._cpuops, "gpuio._cpuops", "is a C compiler installed")
     images = [decode_cpu(b, "rgb", i) for i, b in enumerate(jpegs)]
     images[1] = images[1][::-1, ::2]  # a strided view
     chain = CHAINS[name]()
     op = FusedCropResizeNormalize(chain)
-    out = op(make_batch(images, field="image")).data["image"]
     plan = op.plan(make_batch(images, field="image"), _sizes(images))
     mean, inv_std = chain[-1].channel_params(3)
     ref = fused_reference(images, plan, mean, inv_std, interp=op.interp, antialias=op.antialias,
                           layout=chain[-1].layout, dtype=chain[-1].dtype)
-    assert type(out) is type(ref) and len(out) == len(ref)
-    for got, want in zip(out, ref):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        bound = 1.0 if chain[-1].dtype == "uint8" else 1e-3  # uint8: a different rounding of x.5
-        assert levels(got, want, chain[-1]).max() <= bound
+    for module in (fused._cpuops, portable_cpuops):
+        monkeypatch.setattr(fused, "_cpuops", module)
+        out = op(make_batch(images, field="image")).data["image"]
+        assert type(out) is type(ref) and len(out) == len(ref)
+        for got, want in zip(out, ref):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            bound = 1.0 if chain[-1].dtype == "uint8" else 1e-3  # uint8: a different rounding of x.5
+            assert levels(got, want, chain[-1]).max() <= bound
 
 
 def test_jpeg_facts_equal_jpeg_info(tree_jpegs, jpegs):
@@ -249,33 +269,3 @@ def test_batch_draws_equal_per_row_generators(scale, ratio):
             bit = 1 if flip.horizontal else 2
             assert flip.flips(batch).tolist() == [bit if batch.rng(r, flip.salt).random() < flip.p else 0
                                                   for r in range(len(hw))]
-
-
-@pytest.fixture(scope="module")
-def portable_cpuops(tmp_path_factory):
-    """``gpuio/_cpuops.c`` built with ``GPUIO_PORTABLE``: the plain C resampler (no
-    AVX2 path, no run-time clones), which CPUs without AVX2 run."""
-    cc = sysconfig.get_config_var("CC").split()[0]
-    path = tmp_path_factory.mktemp("portable") / ("_cpuops" + sysconfig.get_config_var("EXT_SUFFIX"))
-    source = pathlib.Path(fused.__file__).resolve().parents[1] / "gpuio" / "_cpuops.c"
-    subprocess.run([cc, "-O3", "-shared", "-fPIC", "-DGPUIO_PORTABLE", f"-I{sysconfig.get_paths()['include']}",
-                    "-o", str(path), str(source)], check=True, capture_output=True)
-    spec = importlib.util.spec_from_file_location("_cpuops", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.parametrize("name", list(CHAINS))
-def test_portable_resampler_matches_fast_path(monkeypatch, jpegs, portable_cpuops, name):
-    require_built(fused._cpuops, "gpuio._cpuops", "is a C compiler installed")
-    images = [decode_cpu(b, "rgb", i) for i, b in enumerate(jpegs)]
-    images[1] = images[1][::-1, ::2]  # a strided view
-    chain = CHAINS[name]()
-    op = FusedCropResizeNormalize(chain)
-    fast = op(make_batch(images, field="image")).data["image"]
-    monkeypatch.setattr(fused, "_cpuops", portable_cpuops)
-    plain = op(make_batch(images, field="image")).data["image"]
-    for got, want in zip(plain, fast):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        assert levels(got, want, chain[-1]).max() <= (1.0 if chain[-1].dtype == "uint8" else 1e-3)
