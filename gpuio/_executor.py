@@ -1,8 +1,11 @@
 """The stage executor: a chain of stages run concurrently, results in order.
 
-``Executor(source, stages, window=..., device=...)`` feeds the payloads of ``source``
-through ``stages`` (each ``payload -> payload``) and hands them back with ``get()`` in
-the order ``source`` made them, whatever order the workers finish in:
+``Executor(stages, window=..., device=...)`` starts the stages' threads once;
+``feed(source)`` begins a pass, which sends the payloads of ``source`` through
+``stages`` (each ``payload -> payload``) and hands them back with ``get()`` in the
+order ``source`` made them, whatever order the workers finish in. Once a pass has
+handed back everything it fed, the next ``feed`` reuses the same threads (no thread
+start per pass):
 
 - the consumer feeds: each ``get()`` first tops the pipeline up from ``source`` to
   ``window`` payloads in flight (queued, being worked on, or waiting for the
@@ -22,7 +25,9 @@ the order ``source`` made them, whatever order the workers finish in:
   untouched) and ``get()`` returns it, after every earlier item was handed over; no
   new payloads are fed after the first error;
 - ``close()`` stops every thread: blocking calls wake up every ``_POLL`` seconds to
-  check the stop flag, and ``close`` joins them.
+  check the stop flag, and ``close`` joins them. A pass left with payloads in flight
+  can only be closed: ``feed`` refuses to start another. In a forked child the
+  threads do not exist: the executor is closed there and ``get()`` returns ``None``.
 
 All heavy work in the stages is expected to release the GIL (preadv, NumPy, OpenCV,
 simplejpeg), which is what lets threads run stages in parallel.
@@ -38,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuio._deferred import release_after
+from gpuio._fork import renew_after_fork
 from gpuio.device import Device, require
 
 _POLL = 0.05  # seconds between stop-flag checks in blocking calls
@@ -93,28 +99,46 @@ class Item:
 
 
 class Executor:
-    """Runs ``stages`` over ``source``; see the module docstring."""
+    """Runs ``stages`` over the sources fed to it; see the module docstring."""
 
-    def __init__(self, source: Iterator[Any], stages: list[Stage], *, window: int, device: Device,
+    def __init__(self, stages: list[Stage], *, window: int, device: Device,
                  stats: dict[str, StageStats] | None = None, name: str = "gpuio") -> None:
         self.stages = stages
         self.device = device
         self.stats = stats if stats is not None else {}
         for s in stages:
             self.stats.setdefault(s.name, StageStats())
-        self._source = source
+        self._source: Iterator[Any] = iter(())
         self._window = max(1, window)
-        self._fed = 0  # payloads taken from source
+        self._fed = 0  # payloads taken from sources, over every pass (the sequence numbers)
         self._in_flight = 0
-        self._source_done = False
+        self._source_done = True
         self._queues = [queue.Queue(maxsize=max(1, window)) for _ in range(len(stages) + 1)]
         self._turn = [0] * len(stages)
         self._turn_cv = [threading.Condition() for _ in stages]
         self._stop = threading.Event()
+        self._forked = False
         self._failed_seq: int | None = None  # first item that failed; later ones are not worked on
         self._threads: list[threading.Thread] = []
         self._name = name
         self.wait_s = 0.0  # time the consumer spent waiting in get()
+        renew_after_fork(self)
+
+    def _after_fork(self) -> None:
+        self._forked = True  # the threads stayed in the parent; locks they held stay held
+        self._threads = []
+
+    @property
+    def reusable(self) -> bool:
+        """Whether ``feed`` may start a pass: not closed, and the last pass handed back
+        every payload it fed without an error."""
+        return not (self._forked or self._stop.is_set()) and self._in_flight == 0 and self._failed_seq is None
+
+    def feed(self, source: Iterator[Any]) -> None:
+        """Begin a pass over ``source``: ``get()`` hands its payloads back."""
+        if not self.reusable:
+            raise RuntimeError("the executor is closed or its last pass still has payloads in flight")
+        self._source, self._source_done = source, False
 
     # ---- lifetime ---------------------------------------------------------------------
     def start(self) -> None:
@@ -129,7 +153,9 @@ class Executor:
 
     def close(self) -> None:
         """Stop and join every thread (idempotent). Blocked threads are woken at once:
-        ``None`` in every queue ends a waiting worker, and tokens free the feeder."""
+        ``None`` in every queue ends a waiting worker."""
+        if self._forked:
+            return
         self._stop.set()
         for i, stage in enumerate(self.stages):
             with self._turn_cv[i]:
@@ -151,7 +177,7 @@ class Executor:
             try:
                 item.payload = next(self._source)
             except StopIteration:
-                self._source_done = True
+                self._source, self._source_done = iter(()), True
                 return
             except Exception as exc:  # a failing source reaches the consumer like a stage error
                 item.error, item.stage = exc, "order"
@@ -164,7 +190,7 @@ class Executor:
     def get(self) -> Item | None:
         """The next item in source order (check ``item.error``); ``None`` once closed or
         when the source is exhausted."""
-        if self._stop.is_set():
+        if self._forked or self._stop.is_set():
             return None
         self._top_up()
         if self._in_flight == 0:
@@ -232,6 +258,7 @@ class Executor:
                     cv.wait(_POLL)
             if not self._put(outq, item):
                 return
+            item = None  # an idle worker keeps no batch (nor its buffers) alive
             with cv:
                 self._turn[i] += 1
                 cv.notify_all()

@@ -15,9 +15,11 @@ concurrently on threads, several batches in flight, and batch ``k`` is always yi
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -44,10 +46,11 @@ _MAX_ERRORS = 10  # first skipped-sample errors kept for stats()
 class _Work:
     """One batch on its way through the stages."""
 
-    __slots__ = ("k", "src", "index", "data", "batch", "nbytes")
+    __slots__ = ("k", "epoch", "src", "index", "data", "batch", "nbytes")
 
-    def __init__(self, k: int, src: np.ndarray, index: np.ndarray) -> None:
+    def __init__(self, k: int, epoch: int, src: np.ndarray, index: np.ndarray) -> None:
         self.k = k
+        self.epoch = epoch
         self.src = src  # samples to read (a padding row reads the sample it copies)
         self.index = index  # dataset position per row, -1 for padding rows
         self.data: dict[str, Any] = {}
@@ -126,10 +129,11 @@ class Loader:
     the same random draws: ops draw from ``batch.rng(row, salt)``, seeded by
     ``(seed, epoch, sample)``), after which the epoch advances as usual.
 
-    Threads: each pass runs its stage threads and ends them when it ends; the storage
-    readers' I/O threads are kept from one completed pass to the next, and end with
-    ``close()``, with a pass left early (``break``, an exception, Ctrl-C, the iterator
-    garbage collected) or when the loader is garbage collected.
+    Threads: the stage threads and the storage readers' I/O threads start with the
+    first pass and are kept from one completed pass to the next (no start-up per
+    epoch); they end with ``close()``, with a pass left early (``break``, an
+    exception, Ctrl-C, the iterator garbage collected) or when the loader is garbage
+    collected (they hold no reference to it).
 
     On a GPU the consumer's current stream (torch's, or CuPy's for ``output="numpy"``)
     waits on each batch's last CUDA event before the batch is handed over, and a
@@ -194,13 +198,15 @@ class Loader:
         self._epoch = 0
         self._pos = 0  # batches of the current epoch handed to the consumer
         self._resume = 0  # where the next pass starts (set by load_state_dict)
-        self._executor: Executor | None = None
+        self._executor: Executor | None = None  # kept across completed passes
+        self._passing = False  # a pass is between its first and last batch
         self._readers: dict[str, Reader] = {}
         self._lock = threading.Lock()
         self._stage_stats: dict[str, StageStats] = {}
         self._samples = 0
         self._bytes = 0
         self._seconds = 0.0
+        self._wait_s = 0.0  # consumer waits of executors already closed
         self._skipped = 0
         self._errors: list[str] = []
 
@@ -259,30 +265,22 @@ class Loader:
 
     # ---- iteration ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        if self._executor is not None:  # one pass at a time: stop one left running
+        if self._passing:  # one pass at a time: stop one left running
             self.close()
         epoch, start = self._epoch, self._resume
         self._resume, self._pos = 0, start
         return self._run(epoch, start)
 
     def _run(self, epoch: int, start: int) -> Iterator[dict[str, Any]]:
+        ex = self._executor
+        if ex is None or not ex.reusable:
+            ex = self._start()
         order = epoch_order(len(self.index), self.shuffle, self.seed, epoch)
-        if not self._readers:  # kept across completed passes, closed by close() and early exits
-            if self._host_fields:
-                self._readers["host"] = Reader("cpu", thread_name="gpuio-loader-read", pool=self._pool)
-            if self._dev_fields:
-                self._readers["device"] = Reader(self.device, thread_name="gpuio-loader-read", pool=self._pool)
-        readers = self._readers
-        source = (_Work(k, *self.plan.rows(order, k)) for k in range(start, len(self.plan)))
-        stages = self._stages(epoch, readers)
-        window = min(self.prefetch + max(s.workers if not s.gpu else 1 for s in stages), self._max_in_flight)
-        ex = Executor(source, stages, window=window, device=self.device, stats=self._stage_stats,
-                      name=f"gpuio-loader{self.rank}")
-        self._executor = ex
+        ex.feed(_works(self.plan, order, epoch, start))  # holds no reference to the loader
+        self._passing = True
         completed = False
         t0 = time.perf_counter()
         try:
-            ex.start()
             for _ in range(start, len(self.plan)):
                 item = ex.get()
                 if item is None:  # closed by close()
@@ -291,29 +289,50 @@ class Loader:
                     if isinstance(item.error, PipelineError):
                         raise item.error
                     raise self._pipeline_error(item.stage or "?", item.payload, item.error) from item.error
-                out, real = item.payload
-                batch = self._handoff(out, item.event)
+                (out, real), event = item.payload, item.event
+                del item  # while the next batch is awaited, the consumer's hold is the only one
+                batch = self._handoff(out, event)
+                del out, event
                 self._pos += 1
                 with self._lock:
                     self._samples += real
                 yield batch
+                del batch
             completed = True
         finally:
-            ex.close()
-            if not completed:
-                _close_readers(readers)
             with self._lock:
                 self._seconds += time.perf_counter() - t0
-            if self._executor is ex:
-                self._executor = None
+            if self._executor is ex:  # not a pass already stopped by a newer one
+                self._passing = False
+                if not completed:
+                    self.close()
             if completed and self._epoch == epoch:
                 self._epoch, self._pos = epoch + 1, 0
 
+    def _start(self) -> Executor:
+        """The stage threads and the readers, started for the first pass (or the first
+        after ``close()``) and kept across completed passes."""
+        self.close()
+        if self._host_fields:
+            self._readers["host"] = Reader("cpu", thread_name="gpuio-loader-read", pool=self._pool)
+        if self._dev_fields:
+            self._readers["device"] = Reader(self.device, thread_name="gpuio-loader-read", pool=self._pool)
+        stages = self._stages()
+        window = min(self.prefetch + max(s.workers if not s.gpu else 1 for s in stages), self._max_in_flight)
+        ex = Executor(stages, window=window, device=self.device, stats=self._stage_stats,
+                      name=f"gpuio-loader{self.rank}")
+        ex.start()
+        self._executor = ex
+        return ex
+
     def close(self) -> None:
-        """Stop the running pass, if any; every loader thread has ended on return."""
-        ex = self._executor
+        """Stop the running pass, if any, and end every loader thread (they have ended on
+        return); the next pass starts them again."""
+        ex, self._executor, self._passing = self._executor, None, False
         if ex is not None:
             ex.close()  # joins the stage threads before the readers go
+            with self._lock:
+                self._wait_s += ex.wait_s
         _close_readers(self._readers)
 
     def __del__(self) -> None:
@@ -323,56 +342,59 @@ class Loader:
         _close_readers(getattr(self, "_readers", {}))
 
     # ---- stages ------------------------------------------------------------------------
-    def _stages(self, epoch: int, readers: dict[str, Reader]) -> list[Stage]:
+    def _stages(self) -> list[Stage]:
+        """The stages, calling the loader through a weak reference: the threads, kept
+        across passes, must not keep the loader alive (collecting it ends them)."""
         cpu_workers = self.threads
         # one read worker: a batch's reads already run on io_threads (gpuio.config)
-        stages = [Stage("read", lambda w: self._read(w, readers, epoch), workers=1)]
+        stages = [Stage("read", _weak(self._read), workers=1)]
         if self._parsed:
-            stages.append(Stage("parse", lambda w: self._parse(w, epoch), workers=cpu_workers))
+            stages.append(Stage("parse", _weak(self._parse), workers=cpu_workers))
         for op, name in zip(self.ops, self._op_names):
-            stages.append(Stage(name, self._op_stage(op, name), workers=cpu_workers, gpu=self.device.is_cuda,
-                                holds=_columns))
+            stages.append(Stage(name, functools.partial(_weak(self._run_op), op, name), workers=cpu_workers,
+                                gpu=self.device.is_cuda, holds=_columns))
         if self.device.is_cuda:  # its own stream: the hand-off waits on its event
-            stages.append(Stage("collate", self._collate, workers=1, gpu=True, holds=_columns))
+            stages.append(Stage("collate", _weak(self._collate), workers=1, gpu=True, holds=_columns))
         else:  # on the CPU, collating in the last stage's worker saves a queue hop
             last = stages[-1]
-            stages[-1] = Stage(last.name, lambda w, fn=last.fn: self._collate(fn(w)), last.workers)
+            stages[-1] = Stage(last.name, _then(last.fn, _weak(self._collate)), last.workers)
         return stages
 
-    def _read_rows(self, src: np.ndarray, readers: dict[str, Reader]) -> dict[str, Any]:
+    def _read_rows(self, src: np.ndarray) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        readers = self._readers
         if self._host_fields:
             out.update(read_fields(self.index, src, self._host_fields, reader=readers["host"]))
         if self._dev_fields:
             out.update(read_fields(self.index, src, self._dev_fields, reader=readers["device"]))
         return out
 
-    def _read(self, w: _Work, readers: dict[str, Reader], epoch: int) -> _Work:
+    def _read(self, w: _Work) -> _Work:
         try:
-            w.data = self._read_rows(w.src, readers)
+            w.data = self._read_rows(w.src)
         except DataError:
             if self.on_error != "skip":
                 raise
             bad = []
             for j in range(len(w.src)):  # find the bad samples one by one
                 try:
-                    self._read_rows(w.src[j: j + 1], readers)
+                    self._read_rows(w.src[j: j + 1])
                 except DataError as one:
                     bad.append(j)
                     self._skip(int(w.src[j]), "read", one)
             if not bad:  # the batch failed but no single sample does: not a sample's fault
                 raise
             w.keep(np.delete(np.arange(len(w.src)), bad))
-            w.data = self._read_rows(w.src, readers)
+            w.data = self._read_rows(w.src)
         w.nbytes = sum(int(self.index.extents[f].length[w.src].sum()) for f in self._host_fields + self._dev_fields
                        if f in self.index.extents)
         with self._lock:
             self._bytes += w.nbytes
         if not self._parsed:
-            self._make_batch(w, epoch)
+            self._make_batch(w)
         return w
 
-    def _parse(self, w: _Work, epoch: int) -> _Work:
+    def _parse(self, w: _Work) -> _Work:
         parser = self.index.parser
         ext = self.index.extents[parser.source]
 
@@ -398,38 +420,35 @@ class Loader:
             w.keep(np.delete(rows, bad))
             values = parse(np.arange(len(w.src)))
         w.data.update({f: values[f] for f in self._parsed})
-        self._make_batch(w, epoch)
+        self._make_batch(w)
         return w
 
-    def _make_batch(self, w: _Work, epoch: int) -> None:
+    def _make_batch(self, w: _Work) -> None:
         data = {f: w.data[f] for f in self.fields}
         # ops run in collect mode: the loader raises for the first rejected row under "raise"
-        w.batch = Batch(data, w.index, sample_seeds(self.seed, epoch, w.src), self.device, on_error="skip")
+        w.batch = Batch(data, w.index, sample_seeds(self.seed, w.epoch, w.src), self.device, on_error="skip")
         w.data = {}
 
-    def _op_stage(self, op: Any, name: str):
-        def run(w: _Work) -> _Work:
-            b = w.batch
-            if self.device.is_cuda:  # the stage's stream (the executor made it current)
-                cp = require("cupy")
-                with cp.cuda.Device(self.device.index):
-                    b.stream = cp.cuda.get_current_stream()
-            out = op(b)
-            b = out if out is not None else b
-            # rows rejected by the op (or by ops inside it, which may have dropped them already)
-            errors, b.errors[:] = list(b.errors), []
-            if errors and self.on_error != "skip":
-                index, err = errors[0]
-                sample = index if index >= 0 else getattr(err, "sample", None)
-                sample = int(sample) if isinstance(sample, (int, np.integer)) else None
-                raise self._pipeline_error(name, w, err, sample=sample) from err
-            for index, err in errors:
-                self._skip(index, name, err)
-            b.drop_rejected()
-            w.batch = b
-            return w
-
-        return run
+    def _run_op(self, op: Any, name: str, w: _Work) -> _Work:
+        b = w.batch
+        if self.device.is_cuda:  # the stage's stream (the executor made it current)
+            cp = require("cupy")
+            with cp.cuda.Device(self.device.index):
+                b.stream = cp.cuda.get_current_stream()
+        out = op(b)
+        b = out if out is not None else b
+        # rows rejected by the op (or by ops inside it, which may have dropped them already)
+        errors, b.errors[:] = list(b.errors), []
+        if errors and self.on_error != "skip":
+            index, err = errors[0]
+            sample = index if index >= 0 else getattr(err, "sample", None)
+            sample = int(sample) if isinstance(sample, (int, np.integer)) else None
+            raise self._pipeline_error(name, w, err, sample=sample) from err
+        for index, err in errors:
+            self._skip(index, name, err)
+        b.drop_rejected()
+        w.batch = b
+        return w
 
     def _collate(self, w: _Work) -> tuple[dict[str, Any], int]:
         b = w.batch
@@ -537,11 +556,32 @@ class Loader:
                 "bytes_per_s": self._bytes / seconds if seconds else 0.0,
                 "stages": {name: s.as_dict() for name, s in self._stage_stats.items()},
                 "queues": ({s.name: q.qsize() for s, q in zip(ex.stages, ex._queues)} if ex is not None else {}),
-                "consumer_wait_s": round(ex.wait_s, 6) if ex is not None else 0.0,
+                "consumer_wait_s": round(self._wait_s + (ex.wait_s if ex is not None else 0.0), 6),
                 "window": ex._window if ex is not None else 0,
                 "skipped": self._skipped,
                 "errors": list(self._errors),
             }
+
+
+def _works(plan: EpochPlan, order: np.ndarray, epoch: int, start: int) -> Iterator[_Work]:
+    """The batches of one pass, from batch ``start``."""
+    for k in range(start, len(plan)):
+        yield _Work(k, epoch, *plan.rows(order, k))
+
+
+def _weak(method: Any) -> Any:
+    """``method``, a bound method of the loader, called through a weak reference to it."""
+    ref, func = weakref.ref(method.__self__), method.__func__
+
+    def call(*args: Any) -> Any:
+        return func(ref(), *args)
+
+    return call
+
+
+def _then(first: Any, second: Any) -> Any:
+    """``second(first(x))``."""
+    return lambda x: second(first(x))
 
 
 def _close_readers(readers: dict[str, Reader]) -> None:

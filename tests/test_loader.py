@@ -343,6 +343,35 @@ def test_no_threads_after_gc(tree):
     assert not loader_threads()
 
 
+def test_threads_are_kept_across_completed_passes_and_end_with_the_loader(tree):
+    ld = gpuio.Loader(tree, 4, ops=[Slow()], threads=2, output="numpy")
+    first = [b["index"].tolist() for b in ld]
+    started = loader_threads()
+    assert started and all(t.is_alive() for t in started)
+    second = [b["index"].tolist() for b in ld]  # the next epoch runs on the same threads
+    assert loader_threads() == started and first == second
+    ld.close()
+    assert not loader_threads() and not any(t.is_alive() for t in started)
+    assert [b["index"].tolist() for b in ld] == first  # a closed loader starts them again
+    assert loader_threads()
+    del ld  # dropped without close(): its threads hold no reference to it
+    gc.collect()
+    assert not loader_threads() and not any(t.is_alive() for t in started)
+
+
+def test_no_threads_after_iterators_of_several_passes_are_dropped(tree):
+    ld = gpuio.Loader(tree, 2, ops=[Slow()], threads=3)
+    list(ld)  # a completed pass: its threads stay
+    passes = [iter(ld) for _ in range(3)]
+    for it in passes:
+        next(it)  # each new pass stops the one before
+    assert [len(list(it)) for it in passes[:2]] == [0, 0]  # stopped passes end
+    del passes, it
+    assert not loader_threads()
+    del ld
+    assert not loader_threads()
+
+
 def test_close_does_not_drain_the_pipeline(tree):
     class Held(Op):
         """Holds every batch after the first until close() stops the pass, so that close
