@@ -309,39 +309,47 @@ static inline int16_t as_i16(int32_t x, int bps) {
 }
 static inline int32_t as_i32(int32_t x, int bps) { return (int32_t)((uint32_t)x << (32 - bps)); }
 
+/* x[lo..hi) converted into out[at], out[at + stride], ... */
+HOT void convert(const int32_t *x, int lo, int hi, void *out, int64_t at, int stride, int dtype, int bps) {
+    const float nf = (float)(1.0 / (double)(1u << (bps - 1)));
+    const double nd = 1.0 / (double)(1u << (bps - 1));
+    switch (dtype) {
+    case F32: {
+        float *y = (float *)out + at;
+        for (int i = lo; i < hi; ++i, y += stride) *y = as_f32(x[i], nf);
+        break;
+    }
+    case F64: {
+        double *y = (double *)out + at;
+        for (int i = lo; i < hi; ++i, y += stride) *y = as_f64(x[i], nd);
+        break;
+    }
+    case I16: {
+        int16_t *y = (int16_t *)out + at;
+        for (int i = lo; i < hi; ++i, y += stride) *y = as_i16(x[i], bps);
+        break;
+    }
+    default: {
+        int32_t *y = (int32_t *)out + at;
+        for (int i = lo; i < hi; ++i, y += stride) *y = as_i32(x[i], bps);
+    }
+    }
+}
+
 /* Samples [lo, hi) of a frame's channels into out rows from `row`; `width` 1 with
  * several channels: their mean (float64 sum in channel order, as NumPy's mean). */
 HOT void emit(int32_t *const *ch, int channels, int lo, int hi, void *out, int64_t row, int width, int dtype,
-                 int bps) {
-    const float nf = (float)(1.0 / (double)(1u << (bps - 1)));
-    const double nd = 1.0 / (double)(1u << (bps - 1));
-    if (width == channels) {
-        for (int c = 0; c < channels; ++c) {
-            const int32_t *x = ch[c];
-            switch (dtype) {
-            case F32: {
-                float *y = (float *)out + row * width + c;
-                for (int i = lo; i < hi; ++i, y += width) *y = as_f32(x[i], nf);
-                break;
-            }
-            case F64: {
-                double *y = (double *)out + row * width + c;
-                for (int i = lo; i < hi; ++i, y += width) *y = as_f64(x[i], nd);
-                break;
-            }
-            case I16: {
-                int16_t *y = (int16_t *)out + row * width + c;
-                for (int i = lo; i < hi; ++i, y += width) *y = as_i16(x[i], bps);
-                break;
-            }
-            default: {
-                int32_t *y = (int32_t *)out + row * width + c;
-                for (int i = lo; i < hi; ++i, y += width) *y = as_i32(x[i], bps);
-            }
-            }
-        }
+              int bps) {
+    if (channels == 1) { /* contiguous: the compiler vectorizes this one */
+        convert(ch[0], lo, hi, out, row, 1, dtype, bps);
         return;
     }
+    if (width == channels) {
+        for (int c = 0; c < channels; ++c) convert(ch[c], lo, hi, out, row * width + c, width, dtype, bps);
+        return;
+    }
+    const float nf = (float)(1.0 / (double)(1u << (bps - 1)));
+    const double nd = 1.0 / (double)(1u << (bps - 1));
     for (int i = lo; i < hi; ++i, ++row) {
         double sum = 0.0;
         for (int c = 0; c < channels; ++c) {
