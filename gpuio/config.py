@@ -38,8 +38,8 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
                         "each one sequential stream for the kernel's readahead"),
     "merge_gap": (4 * KiB, "extents this close in one file are merged into one read"),
     "o_direct": (False, "bypass the page cache (O_DIRECT), where the filesystem allows"),
-    "cold_direct": (True, "read a batch of long reads (1 MiB and more) with O_DIRECT when the page "
-                          "cache holds almost none of it"),
+    "cold_direct": (True, "read a batch of reads of 64 KiB and more on average with O_DIRECT when "
+                          "the page cache holds almost none of it"),
     "buffer_budget": (4 * GiB, "bytes of batch buffers one pool may hold, host and device together "
                                "(gpuio.read: the value at each call; a Loader: the value when it is made)"),
     "backend": ("auto", "storage backend: auto, posix or kvikio"),

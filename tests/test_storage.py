@@ -328,7 +328,7 @@ def drop_from_page_cache(paths):
     return left
 
 
-def test_cold_long_reads_go_around_the_page_cache(tmp_path):
+def test_cold_large_reads_go_around_the_page_cache(tmp_path):
     """A batch of long reads that the page cache does not hold is read with O_DIRECT (it
     stays out of the page cache), unaligned extents of odd sizes exactly; once the files
     are cached, the same batch is copied from the page cache."""
@@ -356,6 +356,31 @@ def test_cold_long_reads_go_around_the_page_cache(tmp_path):
     with gpuio.config.override(cold_direct=False), Reader("cpu") as reader:
         drop_from_page_cache(paths)
         assert [a.tobytes() for a in reader.read(index, [1, 0])] == expected
+        fd = os.open(paths[0], os.O_RDONLY)
+        assert cached_pages(fd, 0, sizes[0]) > 1000 or not cold  # through the page cache
+        os.close(fd)
+
+
+def test_cold_small_files_go_around_the_page_cache_short_records_do_not(tmp_path):
+    """Files of 100 KB, odd sizes, cold: read with O_DIRECT (they stay uncached); reads of
+    a few KiB (records) stay buffered."""
+    from gpuio._posix import cached_pages
+
+    sizes = [100_000 + 37 * i for i in range(12)]
+    paths, blobs = write_files(tmp_path, sizes)
+    index = file_index(paths, sizes)
+    cold = drop_from_page_cache(paths) == 0
+    with Reader("cpu") as reader:
+        rows = [5, 0, 11, 3, 3, 7]
+        assert [a.tobytes() for a in reader.read(index, rows)] == [blobs[r] for r in rows]
+        left = []
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            left.append(cached_pages(fd, 0, os.path.getsize(p)))
+            os.close(fd)
+        assert left[5] == left[0] == 0 or not cold
+        short = gpuio.plan.build_plan(np.arange(12), np.zeros(12), np.full(12, 8000))
+        assert not reader.backend.reads_cold_direct(short, index.files)
 
 
 @pytest.mark.parametrize("mode", ["buffered", "o_direct", "cold"])
