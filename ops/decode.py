@@ -34,7 +34,7 @@ from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 
 __all__ = ["DecodeImage", "decode_image", "decode_cpu", "decode_region", "region_decodable", "jpeg_facts",
-           "jpeg_info", "JpegInfo",
+           "facts_info", "jpeg_info", "JpegInfo",
            "orient", "decode_rows", "COLORS", "image_format", "gpu_decodable", "decode_gpu", "upload"]
 
 COLORS = ("rgb", "gray", "unchanged")

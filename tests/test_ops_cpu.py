@@ -269,3 +269,30 @@ def test_batch_draws_equal_per_row_generators(scale, ratio):
             bit = 1 if flip.horizontal else 2
             assert flip.flips(batch).tolist() == [bit if batch.rng(r, flip.salt).random() < flip.p else 0
                                                   for r in range(len(hw))]
+
+
+def test_decode_resample_checks_its_arguments(jpegs):
+    """Arguments that do not fit are a ValueError before any decoding; a window outside
+    the image is that image's failure (the others are decoded)."""
+    require_built(decode._jpeg, "gpuio._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
+    data = jpegs[0]  # 120 x 160
+
+    def call(denoms, clips, out, interp=1):
+        n = len(denoms)
+        boxes = np.concatenate([clips[:, :2], clips[:, 2:] - clips[:, :2]], axis=1).astype(np.float64)
+        return decode._jpeg.decode_resample([data] * n, np.array(denoms, np.int64), False, boxes, clips,
+                                            np.full((n, 2), 8, np.int64), np.arange(n, dtype=np.int64) * 192,
+                                            np.zeros(n, np.int64), np.zeros(3, np.float32), np.ones(3, np.float32),
+                                            out, interp, True, True, False)
+
+    inside, outside = [0, 0, 120, 160], [200, 0, 240, 160]
+    with pytest.raises(ValueError, match="denom"):
+        call([3], np.array([inside]), np.empty(192, np.float32))
+    with pytest.raises(ValueError, match="inside `out`"):
+        call([1, 1], np.array([inside, inside]), np.empty(200, np.float32))
+    with pytest.raises(ValueError, match="interp 2"):
+        call([1], np.array([inside]), np.empty(192, np.float32), interp=2)
+    out = np.full(384, np.nan, np.float32)
+    failed = call([1, 2], np.array([outside, inside]), out)
+    assert [row for row, _ in failed] == [0] and "outside" in failed[0][1]
+    assert np.isfinite(out[192:]).all()
