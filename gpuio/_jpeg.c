@@ -4,6 +4,7 @@
  *
  * headers(): the frame facts of a batch of JPEGs (libjpeg's jpeg_read_header, the EXIF
  * orientation from APP1).
+ * decode_region(): a window of one JPEG, as decode_resample decodes it.
  * decode_resample(): per image, the rows a fused chain reads of the 1/denom-scaled
  * image (rows above skipped, rows below never decoded; columns cropped to the iMCUs
  * covering them), then crop -> resize -> flip -> normalize into the batch output, one
@@ -174,10 +175,11 @@ static int reserve(void **buf, size_t *have, size_t need, size_t size) {
     return 0;
 }
 
-/* Decode the window of sample s of `data` (its clip, in pixels of the full image) at
- * 1/denom scale into d->scratch and point s at it: the box moves to the window's
- * coordinates, scaled. 0, or -1 with d->err.message saying why. */
-static int decode_window(Decoder *d, const uint8_t *data, size_t size, int gray, int denom, Sample *s) {
+/* Decode rows win[0]..win[2], columns win[1]..win[3] of the 1/denom-scaled image of
+ * `data` (win[2] and win[3] are clipped to it) into d->scratch: *origin is pixel (win[0],
+ * win[1]), rows `*stride` bytes apart. 0, or -1 with d->err.message saying why. */
+static int decode_window(Decoder *d, const uint8_t *data, size_t size, int gray, int denom, int win[4],
+                         const uint8_t **origin, size_t *stride) {
     struct jpeg_decompress_struct *cinfo = &d->cinfo;
     if (setjmp(d->err.jump)) {
         jpeg_abort_decompress(cinfo);
@@ -190,45 +192,97 @@ static int decode_window(Decoder *d, const uint8_t *data, size_t size, int gray,
     cinfo->scale_denom = (unsigned int)denom;
     jpeg_start_decompress(cinfo);
     const int C = gray ? 1 : 3, h = (int)cinfo->output_height, w = (int)cinfo->output_width;
-    const int64_t *c = s->clip;
-    const int y0 = (int)(c[0] / denom), x0 = (int)(c[1] / denom);
-    int y1 = (int)((c[2] + denom - 1) / denom), x1 = (int)((c[3] + denom - 1) / denom);
-    y1 = y1 < h ? y1 : h;
-    x1 = x1 < w ? x1 : w;
-    if (c[0] < 0 || c[1] < 0 || y0 >= y1 || x0 >= x1) {
-        snprintf(d->err.message, sizeof d->err.message, "window (%lld, %lld, %lld, %lld) is outside the %ux%u image",
-                 (long long)c[0], (long long)c[1], (long long)c[2], (long long)c[3], cinfo->image_height,
-                 cinfo->image_width);
+    const int y0 = win[0], x0 = win[1];
+    const int y1 = win[2] = win[2] < h ? win[2] : h, x1 = win[3] = win[3] < w ? win[3] : w;
+    if (y0 < 0 || x0 < 0 || y0 >= y1 || x0 >= x1) {
+        snprintf(d->err.message, sizeof d->err.message, "window (%d, %d, %d, %d) is outside the %dx%d image", y0, x0,
+                 y1, x1, h, w);
         jpeg_abort_decompress(cinfo);
         return -1;
     }
     JDIMENSION xoff = (JDIMENSION)(x0 > EDGE ? x0 - EDGE : 0);
     JDIMENSION width = (JDIMENSION)((x1 + EDGE < w ? x1 + EDGE : w) - (int)xoff);
     if (width < cinfo->output_width) jpeg_crop_scanline(cinfo, &xoff, &width);
-    const size_t stride = (size_t)width * C, nrows = (size_t)(y1 - y0);
-    if (reserve((void **)&d->scratch, &d->capacity, stride * nrows, 1) < 0
+    const size_t nrows = (size_t)(y1 - y0);
+    *stride = (size_t)width * C;
+    if (reserve((void **)&d->scratch, &d->capacity, *stride * nrows, 1) < 0
             || reserve((void **)&d->rows, &d->nrows, nrows, sizeof(JSAMPROW)) < 0) {
         snprintf(d->err.message, sizeof d->err.message, "out of memory");
         jpeg_abort_decompress(cinfo);
         return -1;
     }
-    for (size_t r = 0; r < nrows; ++r) d->rows[r] = d->scratch + r * stride;
+    for (size_t r = 0; r < nrows; ++r) d->rows[r] = d->scratch + r * *stride;
     if (y0 > 0) jpeg_skip_scanlines(cinfo, (JDIMENSION)y0);
     while (cinfo->output_scanline < (JDIMENSION)y1)
         jpeg_read_scanlines(cinfo, d->rows + (cinfo->output_scanline - y0), (JDIMENSION)y1 - cinfo->output_scanline);
     jpeg_abort_decompress(cinfo); /* rows below the window are never decoded */
-    s->src = d->scratch + (size_t)(x0 - (int)xoff) * C;
+    *origin = d->scratch + (size_t)(x0 - (int)xoff) * C;
+    return 0;
+}
+
+/* Decode the pixels sample s's clip reads (full-image pixels) at 1/denom scale and point
+ * s at them: the box moves to the window's coordinates, scaled. 0 or -1 as decode_window. */
+static int decode_sample(Decoder *d, const uint8_t *data, size_t size, int gray, int denom, Sample *s) {
+    const int64_t *c = s->clip;
+    int win[4] = {(int)(c[0] / denom), (int)(c[1] / denom), (int)((c[2] + denom - 1) / denom),
+                  (int)((c[3] + denom - 1) / denom)};
+    const uint8_t *origin;
+    size_t stride;
+    if (decode_window(d, data, size, gray, denom, win, &origin, &stride) < 0) return -1;
+    const int C = gray ? 1 : 3;
+    s->src = origin;
     s->rs = (ptrdiff_t)stride;
     s->cs = C;
     s->chs = 1;
-    s->box[0] = s->box[0] / denom - y0;
-    s->box[1] = s->box[1] / denom - x0;
+    s->box[0] = s->box[0] / denom - win[0];
+    s->box[1] = s->box[1] / denom - win[1];
     s->box[2] /= denom;
     s->box[3] /= denom;
     s->clip[0] = s->clip[1] = 0;
-    s->clip[2] = y1 - y0;
-    s->clip[3] = x1 - x0;
+    s->clip[2] = win[2] - win[0];
+    s->clip[3] = win[3] - win[1];
     return 0;
+}
+
+static void free_decoder(Decoder *d) {
+    jpeg_destroy_decompress(&d->cinfo);
+    free(d->scratch);
+    free(d->rows);
+}
+
+static PyObject *decode_region(PyObject *self, PyObject *args) {
+    Py_buffer data, out;
+    int gray, denom, win[4];
+    if (!PyArg_ParseTuple(args, "y*piiiiiw*", &data, &gray, &denom, &win[0], &win[1], &win[2], &win[3], &out))
+        return NULL;
+    const int C = gray ? 1 : 3, want_h = win[2] - win[0], want_w = win[3] - win[1];
+    PyObject *result = NULL;
+    if (denom != 1 && denom != 2 && denom != 4 && denom != 8) {
+        PyErr_Format(PyExc_ValueError, "denom %d: 1, 2, 4 or 8", denom);
+    } else if (want_h < 1 || want_w < 1 || out.len < (Py_ssize_t)want_h * want_w * C) {
+        PyErr_Format(PyExc_ValueError, "an empty region, or one that does not fit in `out`");
+    } else {
+        int failed;
+        Decoder d = {0};
+        Py_BEGIN_ALLOW_THREADS
+        const uint8_t *origin;
+        size_t stride;
+        new_decompressor(&d.cinfo, &d.err);
+        failed = decode_window(&d, data.buf, (size_t)data.len, gray, denom, win, &origin, &stride);
+        if (!failed && (win[2] - win[0] != want_h || win[3] - win[1] != want_w)) {
+            snprintf(d.err.message, sizeof d.err.message, "the region ends outside the image");
+            failed = 1;
+        }
+        for (int r = 0; !failed && r < want_h; ++r)
+            memcpy((uint8_t *)out.buf + (size_t)r * want_w * C, origin + r * stride, (size_t)want_w * C);
+        free_decoder(&d);
+        Py_END_ALLOW_THREADS
+        if (failed) PyErr_Format(PyExc_ValueError, "%s", d.err.message);
+        else result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&out);
+    return result;
 }
 
 /* CPU nanoseconds decode_resample has spent decoding and resampling, all threads (for
@@ -285,7 +339,7 @@ static PyObject *decode_resample(PyObject *self, PyObject *args) {
             for (Py_ssize_t i = 0; i < n; ++i) {
                 Sample s;
                 sample_args(&a, i, &s);
-                const int decoded = decode_window(&d, views[i].buf, (size_t)views[i].len, gray, (int)denoms[i], &s);
+                const int decoded = decode_sample(&d, views[i].buf, (size_t)views[i].len, gray, (int)denoms[i], &s);
                 const int64_t middle = thread_ns();
                 if (decoded < 0) {
                     memcpy(messages[i], d.err.message, JMSG_LENGTH_MAX);
@@ -301,9 +355,7 @@ static PyObject *decode_resample(PyObject *self, PyObject *args) {
             }
             __atomic_fetch_add(&stage_ns[0], ns[0], __ATOMIC_RELAXED);
             __atomic_fetch_add(&stage_ns[1], ns[1], __ATOMIC_RELAXED);
-            jpeg_destroy_decompress(&d.cinfo);
-            free(d.scratch);
-            free(d.rows);
+            free_decoder(&d);
             Py_END_ALLOW_THREADS
             result = PyList_New(0);
             for (Py_ssize_t i = 0; result && i < n; ++i) {
@@ -331,6 +383,9 @@ static PyMethodDef methods[] = {
      "decode_resample(images, denoms, gray, boxes, clips, out_hw, offsets, flips, mean, inv_std, out, interp, "
      "antialias, chw, to_uint8) -> [(row, message)] of the images that failed: each image decoded where its clip "
      "reads, DCT-scaled by 1/denom (the box and clip in full-image pixels), then resampled as gpuio._cpuops.resample"},
+    {"decode_region", decode_region, METH_VARARGS,
+     "decode_region(data, gray, denom, y0, x0, y1, x1, out): rows y0..y1, columns x0..x1 of the 1/denom-scaled "
+     "image, HWC uint8 into out; ValueError saying why it failed"},
     {"stage_times", stage_times, METH_NOARGS,
      "stage_times() -> (decode, resample): CPU seconds decode_resample has spent in each, all threads"},
     {NULL, NULL, 0, NULL}};

@@ -227,18 +227,13 @@ def decode_region(data: np.ndarray, components: int, color: str, region: tuple[i
     (``components`` from its facts), DCT-scaled by 1/``denom`` (1, 2, 4, 8; the scaled
     image has ``ceil(size / denom)`` pixels per side), HWC uint8 as ``decode_cpu``
     gives. Rows below the region are not decoded at all, rows above and columns beside
-    it are not IDCT'd. (``decode_resample`` with a one-to-one nearest-pixel plan.)"""
+    it are not IDCT'd."""
     y0, x0, y1, x1 = region
-    channels = 1 if _gray(color, components) else 3
-    out = np.empty((y1 - y0, x1 - x0, channels), np.uint8)
-    full = np.array([[y0, x0, y1, x1]], np.int64) * denom
-    box = np.array([[y0, x0, y1 - y0, x1 - x0]], np.float64) * denom
-    failed = _jpeg.decode_resample([data], np.array([denom], np.int64), channels == 1, box, full,
-                                   np.array([out.shape[:2]], np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
-                                   np.zeros(channels, np.float32), np.ones(channels, np.float32), out,
-                                   0, False, False, True)  # nearest, HWC uint8
-    if failed:
-        raise FormatError(f"cannot decode image ({len(data)} bytes): {failed[0][1]}", sample=sample)
+    out = np.empty((y1 - y0, x1 - x0, 1 if _gray(color, components) else 3), np.uint8)
+    try:
+        _jpeg.decode_region(data, out.shape[2] == 1, denom, y0, x0, y1, x1, out)
+    except ValueError as exc:
+        raise FormatError(f"cannot decode image ({len(data)} bytes): {exc}", sample=sample) from exc
     return out
 
 

@@ -150,6 +150,8 @@ def test_region_decode_equals_whole_decode(jpegs):
             np.testing.assert_array_equal(got, whole[y0:y1, x0:x1])
         gray = decode_region(data, info.components, "gray", (0, 0, h, w), 1, k)
         np.testing.assert_array_equal(gray, decode_cpu(data, "gray", k))
+        with pytest.raises(FormatError, match=f"sample {k}: .*outside the image"):
+            decode_region(data, info.components, "rgb", (0, 0, h + 1, w), 1, k)
 
 
 def test_dct_scaled_decode_then_resize_is_close_to_full_decode(jpegs):
