@@ -257,7 +257,14 @@ class DecodeFused(Op):
         if len(channels) != 1 or not images:
             batch.data[self.fused.field] = self.fused.run_plan(batch, images, plan)
             return batch
-        channels = channels.pop()
+        return self._resample(batch, images, windowed, plan, channels.pop())
+
+    def _resample(self, batch: Batch, images: list[Any], windowed: np.ndarray, plan: dict[str, np.ndarray],
+                  channels: int) -> Batch:
+        """The chain's output into one buffer: the ``windowed`` rows of ``images``
+        (encoded) decoded and resampled by ``gpuio._jpeg.decode_resample``, the others
+        (decoded, ``channels`` each) by ``gpuio._cpuops.resample``; the rows the first
+        fails on are rejected."""
         out, offsets = self.fused.c_output(plan["out_hw"], channels)
         rows = np.flatnonzero(windowed)
         part = {k: v[rows] for k, v in plan.items()}
