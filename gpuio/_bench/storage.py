@@ -3,9 +3,9 @@
 Three datasets: many small files (about 100 KB each), a few large files, and records
 packed in one file. For each, warm and cold page cache, it times gpuio, a naive Python
 loop (``open().read()`` per file or ``seek``/``read`` per record) and ``np.fromfile``,
-and measures the ceiling in the same run: the faster of one sequential ``readinto`` of
+and measures the ceiling in the same run: the fastest of one sequential ``readinto`` of
 the same bytes laid out in one file and those bytes read by ``io_threads`` threads at
-once, 4 MiB per read. With a GPU it adds gpuio into GPU memory, per-file kvikio reads,
+once, 4 MiB per read, through the page cache and with O_DIRECT. With a GPU it adds gpuio into GPU memory, per-file kvikio reads,
 ``torch.from_numpy(np.fromfile(...)).cuda()`` and the pinned host-to-device bandwidth.
 
 ``--npy`` times issue 16's case instead: large ``.npy`` files (128 MiB in ``full``), one
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -163,26 +164,42 @@ def concat_files(paths: list[str], out: str) -> str:
     return out
 
 
-# The ceiling of a dataset is the faster of these two reads of its bytes laid out in one file.
-SEQUENTIAL, PARALLEL = "sequential readinto", "parallel 4 MiB reads"
+# The ceiling of a dataset is the fastest of these reads of its bytes laid out in one file.
+SEQUENTIAL, PARALLEL, DIRECT = "sequential readinto", "parallel 4 MiB reads", "parallel O_DIRECT reads"
 
 
-def _parallel(paths: list[str], buf: np.ndarray, pool: ThreadPoolExecutor, chunk: int = 4 << 20) -> None:
+def _padded(nbytes: int, direct: bool) -> int:
+    return (nbytes + 4095) // 4096 * 4096 if direct else nbytes
+
+
+def _parallel(paths: list[str], buf: np.ndarray, pool: ThreadPoolExecutor, chunk: int = 4 << 20,
+              direct: bool = False) -> None:
     """The files read into one buffer by the pool's threads at once, ``chunk`` bytes per
     read: large reads at the queue depth gpuio uses (one thread's sequential reads keep
-    fewer requests in flight; on small files the kernel's readahead may serve them better)."""
+    fewer requests in flight; on small files the kernel's readahead may serve them better).
+    ``direct``: with O_DIRECT, around the page cache as gpuio reads cold batches (each file
+    at a page-aligned place in ``buf``, which must be page-aligned)."""
     view = memoryview(buf)
     jobs, pos = [], 0
     for p in paths:
         size = os.path.getsize(p)
-        jobs += [(p, off, pos + off, min(chunk, size - off)) for off in range(0, size, chunk)]
-        pos += size
-    fds = {p: os.open(p, os.O_RDONLY) for p in paths}
+        jobs += [(p, off, pos + off, _padded(min(chunk, size - off), direct)) for off in range(0, size, chunk)]
+        pos += _padded(size, direct)
+    fds = {p: os.open(p, os.O_RDONLY | (os.O_DIRECT if direct else 0)) for p in paths}
     try:
         list(pool.map(lambda job: os.preadv(fds[job[0]], [view[job[2]: job[2] + job[3]]], job[1]), jobs))
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _takes_direct(path: str) -> bool:
+    """Whether the file's filesystem opens it with O_DIRECT (tmpfs may not)."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
 
 
 def _sequential(paths: list[str], buf: np.ndarray) -> None:
@@ -210,8 +227,8 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
     each keeps its best time; ``median round vs baseline`` is the median over rounds of
     the baseline's time in that round over the method's (the disk drifts between rounds). Before every cold run the files are flushed and dropped
     from the page cache, and the drop is checked; a cold row whose drop did not take,
-    or that beats its own ceiling (the faster of a sequential and a parallel read of the
-    same bytes in one file), is a failed measurement: it carries
+    or that beats its own ceiling (the fastest of a sequential, a parallel and a parallel
+    O_DIRECT read of the same bytes in one file), is a failed measurement: it carries
     ``failed`` (the reason) instead of figures."""
     from tqdm import tqdm
 
@@ -221,8 +238,10 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
     order = np.random.default_rng(1).permutation(n) if packed else np.arange(n)
     batches = _batches(n, batch, order)
     offsets, lengths = ext.offset[order].tolist(), ext.length[order].tolist()
-    seq_buf = np.empty(sum(os.path.getsize(p) for p in ceiling_paths), dtype=np.uint8)
-    bounds = (SEQUENTIAL, PARALLEL) if ceiling_paths else ()
+    seq_buf = np.frombuffer(mmap.mmap(-1, max(4096, sum(_padded(os.path.getsize(p), True) for p in ceiling_paths))),
+                            dtype=np.uint8)  # page-aligned, for O_DIRECT
+    bounds = ((SEQUENTIAL, PARALLEL) + ((DIRECT,) if _takes_direct(ceiling_paths[0]) else ())
+              if ceiling_paths else ())
     all_files = list(dict.fromkeys(paths + ceiling_paths))
     rows: list[dict[str, Any]] = []
     with gpuio.Reader("cpu") as reader, ThreadPoolExecutor(gpuio.config.get("io_threads")) as pool:
@@ -236,6 +255,8 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
         if bounds:
             methods[SEQUENTIAL] = lambda: _sequential(ceiling_paths, seq_buf)
             methods[PARALLEL] = lambda: _parallel(ceiling_paths, seq_buf, pool)
+        if DIRECT in bounds:
+            methods[DIRECT] = lambda: _parallel(ceiling_paths, seq_buf, pool, direct=True)
         if gpuio.cuda_available():
             methods.update(_gpu_methods(index, batches, paths))
         names = list(methods)
@@ -284,7 +305,7 @@ def _failure(cache: str, resident: float, t: float, t_ceiling: float | None, is_
                 f"dropping them, so this cold run read from memory")
     if t_ceiling is not None and not is_ceiling and t < t_ceiling:
         return (f"faster than its own ceiling ({t:.3f} s against {t_ceiling:.3f} s for the same bytes in one "
-                f"file, read sequentially or in parallel 4 MiB reads), so some of its reads did not come from the disk")
+                f"file, read sequentially or in parallel 4 MiB reads, buffered or O_DIRECT), so some of its reads did not come from the disk")
     return None
 
 
