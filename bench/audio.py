@@ -8,11 +8,15 @@ into the gpuio cache folder with a NeMo manifest. Competitors, measured in one r
 interleaved rounds (each round: one epoch of each; the best round counts):
 
 - gpuio on the CPU (``gpuio.Loader`` over ``formats.manifest``, ``threads`` = cores);
+  on FLAC also with libsndfile decoding instead of ``gpuio/_flac.c`` (gpuio before it);
 - DALI's CPU pipeline (``device_id=None``, ``num_threads`` = cores) with the same ops;
 - a torch DataLoader (``num_workers`` = cores) whose dataset reads each file with
   soundfile and computes the same features with NumPy and scipy.fft, one clip at a time;
 - on a machine with a GPU: gpuio on the GPU, and torchaudio's MelSpectrogram on the GPU
   on padded batches (decoded by soundfile in DataLoader workers; no silence trimming).
+
+``--decode`` instead times decoding alone: one batch, one thread, gpuio's FLAC decoder
+against libsndfile's (the same op without it) and DALI's ``decoders.audio``.
 
 ``--agreement`` instead compares gpuio's mel spectrograms with DALI's CPU operators and
 librosa's on 16 of the clips, and the whole pipeline's features with DALI's (a one-off
@@ -27,6 +31,7 @@ the steadier measure of cost, wall time the one a training job sees.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -81,14 +86,30 @@ def gpuio_ops() -> list[Any]:
             ops.normalize_axes(axes=(1,)), ops.pad(axes=(1,), align=ALIGN)]
 
 
-def gpuio_loader(manifest: str, batch: int, device: str, threads: int) -> Callable[[], Iterator[Any]]:
+@contextlib.contextmanager
+def flac_decoder(libsndfile: bool) -> Iterator[None]:
+    """Inside, with ``libsndfile``: FLAC decoded by libsndfile, as where
+    ``gpuio/_flac.c`` is not built (gpuio's figures before it)."""
+    from gpuio.ops import audio as audio_ops
+
+    native = audio_ops._flac
+    audio_ops._flac = None if libsndfile else native
+    try:
+        yield
+    finally:
+        audio_ops._flac = native
+
+
+def gpuio_loader(manifest: str, batch: int, device: str, threads: int,
+                 libsndfile: bool = False) -> Callable[[], Iterator[Any]]:
     index = gpuio.formats.manifest(manifest)
     loader = gpuio.Loader(index, batch, fields=["data", "duration", "offset"], ops=gpuio_ops(), device=device,
                           output="numpy", threads=threads)
 
     def run() -> Iterator[Any]:
-        for b in loader:
-            yield b["audio"]
+        with flac_decoder(libsndfile):
+            for b in loader:
+                yield b["audio"]
         if device != "cpu":
             import cupy
 
@@ -302,6 +323,51 @@ def agreement(paths: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def decode_times(paths: list[str], batch: int, rounds: int) -> list[dict[str, Any]]:
+    """CPU ms to decode one batch (the first ``batch`` clips, bytes in memory, float32
+    mono out, one thread, ``time.process_time``, best of ``rounds`` interleaved):
+    gpuio's ``decode_audio`` (FLAC through ``gpuio/_flac.c``), the same op with
+    libsndfile decoding (as where the extension is not built), and DALI's
+    ``decoders.audio`` on the CPU."""
+    from gpuio.batch import Batch, sample_seeds
+
+    encoded = [np.fromfile(p, dtype=np.uint8) for p in paths[:batch]]
+    index = np.arange(len(encoded))
+    decode = ops.decode_audio()
+
+    def gpuio_decode(libsndfile: bool) -> Callable[[], Any]:
+        def run() -> Any:
+            with flac_decoder(libsndfile):
+                return decode(Batch({"data": list(encoded)}, index, sample_seeds(0, 0, index)))
+        return run
+
+    runs: dict[str, Callable[[], Any]] = {"gpuio decode_audio": gpuio_decode(False),
+                                         "gpuio decode_audio, libsndfile": gpuio_decode(True)}
+    try:
+        from nvidia.dali import fn, pipeline_def, types
+    except ImportError:
+        pass
+    else:
+        @pipeline_def(batch_size=len(encoded), num_threads=1, device_id=None, exec_async=False,
+                      exec_pipelined=False)
+        def pipe():
+            data = fn.external_source(source=lambda: encoded, batch=True)
+            return fn.decoders.audio(data, downmix=True, dtype=types.FLOAT)[0]
+
+        dali = pipe()
+        dali.build()
+        runs["dali decoders.audio"] = dali.run
+    best = {name: math.inf for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            c0 = time.process_time()
+            run()
+            best[name] = min(best[name], time.process_time() - c0)
+    mine = best["gpuio decode_audio"]
+    return [{"competitor": name, "cpu_ms_per_batch": 1000 * t, "gpuio_cpu_ratio": t / mine}
+            for name, t in best.items()]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=256, help="clips in the sample dataset")
@@ -311,6 +377,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--agreement", action="store_true",
                         help="instead: compare mel spectrograms with DALI's and librosa's (16 clips)")
+    parser.add_argument("--decode", action="store_true",
+                        help="instead: CPU ms to decode one batch, gpuio vs libsndfile vs DALI (one thread)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     manifest = make_dataset(args.count, args.format)
@@ -323,12 +391,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            ("note", "note", "")])
         write_json(args.out, {"machine": machine(), "agreement": rows})
         return {"agreement": rows}
+    if args.decode:
+        rows = decode_times(paths, args.batch, args.rounds)
+        print(f"decode one batch of {args.batch} {args.format} clips, one thread, best of {args.rounds}")
+        print_table(rows, [("competitor", "competitor", ""), ("cpu_ms_per_batch", "cpu ms/batch", ".1f"),
+                           ("gpuio_cpu_ratio", "gpuio x (cpu)", ".2f")])
+        write_json(args.out, {"machine": machine(), "decode": rows})
+        return {"decode": rows}
     seconds = float(index.values["duration"].sum())
     competitors: dict[str, Callable[[], Callable[[], Iterator[Any]]]] = {
         "gpuio cpu": lambda: gpuio_loader(manifest, args.batch, "cpu", args.threads),
         "dali cpu": lambda: dali_cpu(paths, args.batch, args.threads),
         "torch DataLoader + numpy": lambda: torch_dataloader(paths, args.batch, args.threads),
     }
+    if args.format == "flac":
+        competitors["gpuio cpu, libsndfile flac"] = lambda: gpuio_loader(manifest, args.batch, "cpu", args.threads,
+                                                                        libsndfile=True)
     if gpuio.cuda_available():
         competitors["gpuio gpu"] = lambda: gpuio_loader(manifest, args.batch, "cuda", args.threads)
         competitors["torchaudio gpu"] = lambda: torchaudio_gpu(paths, args.batch, args.threads)
