@@ -10,6 +10,7 @@ thread timing, batch composition or resume position.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,22 +20,28 @@ from gpuio.device import Device, require
 
 __all__ = ["Batch", "Op", "sample_seeds"]
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
 def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer, vectorized (uint64 wraps on purpose)."""
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+    """splitmix64 finalizer, vectorized, on a new uint64 array (array arithmetic wraps
+    without warnings)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+@functools.lru_cache(maxsize=64)
+def _epoch_base(seed: int, epoch: int) -> np.ndarray:
+    """The part of every seed of one epoch that the sample does not change (1 element)."""
+    mask = 0xFFFFFFFFFFFFFFFF
+    return _mix(_mix(np.array([seed & mask], dtype=np.uint64)) ^ np.uint64(epoch & mask))
 
 
 def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
     """One uint64 seed per sample from ``(seed, epoch, sample index)``."""
-    base = _mix(_mix(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)) ^ np.uint64(epoch & 0xFFFFFFFFFFFFFFFF))
-    return _mix(base ^ np.asarray(indices).astype(np.uint64))
+    return _mix(_epoch_base(seed, epoch) ^ np.asarray(indices).astype(np.uint64))
 
 
 @dataclass

@@ -218,7 +218,9 @@ class BufferPool:
                 fit = [s for s in self._free if s.device == device and s.pinned == pinned
                        and nbytes <= s.capacity <= 2 * capacity and s.idle()]
                 if fit:
-                    best = min(fit, key=lambda s: s.capacity)
+                    # the smallest; of equal ones the last given back, whose memory the
+                    # CPU cache most likely still holds (eviction takes the oldest)
+                    best = min(reversed(fit), key=lambda s: s.capacity)
                     self._free.remove(best)
                     return Lease(self, best, int(nbytes))
                 while self._free and self._held + capacity > budget:
