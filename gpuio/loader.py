@@ -475,16 +475,9 @@ class Loader:
         if isinstance(self.index.values.get(name), Ragged) or (
                 name in self._raw_fields and first.ndim == 1 and first.dtype == np.uint8):
             return col  # ragged by nature (boxes, raw bytes): a list, even when a batch's rows agree
-        whole = col.stacked() if isinstance(col, Rows) else None
-        if whole is not None:  # the rows of one array, as read and decoded: no check per row
-            return xp.asarray(whole) if cuda else whole
-        shape, dtype = first.shape, first.dtype
-        if any(not _is_array(a) or a.shape != shape or a.dtype != dtype for a in col):
+        stacked = _stack(col, xp)
+        if stacked is None:
             return col
-        mod = np if isinstance(first, np.ndarray) else xp
-        if any(type(a) is not type(first) for a in col):
-            return col
-        stacked = _stack(col, mod)
         return xp.asarray(stacked) if cuda else stacked
 
     # ---- hand-off -----------------------------------------------------------------------
@@ -606,10 +599,20 @@ def _batch_bytes_bound(length: np.ndarray, batch_size: int, gap: int, align: int
 
 
 def _stack(rows: list[Any], xp: Any) -> Any:
-    """Stack same-shape arrays; rows that already lie back to back in one buffer, in
-    order, become one view of it (no copy). Host stacks go into a pooled, page-aligned
-    buffer (JAX takes only 64-byte aligned memory without a copy)."""
+    """``rows`` (arrays) as one ``[B, ...]`` array on their device, or ``None`` where they
+    differ in shape, dtype or array type. No copy where they are the rows of one array:
+    a ``Rows`` that the ops left as it was read and decoded (no check per row), or arrays
+    back to back in one buffer in row order (one view of it). Else a copy; on the host
+    into a pooled, page-aligned buffer (JAX takes only 64-byte aligned memory without a
+    copy)."""
+    whole = rows.stacked() if isinstance(rows, Rows) else None
+    if whole is not None:
+        return whole
     first = rows[0]
+    kind, shape, dtype = type(first), first.shape, first.dtype
+    if any(type(a) is not kind or a.shape != shape or a.dtype != dtype for a in rows):
+        return None
+    xp = np if isinstance(first, np.ndarray) else xp  # host rows of a GPU batch stack on the host
     if first.flags.c_contiguous and first.nbytes:
         ptr = (lambda a: a.__array_interface__["data"][0]) if xp is np else (lambda a: a.data.ptr)
         base, step = ptr(first), first.nbytes
