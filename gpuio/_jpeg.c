@@ -39,11 +39,14 @@ static void on_message(j_common_ptr cinfo, int level) {
     if (level < 0) on_error(cinfo); /* a warning (corrupt data): strict, as simplejpeg */
 }
 
-static void new_decompressor(struct jpeg_decompress_struct *cinfo, Errors *err) {
+/* 0, or -1 when libjpeg has no memory for it (it then needs no destroying). */
+static int new_decompressor(struct jpeg_decompress_struct *cinfo, Errors *err) {
     cinfo->err = jpeg_std_error(&err->mgr);
     err->mgr.error_exit = on_error;
     err->mgr.emit_message = on_message;
+    if (setjmp(err->jump)) return -1;
     jpeg_create_decompress(cinfo);
+    return 0;
 }
 
 static unsigned read16(const uint8_t *p, int little) { return little ? p[0] | p[1] << 8 : p[0] << 8 | p[1]; }
@@ -145,11 +148,14 @@ static PyObject *headers(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     struct jpeg_decompress_struct cinfo;
     Errors err;
-    new_decompressor(&cinfo, &err);
-    jpeg_save_markers(&cinfo, JPEG_APP0 + 1, 0xFFFF);
-    for (Py_ssize_t i = 0; i < n; ++i)
-        read_facts(&cinfo, &err, views[i].buf, (size_t)views[i].len, (int64_t *)out.buf + FACTS * i);
-    jpeg_destroy_decompress(&cinfo);
+    if (new_decompressor(&cinfo, &err) < 0) {
+        memset(out.buf, 0, sizeof(int64_t) * FACTS * n); /* no facts: the images take the fallback path */
+    } else {
+        jpeg_save_markers(&cinfo, JPEG_APP0 + 1, 0xFFFF);
+        for (Py_ssize_t i = 0; i < n; ++i)
+            read_facts(&cinfo, &err, views[i].buf, (size_t)views[i].len, (int64_t *)out.buf + FACTS * i);
+        jpeg_destroy_decompress(&cinfo);
+    }
     Py_END_ALLOW_THREADS
     release_images(views, n);
     PyBuffer_Release(&out);
@@ -267,8 +273,9 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         const uint8_t *origin;
         size_t stride;
-        new_decompressor(&d.cinfo, &d.err);
-        failed = decode_window(&d, data.buf, (size_t)data.len, gray, denom, win, &origin, &stride);
+        failed = new_decompressor(&d.cinfo, &d.err) < 0 ? -1 : 0;
+        if (failed) snprintf(d.err.message, sizeof d.err.message, "out of memory");
+        else failed = decode_window(&d, data.buf, (size_t)data.len, gray, denom, win, &origin, &stride);
         if (!failed && (win[2] - win[0] != want_h || win[3] - win[1] != want_w)) {
             snprintf(d.err.message, sizeof d.err.message, "the region ends outside the image");
             failed = 1;
@@ -334,12 +341,13 @@ static PyObject *decode_resample(PyObject *self, PyObject *args) {
         } else {
             Py_BEGIN_ALLOW_THREADS
             Decoder d = {0};
-            new_decompressor(&d.cinfo, &d.err);
+            const int created = new_decompressor(&d.cinfo, &d.err) == 0;
+            if (!created) snprintf(d.err.message, sizeof d.err.message, "out of memory");
             int64_t ns[2] = {0, 0}, start = thread_ns();
             for (Py_ssize_t i = 0; i < n; ++i) {
                 Sample s;
                 sample_args(&a, i, &s);
-                const int decoded = decode_sample(&d, views[i].buf, (size_t)views[i].len, gray, (int)denoms[i], &s);
+                const int decoded = !created ? -1 : decode_sample(&d, views[i].buf, (size_t)views[i].len, gray, (int)denoms[i], &s);
                 const int64_t middle = thread_ns();
                 if (decoded < 0) {
                     memcpy(messages[i], d.err.message, JMSG_LENGTH_MAX);
