@@ -196,6 +196,8 @@ static int decode_window(Decoder *d, const uint8_t *data, size_t size, int gray,
     cinfo->out_color_space = gray ? JCS_GRAYSCALE : JCS_RGB;
     cinfo->scale_num = 1;
     cinfo->scale_denom = (unsigned int)denom;
+    cinfo->dct_method = JDCT_ISLOW; /* DALI's and simplejpeg's choices, whatever this libjpeg's defaults */
+    cinfo->do_fancy_upsampling = TRUE;
     jpeg_start_decompress(cinfo);
     const int C = gray ? 1 : 3, h = (int)cinfo->output_height, w = (int)cinfo->output_width;
     const int y0 = win[0], x0 = win[1];
