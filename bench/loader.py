@@ -16,9 +16,9 @@ which swings less than wall time on a shared machine. The loader's overhead over
 raw read is given twice: best round against best round, and the median over rounds of
 the ratio within each round (both measured back to back).
 
-- ``raw read``: ``gpuio.Reader.read`` over the loader's own batches (the epoch the
-  loader runs next, in its order), one after another on the main thread: the floor the
-  loader's overhead is measured against (target: < 10%);
+- ``raw read``: ``gpuio.Reader.read`` over the loader's own batches (its k-th epoch
+  reads the loader's k-th epoch, in its order), one after another on the main thread:
+  the floor the loader's overhead is measured against (target: < 10%);
 - ``gpuio.Loader``: the same batches through the executor, handed over as torch tensors;
 - ``torch DataLoader``: ``num_workers`` = cores, each sample read with ``os.pread``
   (and, with ops, decoded with simplejpeg, cropped and resized with OpenCV, flipped and
@@ -34,6 +34,7 @@ the ratio within each round (both measured back to back).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -98,13 +99,15 @@ def image_ops() -> list[Any] | None:
 def timed_rounds(epochs: dict[str, Any], repeat: int) -> dict[str, list[tuple[float, float, int, int]]]:
     """``(seconds, cpu_seconds, rows, bytes)`` of each competitor's epoch in each of
     ``repeat`` rounds (after one untimed round); a round runs every competitor once, so
-    that machine drift hits all alike."""
+    that machine drift hits all alike, in the order given and then in reverse order, so
+    that no competitor always runs first."""
     from tqdm import tqdm
 
     rounds: dict[str, list[tuple[float, float, int, int]]] = {name: [] for name in epochs}
     with tqdm(total=(repeat + 1) * len(epochs), desc="epochs", unit="epoch", leave=False) as bar:
-        for timed in [False] + [True] * repeat:
-            for name, run_epoch in epochs.items():
+        for r, timed in enumerate([False] + [True] * repeat):
+            for name in list(epochs)[::1 if r % 2 == 0 else -1]:
+                run_epoch = epochs[name]
                 t0, c0 = time.perf_counter(), time.process_time()
                 rows, nbytes = run_epoch()
                 if timed:
@@ -276,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                               shuffle=True, threads=args.threads)
         tl = torch_loader(index, args.batch_size, args.workers, images)
         with gpuio.Reader("cpu") as reader:
-            epochs = {"raw read (Reader.read)": lambda: raw_read(reader, index, args.batch_size, loader.epoch),
+            raw_epochs = itertools.count()  # the k-th raw epoch reads the loader's k-th epoch
+            epochs = {"raw read (Reader.read)": lambda: raw_read(reader, index, args.batch_size, next(raw_epochs)),
                       "gpuio.Loader" + (" + image ops" if images else ""): lambda: gpuio_epoch(loader),
                       f"torch DataLoader ({args.workers} workers)" + (" + same ops" if images else ""):
                           lambda: torch_epoch(tl)}
