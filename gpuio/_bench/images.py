@@ -12,7 +12,11 @@ baseline of the ratios), NVIDIA DALI's CPU pipeline (``pip install gpuio[bench]`
 ``decoders.image_random_crop`` or ``decoders.image`` -> ``resize`` ->
 ``crop_mirror_normalize``); on a GPU machine also gpuio on the GPU (fused kernel) and
 torchvision's batched ``decode_jpeg(device="cuda")`` + torch ops. For ``val`` it also
-prints the mean difference between gpuio's and DALI's outputs on the same images.
+prints the mean difference between gpuio's and DALI's outputs on the same images. For the
+competitors that run in this process (gpuio, DALI) it also prints the process CPU time
+per image of their cheapest pass, which a loaded machine moves less than images/s (the
+DataLoader's workers are other processes; DALI's work ahead of its pass falls partly in
+the next competitor's pass).
 """
 
 from __future__ import annotations
@@ -183,6 +187,19 @@ def torchvision_gpu(root: str, batch: int) -> Any:
     return run
 
 
+def cpu_timed(run: Any, passes: list[float]) -> Any:
+    """``run``, appending each pass's process CPU seconds per item to ``passes``."""
+
+    def timed():
+        start, items = time.process_time(), 0
+        for batch in run():
+            items += int(batch.shape[0])
+            yield batch
+        passes.append((time.process_time() - start) / max(items, 1))
+
+    return timed
+
+
 def dali_agreement(root: str, threads: int, n: int = 64) -> float:
     """Mean |gpuio - DALI| in 0-255 levels over the ``val`` pipeline's output for the
     same ``n`` encoded images (the ones DALI's reader yields first)."""
@@ -292,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cuda = gpuio.cuda_available()
     if not cuda:
         print("no GPU: the gpuio cuda and torchvision GPU rows are not run")
-    rows, runs = [], {}
+    rows, runs, cpu = [], {}, {}
     for pipeline in pipelines:
         makers = [("gpuio cpu (Loader + ops.Compose)", lambda p=pipeline: gpuio_loader(root, args.batch, "cpu", p)),
                   (f"torch DataLoader + Pillow ({args.workers} workers)",
@@ -307,6 +324,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row: dict[str, Any] = {"pipeline": pipeline, "name": name}
             try:
                 runs[f"{pipeline}: {name}"] = make()
+                if not name.startswith("torch DataLoader"):  # in this process: its CPU time is ours to see
+                    runs[f"{pipeline}: {name}"] = cpu_timed(runs[f"{pipeline}: {name}"],
+                                                            cpu.setdefault(f"{pipeline}: {name}", []))
             except ImportError as exc:
                 row["note"] = f"not installed ({exc.name})"
             rows.append(row)
@@ -315,6 +335,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         key = f"{row['pipeline']}: {row['name']}"
         if key in speeds:
             row["images_s"] = speeds[key]
+        if len(cpu.get(key, [])) > 1:  # the first pass is the untimed warm-up
+            row["cpu_ms"] = 1e3 * min(cpu[key][1:])
         if key in failed:
             row["note"], row["error"] = "failed (below)", failed[key]
     for pipeline in pipelines:
@@ -325,7 +347,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if r.get("images_s") and base:
                     r[col] = r["images_s"] / base
     print_table(rows, [("pipeline", "pipeline", "s"), ("name", "competitor", "s"), ("images_s", "images/s", ".1f"),
-                       ("ratio", "vs torch DataLoader", ".2f"), ("vs_dali", "vs DALI", ".2f"), ("note", "note", "s")])
+                       ("ratio", "vs torch DataLoader", ".2f"), ("vs_dali", "vs DALI", ".2f"),
+                       ("cpu_ms", "CPU ms/image", ".3f"), ("note", "note", "s")])
     payload = {"benchmark": "images", "machine": info, "dataset": {"root": root, "images": count},
                "batch": args.batch, "epochs": args.epochs, "results": rows}
     if "val" in pipelines and any(r["name"].startswith("DALI") and "images_s" in r for r in rows):
