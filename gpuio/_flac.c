@@ -215,32 +215,37 @@ HOT int residual(Bits *b, int32_t *s, int n, int order, Outcome *o) {
     return 0;
 }
 
+/* The fixed predictors of orders 1-4 (order 0: the residual is the signal), the
+ * previous samples kept in registers (see lpc_order). */
 HOT void restore_fixed(int32_t *s, int n, int order) {
-    switch (order) {
-    case 1:
-        for (int i = 1; i < n; ++i) s[i] = (int32_t)((int64_t)s[i] + s[i - 1]);
-        break;
-    case 2:
-        for (int i = 2; i < n; ++i) s[i] = (int32_t)((int64_t)s[i] + 2 * (int64_t)s[i - 1] - s[i - 2]);
-        break;
-    case 3:
-        for (int i = 3; i < n; ++i)
-            s[i] = (int32_t)((int64_t)s[i] + 3 * ((int64_t)s[i - 1] - s[i - 2]) + s[i - 3]);
-        break;
-    case 4:
-        for (int i = 4; i < n; ++i)
-            s[i] = (int32_t)((int64_t)s[i] + 4 * ((int64_t)s[i - 1] + s[i - 3]) - 6 * (int64_t)s[i - 2] - s[i - 4]);
-        break;
+    if (order == 0) return;
+    int64_t a = s[order - 1], b = order > 1 ? s[order - 2] : 0, c = order > 2 ? s[order - 3] : 0,
+            d = order > 3 ? s[order - 4] : 0;
+    for (int i = order; i < n; ++i) {
+        const int64_t v = order == 1 ? s[i] + a
+                          : order == 2 ? s[i] + 2 * a - b
+                          : order == 3 ? s[i] + 3 * (a - b) + c
+                                       : s[i] + 4 * (a + c) - 6 * b - d;
+        d = c;
+        c = b;
+        b = a;
+        a = (int32_t)v;
+        s[i] = (int32_t)v;
     }
 }
 
 /* s[i] += (sum_j c[j] * s[i-1-j]) >> shift; `order` a constant where inlined, so the
- * inner sum is unrolled for each order. */
+ * inner sum is unrolled for each order. The newest sample stays in a register: read
+ * back from memory right after its store, it would put a store-to-load forwarding on
+ * every sample's dependency chain. */
 HOT void lpc_order(int32_t *s, int n, const int32_t *c, int order, int shift) {
+    int64_t coef[32], prev = s[order - 1];
+    for (int j = 0; j < order; ++j) coef[j] = c[j];
     for (int i = order; i < n; ++i) {
         int64_t sum = 0;
-        for (int j = 0; j < order; ++j) sum += (int64_t)c[j] * s[i - 1 - j];
-        s[i] = (int32_t)(s[i] + (sum >> shift));
+        for (int j = 1; j < order; ++j) sum += coef[j] * s[i - 1 - j];
+        prev = (int32_t)(s[i] + ((sum + coef[0] * prev) >> shift));
+        s[i] = (int32_t)prev;
     }
 }
 
