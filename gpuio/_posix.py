@@ -4,7 +4,9 @@ Small files are latency-bound, so what matters is how many reads are in flight, 
 how many cores there are: ``io_threads`` (16 by default) reader threads each take the
 next task from a shared counter. The plan splits a batch's large reads into a few long
 tasks (``read_streams``): each is one sequential stream that the kernel's readahead
-serves, and page-cache copies still run on several cores.
+serves, and page-cache copies still run on several cores. A cold batch of reads of 64 KiB
+and more (``cold_direct``, decided by ``reads_cold_direct`` before the plan is made) is
+read with O_DIRECT, around the page cache.
 
 Where the C accelerator (``_native.c``) was built, each reader thread runs the task
 loop in C with the GIL released for the whole batch. Otherwise the loop runs in
