@@ -51,12 +51,14 @@ NFFT, WINDOW, STEP, MELS, ALIGN = 512, 320, 160, 64, 16
 LOG_MULTIPLIER, LOG_REFERENCE, LOG_CUTOFF = math.log(10.0), 1.0, math.log(1e-20)  # Jasper's natural-log dB
 
 
-def make_dataset(count: int, fmt: str, seed: int = 0) -> str:
-    """``count`` clips of 1-20 s (speech-like noise bursts between quiet edges) and a
-    NeMo manifest; returns the manifest path. Generated on first use."""
+def make_dataset(count: int, fmt: str, seed: int = 0, tonal: bool = False) -> str:
+    """``count`` clips of 1-20 s (speech-like noise bursts between quiet edges; with
+    ``tonal``, six tones under the bursts' envelope over faint noise, which FLAC codes
+    with LPC where it codes the noise as FIXED order 0) and a NeMo manifest; returns
+    the manifest path. Generated on first use."""
     import soundfile as sf
 
-    root = os.path.join(cache_dir(), f"sample-audio-{count}-{fmt}-{seed}")
+    root = os.path.join(cache_dir(), f"sample-audio-{count}-{fmt}-{seed}" + ("-tonal" if tonal else ""))
     manifest = os.path.join(root, "manifest.json")
     if os.path.exists(os.path.join(root, ".complete")):
         return manifest
@@ -68,6 +70,10 @@ def make_dataset(count: int, fmt: str, seed: int = 0) -> str:
             n = int(rng.uniform(1.0, 20.0) * RATE)
             envelope = np.repeat(rng.uniform(0.02, 0.5, size=n // 1600 + 1), 1600)[:n]
             x = rng.standard_normal(n) * envelope
+            if tonal:
+                t = np.arange(n) / RATE
+                x = 0.002 * x + envelope / 6 * sum(np.sin(2 * np.pi * rng.uniform(100, 3000) * t + rng.uniform(0, 6))
+                                                   for _ in range(6))
             quiet = int(rng.uniform(0.05, 0.5) * RATE)
             x[:quiet] *= 1e-4
             x[-quiet:] *= 1e-4
@@ -379,9 +385,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="instead: compare mel spectrograms with DALI's and librosa's (16 clips)")
     parser.add_argument("--decode", action="store_true",
                         help="instead: CPU ms to decode one batch, gpuio vs libsndfile vs DALI (one thread)")
+    parser.add_argument("--tonal", action="store_true",
+                        help="clips of tones over faint noise (LPC-coded in FLAC) instead of noise bursts")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
-    manifest = make_dataset(args.count, args.format)
+    manifest = make_dataset(args.count, args.format, tonal=args.tonal)
     index = gpuio.formats.manifest(manifest)
     paths = list(index.files)
     if args.agreement:
