@@ -359,6 +359,17 @@ def test_threads_are_kept_across_completed_passes_and_end_with_the_loader(tree):
     assert not loader_threads() and not any(t.is_alive() for t in started)
 
 
+def test_threads_kept_at_a_fork_are_the_parents_and_the_child_starts_its_own(tree):
+    from test_fork import run_in_fork_child
+
+    ld = gpuio.Loader(tree, 4, ops=[Slow()], threads=2, output="numpy")
+    want = [b["index"].tolist() for b in ld]  # a completed pass: its threads idle at the fork
+    kept = loader_threads()
+    assert run_in_fork_child(lambda: [b["index"].tolist() for b in ld]) == want
+    assert [b["index"].tolist() for b in ld] == want and loader_threads() == kept
+    ld.close()
+
+
 def test_no_threads_after_iterators_of_several_passes_are_dropped(tree):
     ld = gpuio.Loader(tree, 2, ops=[Slow()], threads=3)
     list(ld)  # a completed pass: its threads stay
