@@ -7,6 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -130,3 +131,13 @@ def test_a_cold_row_faster_than_its_ceiling_is_not_a_result():
     assert storage._failure("cold", 0.0, 1.0, 1.0, is_ceiling=True) is None
     assert storage._failure("warm", 0.5, 1.0, 2.0, is_ceiling=False) is None
 
+
+
+def test_storage_bench_npy_reads_one_file_per_call(tmp_path):
+    """``bench/storage.py --npy``: .npy files written once, gpuio's row read them one call each."""
+    result = storage.run_npy(str(tmp_path), size="tiny", repeat=1, caches=("warm",))
+    assert {r["dataset"] for r in result["rows"]} == {"large .npy, one call per file"}
+    assert [r["seconds"] > 0 for r in result["rows"] if r["method"] == "gpuio"] == [True]
+    index = storage.make_npy(str(tmp_path), "tiny")  # already there: indexed, not written again
+    path = index.files[0]
+    assert gpuio.read(index, [0])[0].tobytes() == np.load(path).tobytes()
