@@ -457,15 +457,16 @@ HOT void decode_frames(Job *job, int32_t *const *ch, int width, int dtype) {
             return;
         }
         int32_t *l = ch[0], *r = ch[1];
+        /* in int64: a corrupt (CRC-valid) stream's sums can leave int32 */
         if (assign == 8) /* left, side = left - right */
-            for (int i = 0; i < block; ++i) r[i] = l[i] - r[i];
+            for (int i = 0; i < block; ++i) r[i] = (int32_t)((int64_t)l[i] - r[i]);
         else if (assign == 9) /* side, right */
-            for (int i = 0; i < block; ++i) l[i] += r[i];
+            for (int i = 0; i < block; ++i) l[i] = (int32_t)((int64_t)l[i] + r[i]);
         else if (assign == 10) /* mid, side */
             for (int i = 0; i < block; ++i) {
-                const int32_t mid = (int32_t)(((uint32_t)l[i] << 1) | (r[i] & 1)), side = r[i];
-                l[i] = (mid + side) >> 1;
-                r[i] = (mid - side) >> 1;
+                const int64_t mid = (int64_t)l[i] * 2 + (r[i] & 1), side = r[i];
+                l[i] = (int32_t)((mid + side) >> 1);
+                r[i] = (int32_t)((mid - side) >> 1);
             }
         const int64_t lo = job->first > sample ? job->first - sample : 0;
         const int64_t hi = end - sample < block ? end - sample : block;

@@ -115,6 +115,11 @@ class _FlacStream:
             return None
         return cls(data, rate, channels, bits, frames, pos)
 
+    def capacity(self) -> int:
+        """The most samples the bytes after the metadata can hold: frames of at most
+        65536 samples, each at least 9 bytes (header, one subframe byte, CRC-16)."""
+        return -(-(len(self.data) - self.start) // 9) * 65536
+
     def close(self) -> None:
         pass
 
@@ -228,6 +233,9 @@ class DecodeAudio(Op):
             raise FormatError(f"WAV file cut short: its data chunk declares {short[0]} bytes, "
                               f"{short[1]} are present", sample=sample)
         f = _FlacStream.parse(data) or self._soundfile(sf, data, sample)
+        if isinstance(f, _FlacStream) and f.frames > f.capacity():  # before the batch buffer is sized by it
+            raise FormatError(f"FLAC STREAMINFO declares {f.frames} samples; the {len(data) - f.start} bytes "
+                              f"of frames hold at most {f.capacity()}", offset=18, sample=sample)
         first, frames = 0, f.frames
         if offsets is not None:
             first = round(float(offsets[row]) * f.samplerate)
@@ -261,8 +269,10 @@ class DecodeAudio(Op):
         buffer = empty(np, (int(counts.sum()), width), self.dtype)
         rows = unpack(buffer, counts, 0)
         rates = np.zeros(len(opened), dtype=np.float32)
-        # PCM_16 rows are read as int16 into one reused buffer (fresh arrays page-fault per row)
-        scratch = empty(np, (int(counts.max(initial=0)) * width,), np.int16)
+        # libsndfile's PCM_16 rows are read as int16 into one reused buffer (fresh arrays
+        # page-fault per row); FLAC rows decode straight into their rows
+        sizes = [c for c, item in zip(counts.tolist(), opened) if item and not isinstance(item[0], _FlacStream)]
+        scratch = empty(np, (max(sizes, default=0) * width,), np.int16)
         flac_jobs, flac_rows = [], []
         for row, item in enumerate(opened):
             if item is None:
@@ -307,7 +317,8 @@ class DecodeAudio(Op):
         try:
             if first:
                 f.seek(first)
-            if f.channels == width and self.dtype == "float32" and f.subtype == "PCM_16":
+            if f.channels == width and self.dtype == "float32" and f.subtype == "PCM_16" and \
+                    len(scratch) >= frames * width:
                 # the same floats as libsndfile's conversion (x / 32768), several times faster
                 ints = f.read(frames, dtype="int16", always_2d=True,
                               out=scratch[:frames * width].reshape(frames, width))

@@ -441,3 +441,30 @@ def test_files_the_decoder_does_not_take_go_to_libsndfile():
     buf[21:26] = np.frombuffer(bytes([buf[21] & 0xF0, 0, 0, 0, 0]), np.uint8)  # total samples 0: unknown
     assert audio_ops._FlacStream.parse(memoryview(buf)) is None
     assert audio_ops._FlacStream.parse(memoryview(np.frombuffer(b"RIFF" * 20, np.uint8))) is None
+
+
+def test_a_declared_length_the_bytes_cannot_hold_is_an_error():
+    """A tiny file whose STREAMINFO declares 2**30 samples is refused before the batch
+    buffer is sized by it."""
+    buf = soundfile_flac(signal(100, 1)).copy()
+    info = int.from_bytes(buf[18:26].tobytes(), "big") >> 36 << 36 | 1 << 30
+    buf[18:26] = np.frombuffer(info.to_bytes(8, "big"), np.uint8)
+    with pytest.raises(FormatError, match="declares 1073741824 samples") as err:
+        ops.decode_audio()(make_batch([buf]))
+    assert err.value.offset == 18 and err.value.sample == 0
+
+
+def test_frames_unlike_streaminfo_go_to_libsndfile():
+    """STREAMINFO says 24 bits, the frames say 16: the C decoder hands the file back
+    (status 2) and decode_audio gives libsndfile's samples."""
+    buf = soundfile_flac(signal(5000, 2, seed=9), "PCM_16").copy()
+    info = int.from_bytes(buf[18:26].tobytes(), "big") & ~(31 << 36) | 23 << 36
+    buf[18:26] = np.frombuffer(info.to_bytes(8, "big"), np.uint8)
+    stream = audio_ops._FlacStream.parse(memoryview(buf))
+    out = np.empty((stream.frames, 1), np.float32)
+    [(status, _, _, _)] = audio_ops._flac.decode(
+        [(buf, stream.start, 0, stream.frames, stream.channels, stream.bits, out)], 0, True)
+    assert status == 2
+    for dtype in DTYPES:
+        batch = ops.decode_audio(dtype=dtype, downmix=False)(make_batch([buf]))
+        np.testing.assert_array_equal(batch.data["audio"][0], reference(buf, dtype, False))
