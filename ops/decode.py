@@ -41,6 +41,11 @@ COLORS = ("rgb", "gray", "unchanged")
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 _PROGRESSIVE = {0xC2, 0xC6, 0xCA, 0xCE}
 _PILLOW_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
+# A JPEG's header may declare up to 65535 x 65535 pixels in a few bytes; a decoder that
+# believes it allocates (and libjpeg's arithmetic decoder fills) gigabytes. Images declaring
+# more are bad samples; the default is Pillow's decompression-bomb limit. Set it higher
+# (ops.decode.MAX_PIXELS = ...) for datasets of larger images.
+MAX_PIXELS = 2 * 89_478_485
 _MAGIC = (("jpeg", b"\xff\xd8\xff"), ("png", b"\x89PNG\r\n\x1a\n"), ("jpeg2000", b"\x00\x00\x00\x0cjP  \r\n\x87\n"),
           ("jpeg2000", b"\xff\x4f\xff\x51"), ("tiff", b"II*\x00"), ("tiff", b"MM\x00*"), ("tiff", b"II+\x00"),
           ("tiff", b"MM\x00+"), ("bmp", b"BM"), ("gif", b"GIF8"))
@@ -167,12 +172,20 @@ def _gray(color: str, components: int) -> bool:
     return color == "gray" or (color == "unchanged" and components == 1)
 
 
+def _check_pixels(height: int, width: int, nbytes: int, sample: int) -> None:
+    if height * width > MAX_PIXELS:
+        raise FormatError(f"image of {nbytes} bytes declares {width}x{height} pixels, more than "
+                          f"gpuio.ops.decode.MAX_PIXELS ({MAX_PIXELS:,}); raise it for such images", sample=sample)
+
+
 def decode_cpu(buf: Any, color: str, sample: int, info: JpegInfo | None = None) -> np.ndarray:
     """One encoded image to HWC uint8 on the host (see the module docstring); bad bytes
     raise ``FormatError`` naming ``sample``. ``info``: its ``jpeg_info`` where the
     caller has read it already."""
     buf = _bytes(buf)
     info = jpeg_info(buf) if info is None else info
+    if info is not None:
+        _check_pixels(info.height, info.width, len(buf), sample)
     try:
         if info is not None and info.components in (1, 3):
             img = simplejpeg.decode_jpeg(buf, colorspace="GRAY" if _gray(color, info.components) else "RGB")
@@ -185,6 +198,8 @@ def decode_cpu(buf: Any, color: str, sample: int, info: JpegInfo | None = None) 
                 img = np.asarray(im8 if im8.mode == mode else im8.convert(mode))
     except _PILLOW_ERRORS as exc:
         raise FormatError(f"cannot decode image ({len(buf)} bytes): {_reason(exc, buf)}", sample=sample) from exc
+    except MemoryError as exc:
+        raise FormatError(f"cannot decode image ({len(buf)} bytes): no memory for its pixels", sample=sample) from exc
     if img.ndim == 2:
         img = img[:, :, None]
     return np.ascontiguousarray(orient(img, orientation if 1 <= orientation <= 8 else 1))
@@ -215,10 +230,11 @@ def facts_info(facts: np.ndarray) -> JpegInfo | None:
 
 def region_decodable(facts: np.ndarray) -> np.ndarray:
     """Which rows of ``jpeg_facts`` the region decoder (``gpuio._jpeg.decode_resample``)
-    takes: complete 1- or 3-component JPEGs without EXIF rotation."""
+    takes: complete 1- or 3-component JPEGs without EXIF rotation, of at most
+    ``MAX_PIXELS`` (``decode_cpu`` rejects the larger ones)."""
     components = facts[:, 0]
     return (((components == 1) | (components == 3)) & (facts[:, 2] == 1) & (facts[:, 3] > 0) & (facts[:, 4] > 0)
-            & (facts[:, 5] == 1))
+            & (facts[:, 5] == 1) & (facts[:, 3] * facts[:, 4] <= MAX_PIXELS))
 
 
 def decode_region(data: np.ndarray, components: int, color: str, region: tuple[int, int, int, int], denom: int,
@@ -294,8 +310,8 @@ def gpu_decodable(data: np.ndarray) -> bool:
     # a JPEG or JPEG 2000 cut short goes to the CPU path, which rejects it, rather than
     # to a decoder that may fill in the missing part
     ends = len(data) >= 2 and data[-2] == 0xFF and data[-1] == 0xD9
-    if info is not None:
-        return info.components in (1, 3) and not info.progressive and ends
+    if info is not None:  # too large: decode_cpu rejects it
+        return info.components in (1, 3) and not info.progressive and ends and info.height * info.width <= MAX_PIXELS
     fmt = image_format(data)
     return (fmt == "jpeg2000" and ends) or fmt == "tiff"
 

@@ -119,6 +119,39 @@ def test_bad_bytes_of_other_codecs_are_format_errors(device, pixels, name):
     assert "not an image format" in str(out.errors[1][1])
 
 
+def _declaring(buf: bytes, height: int, width: int) -> bytes:
+    """``buf`` (a baseline or progressive JPEG) with its frame header rewritten to
+    declare ``height`` x ``width`` pixels; the scan data stays that of the small image."""
+    at = next(buf.index(m) for m in (b"\xff\xc0", b"\xff\xc2") if m in buf)
+    return buf[:at + 5] + height.to_bytes(2, "big") + width.to_bytes(2, "big") + buf[at + 9:]
+
+
+@pytest.mark.parametrize("chain", ["decode", "fused", "slice"])
+def test_images_over_the_pixel_limit_are_bad_samples(monkeypatch, pixels, chain):
+    """A few KB may declare 65500 x 65500 pixels: never allocated or decoded, the row is
+    a FormatError naming the limit; the other rows decode; ops.decode.MAX_PIXELS moves it."""
+    good = pillow(pixels, "JPEG", quality=90)
+    bombs = [_declaring(good, 65500, 65500), _declaring(pillow(pixels, "JPEG", progressive=True), 60000, 65000)]
+    op = {"decode": lambda: ops.decode_image(),
+          "fused": lambda: ops.Compose([ops.decode_image(), ops.resize((8, 8)), ops.normalize()]),
+          "slice": lambda: ops.decode_image_slice()}[chain]
+
+    def run(bufs):
+        window = {"crop_anchor": [np.zeros(2, np.float32)] * len(bufs),
+                  "crop_shape": [np.ones(2, np.float32)] * len(bufs)} if chain == "slice" else {}
+        batch = make("cpu", bufs, **window)
+        batch.on_error = "skip"
+        return op()(batch)
+
+    out = run([good, *bombs])
+    assert [sample for sample, _ in out.errors] == [1, 2]
+    assert all(isinstance(err, FormatError) and "MAX_PIXELS" in str(err) for _, err in out.errors)
+    assert len(out.data["image"]) == 1
+    monkeypatch.setattr(gpuio.ops.decode, "MAX_PIXELS", 45 * 70 - 1)
+    out = run([good])
+    assert len(out.errors) == 1 and "declares 70x45 pixels" in str(out.errors[0][1])
+
+
 # ---------------------------------------------------------------- decode_image_slice
 
 

@@ -388,8 +388,6 @@ def decode_huge_cut_jpeg() -> None:
     print("rejected=1")
 
 
-@pytest.mark.xfail(strict=True, reason="notes/fuzz J3: simplejpeg allocates the declared 65500 x 65500 x 3 output "
-                                       "first; where that fails a raw numpy MemoryError escapes (no pixel limit)")
 def test_jpeg_declaring_a_huge_size_is_a_gpuio_error():
     assert outcomes(run_child("decode_huge_cut_jpeg"))["rejected"] == 1
 
