@@ -185,7 +185,8 @@ class PosixBackend:
             if not direct:
                 results = self._run_phase(common, stop, todo, tail, nowait=True,
                                           workers=min(n, self.threads, os.cpu_count() or 1))
-                todo = todo[:0] if any(r[0] for r in results) else pending[: npending[0]].copy()
+                # in task order, so that a task before a failed one has always run (its error is the one raised)
+                todo = todo[:0] if any(r[0] for r in results) else np.sort(pending[: npending[0]])
             if len(todo):
                 results = self._run_phase(common, stop, todo, tail, nowait=False, workers=min(len(todo), self.threads))
         finally:
