@@ -237,16 +237,19 @@ class DecodeAudio(Op):
             raise FormatError(f"FLAC STREAMINFO declares {f.frames} samples; the {len(data) - f.start} bytes "
                               f"of frames hold at most {f.capacity()}", offset=18, sample=sample)
         first, frames = 0, f.frames
+        offset = 0.0 if offsets is None else float(offsets[row])
+        duration = 0.0 if durations is None else float(durations[row])
+        if not math.isfinite(offset) or math.isinf(duration):  # a NaN duration: not given, to the end
+            f.close()
+            raise FormatError(f"offset {offset} s, duration {duration} s: give finite seconds", sample=sample)
         if offsets is not None:
-            first = round(float(offsets[row]) * f.samplerate)
+            first = round(offset * f.samplerate)
             if not 0 <= first <= f.frames:
                 f.close()
-                raise FormatError(f"offset {float(offsets[row])} s is outside the file's "
+                raise FormatError(f"offset {offset} s is outside the file's "
                                   f"{f.frames / f.samplerate:.3f} s", sample=sample)
-        if durations is not None:
-            d = float(durations[row])
-            if d > 0:  # NaN compares false
-                frames = round(d * f.samplerate)
+        if duration > 0:  # NaN compares false
+            frames = round(duration * f.samplerate)
         return f, first, min(frames, f.frames - first)
 
     @staticmethod

@@ -224,8 +224,6 @@ def test_flac_decorrelation_at_int32_extremes_does_not_crash():
     assert outcomes(run_child("decode_decorrelation_extremes"))["decoded"] == 3
 
 
-@pytest.mark.xfail(strict=True, reason="notes/fuzz F3: a NaN or infinite offset/duration is a raw ValueError / "
-                                       "OverflowError from round() in DecodeAudio._open, not a FormatError")
 @pytest.mark.parametrize("offset, duration", [(float("nan"), 0.0), (float("inf"), 0.0), (0.0, float("inf"))])
 def test_audio_offset_and_duration_that_are_not_finite_are_format_errors(offset, duration):
     import soundfile as sf
