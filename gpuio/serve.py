@@ -8,8 +8,9 @@
 
 The model takes ``images`` (``TYPE_UINT8``, dims ``[-1]``): per request ``[n, L]``, one
 encoded image per row (the rows of one request padded with zero bytes at the end; after a
-JPEG's end marker they are dropped, other formats' decoders ignore them). It gives ``image`` (the ops' output, one row per image) or, with a model
-chained in the same process, ``scores`` (the model's output, one row per image).
+JPEG's end marker they are dropped, other formats' decoders ignore them). It gives
+``image`` (the ops' output, one row per image) or, with a model chained in the same
+process, ``scores`` (the model's output, one row per image).
 
 Batching: PyTriton fails every request of a call when the call raises, so Triton's own
 dynamic batcher (which merges requests into one call) would let one bad image fail the

@@ -219,10 +219,14 @@ _readers_lock = RenewedLock()  # free in a forked child, whoever held it at the 
 _READERS_KEPT = 4
 
 
+# the settings a Reader takes when it is made: one kept Reader per combination in use
+_READER_SETTINGS = ("backend", "io_threads", "o_direct", "merge_gap", "task_size", "read_streams", "cold_direct",
+                    "native")
+
+
 def _default_reader(device: str | Device) -> Reader:
     device = parse_device(device)
-    key = (device, config.get("backend"), config.get("io_threads"), config.get("o_direct"),
-           config.get("merge_gap"), config.get("task_size"), config.get("read_streams"), config.get("cold_direct"), config.get("native"))
+    key = (device, *(config.get(name) for name in _READER_SETTINGS))
     with _readers_lock:
         reader = _readers.get(key)
         if reader is None:
