@@ -314,7 +314,7 @@ class DecodeFused(Op):
             if images[row] is not None and images[row].shape[:2] != (y1 - y0, x1 - x0):
                 images[row] = None  # a decoder that ignored the region: decoded again whole
             if images[row] is not None:
-                to_region(plan, row, windows[row], 1)
+                to_region(plan, row, windows[row])
         bad = decode_rows(batch, bufs, [row for row in rows if images[row] is None], color, images)
         keep = _keep(len(bufs), bad)
         batch.drop_rejected()
@@ -323,12 +323,12 @@ class DecodeFused(Op):
         return batch
 
 
-def to_region(plan: dict[str, np.ndarray], row: int, region: Sequence[int], denom: int) -> None:
+def to_region(plan: dict[str, np.ndarray], row: int, region: Sequence[int]) -> None:
     """Move ``row`` of a fused ``plan`` (source pixel coordinates) to the pixels of its
-    decoded ``region`` (y0, x0, y1, x1 of the image scaled by 1/``denom``): the box is
-    scaled and shifted, the filter reads the whole region."""
+    decoded ``region`` (y0, x0, y1, x1): the box is shifted, the filter reads the whole
+    region. (The CPU path's DCT scaling moves its boxes in C.)"""
     y0, x0, y1, x1 = region
-    plan["box"][row] = plan["box"][row] / denom - [y0, x0, 0, 0]
+    plan["box"][row] = plan["box"][row] - [y0, x0, 0, 0]
     plan["clip"][row] = [0, 0, y1 - y0, x1 - x0]
 
 

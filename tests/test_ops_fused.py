@@ -143,7 +143,7 @@ def test_window_a_fused_chain_decodes(decoded, name):
         y0, x0, y1, x1 = plan["clip"][row].tolist()
         assert 0 <= y0 < y1 <= img.shape[0] and 0 <= x0 < x1 <= img.shape[1]
         windows.append(img[y0:y1, x0:x1])
-        to_region(moved, row, (y0, x0, y1, x1), 1)
+        to_region(moved, row, (y0, x0, y1, x1))
         assert moved["clip"][row].tolist() == [0, 0, y1 - y0, x1 - x0]
     mean, inv_std = chain[-1].channel_params(3)
     args = dict(interp=op.interp, antialias=op.antialias, layout=chain[-1].layout, dtype=chain[-1].dtype)
