@@ -197,3 +197,28 @@ def check_index_or_gpuio_error(make_index: Callable[[], Any], fields: Sequence[s
     for name in fields:
         if name in index.extents and name not in decoded_fields(index):
             assert [len(g) for g in got[name]] == index.extents[name].length.tolist(), name
+
+
+def check_directory_and_fifo_name_the_path(open_index: Callable[[Any, Any], Any], data: Any, index_file: Any,
+                                           folder: Any, suffix: str, what: str) -> None:
+    """A directory or a FIFO given as a data file (``open_index(path, index_file_or_None)``,
+    ``what`` its name in the message) or as its index file is a ``DataError`` naming it,
+    and opening the FIFO does not wait for a writer. ``data`` and ``index_file``: a good pair."""
+    import pytest
+
+    from gpuio.errors import DataError
+
+    directory, fifo = os.path.join(folder, "dir" + suffix), os.path.join(folder, "fifo" + suffix)
+    os.mkdir(directory)
+    os.mkfifo(fifo)
+    for idx in (None, index_file):
+        with pytest.raises(DataError, match=f"{what} must be a regular file, this is a directory") as err:
+            open_index(directory, idx)
+        assert err.value.path == directory
+        with pytest.raises(DataError, match="this is a device, FIFO or socket") as err:
+            open_index(fifo, idx)
+        assert err.value.path == fifo
+    for bad in (directory, fifo):  # as index files
+        with pytest.raises(DataError, match="a text index file must be a regular file") as err:
+            open_index(data, bad)
+        assert err.value.path == bad

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpuio
-from checkers import assert_gpu_read_matches_cpu, check_index_or_gpuio_error
-from gpuio.errors import ConfigError, DataError, FormatError, StorageError
+from checkers import assert_gpu_read_matches_cpu, check_directory_and_fifo_name_the_path, check_index_or_gpuio_error
+from gpuio.errors import ConfigError, FormatError, StorageError
 from gpuio.formats import recordio
 from gpuio.formats.recordio import MAGIC, RecordIOParser
 
@@ -212,19 +212,8 @@ def test_bad_headers_and_idx(tmp_path):
 def test_directory_fifo_and_bad_path_name_the_path(tmp_path):
     samples = _samples(3)
     _write_file(tmp_path / "a.rec", samples, idx_path=tmp_path / "a.idx")
-    (tmp_path / "dir.rec").mkdir()
-    os.mkfifo(tmp_path / "fifo.rec")
-    for idx in (None, tmp_path / "a.idx"):
-        with pytest.raises(DataError, match="a .rec file must be a regular file, this is a directory") as err:
-            recordio(tmp_path / "dir.rec", idx)
-        assert err.value.path == str(tmp_path / "dir.rec")
-        with pytest.raises(DataError, match="this is a device, FIFO or socket") as err:
-            recordio(tmp_path / "fifo.rec", idx)  # must not wait for a writer
-        assert err.value.path == str(tmp_path / "fifo.rec")
-    for idx in ("dir.rec", "fifo.rec"):  # as .idx files
-        with pytest.raises(DataError, match="a text index file must be a regular file") as err:
-            recordio(tmp_path / "a.rec", tmp_path / idx)
-        assert err.value.path == str(tmp_path / idx)
+    check_directory_and_fifo_name_the_path(recordio, tmp_path / "a.rec", tmp_path / "a.idx", tmp_path, ".rec",
+                                           "a .rec file")
     with pytest.raises(StorageError, match="No such file"):
         recordio(tmp_path / "missing.rec")
     with pytest.raises(StorageError, match="cannot read .rec file"):

@@ -14,7 +14,7 @@ from tfrecord.reader import tfrecord_loader
 from tfrecord.tools.tfrecord2idx import create_index
 
 import gpuio
-from checkers import assert_gpu_read_matches_cpu, check_index_or_gpuio_error
+from checkers import assert_gpu_read_matches_cpu, check_directory_and_fifo_name_the_path, check_index_or_gpuio_error
 from gpuio.errors import ConfigError, DataError, FormatError
 from gpuio.formats import tfrecord
 from gpuio.formats.tfrecord import ExampleParser
@@ -387,16 +387,4 @@ def test_gpu_read_matches_cpu(dataset):
 
 def test_directory_and_fifo_name_the_path(dataset, tmp_path):
     path, index_path = dataset
-    (tmp_path / "dir.tfrecord").mkdir()
-    os.mkfifo(tmp_path / "fifo.tfrecord")
-    for idx in (None, index_path):
-        with pytest.raises(DataError, match="a TFRecord file must be a regular file, this is a directory") as err:
-            tfrecord(tmp_path / "dir.tfrecord", idx)
-        assert err.value.path == str(tmp_path / "dir.tfrecord")
-        with pytest.raises(DataError, match="this is a device, FIFO or socket") as err:
-            tfrecord(tmp_path / "fifo.tfrecord", idx)  # must not wait for a writer
-        assert err.value.path == str(tmp_path / "fifo.tfrecord")
-    for idx in ("dir.tfrecord", "fifo.tfrecord"):  # as index files
-        with pytest.raises(DataError, match="a text index file must be a regular file") as err:
-            tfrecord(path, tmp_path / idx)
-        assert err.value.path == str(tmp_path / idx)
+    check_directory_and_fifo_name_the_path(tfrecord, path, index_path, tmp_path, ".tfrecord", "a TFRecord file")
