@@ -14,10 +14,15 @@ CPU: PyAV (FFmpeg's decoders, libdav1d for AV1). Clips decode in parallel on a t
 pool (FFmpeg runs with the GIL released). Packets whose pictures the clip does not keep
 are sent with ``skip_frame="NONREF"``, so a non-reference picture nobody looks at is
 not decoded at all; every picture the clip keeps, and every reference picture, is
-decoded as FFmpeg decodes it from the start of the file, and converted to RGB by the
-same ``VideoFrame.to_ndarray(format="rgb24")`` call (the frame's own colour space; with
-``size`` the same call with ``width``/``height``, swscale's bilinear filter). The frames
-equal, bit for bit, those of decoding the whole file with PyAV.
+decoded as FFmpeg decodes it from the start of the file. The kept 4:2:0 pictures are
+converted to RGB by ``gpuio/_video.c`` straight into the clip's array, with the fixed-point
+arithmetic of swscale's unscaled converter; it is used for a colour setting (pixel
+format, colour space, range) only after it gave the bytes of swscale for every (Y, U, V)
+triple, once per process. Other pictures (4:4:4, 10-bit, odd sizes, a setting where the
+two differ) go through swscale as ``VideoFrame.to_ndarray(format="rgb24")`` does (the
+frame's own colour space; with ``size`` the same call with ``width``/``height``,
+swscale's bilinear filter), one swscale context per clip on the clip's thread. The
+frames equal, bit for bit, those of decoding the whole file with PyAV.
 
 GPU: PyNvVideoCodec (NVDEC), one decoder per clip, clips in parallel. H.264/HEVC
 packets are rewritten to Annex B on the host (start codes for the length fields, the
@@ -48,6 +53,11 @@ from gpuio.batch import Batch, Op
 from gpuio.buffers import pooled_empty
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
+
+try:
+    from gpuio import _video
+except ImportError:  # built at install where a C compiler exists; else swscale converts every frame
+    _video = None
 
 __all__ = ["DecodeVideo", "decode_video", "CodecHeader", "codec_header", "decode_clip", "annexb_packets"]
 
@@ -156,6 +166,9 @@ def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | Non
     h, w = size if size is not None else (header.height, header.width)
     frames = out if out is not None else np.empty((len(slots.filled), h, w, 3), np.uint8)
     resize = {"width": w, "height": h} if size is not None else {}
+    # one swscale context for the clip, on this thread: PyAV's per-frame default makes a
+    # context and a thread pool for every frame, which the other clips' threads then wait on
+    reformatter = av.video.reformatter.VideoReformatter()
     ctx = _context(av, header, threads)
     rows = table.tolist()
     skips = header.decoder in _SKIP_PER_PACKET
@@ -166,7 +179,11 @@ def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | Non
             j = slots.take(picture.pts)
             if j < 0:
                 continue
-            rgb = picture.to_ndarray(format="rgb24", **resize)
+            direct = _direct_rgb(picture) if size is None and frames.flags.c_contiguous else None
+            if direct is not None and (picture.height, picture.width) == frames.shape[1:3]:
+                _yuv420_rgb24(picture, frames[j], direct)
+                continue
+            rgb = reformatter.reformat(picture, format="rgb24", threads=1, **resize).to_ndarray()
             if rgb.shape != frames.shape[1:]:
                 raise FormatError(f"frame {picture.pts} is {rgb.shape[1]}x{rgb.shape[0]} pixels, the clip's other "
                                   f"frames {frames.shape[2]}x{frames.shape[1]}", sample=sample)
@@ -188,6 +205,84 @@ def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | Non
                           sample=sample) from exc
     slots.check("the decoder")
     return frames
+
+
+# ---- YUV 4:2:0 -> RGB24 straight into the clip's array ---------------------------------------
+
+# FFmpeg's YCbCr -> RGB factors (crv, cbu, cgu, cgv, 16.16 fixed point) by AVColorSpace;
+# any other colour space gets BT.601's, as swscale gives it
+_BT601 = (104597, 132201, 25675, 53279)
+_FACTORS = {1: (117489, 138438, 13975, 34925), 4: (104448, 132798, 24759, 53109),
+            7: (117579, 136230, 16907, 35559), 9: (110013, 140363, 12277, 42626), 10: (110013, 140363, 12277, 42626)}
+_direct_lock = threading.Lock()
+_direct: dict[tuple[str, int, int], tuple[int, ...] | None] = {}
+
+
+def _round16(x: int) -> int:
+    r = (x + (1 << 15)) >> 16
+    return -32768 if r < -32767 else min(r, 32767)
+
+
+def _rgb_coefficients(colorspace: int, full_range: bool) -> tuple[int, ...]:
+    """The 16-bit offsets and factors of swscale's unscaled YUV -> RGB (in the order
+    ``gpuio/_video.c`` takes them), derived as FFmpeg derives them."""
+    crv, cbu, cgu, cgv = _FACTORS.get(colorspace, _BT601)
+    cgu, cgv = -cgu, -cgv
+    cy, oy = 1 << 16, 0
+    if full_range:  # C division: toward zero
+        crv, cbu, cgu, cgv = (int(k * 224 / 255) if k >= 0 else -(-k * 224 // 255) for k in (crv, cbu, cgu, cgv))
+    else:
+        cy, oy = cy * 255 // 219, 16 << 16
+    return (_round16(oy * 8), _round16(cy * 8192), 1024, 1024, _round16(cbu * 8192), _round16(cgu * 8192),
+            _round16(cgv * 8192), _round16(crv * 8192))
+
+
+def _yuv420_rgb24(picture: Any, out: np.ndarray, coefficients: tuple[int, ...]) -> None:
+    y, u, v = picture.planes
+    _video.yuv420_rgb24(y, y.line_size, u, v, u.line_size, out, picture.width, picture.height, coefficients)
+
+
+def _direct_rgb(picture: Any) -> tuple[int, ...] | None:
+    """The coefficients with which ``gpuio/_video.c`` converts this picture to the bytes
+    swscale gives it, or None (no C extension, another pixel format, an odd size, or a
+    colour setting where the two differ). Checked once per process and colour setting on
+    every (Y, U, V) triple."""
+    fmt = picture.format.name
+    if _video is None or fmt not in ("yuv420p", "yuvj420p") or picture.width % 2 or picture.height % 2:
+        return None
+    key = (fmt, int(picture.colorspace), int(picture.color_range))
+    with _direct_lock:
+        if key not in _direct:
+            _direct[key] = _checked_coefficients(*key)
+        return _direct[key]
+
+
+def _checked_coefficients(fmt: str, colorspace: int, color_range: int) -> tuple[int, ...] | None:
+    """Convert frames holding every (Y, U, V) triple both ways; the coefficients if the bytes agree."""
+    import av
+
+    coefficients = _rgb_coefficients(colorspace, fmt == "yuvj420p" or color_range == 2)
+    reformatter = av.video.reformatter.VideoReformatter()
+    width, rows = 4096, 512  # chroma rows of 2048 samples: U runs through 0-255, V steps every 256
+    cols = np.arange(width // 2)
+    for part in range(4):  # four frames of 4096 x 1024: every (U, V) 64 times, each with 4 new Y values
+        row = np.arange(rows) + part * rows
+        frame = av.VideoFrame(width, 2 * rows, fmt)
+        frame.colorspace, frame.color_range = colorspace, color_range
+        y = 4 * (row // 32)[:, None, None] + np.array([[0, 1], [2, 3]])  # chroma row, luma row, pixel
+        planes = (np.broadcast_to(y[:, :, None, :], (rows, 2, width // 2, 2)).reshape(2 * rows, width),
+                  cols & 255, (8 * row[:, None] + cols // 256) & 255)
+        for plane, values in zip(frame.planes, planes):
+            np.frombuffer(plane, np.uint8).reshape(-1, plane.line_size)[:, :values.shape[-1]] = values
+        try:
+            want = reformatter.reformat(frame, format="rgb24", threads=1).to_ndarray()
+        except av.FFmpegError:  # a colour setting swscale refuses: decode_clip's own call says so
+            return None
+        got = np.empty_like(want)
+        _yuv420_rgb24(frame, got, coefficients)
+        if not np.array_equal(got, want):
+            return None
+    return coefficients
 
 
 _pool_lock = threading.Lock()
