@@ -185,30 +185,47 @@ def competitors(index: gpuio.SampleIndex) -> tuple[dict[str, Callable], dict[str
     return runs, skipped
 
 
-def measure(runs: dict[str, Callable], clips: int, rounds: int, seed: int) -> tuple[dict[str, float], dict[str, str]]:
-    """Seconds of each competitor's best round (all clips, one shuffled order per
-    round, shared by all); a warm-up round first."""
-    best = dict.fromkeys(runs, float("inf"))
+def _busy_seconds() -> float | None:
+    """CPU seconds the whole machine has been busy (Linux /proc/stat), None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
+def measure(runs: dict[str, Callable], clips: int, rounds: int, seed: int) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """Per competitor, its timed rounds (all clips, one shuffled order per round, shared
+    by all; a warm-up round first): seconds, this process's CPU seconds, and the cores
+    other processes kept busy meanwhile (the machine is shared; their load slows a
+    two-thread decoder more than a one-thread loop)."""
+    timed: dict[str, list[dict]] = {name: [] for name in runs}
     failed: dict[str, str] = {}
     for r in range(rounds + 1):
         order = np.random.default_rng([seed, r]).permutation(clips)
         for name, run in runs.items():
             if name in failed:
                 continue
-            t0 = time.perf_counter()
-            seen = 0
+            t0, cpu0, busy0 = time.perf_counter(), os.times(), _busy_seconds()
+            seen, out = 0, None
             try:
                 for out in run(order):
                     seen += len(out)
             except Exception as exc:  # noqa: BLE001 - a competitor's failure is reported, not raised
                 failed[name] = f"{type(exc).__name__}: {exc}"
                 continue
+            out = None  # the last batch goes back to the pool before the next competitor runs
+            seconds, cpu1, busy1 = time.perf_counter() - t0, os.times(), _busy_seconds()
+            cpu = cpu1.user - cpu0.user + cpu1.system - cpu0.system
+            others = None if busy0 is None else max(0.0, (busy1 - busy0 - cpu) / seconds)
             if seen != clips:
                 failed[name] = f"yielded {seen} clips, expected {clips}"
             elif r:
-                best[name] = min(best[name], time.perf_counter() - t0)
-            print(f"round {r} {name}: {time.perf_counter() - t0:.2f} s", file=sys.stderr)
-    return {n: t for n, t in best.items() if n not in failed}, failed
+                timed[name].append({"seconds": seconds, "cpu_seconds": cpu, "other_cores": others})
+            load = "" if others is None else f", other processes {others:.2f} cores"
+            print(f"round {r} {name}: {seconds:.2f} s (cpu {cpu:.1f} s{load})", file=sys.stderr)
+    return {n: t for n, t in timed.items() if n not in failed}, failed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,16 +240,28 @@ def main(argv: list[str] | None = None) -> None:
     paths = make_videos(width, height, args.videos)
     index = gpuio.formats.video(paths, sequence_length=LENGTH, stride=STRIDE)
     runs, skipped = competitors(index)
-    best, failed = measure(runs, len(index), args.rounds, args.seed)
-    base = best.get("pyav loop (default threads)")
-    rows = [{"competitor": name, "clips/s": len(index) / t, "frames/s": len(index) * LENGTH / t,
-             "vs pyav loop": base / t if base else float("nan")} for name, t in best.items()]
+    timed, failed = measure(runs, len(index), args.rounds, args.seed)
+    base = timed.get("pyav loop (default threads)")
+    rows = []
+    for name, rounds in timed.items():
+        t = min(r["seconds"] for r in rounds)
+        per_round = [b["seconds"] / r["seconds"] for b, r in zip(base, rounds)] if base else []
+        others = [r["other_cores"] for r in rounds if r["other_cores"] is not None]
+        rows.append({"competitor": name, "clips/s": len(index) / t, "frames/s": len(index) * LENGTH / t,
+                     "vs pyav loop": min(r["seconds"] for r in base) / t if base else float("nan"),
+                     "per round": " ".join(f"{x:.2f}" for x in per_round),
+                     "cpu s/clip": float(np.median([r["cpu_seconds"] for r in rounds])) / len(index),
+                     "other cores": max(others) if others else None, "rounds": rounds})
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, {info['gpus']} GPU(s)")
     print(f"dataset: {len(paths)} H.264 videos {width}x{height}, {FRAMES} frames at {RATE} fps; "
           f"{len(index)} clips of {LENGTH} frames, stride {STRIDE}; batch {BATCH}; best of {args.rounds} rounds")
     print_table(rows, [("competitor", "competitor", "s"), ("clips/s", "clips/s", ".2f"),
-                       ("frames/s", "frames/s", ".0f"), ("vs pyav loop", "vs pyav loop", ".2f")])
+                       ("frames/s", "frames/s", ".0f"), ("vs pyav loop", "vs pyav loop", ".2f"),
+                       ("per round", "per round", "s"), ("cpu s/clip", "cpu s/clip", ".2f"),
+                       ("other cores", "others (max)", ".2f")])
+    print("vs pyav loop: best round against best round; per round: the same round's two times; cpu s/clip: "
+          "this process's CPU time (median round); others: cores other processes kept busy during a round")
     for name, why in {**skipped, **failed}.items():
         print(f"not measured: {name}: {why}")
     write_json(args.out, {"machine": info, "size": args.size, "width": width, "height": height,
