@@ -149,6 +149,99 @@ class _Slots:
                               f"a packet of the clip is corrupt", sample=self.sample)
 
 
+# NAL unit types (H.264, HEVC): IDR pictures, parameter sets
+_IDR = {"h264": ({5}, {7, 8}), "hevc": ({19, 20}, {32, 33, 34})}
+
+
+def _parts(buf: memoryview, rows: list[list[int]], header: CodecHeader) -> list[tuple[int, int]]:
+    """Row ranges ``[start, end)`` of the clip's table that decode on their own: a new
+    part starts at each H.264/HEVC IDR picture after the first row (no picture after an
+    IDR refers to one before it), unless a packet before it carries parameter sets (a new
+    decoder has only the header's); each part ends at its last kept frame (pictures refer
+    only to pictures before them in decode order), and a part with none is left out."""
+    nal_types = _IDR.get(header.decoder)
+    size = _parameter_sets(header)[0] if nal_types else 0
+    starts, in_band = [0], False
+    for k, (offset, length, _, _) in enumerate(rows if size else []):
+        at, end, types = offset, offset + length, set()
+        while at + size < end:
+            first = buf[at + size]
+            types.add(first & 31 if header.decoder == "h264" else (first >> 1) & 63)
+            at += size + int.from_bytes(buf[at:at + size], "big")
+        if k and not in_band and types & nal_types[0]:
+            starts.append(k)
+        in_band = in_band or bool(types & nal_types[1])
+    parts = []
+    for start, stop in zip(starts, starts[1:] + [len(rows)]):
+        kept = [k for k in range(start, stop) if rows[k][3] >= 0]
+        if kept:
+            parts.append((start, kept[-1] + 1))
+    return parts
+
+
+class _Clip:
+    """One clip's CPU decode, as parts (``_parts``) that may run on different threads."""
+
+    def __init__(self, data: Any, packets: Any, codec: Any, size: tuple[int, int] | None,
+                 out: np.ndarray | None, sample: object) -> None:
+        self.av = require("av")
+        table = _table(packets)
+        self.header = codec_header(codec)
+        self.buf = memoryview(np.ascontiguousarray(np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray)
+                                                   else data)).cast("B")
+        self.slots = _Slots(table, sample)
+        self.size, self.sample, self.rows = size, sample, table.tolist()
+        h, w = size if size is not None else (self.header.height, self.header.width)
+        self.frames = out if out is not None else np.empty((len(self.slots.filled), h, w, 3), np.uint8)
+        self.parts = _parts(self.buf, self.rows, self.header)
+
+    def decode(self, start: int, end: int, threads: int = 1) -> None:
+        """Decode rows ``[start, end)`` with a new decoder; their kept frames land in ``frames``."""
+        av, frames, size = self.av, self.frames, self.size
+        resize = {"width": frames.shape[2], "height": frames.shape[1]} if size is not None else {}
+        # one swscale context for the part, on this thread: PyAV's per-frame default makes a
+        # context and a thread pool for every frame, which the other clips' threads then wait on
+        reformatter = av.video.reformatter.VideoReformatter()
+        ctx = _context(av, self.header, threads)
+        skips = self.header.decoder in _SKIP_PER_PACKET
+
+        def keep(pictures: list[Any]) -> None:
+            for picture in pictures:
+                j = self.slots.take(picture.pts)
+                if j < 0:
+                    continue
+                direct = _direct_rgb(picture) if size is None and frames.flags.c_contiguous else None
+                if direct is not None and (picture.height, picture.width) == frames.shape[1:3]:
+                    _yuv420_rgb24(picture, frames[j], direct)
+                    continue
+                rgb = reformatter.reformat(picture, format="rgb24", threads=1, **resize).to_ndarray()
+                if rgb.shape != frames.shape[1:]:
+                    raise FormatError(f"frame {picture.pts} is {rgb.shape[1]}x{rgb.shape[0]} pixels, the clip's "
+                                      f"other frames {frames.shape[2]}x{frames.shape[1]}", sample=self.sample)
+                frames[j] = rgb
+
+        row = start
+        try:
+            for row in range(start, end):
+                offset, length, frame, slot = self.rows[row]
+                packet = av.Packet(self.buf[offset: offset + length])
+                # pictures come back with the packet's pts: the frame number (negative: not shown)
+                packet.pts = packet.dts = frame if frame >= 0 else -1 - row
+                if skips:
+                    ctx.skip_frame = "DEFAULT" if slot >= 0 else "NONREF"
+                keep(ctx.decode(packet))
+            row = end - 1
+            keep(ctx.decode(None))
+        except av.FFmpegError as exc:
+            offset, _, frame, _ = self.rows[row]
+            raise FormatError(f"cannot decode frame {frame} (packet at byte {offset} of the clip): {exc}",
+                              sample=self.sample) from exc
+
+    def result(self) -> np.ndarray:
+        self.slots.check("the decoder")
+        return self.frames
+
+
 def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | None = None,
                 out: np.ndarray | None = None, sample: object = None, threads: int = 1) -> np.ndarray:
     """Decode one clip on the CPU: ``[F, H, W, 3]`` uint8 RGB (``size=(h, w)`` resizes).
@@ -157,54 +250,10 @@ def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | Non
     ``out`` (optional) receives the frames; ``threads`` are FFmpeg's own threads for
     this clip.
     """
-    av = require("av")
-    table = _table(packets)
-    header = codec_header(codec)
-    buf = memoryview(np.ascontiguousarray(np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray)
-                                          else data)).cast("B")
-    slots = _Slots(table, sample)
-    h, w = size if size is not None else (header.height, header.width)
-    frames = out if out is not None else np.empty((len(slots.filled), h, w, 3), np.uint8)
-    resize = {"width": w, "height": h} if size is not None else {}
-    # one swscale context for the clip, on this thread: PyAV's per-frame default makes a
-    # context and a thread pool for every frame, which the other clips' threads then wait on
-    reformatter = av.video.reformatter.VideoReformatter()
-    ctx = _context(av, header, threads)
-    rows = table.tolist()
-    skips = header.decoder in _SKIP_PER_PACKET
-    bad_row = 0
-
-    def keep(pictures: list[Any]) -> None:
-        for picture in pictures:
-            j = slots.take(picture.pts)
-            if j < 0:
-                continue
-            direct = _direct_rgb(picture) if size is None and frames.flags.c_contiguous else None
-            if direct is not None and (picture.height, picture.width) == frames.shape[1:3]:
-                _yuv420_rgb24(picture, frames[j], direct)
-                continue
-            rgb = reformatter.reformat(picture, format="rgb24", threads=1, **resize).to_ndarray()
-            if rgb.shape != frames.shape[1:]:
-                raise FormatError(f"frame {picture.pts} is {rgb.shape[1]}x{rgb.shape[0]} pixels, the clip's other "
-                                  f"frames {frames.shape[2]}x{frames.shape[1]}", sample=sample)
-            frames[j] = rgb
-
-    try:
-        for bad_row, (offset, length, frame, slot) in enumerate(rows):
-            packet = av.Packet(buf[offset: offset + length])
-            # pictures come back with the packet's pts: the frame number (negative: not shown)
-            packet.pts = packet.dts = frame if frame >= 0 else -1 - bad_row
-            if skips:
-                ctx.skip_frame = "DEFAULT" if slot >= 0 else "NONREF"
-            keep(ctx.decode(packet))
-        bad_row = len(rows)
-        keep(ctx.decode(None))
-    except av.FFmpegError as exc:
-        where = rows[min(bad_row, len(rows) - 1)]
-        raise FormatError(f"cannot decode frame {where[2]} (packet at byte {where[0]} of the clip): {exc}",
-                          sample=sample) from exc
-    slots.check("the decoder")
-    return frames
+    clip = _Clip(data, packets, codec, size, out, sample)
+    for start, end in clip.parts:
+        clip.decode(start, end, threads)
+    return clip.result()
 
 
 # ---- YUV 4:2:0 -> RGB24 straight into the clip's array ---------------------------------------
@@ -330,17 +379,41 @@ class DecodeVideo(Op):
         return _clip_length(packets), h, w, 3
 
     def _decode_cpu(self, batch: Batch, shapes: list[tuple[int, ...]]) -> list[Any]:
+        """The parts of all clips (``_parts``) on the pool: a clip that spans several IDR
+        pictures keeps both cores busy, and the batch ends with a short part, not a clip."""
         data, packets, codecs = batch.data[self.field], batch.data["packets"], batch.data["codec"]
         # pooled (mapped, huge-page) memory: a batch of 1080p clips is GBs that would page-fault in afresh
         block = pooled_empty((len(shapes), *shapes[0]), np.uint8) if shapes and len(set(shapes)) == 1 else None
-        # few clips: FFmpeg's own threads; many: one thread per clip
-        threads = max(1, (os.cpu_count() or 1) // max(1, len(shapes)))
+        clips: list[Any] = []
+        for row in range(len(shapes)):
+            try:
+                clips.append(_Clip(data[row], packets[row], codecs[row], self.size,
+                                   None if block is None else block[row], int(batch.index[row])))
+            except FormatError as exc:
+                clips.append(exc)
+        parts = [(row, part) for row, clip in enumerate(clips) if isinstance(clip, _Clip) for part in clip.parts]
+        # few parts: FFmpeg's own threads; many: one thread per part
+        threads = max(1, (os.cpu_count() or 1) // max(1, len(parts)))
 
-        def one(row: int) -> Any:
-            return decode_clip(data[row], packets[row], codecs[row], self.size,
-                               None if block is None else block[row], int(batch.index[row]), threads)
+        def one(task: tuple[int, tuple[int, int]]) -> FormatError | None:
+            row, (start, end) = task
+            try:
+                clips[row].decode(start, end, threads)
+            except FormatError as exc:
+                return exc
+            return None
 
-        return _run_rows(batch, one, len(shapes))
+        for (row, _), error in zip(parts, list(_executor().map(one, parts))):
+            if error is not None and isinstance(clips[row], _Clip):
+                clips[row] = error
+        for row, clip in enumerate(clips):
+            try:
+                clips[row] = clip.result() if isinstance(clip, _Clip) else clip
+            except FormatError as exc:
+                clips[row] = exc
+            if isinstance(clips[row], FormatError):
+                batch.reject(row, clips[row])
+        return clips
 
     def _decode_gpu(self, batch: Batch, shapes: list[tuple[int, ...]]) -> list[Any]:
         """NVDEC for the clips it takes (one decoder per clip, clips in parallel), the
