@@ -11,17 +11,19 @@ comes from the buffer pool, so ``buffer_budget`` (``gpuio.config``) must hold it
 of 60 1080p frames are 3 GB.
 
 CPU: PyAV (FFmpeg's decoders, libdav1d for AV1). Clips decode in parallel on a thread
-pool (FFmpeg runs with the GIL released). Packets whose pictures the clip does not keep
-are sent with ``skip_frame="NONREF"``, so a non-reference picture nobody looks at is
-not decoded at all; every picture the clip keeps, and every reference picture, is
-decoded as FFmpeg decodes it from the start of the file. The kept 4:2:0 pictures are
+pool (FFmpeg runs with the GIL released); a clip that spans several H.264/HEVC IDR
+pictures decodes as parts, one decoder each, that the pool runs in parallel too, each
+part ending at its last kept frame (``_parts``). Packets whose pictures the clip does
+not keep are sent with ``skip_frame="NONREF"``, so a non-reference picture nobody looks
+at is not decoded at all; every picture the clip keeps, and every reference picture it
+needs, is decoded as FFmpeg decodes it from the start of the file. The kept 4:2:0 pictures are
 converted to RGB by ``gpuio/_video.c`` straight into the clip's array, with the fixed-point
 arithmetic of swscale's unscaled converter; it is used for a colour setting (pixel
 format, colour space, range) only after it gave the bytes of swscale for every (Y, U, V)
 triple, once per process. Other pictures (4:4:4, 10-bit, odd sizes, a setting where the
 two differ) go through swscale as ``VideoFrame.to_ndarray(format="rgb24")`` does (the
 frame's own colour space; with ``size`` the same call with ``width``/``height``,
-swscale's bilinear filter), one swscale context per clip on the clip's thread. The
+swscale's bilinear filter), one single-threaded swscale context per part. The
 frames equal, bit for bit, those of decoding the whole file with PyAV.
 
 GPU: PyNvVideoCodec (NVDEC), one decoder per clip, clips in parallel. H.264/HEVC
