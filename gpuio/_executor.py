@@ -7,10 +7,11 @@ order ``source`` made them, whatever order the workers finish in. Once a pass ha
 handed back everything it fed, the next ``feed`` reuses the same threads (no thread
 start per pass):
 
-- the consumer feeds: each ``get()`` first tops the pipeline up from ``source`` to
-  ``window`` payloads in flight (queued, being worked on, or waiting for the
-  consumer), so nothing runs ahead of the consumer by more than ``window`` and no
-  feeder thread is needed;
+- the consumer feeds: ``get()`` tops the pipeline up from ``source`` to ``window``
+  payloads in flight (queued, being worked on, or finished and waiting), before it
+  waits and again once it has taken the payload it returns, so that the next one is
+  under way while the consumer holds this one; nothing runs ahead of the consumer by
+  more than ``window`` and no feeder thread is needed;
 - each stage has ``workers`` threads and a bounded input queue; a worker that finishes
   item ``s`` waits for its stage's turn to reach ``s`` before passing it on, so every
   queue holds items in source order (no reorder buffer is needed);
@@ -206,6 +207,7 @@ class Executor:
                     return None
         self.wait_s += time.perf_counter() - t0
         self._in_flight -= 1
+        self._top_up()
         return item
 
     # ---- threads ----------------------------------------------------------------------

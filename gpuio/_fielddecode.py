@@ -138,12 +138,7 @@ def _arrays(index: Any, field: str, rows: np.ndarray, raw: list[Any]) -> list[An
 
 def _same_value(col: Any, rows: np.ndarray) -> bool:
     """Whether the ``Ragged`` column ``col`` holds one value for all of ``rows``."""
-    part = col.take(rows)
-    lengths = np.diff(part.offsets)
-    if (lengths != lengths[0]).any():
-        return False
-    values = part.values.reshape(len(rows), -1) if lengths[0] else part.values
-    return bool((values == values[:1]).all())
+    return col.uniform or col.take(rows).uniform
 
 
 def _stacked_array(whole: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:

@@ -15,6 +15,7 @@ An index saves to one ``.npz`` file (no pickle) and reloads without touching the
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import zipfile
@@ -113,6 +114,16 @@ class Ragged:
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    @functools.cached_property
+    def uniform(self) -> bool:
+        """Whether every sample holds the same value (found once: an index's arrays are
+        not changed in place)."""
+        lengths = np.diff(self.offsets)
+        if len(lengths) and (lengths != lengths[0]).any():
+            return False
+        values = self.values.reshape(len(self), -1) if len(lengths) and lengths[0] else self.values
+        return bool((values == values[:1]).all())
 
     def __getitem__(self, i: int) -> Any:
         part = self.values[self.offsets[i]: self.offsets[i + 1]]

@@ -89,8 +89,12 @@ class Loader:
             ``np.random.Generator(np.random.PCG64([seed, epoch])).permutation``.
         rank, world_size: this process's shard (see below).
         last_batch: ``"partial"``, ``"drop"`` or ``"pad"`` (see below).
-        prefetch: batches that may wait, finished, for the consumer; at most
-            ``prefetch + threads`` batches (``prefetch + 1`` on a GPU) are in flight.
+        prefetch: finished batches that may wait for the consumer beyond one per stage
+            worker. Besides the batch the consumer holds, at most ``prefetch`` plus the
+            stages' workers (``threads`` per CPU stage, one per GPU stage, one reader)
+            batches are in flight, and the next batch is under way while the consumer
+            holds one. More absorbs a consumer whose time per batch jumps, at the cost
+            of a batch of buffers each.
         threads: worker threads per CPU stage (default: ``os.cpu_count()``).
         on_error: ``"raise"`` (the first bad sample stops the pass with a
             ``PipelineError``) or ``"skip"`` (bad samples are dropped from their batch,
@@ -145,7 +149,7 @@ class Loader:
     def __init__(self, index: SampleIndex, batch_size: int, *, fields: Sequence[str] | None = None,
                  ops: Sequence[Any] = (), device: str | Device = "cpu", output: str = "torch",
                  shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 last_batch: str = "partial", prefetch: int = 2, threads: int | None = None,
+                 last_batch: str = "partial", prefetch: int = 0, threads: int | None = None,
                  on_error: str = "raise") -> None:
         if not isinstance(index, SampleIndex):
             raise ConfigError(f"index must be a gpuio SampleIndex, got {type(index).__name__}")
@@ -157,8 +161,8 @@ class Loader:
         self._framework = _frameworks.load(output)  # a missing framework is reported here
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error={on_error!r}; choose 'raise' or 'skip'")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise ConfigError(f"prefetch must be a positive integer, got {prefetch!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"prefetch must be an integer >= 0, got {prefetch!r}")
         threads = (os.cpu_count() or 1) if threads is None else threads
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ConfigError(f"threads must be a positive integer, got {threads!r}")
@@ -318,7 +322,7 @@ class Loader:
         if self._dev_fields:
             self._readers["device"] = Reader(self.device, thread_name="gpuio-loader-read", pool=self._pool)
         stages = self._stages()
-        window = min(self.prefetch + max(s.workers if not s.gpu else 1 for s in stages), self._max_in_flight)
+        window = min(self.prefetch + sum(1 if s.gpu else s.workers for s in stages), self._max_in_flight)
         ex = Executor(stages, window=window, device=self.device, stats=self._stage_stats,
                       name=f"gpuio-loader{self.rank}")
         ex.start()

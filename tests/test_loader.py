@@ -188,6 +188,31 @@ def test_stats(tree):
     assert s["skipped"] == 0 and s["errors"] == []
 
 
+def test_window_and_read_ahead(tree):
+    """By default a batch per stage worker is in flight besides the one the consumer
+    holds (prefetch=0): a loader that only reads keeps one, and reads batch k+1 while
+    the consumer holds batch k, without being asked."""
+    batch_bytes = [int(tree.extents["data"].length[k * 5: (k + 1) * 5].sum()) for k in range(3)]
+    ld = gpuio.Loader(tree, 5, output="numpy")
+    it = iter(ld)
+    next(it)
+    deadline = time.monotonic() + 10
+    while ld.stats()["bytes"] < sum(batch_bytes[:2]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # room for a wrong third read to show
+    assert ld.stats()["bytes"] == sum(batch_bytes[:2])
+    assert ld.stats()["window"] == 1
+    ld.close()
+    assert gpuio.Loader(tree, 5, ops=[Slow()], threads=3, prefetch=2).stats()["window"] == 0  # not started
+    ld = gpuio.Loader(tree, 5, ops=[Slow()], threads=3, prefetch=2, output="numpy")
+    it = iter(ld)
+    next(it)
+    assert ld.stats()["window"] == 2 + 1 + 3  # prefetch, the reader, the op stage's workers
+    ld.close()
+    with pytest.raises(ConfigError, match="prefetch must be an integer >= 0"):
+        gpuio.Loader(tree, 5, prefetch=-1)
+
+
 def test_order_is_kept_when_batches_finish_out_of_order(tree):
     class Jitter(Op):
         def __call__(self, batch):
