@@ -95,8 +95,9 @@ def descr_dtype(descr: str) -> np.dtype:
     return np.lib.format.descr_to_dtype(ast.literal_eval(descr) if descr.startswith("[") else descr)
 
 
-def decode(index: Any, field: str, rows: np.ndarray, raw: list[Any]) -> list[Any]:
-    """Decode ``raw``, the bytes of ``field`` for samples ``rows`` (one uint8 array each)."""
+def decode(index: Any, field: str, rows: np.ndarray, raw: Any) -> list[Any]:
+    """Decode ``raw``, the bytes of ``field`` for samples ``rows``: one uint8 array
+    each, or one ``[B, n]`` uint8 array of the rows back to back."""
     decoder = decoded_fields(index)[field]
     if decoder == "array":
         return _arrays(index, field, rows, raw)
@@ -111,8 +112,8 @@ def decode(index: Any, field: str, rows: np.ndarray, raw: list[Any]) -> list[Any
     return out
 
 
-def _arrays(index: Any, field: str, rows: np.ndarray, raw: list[Any]) -> list[Any]:
-    whole = raw.stacked() if isinstance(raw, Rows) else None
+def _arrays(index: Any, field: str, rows: np.ndarray, raw: Any) -> list[Any]:
+    whole = raw if not isinstance(raw, list) else raw.stacked() if isinstance(raw, Rows) else None
     if whole is not None and len(rows) and _same_value(index.values["shape"], rows) and (
             _same_value(index.values["dtype"], rows) and not np.asarray(index.values["fortran_order"])[rows].any()):
         shape = tuple(index.values["shape"][int(rows[0])].tolist())

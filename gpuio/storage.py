@@ -123,12 +123,17 @@ class Reader:
         into one batch buffer."""
         if field not in index.extents:
             return read_fields(index, rows, (field,), self.device, reader=self)[field]
+        got = self._read_rows(index, rows, field)
+        return got if isinstance(got, list) else Rows(got)
+
+    def _read_rows(self, index: SampleIndex, rows: Sequence[int] | np.ndarray, field: str) -> Any:
+        """``read``'s bytes, as one ``[B, n]`` array where they lie back to back in row
+        order (the plan's layout for one file per sample), else as a list of views."""
         lease, starts, lengths = self.read_batch(index, rows, field)
         buf = lease.array
         n = int(lengths[0]) if len(lengths) else 0
         if len(starts) and (lengths == n).all() and (starts == starts[0] + n * np.arange(len(starts))).all():
-            # back to back, in order (the plan's layout for one file per sample): rows of one array
-            return Rows(buf[starts[0]: starts[0] + n * len(starts)].reshape(len(starts), n))
+            return buf[starts[0]: starts[0] + n * len(starts)].reshape(len(starts), n)
         return [buf[s: s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
 
     def close(self) -> None:
@@ -148,11 +153,13 @@ def _check_rows(index: SampleIndex, rows: Sequence[int] | np.ndarray) -> np.ndar
         raise ConfigError(f"indices must be a 1-D sequence of integers, got shape {rows.shape} "
                           f"dtype {rows.dtype}")
     rows = rows.astype(np.int64, copy=False)
-    n = len(index)
-    if rows.size and (rows.min() < -n or rows.max() >= n):
+    if not rows.size:
+        return rows
+    n, low = len(index), rows.min()
+    if low < -n or rows.max() >= n:
         bad = rows[(rows < -n) | (rows >= n)][0]
         raise OutOfRangeError(f"sample {bad} out of range for an index of {n} samples")
-    return np.where(rows < 0, rows + n, rows)
+    return rows if low >= 0 else np.where(rows < 0, rows + n, rows)
 
 
 def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Sequence[str],
@@ -181,9 +188,8 @@ def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Se
         if f in out:
             continue
         if f in index.extents:
-            out[f] = reader.read(index, rows, f)
-            if f in decoded:
-                out[f] = decode(index, f, rows, out[f])
+            got = reader._read_rows(index, rows, f)
+            out[f] = decode(index, f, rows, got) if f in decoded else got if isinstance(got, list) else Rows(got)
         else:
             col = index.values[f]
             out[f] = col.rows(rows) if isinstance(col, Ragged) else col[rows]

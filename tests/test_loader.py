@@ -531,13 +531,13 @@ def test_shuffled_arrays_stack_as_a_view_of_the_read_buffer(float_npy, monkeypat
     """One file per sample, shuffled: the read plan lays the samples out in batch order,
     so the [B, ...] batch is the read buffer itself (64-byte aligned for JAX), no copy."""
     reads = []
-    read = gpuio.Reader.read
+    read = gpuio.Reader._read_rows
 
     def recorded(self, *args, **kwargs):
         reads.append(read(self, *args, **kwargs))
         return reads[-1]
 
-    monkeypatch.setattr(gpuio.Reader, "read", recorded)
+    monkeypatch.setattr(gpuio.Reader, "_read_rows", recorded)
     batches = list(gpuio.Loader(float_npy, 8, output="numpy", shuffle=True, seed=1, threads=1))
     assert sorted(i for b in batches for i in b["index"].tolist()) == list(range(N))
     assert len(reads) == len(batches)
