@@ -45,12 +45,12 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from gpuio import _fork
 from gpuio.batch import Batch, Op
 from gpuio.buffers import pooled_empty
 from gpuio.device import require
@@ -265,7 +265,7 @@ def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | Non
 _BT601 = (104597, 132201, 25675, 53279)
 _FACTORS = {1: (117489, 138438, 13975, 34925), 4: (104448, 132798, 24759, 53109),
             7: (117579, 136230, 16907, 35559), 9: (110013, 140363, 12277, 42626), 10: (110013, 140363, 12277, 42626)}
-_direct_lock = threading.Lock()
+_direct_lock = _fork.RenewedLock()  # a fork while another thread checks must not leave it held
 _direct: dict[tuple[str, int, int], tuple[int, ...] | None] = {}
 
 
@@ -336,7 +336,7 @@ def _checked_coefficients(fmt: str, colorspace: int, color_range: int) -> tuple[
     return coefficients
 
 
-_pool_lock = threading.Lock()
+_pool_lock = _fork.RenewedLock()
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 
 
