@@ -94,8 +94,10 @@ class Loader:
             worker. Besides the batch the consumer holds, at most ``prefetch`` plus the
             stages' workers (``threads`` per CPU stage, one per GPU stage, one reader)
             batches are in flight, and the next batch is under way while the consumer
-            holds one. More absorbs a consumer whose time per batch jumps, at the cost
-            of a batch of buffers each.
+            holds one. With none, a stage waits for the consumer to take a batch before it
+            gets the next (a thread round trip per batch: 6% of a read-only loader's time
+            on a 2-core machine); more absorbs a consumer whose time per batch jumps, at
+            the cost of a batch of buffers each.
         threads: worker threads per CPU stage (default: ``os.cpu_count()``).
         on_error: ``"raise"`` (the first bad sample stops the pass with a
             ``PipelineError``) or ``"skip"`` (bad samples are dropped from their batch,
@@ -150,7 +152,7 @@ class Loader:
     def __init__(self, index: SampleIndex, batch_size: int, *, fields: Sequence[str] | None = None,
                  ops: Sequence[Any] = (), device: str | Device = "cpu", output: str = "torch",
                  shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 last_batch: str = "partial", prefetch: int = 0, threads: int | None = None,
+                 last_batch: str = "partial", prefetch: int = 1, threads: int | None = None,
                  on_error: str = "raise") -> None:
         if not isinstance(index, SampleIndex):
             raise ConfigError(f"index must be a gpuio SampleIndex, got {type(index).__name__}")

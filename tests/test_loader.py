@@ -189,20 +189,22 @@ def test_stats(tree):
 
 
 def test_window_and_read_ahead(tree):
-    """By default a batch per stage worker is in flight besides the one the consumer
-    holds (prefetch=0): a loader that only reads keeps one, and reads batch k+1 while
-    the consumer holds batch k, without being asked."""
-    batch_bytes = [int(tree.extents["data"].length[k * 5: (k + 1) * 5].sum()) for k in range(3)]
-    ld = gpuio.Loader(tree, 5, output="numpy")
-    it = iter(ld)
-    next(it)
-    deadline = time.monotonic() + 10
-    while ld.stats()["bytes"] < sum(batch_bytes[:2]) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.05)  # room for a wrong third read to show
-    assert ld.stats()["bytes"] == sum(batch_bytes[:2])
-    assert ld.stats()["window"] == 1
-    ld.close()
+    """Besides the batch the consumer holds, a batch per stage worker plus ``prefetch``
+    (default 1) are in flight: a loader that only reads has read batches k+1 and k+2
+    when it hands over batch k, without being asked; with prefetch=0, batch k+1 only."""
+    batch_bytes = [int(tree.extents["data"].length[k * 5: (k + 1) * 5].sum()) for k in range(4)]
+    for prefetch, window in ((1, 2), (0, 1)):
+        ld = gpuio.Loader(tree, 5, output="numpy", **({} if prefetch == 1 else {"prefetch": 0}))
+        it = iter(ld)
+        next(it)
+        want = sum(batch_bytes[: window + 1])
+        deadline = time.monotonic() + 10
+        while ld.stats()["bytes"] < want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # room for a wrong further read to show
+        assert ld.stats()["bytes"] == want
+        assert ld.stats()["window"] == window
+        ld.close()
     assert gpuio.Loader(tree, 5, ops=[Slow()], threads=3, prefetch=2).stats()["window"] == 0  # not started
     ld = gpuio.Loader(tree, 5, ops=[Slow()], threads=3, prefetch=2, output="numpy")
     it = iter(ld)
