@@ -281,7 +281,7 @@ def _rgb_coefficients(colorspace: int, full_range: bool) -> tuple[int, ...]:
     cgu, cgv = -cgu, -cgv
     cy, oy = 1 << 16, 0
     if full_range:  # C division: toward zero
-        crv, cbu, cgu, cgv = (int(k * 224 / 255) if k >= 0 else -(-k * 224 // 255) for k in (crv, cbu, cgu, cgv))
+        crv, cbu, cgu, cgv = (k * 224 // 255 if k >= 0 else -(-k * 224 // 255) for k in (crv, cbu, cgu, cgv))
     else:
         cy, oy = cy * 255 // 219, 16 << 16
     return (_round16(oy * 8), _round16(cy * 8192), 1024, 1024, _round16(cbu * 8192), _round16(cgu * 8192),
