@@ -123,18 +123,24 @@ class PosixBackend:
             path = paths[int(plan.task_file[k])]
             if path in self._no_direct:
                 return False
-            try:
-                fd = os.open(path, self._flags)
-            except OSError:
-                return False  # the read reports it
-            try:
-                pages = cached_pages(fd, int(plan.task_offset[k]), int(plan.task_length[k]))
-            finally:
-                os.close(fd)
+            pages = self._file_pages(path, int(plan.task_offset[k]), int(plan.task_length[k]))
             if pages is None:
-                return False
+                return False  # no cachestat, or the file does not open (the read reports it)
             cached, total = cached + pages, total + -(-int(plan.task_length[k]) // 4096)
         return cached <= _DIRECT_CACHED * total
+
+    def _file_pages(self, path: str, offset: int, length: int) -> int | None:
+        if self.native:
+            pages = _native.file_pages(os.fsencode(path), offset, length, self._flags)
+            return pages if pages >= 0 else None
+        try:
+            fd = os.open(path, self._flags)
+        except OSError:
+            return None
+        try:
+            return cached_pages(fd, offset, length)
+        finally:
+            os.close(fd)
 
     def _open(self, path: str, direct: bool) -> int:
         if direct and path not in self._no_direct:
