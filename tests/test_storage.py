@@ -328,6 +328,25 @@ def drop_from_page_cache(paths):
     return left
 
 
+def test_c_cachestat_agrees_with_the_python_one(tmp_path):
+    """``_native.file_pages`` (the cold check in C) counts what ``cached_pages`` counts for a
+    read file, and says -2 for a file that does not open."""
+    from gpuio._posix import _native, cached_pages
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(10 * 4096 + 5))
+    path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        expected = cached_pages(fd, 100, 9 * 4096)
+    finally:
+        os.close(fd)
+    got = _native.file_pages(os.fsencode(path), 100, 9 * 4096, os.O_RDONLY)
+    assert got == (-1 if expected is None else expected)
+    assert expected is None or expected >= 9  # the range spans 10 pages, all just read
+    assert _native.file_pages(os.fsencode(tmp_path / "missing"), 0, 10, os.O_RDONLY) == -2
+
+
 def test_cold_large_reads_go_around_the_page_cache(tmp_path):
     """A batch of long reads that the page cache does not hold is read with O_DIRECT (it
     stays out of the page cache), unaligned extents of odd sizes exactly; once the files
