@@ -41,7 +41,6 @@ from gpuio._order import EpochPlan, epoch_order
 __all__ = ["Loader"]
 
 _MAX_ERRORS = 10  # first skipped-sample errors kept for stats()
-_NO_SEEDS = np.zeros(0, dtype=np.uint64)
 
 
 class _Work:
@@ -432,10 +431,8 @@ class Loader:
 
     def _make_batch(self, w: _Work) -> None:
         data = {f: w.data[f] for f in self.fields}
-        # the draws are the ops' only (none: no seeds); ops run in collect mode: the loader
-        # raises for the first rejected row under "raise"
-        seeds = sample_seeds(self.seed, w.epoch, w.src) if self.ops else _NO_SEEDS
-        w.batch = Batch(data, w.index, seeds, self.device, on_error="skip")
+        # ops run in collect mode: the loader raises for the first rejected row under "raise"
+        w.batch = Batch(data, w.index, sample_seeds(self.seed, w.epoch, w.src), self.device, on_error="skip")
         w.data = {}
 
     def _run_op(self, op: Any, name: str, w: _Work) -> _Work:
