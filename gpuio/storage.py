@@ -188,8 +188,10 @@ def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Se
         if f in out:
             continue
         if f in index.extents:
-            got = reader._read_rows(index, rows, f)
-            out[f] = decode(index, f, rows, got) if f in decoded else got if isinstance(got, list) else Rows(got)
+            if f in decoded:  # from the [B, n] buffer where the rows lie back to back
+                out[f] = decode(index, f, rows, reader._read_rows(index, rows, f))
+            else:
+                out[f] = reader.read(index, rows, f)
         else:
             col = index.values[f]
             out[f] = col.rows(rows) if isinstance(col, Ragged) else col[rows]
