@@ -68,21 +68,23 @@ class DecodeImageSlice(Op):
         rows = [row for row in range(len(bufs)) if images[row] is None]
         data = [_bytes(bufs[row]) for row in rows]
         facts = jpeg_facts(data) if decode._jpeg is not None else None
+        windowed = region_decodable(facts).tolist() if facts is not None else [False] * len(rows)
         for k, row in enumerate(rows):
             try:
-                images[row] = self._decode_cpu(data[k], None if facts is None else facts[k], anchors[row],
-                                               shapes[row], int(batch.index[row]))
+                images[row] = self._decode_cpu(data[k], None if facts is None else facts[k], windowed[k],
+                                               anchors[row], shapes[row], int(batch.index[row]))
             except FormatError as exc:
                 batch.reject(row, exc)
         batch.data[self.out] = upload(batch, images)
         batch.drop_rejected()
         return batch
 
-    def _decode_cpu(self, data: np.ndarray, facts: np.ndarray | None, anchor: Sequence[float],
+    def _decode_cpu(self, data: np.ndarray, facts: np.ndarray | None, windowed: bool, anchor: Sequence[float],
                     shape: Sequence[float], sample: int) -> np.ndarray:
         """The window of one image: by the region decoder where it takes the image
-        (``facts``: its row of ``jpeg_facts``, None where the decoder is not built)."""
-        if facts is not None and region_decodable(facts[None])[0]:
+        (``windowed``; ``facts``: its row of ``jpeg_facts``, None where the decoder is
+        not built)."""
+        if windowed:
             window = crop_window(anchor, shape, int(facts[3]), int(facts[4]))
             return decode_region(data, int(facts[0]), self.color, window, 1, sample)
         info = facts_info(facts) if facts is not None else None
