@@ -40,6 +40,19 @@ static void row_scalar(const uint8_t *y, const uint8_t *u, const uint8_t *v, uin
 }
 
 #ifdef HAVE_X86
+static int have_ssse3;
+/* byte k of output block b is channel (16b + k) % 3 of pixel (16b + k) / 3; filled once at import */
+static int8_t shuffle[3][3][16];
+
+static void init_x86(void) {
+    __builtin_cpu_init();
+    have_ssse3 = __builtin_cpu_supports("ssse3");
+    for (int b = 0; b < 3; ++b)
+        for (int ch = 0; ch < 3; ++ch)
+            for (int k = 0; k < 16; ++k)
+                shuffle[b][ch][k] = (16 * b + k) % 3 == ch ? (int8_t)((16 * b + k) / 3) : (int8_t)0x80;
+}
+
 /* 16 pixels at a time; returns how many pixels of the row it did */
 __attribute__((target("ssse3"))) static int row_ssse3(const uint8_t *y, const uint8_t *u, const uint8_t *v,
                                                      uint8_t *out, int width, const Coeffs *c) {
@@ -48,14 +61,9 @@ __attribute__((target("ssse3"))) static int row_ssse3(const uint8_t *y, const ui
     const __m128i uo = _mm_set1_epi16(c->u_offset), vo = _mm_set1_epi16(c->v_offset);
     const __m128i ub = _mm_set1_epi16(c->u2b), ug = _mm_set1_epi16(c->u2g);
     const __m128i vg = _mm_set1_epi16(c->v2g), vr = _mm_set1_epi16(c->v2r);
-    /* byte k of output block b is channel (16b + k) % 3 of pixel (16b + k) / 3 */
     __m128i mask[3][3];
     for (int b = 0; b < 3; ++b)
-        for (int ch = 0; ch < 3; ++ch) {
-            int8_t m[16];
-            for (int k = 0; k < 16; ++k) m[k] = (16 * b + k) % 3 == ch ? (int8_t)((16 * b + k) / 3) : (int8_t)0x80;
-            mask[b][ch] = _mm_loadu_si128((const __m128i *)m);
-        }
+        for (int ch = 0; ch < 3; ++ch) mask[b][ch] = _mm_loadu_si128((const __m128i *)shuffle[b][ch]);
     int x = 0;
     for (; x + 16 <= width; x += 16) {
         const __m128i yy = _mm_loadu_si128((const __m128i *)(y + x));
@@ -99,11 +107,6 @@ static PyObject *yuv420_rgb24(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "yuv420_rgb24: planes or output do not fit the size");
         goto done;
     }
-    int simd = 0;
-#ifdef HAVE_X86
-    __builtin_cpu_init();
-    simd = __builtin_cpu_supports("ssse3");
-#endif
     Py_BEGIN_ALLOW_THREADS
     for (int row = 0; row < height; ++row) {
         const uint8_t *y = (const uint8_t *)yb.buf + row * ys;
@@ -111,7 +114,7 @@ static PyObject *yuv420_rgb24(PyObject *self, PyObject *args) {
         uint8_t *out = (uint8_t *)ob.buf + (Py_ssize_t)row * width * 3;
         int done_px = 0;
 #ifdef HAVE_X86
-        if (simd) done_px = row_ssse3(y, u, v, out, width, &c);
+        if (have_ssse3) done_px = row_ssse3(y, u, v, out, width, &c);
 #endif
         row_scalar(y, u, v, out, done_px, width, &c);
     }
@@ -132,4 +135,9 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_video", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__video(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__video(void) {
+#ifdef HAVE_X86
+    init_x86();
+#endif
+    return PyModule_Create(&module);
+}
