@@ -24,7 +24,6 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <stdint.h>
-#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -158,31 +157,7 @@ done:
     return result;
 }
 
-/* cachestat(2) (Linux 6.5) of one file range: how many of its pages the page cache holds.
- * The GIL stays held on purpose: open, cachestat and close of a local file take
- * microseconds and read nothing, and a read thread planning a batch should not hand the
- * GIL to other threads (a loader's consumer) mid-way, only once it starts copying. */
-#ifndef __NR_cachestat
-#define __NR_cachestat 451
-#endif
-static PyObject *file_pages(PyObject *self, PyObject *args) {
-    const char *path;
-    long long offset, length;
-    int flags;
-    if (!PyArg_ParseTuple(args, "yLLi", &path, &offset, &length, &flags)) return NULL;
-    const int fd = open(path, flags);
-    if (fd < 0) return PyLong_FromLong(-2);
-    struct { uint64_t off, len; } range = {(uint64_t)offset, (uint64_t)length};
-    uint64_t stat[5] = {0}; /* nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted */
-    const long r = syscall(__NR_cachestat, fd, &range, stat, 0);
-    close(fd);
-    return PyLong_FromLongLong(r ? -1 : (long long)stat[0]);
-}
-
 static PyMethodDef methods[] = {
-    {"file_pages", file_pages, METH_VARARGS,
-     "file_pages(path, offset, length, open_flags) -> pages of the range the page cache holds;"
-     " -1 where the kernel has no cachestat, -2 where the file does not open. Holds the GIL."},
     {"run", run, METH_VARARGS,
      "run(paths, file, offsets, lengths, dests, needs, shared, fds, counter, stop, todo, pending,"
      " npending, done, base, flags, nowait) -> (status, task, errno, bytes read): read tasks until"

@@ -130,9 +130,7 @@ class PosixBackend:
         return cached <= _DIRECT_CACHED * total
 
     def _file_pages(self, path: str, offset: int, length: int) -> int | None:
-        if self.native:
-            pages = _native.file_pages(os.fsencode(path), offset, length, self._flags)
-            return pages if pages >= 0 else None
+        """``cached_pages`` of a file range by path; None where it does not open."""
         try:
             fd = os.open(path, self._flags)
         except OSError:

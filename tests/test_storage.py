@@ -328,10 +328,10 @@ def drop_from_page_cache(paths):
     return left
 
 
-def test_c_cachestat_agrees_with_the_python_one(tmp_path):
-    """``_native.file_pages`` (the cold check in C) counts what ``cached_pages`` counts for a
-    read file, and says -2 for a file that does not open."""
-    from gpuio._posix import _native, cached_pages
+def test_file_pages_by_path_agrees_with_cachestat_on_a_descriptor(tmp_path):
+    """The cold check's page count of a file range by path is what ``cached_pages``
+    counts on an open descriptor, and None for a file that does not open."""
+    from gpuio._posix import PosixBackend, cached_pages
 
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(10 * 4096 + 5))
@@ -341,10 +341,10 @@ def test_c_cachestat_agrees_with_the_python_one(tmp_path):
         expected = cached_pages(fd, 100, 9 * 4096)
     finally:
         os.close(fd)
-    got = _native.file_pages(os.fsencode(path), 100, 9 * 4096, os.O_RDONLY)
-    assert got == (-1 if expected is None else expected)
+    backend = PosixBackend()
+    assert backend._file_pages(str(path), 100, 9 * 4096) == expected
     assert expected is None or expected >= 9  # the range spans 10 pages, all just read
-    assert _native.file_pages(os.fsencode(tmp_path / "missing"), 0, 10, os.O_RDONLY) == -2
+    assert backend._file_pages(str(tmp_path / "missing"), 0, 10) is None
 
 
 def test_cold_large_reads_go_around_the_page_cache(tmp_path):
