@@ -196,6 +196,7 @@ class _Clip:
         h, w = size if size is not None else (self.header.height, self.header.width)
         self.frames = out if out is not None else np.empty((len(self.slots.filled), h, w, 3), np.uint8)
         self.parts = _parts(self.buf, self.rows, self.header)
+        self.error: FormatError | None = None  # a part's, when parts decode on other threads
 
     def decode(self, start: int, end: int, threads: int = 1) -> None:
         """Decode rows ``[start, end)`` with a new decoder; their kept frames land in ``frames``."""
@@ -240,6 +241,8 @@ class _Clip:
                               sample=self.sample) from exc
 
     def result(self) -> np.ndarray:
+        if self.error is not None:
+            raise self.error
         self.slots.check("the decoder")
         return self.frames
 
@@ -386,36 +389,21 @@ class DecodeVideo(Op):
         data, packets, codecs = batch.data[self.field], batch.data["packets"], batch.data["codec"]
         # pooled (mapped, huge-page) memory: a batch of 1080p clips is GBs that would page-fault in afresh
         block = pooled_empty((len(shapes), *shapes[0]), np.uint8) if shapes and len(set(shapes)) == 1 else None
-        clips: list[Any] = []
-        for row in range(len(shapes)):
-            try:
-                clips.append(_Clip(data[row], packets[row], codecs[row], self.size,
-                                   None if block is None else block[row], int(batch.index[row])))
-            except FormatError as exc:
-                clips.append(exc)
-        parts = [(row, part) for row, clip in enumerate(clips) if isinstance(clip, _Clip) for part in clip.parts]
+        clips = [_caught(_Clip, data[row], packets[row], codecs[row], self.size,
+                         None if block is None else block[row], int(batch.index[row])) for row in range(len(shapes))]
+        parts = [(clip, start, end) for clip in clips if isinstance(clip, _Clip) for start, end in clip.parts]
         # few parts: FFmpeg's own threads; many: one thread per part
         threads = max(1, (os.cpu_count() or 1) // max(1, len(parts)))
 
-        def one(task: tuple[int, tuple[int, int]]) -> FormatError | None:
-            row, (start, end) = task
+        def one(part: tuple[_Clip, int, int]) -> None:
+            clip, start, end = part
             try:
-                clips[row].decode(start, end, threads)
+                clip.decode(start, end, threads)
             except FormatError as exc:
-                return exc
-            return None
+                clip.error = clip.error or exc
 
-        for (row, _), error in zip(parts, list(_executor().map(one, parts))):
-            if error is not None and isinstance(clips[row], _Clip):
-                clips[row] = error
-        for row, clip in enumerate(clips):
-            try:
-                clips[row] = clip.result() if isinstance(clip, _Clip) else clip
-            except FormatError as exc:
-                clips[row] = exc
-            if isinstance(clips[row], FormatError):
-                batch.reject(row, clips[row])
-        return clips
+        list(_executor().map(one, parts))
+        return _rejected(batch, [_caught(clip.result) if isinstance(clip, _Clip) else clip for clip in clips])
 
     def _decode_gpu(self, batch: Batch, shapes: list[tuple[int, ...]]) -> list[Any]:
         """NVDEC for the clips it takes (one decoder per clip, clips in parallel), the
@@ -459,18 +447,23 @@ class DecodeVideo(Op):
 def _run_rows(batch: Batch, decode_row: Any, rows: int) -> list[Any]:
     """``decode_row(row)`` for every row on the pool; a row whose clip is bad is
     rejected (its place in the list holds the error)."""
+    return _rejected(batch, list(_executor().map(lambda row: _caught(decode_row, row), range(rows))))
 
-    def one(row: int) -> Any:
-        try:
-            return decode_row(row)
-        except FormatError as exc:
-            return exc
 
-    results = list(_executor().map(one, range(rows)))
-    for row, result in enumerate(results):
-        if isinstance(result, FormatError):
-            batch.reject(row, result)
-    return results
+def _caught(call: Any, *args: Any) -> Any:
+    """``call(*args)``, or the ``FormatError`` it raised (a bad clip is rejected, not raised)."""
+    try:
+        return call(*args)
+    except FormatError as exc:
+        return exc
+
+
+def _rejected(batch: Batch, clips: list[Any]) -> list[Any]:
+    """``clips``, each ``FormatError`` in it rejecting its row of ``batch``."""
+    for row, clip in enumerate(clips):
+        if isinstance(clip, FormatError):
+            batch.reject(row, clip)
+    return clips
 
 
 # ---- NVDEC -----------------------------------------------------------------------------------
