@@ -22,12 +22,14 @@
 
 enum { OK = 0, CORRUPT = 1, UNSUPPORTED = 2 };
 
-/* The hot functions are inlined into decode_file, which x86-64 GCC and clang builds
- * compile twice: for any x86-64, and for Haswell's instructions (BMI2's shifts by a
- * register and LZCNT: the Rice loop is a chain of them), run where the CPU has them. */
+/* The hot functions are inlined into decode_file, which x86-64 builds compile twice
+ * (target_clones, as gpuio/_resample.h): for any x86-64, and for x86-64-v3 (BMI2's
+ * shifts by a register and LZCNT: the Rice loop is a chain of them), picked at load. */
 #define HOT static inline __attribute__((always_inline))
-#if defined(__x86_64__) && defined(__GNUC__)
-#define HASWELL 1
+#if defined(__x86_64__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define CLONES
 #endif
 enum { F32 = 0, F64 = 1, I16 = 2, I32 = 3 };
 #define MAX_BLOCK 65536
@@ -479,14 +481,9 @@ HOT void decode_frames(Job *job, int32_t *const *ch, int width, int dtype) {
     }
 }
 
-static void decode_file(Job *job, int32_t *const *ch, int width, int dtype) { decode_frames(job, ch, width, dtype); }
-
-#ifdef HASWELL
-__attribute__((target("avx2,bmi,bmi2,lzcnt,popcnt,fma,movbe"))) static void decode_file_haswell(
-    Job *job, int32_t *const *ch, int width, int dtype) {
+CLONES static void decode_file(Job *job, int32_t *const *ch, int width, int dtype) {
     decode_frames(job, ch, width, dtype);
 }
-#endif
 
 static const int itemsize[4] = {4, 8, 2, 4};
 
@@ -532,11 +529,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     int32_t *ch[MAX_CHANNELS];
     for (int c = 0; c < MAX_CHANNELS; ++c) ch[c] = store + (size_t)c * MAX_BLOCK;
-    void (*decode_one)(Job *, int32_t *const *, int, int) = decode_file;
-#ifdef HASWELL
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2")) decode_one = decode_file_haswell;
-#endif
-    for (Py_ssize_t k = 0; k < n; ++k) decode_one(&jobs[k], ch, downmix ? 1 : jobs[k].channels, dtype);
+    for (Py_ssize_t k = 0; k < n; ++k) decode_file(&jobs[k], ch, downmix ? 1 : jobs[k].channels, dtype);
     Py_END_ALLOW_THREADS
     result = PyList_New(n);
     for (Py_ssize_t k = 0; result && k < n; ++k) {
@@ -565,9 +558,6 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._flac", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__flac(void) {
-#ifdef HASWELL
-    __builtin_cpu_init();
-#endif
     make_tables();
     return PyModule_Create(&module);
 }
