@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -155,6 +156,15 @@ class _Slots:
 _IDR = {"h264": ({5}, {7, 8}), "hevc": ({19, 20}, {32, 33, 34})}
 
 
+def _length_prefixed(buf: Any, at: int, end: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, length) of each NAL unit of the packet ``buf[at:end]`` (avcC/hvcC: each
+    unit after a ``size``-byte big-endian length); the last may run past ``end``."""
+    while at + size <= end:
+        n = int.from_bytes(buf[at:at + size], "big")
+        yield at + size, n
+        at += size + n
+
+
 def _parts(buf: memoryview, rows: list[list[int]], header: CodecHeader) -> list[tuple[int, int]]:
     """Row ranges ``[start, end)`` of the clip's table that decode on their own: a new
     part starts at each H.264/HEVC IDR picture after the first row (no picture after an
@@ -165,11 +175,10 @@ def _parts(buf: memoryview, rows: list[list[int]], header: CodecHeader) -> list[
     size = _parameter_sets(header)[0] if nal_types else 0
     starts, in_band = [0], False
     for k, (offset, length, _, _) in enumerate(rows if size else []):
-        at, end, types = offset, offset + length, set()
-        while at + size < end:
-            first = buf[at + size]
-            types.add(first & 31 if header.decoder == "h264" else (first >> 1) & 63)
-            at += size + int.from_bytes(buf[at:at + size], "big")
+        end, types = offset + length, set()
+        for at, _ in _length_prefixed(buf, offset, end, size):
+            if at < end:
+                types.add(buf[at] & 31 if header.decoder == "h264" else (buf[at] >> 1) & 63)
         if k and not in_band and types & nal_types[0]:
             starts.append(k)
         in_band = in_band or bool(types & nal_types[1])
@@ -527,14 +536,11 @@ def _annexb(buf: bytes, table: np.ndarray, header: CodecHeader, sample: object =
     out = []
     for k, packet in enumerate(raw):
         parts = [prefix] if k == 0 else []
-        at = 0
-        while at + size <= len(packet):
-            n = int.from_bytes(packet[at:at + size], "big")
-            if at + size + n > len(packet):
+        for at, n in _length_prefixed(packet, 0, len(packet), size):
+            if at + n > len(packet):
                 raise FormatError(f"frame {table[k, 2]}: a NAL unit of {n} bytes runs past its packet "
-                                  f"({len(packet)} bytes, at packet byte {at})", sample=sample)
-            parts += [_START, packet[at + size:at + size + n]]
-            at += size + n
+                                  f"({len(packet)} bytes, at packet byte {at - size})", sample=sample)
+            parts += [_START, packet[at:at + n]]
         out.append(b"".join(parts))
     return out
 
