@@ -27,14 +27,17 @@ FRAMES = 40
 
 def write_video(path, codec: str, width: int, height: int, *, frames: int = FRAMES, pix_fmt: str = "yuv420p",
                 options: dict[str, str] | None = None, vfr: bool = False, audio: str | None = None,
-                seed: int = 0) -> None:
-    """A short clip of moving gradients and noise (so that P/B-frames carry data)."""
+                seed: int = 0, colors: tuple[int, int] | None = None) -> None:
+    """A short clip of moving gradients and noise (so that P/B-frames carry data);
+    ``colors=(AVColorSpace, AVColorRange)`` tags the stream and converts to them."""
     rng = np.random.default_rng(seed)
     with av.open(str(path), "w") as out:
         stream = out.add_stream(codec, rate=30)
         stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
         stream.time_base = fractions.Fraction(1, 1000) if vfr else fractions.Fraction(1, 30)
         stream.options = options or {}
+        if colors is not None:
+            stream.codec_context.colorspace, stream.codec_context.color_range = colors
         sound = out.add_stream(audio, rate=48000) if audio else None
         t = 0
         yy, xx = np.mgrid[0:height, 0:width]
@@ -42,6 +45,8 @@ def write_video(path, codec: str, width: int, height: int, *, frames: int = FRAM
             img = np.stack([(xx * 3 + i * 5) % 256, (yy * 4 + i * 2) % 256, (xx + yy + i * 9) % 256], -1)
             img = (img + rng.integers(0, 24, img.shape)).clip(0, 255).astype(np.uint8)
             frame = av.VideoFrame.from_ndarray(img, format="rgb24")
+            if colors is not None:
+                frame = frame.reformat(format=pix_fmt, dst_colorspace=colors[0], dst_color_range=colors[1])
             frame.pts = t if vfr else i
             t += int(rng.integers(15, 60)) if vfr else 1
             out.mux(stream.encode(frame))

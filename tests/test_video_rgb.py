@@ -8,12 +8,10 @@ and by libx264 in tmp_path (full range, BT.709 tags).
 
 from __future__ import annotations
 
-import fractions
-
 import av
 import numpy as np
 import pytest
-from test_video import decode, full_decode
+from test_video import decode, full_decode, write_video
 
 import gpuio.ops.video as video_ops
 from gpuio.formats import video
@@ -77,19 +75,7 @@ def test_output_checks_its_size():
 
 def test_full_range_bt709_clips_equal_decoding_the_whole_file(tmp_path):
     path = tmp_path / "bt709_full.mp4"
-    rng = np.random.default_rng(3)
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("libx264", rate=30)
-        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
-        stream.time_base = fractions.Fraction(1, 30)
-        stream.codec_context.color_range, stream.codec_context.colorspace = 2, 1
-        stream.options = {"bf": "2", "g": "8"}
-        for i in range(24):
-            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8), format="rgb24")
-            frame = frame.reformat(format="yuv420p", dst_colorspace=1, dst_color_range=2)
-            frame.pts = i
-            out.mux(stream.encode(frame))
-        out.mux(stream.encode())
+    write_video(path, "libx264", 96, 64, frames=24, options={"bf": "2", "g": "8"}, seed=3, colors=(1, 2))
     with av.open(str(path)) as c:
         first = next(c.decode(video=0))
         assert (int(first.colorspace), int(first.color_range)) == (1, 2)  # the tags reach the decoder
