@@ -319,7 +319,6 @@ done:
 typedef struct {
     Py_buffer views[8];
     int held;
-    Py_ssize_t n;
     const double *boxes;
     const int64_t *clips, *out_hw, *offsets, *flips;
     Job job;
@@ -334,8 +333,12 @@ static void release_args(BatchArgs *a) {
 static int get_args(PyObject *const objs[8], Py_ssize_t n, int channels, BatchArgs *a) {
     const Py_ssize_t needs[8] = {32 * n, 32 * n, 16 * n, 8 * n, 8 * n, 4 * channels, 4 * channels, 0};
     static const char *names[8] = {"boxes", "clips", "out_hw", "offsets", "flips", "mean", "inv_std", "out"};
-    a->n = n;
-    for (a->held = 0; a->held < 8; ++a->held) {
+    a->held = 0;
+    if (a->job.interp == CUBIC || a->job.interp < NEAREST || a->job.interp > AREA) {
+        PyErr_Format(PyExc_ValueError, "interp %d: nearest, linear or area only", a->job.interp);
+        return -1;
+    }
+    for (; a->held < 8; ++a->held) {
         Py_buffer *v = &a->views[a->held];
         if (PyObject_GetBuffer(objs[a->held], v, a->held == 7 ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) break;
         if (v->len < needs[a->held]) {
@@ -345,11 +348,6 @@ static int get_args(PyObject *const objs[8], Py_ssize_t n, int channels, BatchAr
         }
     }
     if (a->held < 8) {
-        release_args(a);
-        return -1;
-    }
-    if (a->job.interp == CUBIC || a->job.interp < NEAREST || a->job.interp > AREA) {
-        PyErr_Format(PyExc_ValueError, "interp %d: nearest, linear or area only", a->job.interp);
         release_args(a);
         return -1;
     }
