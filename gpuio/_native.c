@@ -1,8 +1,11 @@
 /* Batched file reads for the posix backend, run with the GIL released.
  *
- * Each of the backend's reader threads calls run() once per batch phase; run() takes
- * tasks from a shared counter until none are left, so one GIL release covers a whole
- * batch's opens, preads and closes, instead of three GIL round trips per file.
+ * run() reads one batch phase on the calling thread and `workers - 1` helper threads;
+ * each takes tasks from a shared counter until none are left, so one GIL release covers
+ * a whole batch's opens, preads and closes, instead of three GIL round trips per file.
+ * The helpers are C threads of a pool kept for the process: they need no GIL to start
+ * or to finish, so Python running on other threads (a Loader's consumer) does not hold
+ * back a batch's copy.
  *
  * Phase 1 (nowait = 1, one thread per core) reads with RWF_NOWAIT: what the page
  * cache holds is copied at once, and a task that would wait for the disk is appended
@@ -22,8 +25,10 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -68,14 +73,165 @@ static int open_shared(Batch *b, int32_t f, int *err) {
     }
 }
 
+typedef struct {
+    int status, err;
+    int64_t task, got;
+} Result;
+
+/* Take tasks until none are left, a task fails, or another thread failed (b->stop). */
+static void work(Batch *b, Result *r) {
+    int status = OK, err = 0;
+    int64_t task = -1, got = 0;
+    for (;;) {
+        if (__atomic_load_n(b->stop, __ATOMIC_RELAXED)) break;
+        int64_t i = __atomic_fetch_add(b->counter, 1, __ATOMIC_RELAXED);
+        if (i >= b->n) break;
+        int64_t k = b->todo[i];
+        int32_t f = b->file[k];
+        int own = !b->shared[f];
+        int fd = own ? open(b->paths[f], b->flags) : open_shared(b, f, &err);
+        if (fd < 0) {
+            if (own) err = errno;
+            status = OPEN_FAILED, task = k;
+            break;
+        }
+        char *out = b->base + b->dests[k];
+        int64_t length = b->lengths[k], off = b->offsets[k];
+        got = b->done[k];
+        if (b->nowait) {
+            while (got < length) {
+                struct iovec iov = {out + got, (size_t)(length - got)};
+                ssize_t n = preadv2(fd, &iov, 1, off + got, RWF_NOWAIT);
+                if (n <= 0) break; /* would block, unsupported, EOF or error: phase 2 decides */
+                got += n;
+            }
+            if (got < length) {
+                b->done[k] = got;
+                b->pending[__atomic_fetch_add(b->npending, 1, __ATOMIC_RELAXED)] = k;
+                if (own) close(fd);
+                continue;
+            }
+        }
+        while (got < length) {
+            ssize_t n = pread(fd, out + got, (size_t)(length - got), off + got);
+            if (n < 0) {
+                if (errno == EINTR) continue;
+                if (errno == EINVAL && got && (b->flags & O_DIRECT)) break; /* partial block at EOF */
+                err = errno, status = READ_FAILED, task = k;
+                break;
+            }
+            if (n == 0) break;
+            got += n;
+        }
+        if (own) close(fd);
+        if (status != OK) break;
+        if (got < b->needs[k]) {
+            status = SHORT_READ, task = k;
+            break;
+        }
+    }
+    if (status != OK) __atomic_store_n(b->stop, 1, __ATOMIC_RELAXED);
+    *r = (Result){status, err, task, got};
+}
+
+/* ---- the helper pool ------------------------------------------------------------------
+ * A job is posted with the number of helpers it wants; idle helpers join it (each with a
+ * result slot) until it has them all or its caller, done with its own share, withdraws
+ * it; the caller then waits for the helpers that joined. Several callers (readers on
+ * different threads) may post jobs at once. The pool only grows, up to MAX_HELPERS. */
+#define MAX_HELPERS 63
+
+typedef struct Job {
+    Batch *batch;
+    Result *results; /* [0]: the caller's; [1..]: one per helper that joined */
+    int want, joined, active;
+    struct Job *next;
+} Job;
+
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER, pool_idle = PTHREAD_COND_INITIALIZER;
+static Job *pool_jobs; /* jobs that still take helpers, oldest first */
+static int pool_threads;
+static int pool_forksafe; /* pool_after_fork is registered: only then are helpers started */
+
+static void unlink_job(Job *j) {
+    for (Job **p = &pool_jobs; *p; p = &(*p)->next)
+        if (*p == j) {
+            *p = j->next;
+            return;
+        }
+}
+
+static void *helper(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&pool_mu);
+    for (;;) {
+        Job *j = pool_jobs;
+        if (!j) {
+            pthread_cond_wait(&pool_work, &pool_mu);
+            continue;
+        }
+        int slot = ++j->joined;
+        j->active++;
+        if (j->joined == j->want) unlink_job(j);
+        pthread_mutex_unlock(&pool_mu);
+        work(j->batch, &j->results[slot]);
+        pthread_mutex_lock(&pool_mu);
+        if (--j->active == 0) pthread_cond_broadcast(&pool_idle);
+    }
+    return NULL;
+}
+
+/* In a forked child the helpers do not exist and the lock may have been held: start over. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool_mu, NULL);
+    pthread_cond_init(&pool_work, NULL);
+    pthread_cond_init(&pool_idle, NULL);
+    pool_jobs = NULL;
+    pool_threads = 0;
+}
+
+/* Read the batch on this thread and up to `want` helpers; returns how many joined. */
+static int pool_run(Batch *b, int want, Result *results) {
+    Job j = {b, results, pool_forksafe ? want : 0, 0, 0, NULL};
+    want = j.want;
+    if (want > 0) {
+        pthread_mutex_lock(&pool_mu);
+        while (pool_threads < want) {
+            pthread_t t;
+            pthread_attr_t attr;
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            pthread_attr_setstacksize(&attr, 256 << 10);
+            int failed = pthread_create(&t, &attr, helper, NULL);
+            pthread_attr_destroy(&attr);
+            if (failed) break; /* fewer helpers: the tasks still all get done */
+            pool_threads++;
+        }
+        Job **tail = &pool_jobs;
+        while (*tail) tail = &(*tail)->next;
+        *tail = &j;
+        pthread_cond_broadcast(&pool_work);
+        pthread_mutex_unlock(&pool_mu);
+    }
+    work(b, &results[0]);
+    if (want > 0) {
+        pthread_mutex_lock(&pool_mu);
+        if (j.joined < want) unlink_job(&j);
+        while (j.active) pthread_cond_wait(&pool_idle, &pool_mu);
+        pthread_mutex_unlock(&pool_mu);
+    }
+    return j.joined;
+}
+
 static PyObject *run(PyObject *self, PyObject *args) {
     PyObject *paths;
     Py_buffer bufs[13];
     unsigned long long base;
-    int flags, nowait;
-    if (!PyArg_ParseTuple(args, "O!y*y*y*y*y*y*w*w*w*y*w*w*w*Kii", &PyTuple_Type, &paths, &bufs[0],
+    int flags, nowait, workers;
+    if (!PyArg_ParseTuple(args, "O!y*y*y*y*y*y*w*w*w*y*w*w*w*Kiii", &PyTuple_Type, &paths, &bufs[0],
                           &bufs[1], &bufs[2], &bufs[3], &bufs[4], &bufs[5], &bufs[6], &bufs[7], &bufs[8],
-                          &bufs[9], &bufs[10], &bufs[11], &bufs[12], &base, &flags, &nowait))
+                          &bufs[9], &bufs[10], &bufs[11], &bufs[12], &base, &flags, &nowait, &workers))
         return NULL;
     /* file, offsets, lengths, dests, needs, shared | fds, counter, stop (writable) |
        todo | pending, npending, done (writable) */
@@ -97,75 +253,100 @@ static PyObject *run(PyObject *self, PyObject *args) {
     Batch b = {cpaths, bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, bufs[4].buf, bufs[5].buf,
                bufs[6].buf, bufs[7].buf, (int64_t)(bufs[9].len / 8), bufs[8].buf, bufs[9].buf,
                bufs[10].buf, bufs[11].buf, bufs[12].buf, (char *)base, flags, nowait && RWF_NOWAIT};
-    int status = OK, err = 0;
-    int64_t task = -1, got = 0;
+    int want = workers < 1 ? 0 : (workers - 1 > MAX_HELPERS ? MAX_HELPERS : workers - 1);
+    Result results[MAX_HELPERS + 1];
+    int joined;
     Py_BEGIN_ALLOW_THREADS
-    for (;;) {
-        if (__atomic_load_n(b.stop, __ATOMIC_RELAXED)) break;
-        int64_t i = __atomic_fetch_add(b.counter, 1, __ATOMIC_RELAXED);
-        if (i >= b.n) break;
-        int64_t k = b.todo[i];
-        int32_t f = b.file[k];
-        int own = !b.shared[f];
-        int fd = own ? open(b.paths[f], b.flags) : open_shared(&b, f, &err);
-        if (fd < 0) {
-            if (own) err = errno;
-            status = OPEN_FAILED, task = k;
-            break;
-        }
-        char *out = b.base + b.dests[k];
-        int64_t length = b.lengths[k], off = b.offsets[k];
-        got = b.done[k];
-        if (b.nowait) {
-            while (got < length) {
-                struct iovec iov = {out + got, (size_t)(length - got)};
-                ssize_t r = preadv2(fd, &iov, 1, off + got, RWF_NOWAIT);
-                if (r <= 0) break; /* would block, unsupported, EOF or error: phase 2 decides */
-                got += r;
-            }
-            if (got < length) {
-                b.done[k] = got;
-                b.pending[__atomic_fetch_add(b.npending, 1, __ATOMIC_RELAXED)] = k;
-                if (own) close(fd);
-                continue;
-            }
-        }
-        while (got < length) {
-            ssize_t r = pread(fd, out + got, (size_t)(length - got), off + got);
-            if (r < 0) {
-                if (errno == EINTR) continue;
-                if (errno == EINVAL && got && (b.flags & O_DIRECT)) break; /* partial block at EOF */
-                err = errno, status = READ_FAILED, task = k;
-                break;
-            }
-            if (r == 0) break;
-            got += r;
-        }
-        if (own) close(fd);
-        if (status != OK) break;
-        if (got < b.needs[k]) {
-            status = SHORT_READ, task = k;
-            break;
-        }
-    }
-    if (status != OK) __atomic_store_n(b.stop, 1, __ATOMIC_RELAXED);
+    joined = pool_run(&b, want, results);
     Py_END_ALLOW_THREADS
-    result = Py_BuildValue("(iLiL)", status, (long long)task, err, (long long)got);
+    result = PyList_New(joined + 1);
+    for (int i = 0; result && i <= joined; i++) {
+        PyObject *r = Py_BuildValue("(iLiL)", results[i].status, (long long)results[i].task, results[i].err,
+                                    (long long)results[i].got);
+        if (!r) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, r);
+    }
 done:
     PyMem_Free(cpaths);
     for (int i = 0; i < 13; i++) PyBuffer_Release(&bufs[i]);
     return result;
 }
 
+#ifndef SYS_cachestat
+#define SYS_cachestat 451 /* Linux 6.5 */
+#endif
+
+/* cached_pages(paths, offsets, lengths, flags) -> pages of the file ranges that the page
+ * cache holds (cachestat(2), which reads nothing), or None where the kernel has no
+ * cachestat or a file does not open. The cold check asks this of a few reads per batch;
+ * it keeps the GIL: a release per syscall would hand it to other Python threads (a
+ * Loader's consumer) in the middle of planning a batch, for a few microseconds of work. */
+static PyObject *cached_pages(PyObject *self, PyObject *args) {
+    PyObject *paths;
+    Py_buffer offsets, lengths;
+    int flags;
+    if (!PyArg_ParseTuple(args, "O!y*y*i", &PyTuple_Type, &paths, &offsets, &lengths, &flags)) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(paths);
+    PyObject *result = NULL;
+    if (offsets.len != n * 8 || lengths.len != n * 8) {
+        PyErr_SetString(PyExc_ValueError, "one int64 offset and length per path");
+        goto done;
+    }
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = PyTuple_GET_ITEM(paths, i);
+        if (!PyBytes_Check(p)) {
+            PyErr_SetString(PyExc_TypeError, "paths must be bytes");
+            goto done;
+        }
+        int fd = open(PyBytes_AS_STRING(p), flags);
+        if (fd < 0) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        struct { uint64_t off, len; } range = {((uint64_t *)offsets.buf)[i], ((uint64_t *)lengths.buf)[i]};
+        uint64_t stat[5]; /* nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted */
+        long failed = syscall(SYS_cachestat, fd, &range, stat, 0);
+        close(fd);
+        if (failed) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        total += stat[0];
+    }
+    result = PyLong_FromUnsignedLongLong(total);
+done:
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&lengths);
+    return result;
+}
+
+static PyObject *helpers(PyObject *self, PyObject *unused) {
+    pthread_mutex_lock(&pool_mu);
+    int n = pool_threads;
+    pthread_mutex_unlock(&pool_mu);
+    return PyLong_FromLong(n);
+}
+
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS,
      "run(paths, file, offsets, lengths, dests, needs, shared, fds, counter, stop, todo, pending,"
-     " npending, done, base, flags, nowait) -> (status, task, errno, bytes read): read tasks until"
-     " none are left, GIL released."},
+     " npending, done, base, flags, nowait, workers) -> [(status, task, errno, bytes read), ...]:"
+     " read tasks on this thread and workers - 1 pool threads until none are left, GIL released;"
+     " one result per thread that took part."},
+    {"helpers", helpers, METH_NOARGS, "helpers() -> the helper threads run() has started in this process"},
+    {"cached_pages", cached_pages, METH_VARARGS,
+     "cached_pages(paths, offsets, lengths, flags) -> pages of the ranges in the page cache, or None"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._native",
                                     "Batched preads with the GIL released.", -1, methods};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    if (!pool_forksafe && pthread_atfork(NULL, NULL, pool_after_fork) == 0) pool_forksafe = 1;
+    return PyModule_Create(&module);
+}

@@ -8,8 +8,10 @@ serves, and page-cache copies still run on several cores. A cold batch of reads 
 and more (``cold_direct``, decided by ``reads_cold_direct`` before the plan is made) is
 read with O_DIRECT, around the page cache.
 
-Where the C accelerator (``_native.c``) was built, each reader thread runs the task
-loop in C with the GIL released for the whole batch. Otherwise the loop runs in
+Where the C accelerator (``_native.c``) was built, the task loop runs in C with the GIL
+released for the whole batch, on the calling thread and helper threads of a C pool
+that need no GIL to start or finish (so a Loader's consumer, running Python meanwhile,
+does not hold a batch's copy back). Otherwise the loop runs in
 Python around ``os.preadv``, which releases the GIL per call: then a few "fast lane"
 threads try each read with ``RWF_NOWAIT`` and only reads that would wait for the disk
 go to the other threads (see ``_read_python``).
@@ -118,16 +120,20 @@ class PosixBackend:
         n = len(plan)
         if self.o_direct or not n or int(plan.task_length.sum()) < _DIRECT_MEAN_READ * n:
             return False
-        cached = total = 0
-        for k in np.unique(np.linspace(0, n - 1, min(n, _DIRECT_SAMPLE)).astype(np.int64)).tolist():
-            path = paths[int(plan.task_file[k])]
-            if path in self._no_direct:
-                return False
-            pages = self._file_pages(path, int(plan.task_offset[k]), int(plan.task_length[k]))
-            if pages is None:
-                return False  # no cachestat, or the file does not open (the read reports it)
-            cached, total = cached + pages, total + -(-int(plan.task_length[k]) // 4096)
-        return cached <= _DIRECT_CACHED * total
+        ks = np.unique(np.linspace(0, n - 1, min(n, _DIRECT_SAMPLE)).astype(np.int64))
+        names = paths.many_bytes(plan.task_file[ks])
+        if self._no_direct and self._no_direct & ({*names} | {os.fsdecode(p) for p in names}):
+            return False  # (the C reads record refusing files as bytes, the Python reads as str)
+        offsets, lengths = plan.task_offset[ks], plan.task_length[ks]
+        if self.native:
+            cached = _native.cached_pages(tuple(names), offsets, lengths, self._flags)
+        else:
+            counts = [self._file_pages(os.fsdecode(p), o, n) for p, o, n in
+                      zip(names, offsets.tolist(), lengths.tolist())]
+            cached = None if None in counts else sum(counts)
+        if cached is None:
+            return False  # no cachestat, or a file does not open (the read reports it)
+        return cached <= _DIRECT_CACHED * int(((lengths + 4095) // 4096).sum())
 
     def _file_pages(self, path: str, offset: int, length: int) -> int | None:
         """``cached_pages`` of a file range by path; None where it does not open."""
@@ -168,8 +174,8 @@ class PosixBackend:
             self._read_python(plan, paths, lease)
 
     def _read_native(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
-        """Every reader thread runs the C task loop with the GIL released (``_native.c``):
-        first one thread per core copies what the page cache holds, then ``io_threads``
+        """The C task loop with the GIL released (``_native.c``), on this thread and C
+        helper threads: first one thread per core copies what the page cache holds, then ``io_threads``
         threads read the rest from the disk. Under O_DIRECT, ``io_threads`` threads read
         everything: there ``RWF_NOWAIT`` does not stop at the page cache, the read waits
         for the disk (a first pass on one thread per core read a cold batch at that queue depth)."""
@@ -213,9 +219,7 @@ class PosixBackend:
 
     def _run_phase(self, common: tuple, stop: np.ndarray, todo: np.ndarray, tail: tuple, *, nowait: bool,
                    workers: int) -> list[tuple[int, int, int, int]]:
-        args = (*common, np.zeros(1, dtype=np.int64), stop, todo, *tail, int(nowait))
-        futures = [self._executor().submit(_native.run, *args) for _ in range(workers - 1)]
-        return [_native.run(*args)] + [f.result() for f in futures]
+        return _native.run(*common, np.zeros(1, dtype=np.int64), stop, todo, *tail, int(nowait), workers)
 
     def _read_python(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
         """The same in Python, where the C accelerator was not built.

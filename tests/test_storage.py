@@ -14,6 +14,7 @@ import gpuio
 from gpuio.buffers import BufferPool
 from gpuio.errors import BufferBudgetError, ConfigError, OutOfRangeError, StorageError
 from gpuio.index import Extents, SampleIndex
+from gpuio import _posix
 from gpuio._posix import native_available
 from gpuio.storage import Reader
 
@@ -345,6 +346,41 @@ def test_file_pages_by_path_agrees_with_cachestat_on_a_descriptor(tmp_path):
     assert backend._file_pages(str(path), 100, 9 * 4096) == expected
     assert expected is None or expected >= 9  # the range spans 10 pages, all just read
     assert backend._file_pages(str(tmp_path / "missing"), 0, 10) is None
+    if _posix._native is not None:  # the C check the reads use: the same count, summed over ranges
+        ranges = (np.array([100, 0], dtype=np.int64), np.array([9 * 4096, 4096], dtype=np.int64))
+        one = _posix._native.cached_pages((os.fsencode(path),), ranges[0][:1], ranges[1][:1], os.O_RDONLY)
+        assert one == expected
+        both = _posix._native.cached_pages((os.fsencode(path),) * 2, *ranges, os.O_RDONLY)
+        assert both is None if expected is None else both == expected + 1
+        missing = os.fsencode(tmp_path / "missing")
+        assert _posix._native.cached_pages((os.fsencode(path), missing), *ranges, os.O_RDONLY) is None
+
+
+def test_readers_on_many_threads_at_once(tmp_path):
+    """Readers on several threads read at the same time (in C, their batches share one
+    pool of helper threads); each gets its own files' bytes."""
+    sizes = [300_000 + 4099 * i for i in range(24)]
+    paths, blobs = write_files(tmp_path, sizes)
+    index = file_index(paths, sizes)
+    failures = []
+
+    def read_many(first):
+        try:
+            with Reader("cpu", threads=4) as reader:
+                for r in range(6):
+                    rows = [(first + r + 5 * j) % len(sizes) for j in range(8)]
+                    got = reader.read(index, rows)
+                    if [a.tobytes() for a in got] != [blobs[i] for i in rows]:
+                        failures.append((first, r))
+        except Exception as exc:  # reported below, with the thread's rows
+            failures.append((first, exc))
+
+    threads = [threading.Thread(target=read_many, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
 
 
 def test_cold_large_reads_go_around_the_page_cache(tmp_path):
