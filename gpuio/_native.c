@@ -151,7 +151,7 @@ typedef struct Job {
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER, pool_idle = PTHREAD_COND_INITIALIZER;
 static Job *pool_jobs; /* jobs that still take helpers, oldest first */
-static int pool_threads;
+static int pool_threads, pool_sleeping;
 static int pool_forksafe; /* pool_after_fork is registered: only then are helpers started */
 
 static void unlink_job(Job *j) {
@@ -168,7 +168,9 @@ static void *helper(void *unused) {
     for (;;) {
         Job *j = pool_jobs;
         if (!j) {
+            pool_sleeping++;
             pthread_cond_wait(&pool_work, &pool_mu);
+            pool_sleeping--;
             continue;
         }
         int slot = ++j->joined;
@@ -188,7 +190,7 @@ static void pool_after_fork(void) {
     pthread_cond_init(&pool_work, NULL);
     pthread_cond_init(&pool_idle, NULL);
     pool_jobs = NULL;
-    pool_threads = 0;
+    pool_threads = pool_sleeping = 0;
 }
 
 /* Read the batch on this thread and up to `want` helpers; returns how many joined. */
@@ -211,7 +213,7 @@ static int pool_run(Batch *b, int want, Result *results) {
         Job **tail = &pool_jobs;
         while (*tail) tail = &(*tail)->next;
         *tail = &j;
-        pthread_cond_broadcast(&pool_work);
+        for (int i = 0; i < want && i < pool_sleeping; i++) pthread_cond_signal(&pool_work); /* not all 63 */
         pthread_mutex_unlock(&pool_mu);
     }
     work(b, &results[0]);
