@@ -27,6 +27,9 @@ start per pass):
 - an exception in a stage travels in order with its item (later stages pass it on
   untouched) and ``get()`` returns it, after every earlier item was handed over; no
   new payloads are fed after the first error;
+- ``feed(source, inline=True)`` runs that pass's stages on the consumer's thread
+  instead, one payload per ``get()`` (host stages only): no read-ahead and no hand-off
+  between threads, for a consumer that would only wait for the next payload anyway;
 - ``close()`` stops every thread: blocking calls wake up every ``_POLL`` seconds to
   check the stop flag, and ``close`` joins them. A pass left with payloads in flight
   can only be closed: ``feed`` refuses to start another. In a forked child the
@@ -116,6 +119,7 @@ class Executor:
         self._fed = 0  # payloads taken from sources, over every pass (the sequence numbers)
         self._in_flight = 0
         self._source_done = True
+        self.inline = False  # the running pass works on the consumer's thread (see feed)
         self._queues = [queue.SimpleQueue() for _ in range(len(stages) + 1)]
         self._turn = [0] * len(stages)
         self._turn_cv = [threading.Condition() for _ in stages]
@@ -137,11 +141,15 @@ class Executor:
         every payload it fed without an error."""
         return not (self._forked or self._stop.is_set()) and self._in_flight == 0 and self._failed_seq is None
 
-    def feed(self, source: Iterator[Any]) -> None:
-        """Begin a pass over ``source``: ``get()`` hands its payloads back."""
+    def feed(self, source: Iterator[Any], *, inline: bool = False) -> None:
+        """Begin a pass over ``source``: ``get()`` hands its payloads back, worked on by
+        the stage threads or, with ``inline``, by ``get()`` itself on the caller's thread."""
         if not self.reusable:
             raise RuntimeError("the executor is closed or its last pass still has payloads in flight")
-        self._source, self._source_done = source, False
+        if inline and any(s.gpu for s in self.stages):
+            raise RuntimeError("GPU stages run on their own streams' threads; they cannot run inline")
+        self._source, self._source_done, self.inline = source, False, inline
+        self._turn = [self._fed] * len(self.stages)  # nothing in flight: an inline pass took turns too
 
     # ---- lifetime ---------------------------------------------------------------------
     def start(self) -> None:
@@ -171,20 +179,28 @@ class Executor:
         self._threads.clear()
 
     # ---- consumer ---------------------------------------------------------------------
+    def _next_item(self) -> Item | None:
+        """The source's next payload as an item (``None`` at its end); an error of the
+        source reaches the consumer like a stage error."""
+        item = Item(self._fed, None)
+        try:
+            item.payload = next(self._source)
+        except StopIteration:
+            self._source, self._source_done = iter(()), True
+            return None
+        except Exception as exc:
+            item.error, item.stage = exc, "order"
+            self._failed_seq = item.seq
+            self._source_done = True
+        self._fed += 1
+        return item
+
     def _top_up(self) -> None:
         while not self._source_done and self._in_flight < self._window and self._failed_seq is None:
-            item = Item(self._fed, None)
-            try:
-                item.payload = next(self._source)
-            except StopIteration:
-                self._source, self._source_done = iter(()), True
+            item = self._next_item()
+            if item is None:
                 return
-            except Exception as exc:  # a failing source reaches the consumer like a stage error
-                item.error, item.stage = exc, "order"
-                self._failed_seq = item.seq
-                self._source_done = True
-            self._queues[0].put_nowait(item)  # never full: it holds at most window items
-            self._fed += 1
+            self._queues[0].put(item)  # it holds at most window items
             self._in_flight += 1
 
     def get(self) -> Item | None:
@@ -192,6 +208,12 @@ class Executor:
         when the source is exhausted."""
         if self._forked or self._stop.is_set():
             return None
+        if self.inline:
+            item = None if self._source_done or self._failed_seq is not None else self._next_item()
+            for i in range(len(self.stages)):
+                if item is not None:
+                    self._apply(i, item, None, 0)
+            return item
         self._top_up()
         if self._in_flight == 0:
             return None
@@ -218,7 +240,6 @@ class Executor:
         return True
 
     def _work(self, i: int) -> None:
-        stage, stats = self.stages[i], self.stats[self.stages[i].name]
         inq, outq, cv = self._queues[i], self._queues[i + 1], self._turn_cv[i]
         stream = None
         while not self._stop.is_set():
@@ -228,28 +249,7 @@ class Executor:
                 continue
             if item is None:  # woken by close()
                 return
-            depth = inq.qsize()
-            failed = self._failed_seq
-            if item.error is None and (failed is None or item.seq < failed):
-                t0 = time.perf_counter()
-                try:
-                    if stage.gpu:
-                        stream = self._run_gpu(stage, item, stream)
-                    else:
-                        if item.event is not None:
-                            item.event.synchronize()
-                            item.event = None
-                        item.payload = stage.fn(item.payload)
-                except Exception as exc:  # handed to the consumer in order, see get()
-                    item.error, item.stage = exc, stage.name
-                    if self._failed_seq is None or item.seq < self._failed_seq:
-                        self._failed_seq = item.seq
-                dt = time.perf_counter() - t0
-                with stats.lock:
-                    stats.batches += 1
-                    stats.seconds += dt
-                    stats.queue_sum += depth
-                    stats.takes += 1
+            stream = self._apply(i, item, stream, inq.qsize())
             with cv:
                 while self._turn[i] != item.seq:
                     if self._stop.is_set():
@@ -261,6 +261,35 @@ class Executor:
             with cv:
                 self._turn[i] += 1
                 cv.notify_all()
+
+    def _apply(self, i: int, item: Item, stream: Any, depth: int) -> Any:
+        """Run stage ``i`` on ``item`` unless an earlier stage or item failed; an error
+        travels with the item. ``depth``: the stage's queue length at the take. Returns
+        the stage's CUDA stream (made on first use by a GPU stage's worker)."""
+        stage, stats = self.stages[i], self.stats[self.stages[i].name]
+        failed = self._failed_seq
+        if item.error is not None or (failed is not None and item.seq >= failed):
+            return stream
+        t0 = time.perf_counter()
+        try:
+            if stage.gpu:
+                stream = self._run_gpu(stage, item, stream)
+            else:
+                if item.event is not None:
+                    item.event.synchronize()
+                    item.event = None
+                item.payload = stage.fn(item.payload)
+        except Exception as exc:  # handed to the consumer in order, see get()
+            item.error, item.stage = exc, stage.name
+            if self._failed_seq is None or item.seq < self._failed_seq:
+                self._failed_seq = item.seq
+        dt = time.perf_counter() - t0
+        with stats.lock:
+            stats.batches += 1
+            stats.seconds += dt
+            stats.queue_sum += depth
+            stats.takes += 1
+        return stream
 
     def _run_gpu(self, stage: Stage, item: Item, stream: Any) -> Any:
         cp = require("cupy")

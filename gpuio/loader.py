@@ -41,6 +41,11 @@ from gpuio._order import EpochPlan, epoch_order
 __all__ = ["Loader"]
 
 _MAX_ERRORS = 10  # first skipped-sample errors kept for stats()
+# A read-only CPU pass whose consumer spent less than this share of the last pass on its
+# own work (between batches) runs on the consumer's thread: reading ahead could hide at
+# most that share, and handing each batch between threads cost 10-20% of a pass on a
+# 2-core machine (bench/loader.py; bench/RESULTS.md).
+_INLINE_BELOW = 0.1
 
 
 class _Work:
@@ -96,7 +101,12 @@ class Loader:
             holds one. With none, a stage waits for the consumer to take a batch before it
             gets the next (a thread round trip per batch: 6% of a read-only loader's time
             on a 2-core machine); more absorbs a consumer whose time per batch jumps, at
-            the cost of a batch of buffers each.
+            the cost of a batch of buffers each. A loader that only reads (no ``ops``, no
+            parsed fields) on the CPU reads a pass on the consumer's thread instead, with
+            no read-ahead, when its consumer spent under 10% of the last complete pass
+            between batches: reading ahead could hide no more than that, and the
+            hand-off between threads costs more on small machines. It reads ahead
+            again from the pass after one whose consumer worked longer.
         threads: worker threads per CPU stage (default: ``os.cpu_count()``).
         on_error: ``"raise"`` (the first bad sample stops the pass with a
             ``PipelineError``) or ``"skip"`` (bad samples are dropped from their batch,
@@ -206,6 +216,7 @@ class Loader:
         self._resume = 0  # where the next pass starts (set by load_state_dict)
         self._executor: Executor | None = None  # kept across completed passes
         self._passing = False  # a pass is between its first and last batch
+        self._inline = False  # the next pass reads on the consumer's thread (see _INLINE_BELOW)
         self._readers: dict[str, Reader] = {}
         self._lock = threading.Lock()
         self._stage_stats: dict[str, StageStats] = {}
@@ -282,10 +293,11 @@ class Loader:
         if ex is None or not ex.reusable:
             ex = self._start()
         order = epoch_order(len(self.index), self.shuffle, self.seed, epoch)
-        ex.feed(_works(self.plan, order, epoch, start))  # holds no reference to the loader
+        ex.feed(_works(self.plan, order, epoch, start), inline=self._inline)  # no reference to the loader
         self._passing = True
         completed = False
         t0 = time.perf_counter()
+        busy = 0.0  # the consumer's own time, between batches
         try:
             for _ in range(start, len(self.plan)):
                 item = ex.get()
@@ -302,18 +314,24 @@ class Loader:
                 self._pos += 1
                 with self._lock:
                     self._samples += real
+                handed = time.perf_counter()
                 yield batch
+                busy += time.perf_counter() - handed
                 del batch
             completed = True
         finally:
+            seconds = time.perf_counter() - t0
             with self._lock:
-                self._seconds += time.perf_counter() - t0
+                self._seconds += seconds
             if self._executor is ex:  # not a pass already stopped by a newer one
                 self._passing = False
                 if not completed:
                     self.close()
             if completed and self._epoch == epoch:
                 self._epoch, self._pos = epoch + 1, 0
+            if completed:
+                self._inline = (not self.device.is_cuda and len(ex.stages) == 1
+                                and busy < _INLINE_BELOW * seconds)
 
     def _start(self) -> Executor:
         """The stage threads and the readers, started for the first pass (or the first
@@ -540,7 +558,8 @@ class Loader:
         time passes were running; ``stages`` maps each stage to its batches, seconds of
         work (all workers together), milliseconds per batch and mean input-queue
         length; ``consumer_wait_s`` is the time the training loop waited for batches;
-        ``window`` is the most batches the running pass keeps in flight;
+        ``window`` is the most batches the running pass keeps in flight; ``inline``
+        says whether the last pass ran on the consumer's thread (see ``prefetch``);
         ``skipped`` counts bad samples dropped under ``on_error="skip"`` and ``errors``
         holds the first few of them.
         """
@@ -557,6 +576,7 @@ class Loader:
                 "queues": ({s.name: q.qsize() for s, q in zip(ex.stages, ex._queues)} if ex is not None else {}),
                 "consumer_wait_s": round(self._wait_s + (ex.wait_s if ex is not None else 0.0), 6),
                 "window": ex._window if ex is not None else 0,
+                "inline": ex is not None and ex.inline,
                 "skipped": self._skipped,
                 "errors": list(self._errors),
             }

@@ -215,6 +215,80 @@ def test_window_and_read_ahead(tree):
         gpuio.Loader(tree, 5, prefetch=-1)
 
 
+def test_idle_consumer_reads_inline_busy_one_reads_ahead(tmp_path):
+    """A read-only loader whose consumer does nothing between batches reads its next
+    pass on the consumer's thread; one whose consumer works reads ahead on the stage
+    thread. Both yield the same batches, pass after pass, and an idle loader whose
+    consumer starts working reads ahead again from the next pass."""
+    tree = make_tree(tmp_path, size=(200_000, 300_000))  # reads long next to the idle consumer's time
+
+    def passes(ld, n, work_s=0.0):
+        out, modes = [], []
+        for _ in range(n):
+            got = []
+            for b in ld:
+                got.append(b)  # compared after the pass: an idle consumer
+                if work_s:
+                    time.sleep(work_s)
+            out.append([(b["index"], [d.tobytes() for d in b["data"]]) for b in got])
+            modes.append(ld.stats()["inline"])
+        return out, modes
+
+    idle = gpuio.Loader(tree, 4, shuffle=True, seed=3, output="numpy")
+    busy = gpuio.Loader(tree, 4, shuffle=True, seed=3, output="numpy")
+    got_idle, idle_modes = passes(idle, 3)
+    got_busy, busy_modes = passes(busy, 3, work_s=0.02)
+    assert idle_modes == [False, True, True]  # the first pass reads ahead: nothing is known yet
+    assert busy_modes == [False, False, False]
+    for a, b in zip(got_idle, got_busy):
+        assert len(a) == len(b) == len(idle)
+        for (ia, da), (ib, db) in zip(a, b):
+            np.testing.assert_array_equal(ia, ib)
+            assert da == db
+    _, modes = passes(idle, 2, work_s=0.02)
+    assert modes == [True, False]  # the pass after a busy one reads ahead
+    assert idle.stats()["stages"]["read"]["batches"] == 5 * len(idle)  # inline passes count too
+    idle.close(), busy.close()
+
+
+def test_loaders_with_stages_or_on_a_gpu_never_read_inline(tree):
+    ld = gpuio.Loader(tree, 8, ops=[Slow()], threads=2, output="numpy")
+    for _ in range(2):
+        assert sum(len(b["index"]) for b in ld) == N
+        assert not ld.stats()["inline"]
+    ld.close()
+    from gpuio._executor import Executor, Stage
+    from gpuio.device import Device
+
+    ex = Executor([Stage("s", lambda x: x, gpu=True)], window=1, device=Device("cpu"))
+    with pytest.raises(RuntimeError, match="cannot run inline"):
+        ex.feed(iter([1]), inline=True)
+
+
+def test_inline_pass_reports_and_skips_bad_samples_as_a_threaded_one(tmp_path):
+    for on_error in ("raise", "skip"):
+        index = with_keys(make_tree(tmp_path / on_error, size=(100, 200)))
+        ld = gpuio.Loader(index, 4, output="numpy", on_error=on_error)
+        assert sum(len(b["index"]) for b in ld) == N
+        assert sum(len(b["index"]) for b in ld) == N and ld.stats()["inline"]
+        bad = 17 if on_error == "raise" else 9
+        os.remove(index.extent(bad).file)
+        got = []
+        if on_error == "raise":
+            with pytest.raises(PipelineError) as info:
+                for b in ld:
+                    got.extend(b["index"].tolist())
+            err = info.value
+            assert err.stage == "read" and err.sample == bad and err.path == index.extent(bad).file
+            assert got == list(range(16)), "batches before the bad one arrive, in order"
+        else:
+            got = np.concatenate([b["index"] for b in ld])
+            np.testing.assert_array_equal(got, np.setdiff1d(np.arange(N), [bad]))
+            assert ld.stats()["skipped"] == 1 and "sample 9" in ld.stats()["errors"][-1]
+        ld.close()
+    assert not loader_threads()
+
+
 def test_order_is_kept_when_batches_finish_out_of_order(tree):
     class Jitter(Op):
         def __call__(self, batch):
