@@ -209,9 +209,11 @@ class Executor:
         if self._forked or self._stop.is_set():
             return None
         if self.inline:
-            item = None if self._source_done or self._failed_seq is not None else self._next_item()
-            for i in range(len(self.stages)):
-                if item is not None:
+            if self._source_done or self._failed_seq is not None:
+                return None
+            item = self._next_item()
+            if item is not None:
+                for i in range(len(self.stages)):
                     self._apply(i, item, None, 0)
             return item
         self._top_up()

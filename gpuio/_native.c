@@ -28,7 +28,6 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
-#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -277,55 +276,6 @@ done:
     return result;
 }
 
-#ifndef SYS_cachestat
-#define SYS_cachestat 451 /* Linux 6.5 */
-#endif
-
-/* cached_pages(paths, offsets, lengths, flags) -> pages of the file ranges that the page
- * cache holds (cachestat(2), which reads nothing), or None where the kernel has no
- * cachestat or a file does not open. The cold check asks this of a few reads per batch;
- * it keeps the GIL: a release per syscall would hand it to other Python threads (a
- * Loader's consumer) in the middle of planning a batch, for a few microseconds of work. */
-static PyObject *cached_pages(PyObject *self, PyObject *args) {
-    PyObject *paths;
-    Py_buffer offsets, lengths;
-    int flags;
-    if (!PyArg_ParseTuple(args, "O!y*y*i", &PyTuple_Type, &paths, &offsets, &lengths, &flags)) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(paths);
-    PyObject *result = NULL;
-    if (offsets.len != n * 8 || lengths.len != n * 8) {
-        PyErr_SetString(PyExc_ValueError, "one int64 offset and length per path");
-        goto done;
-    }
-    uint64_t total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *p = PyTuple_GET_ITEM(paths, i);
-        if (!PyBytes_Check(p)) {
-            PyErr_SetString(PyExc_TypeError, "paths must be bytes");
-            goto done;
-        }
-        int fd = open(PyBytes_AS_STRING(p), flags);
-        if (fd < 0) {
-            result = Py_NewRef(Py_None);
-            goto done;
-        }
-        struct { uint64_t off, len; } range = {((uint64_t *)offsets.buf)[i], ((uint64_t *)lengths.buf)[i]};
-        uint64_t stat[5]; /* nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted */
-        long failed = syscall(SYS_cachestat, fd, &range, stat, 0);
-        close(fd);
-        if (failed) {
-            result = Py_NewRef(Py_None);
-            goto done;
-        }
-        total += stat[0];
-    }
-    result = PyLong_FromUnsignedLongLong(total);
-done:
-    PyBuffer_Release(&offsets);
-    PyBuffer_Release(&lengths);
-    return result;
-}
-
 static PyObject *helpers(PyObject *self, PyObject *unused) {
     pthread_mutex_lock(&pool_mu);
     int n = pool_threads;
@@ -340,8 +290,6 @@ static PyMethodDef methods[] = {
      " read tasks on this thread and workers - 1 pool threads until none are left, GIL released;"
      " one result per thread that took part."},
     {"helpers", helpers, METH_NOARGS, "helpers() -> the helper threads run() has started in this process"},
-    {"cached_pages", cached_pages, METH_VARARGS,
-     "cached_pages(paths, offsets, lengths, flags) -> pages of the ranges in the page cache, or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -120,20 +120,16 @@ class PosixBackend:
         n = len(plan)
         if self.o_direct or not n or int(plan.task_length.sum()) < _DIRECT_MEAN_READ * n:
             return False
-        ks = np.unique(np.linspace(0, n - 1, min(n, _DIRECT_SAMPLE)).astype(np.int64))
-        names = paths.many_bytes(plan.task_file[ks])
-        if self._no_direct and self._no_direct & ({*names} | {os.fsdecode(p) for p in names}):
-            return False  # (the C reads record refusing files as bytes, the Python reads as str)
-        offsets, lengths = plan.task_offset[ks], plan.task_length[ks]
-        if self.native:
-            cached = _native.cached_pages(tuple(names), offsets, lengths, self._flags)
-        else:
-            counts = [self._file_pages(os.fsdecode(p), o, n) for p, o, n in
-                      zip(names, offsets.tolist(), lengths.tolist())]
-            cached = None if None in counts else sum(counts)
-        if cached is None:
-            return False  # no cachestat, or a file does not open (the read reports it)
-        return cached <= _DIRECT_CACHED * int(((lengths + 4095) // 4096).sum())
+        cached = total = 0
+        for k in np.unique(np.linspace(0, n - 1, min(n, _DIRECT_SAMPLE)).astype(np.int64)).tolist():
+            path = paths[int(plan.task_file[k])]
+            if path in self._no_direct:
+                return False
+            pages = self._file_pages(path, int(plan.task_offset[k]), int(plan.task_length[k]))
+            if pages is None:
+                return False  # no cachestat, or the file does not open (the read reports it)
+            cached, total = cached + pages, total + -(-int(plan.task_length[k]) // 4096)
+        return cached <= _DIRECT_CACHED * total
 
     def _file_pages(self, path: str, offset: int, length: int) -> int | None:
         """``cached_pages`` of a file range by path; None where it does not open."""

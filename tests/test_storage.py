@@ -14,7 +14,6 @@ import gpuio
 from gpuio.buffers import BufferPool
 from gpuio.errors import BufferBudgetError, ConfigError, OutOfRangeError, StorageError
 from gpuio.index import Extents, SampleIndex
-from gpuio import _posix
 from gpuio._posix import native_available
 from gpuio.storage import Reader
 
@@ -346,14 +345,6 @@ def test_file_pages_by_path_agrees_with_cachestat_on_a_descriptor(tmp_path):
     assert backend._file_pages(str(path), 100, 9 * 4096) == expected
     assert expected is None or expected >= 9  # the range spans 10 pages, all just read
     assert backend._file_pages(str(tmp_path / "missing"), 0, 10) is None
-    if _posix._native is not None:  # the C check the reads use: the same count, summed over ranges
-        ranges = (np.array([100, 0], dtype=np.int64), np.array([9 * 4096, 4096], dtype=np.int64))
-        one = _posix._native.cached_pages((os.fsencode(path),), ranges[0][:1], ranges[1][:1], os.O_RDONLY)
-        assert one == expected
-        both = _posix._native.cached_pages((os.fsencode(path),) * 2, *ranges, os.O_RDONLY)
-        assert both is None if expected is None else both == expected + 1
-        missing = os.fsencode(tmp_path / "missing")
-        assert _posix._native.cached_pages((os.fsencode(path), missing), *ranges, os.O_RDONLY) is None
 
 
 def test_readers_on_many_threads_at_once(tmp_path):
