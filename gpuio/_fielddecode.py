@@ -95,12 +95,13 @@ def descr_dtype(descr: str) -> np.dtype:
     return np.lib.format.descr_to_dtype(ast.literal_eval(descr) if descr.startswith("[") else descr)
 
 
-def decode(index: Any, field: str, rows: np.ndarray, raw: Any) -> list[Any]:
+def decode(index: Any, field: str, rows: np.ndarray, raw: Any, *, stacked: bool = False) -> Any:
     """Decode ``raw``, the bytes of ``field`` for samples ``rows``: one uint8 array
-    each, or one ``[B, n]`` uint8 array of the rows back to back."""
+    each, or one ``[B, n]`` uint8 array of the rows back to back. With ``stacked``,
+    arrays of one shape and dtype come back as that ``[B, ...]`` view, not as its rows."""
     decoder = decoded_fields(index)[field]
     if decoder == "array":
-        return _arrays(index, field, rows, raw)
+        return _arrays(index, field, rows, raw, stacked)
     fn = _HOST[decoder]
     out = []
     for j, data in enumerate(raw):
@@ -112,14 +113,14 @@ def decode(index: Any, field: str, rows: np.ndarray, raw: Any) -> list[Any]:
     return out
 
 
-def _arrays(index: Any, field: str, rows: np.ndarray, raw: Any) -> list[Any]:
+def _arrays(index: Any, field: str, rows: np.ndarray, raw: Any, as_whole: bool) -> Any:
     whole = raw if not isinstance(raw, list) else raw.stacked() if isinstance(raw, Rows) else None
     if whole is not None and len(rows) and _same_value(index.values["shape"], rows) and (
             _same_value(index.values["dtype"], rows) and not np.asarray(index.values["fortran_order"])[rows].any()):
         shape = tuple(index.values["shape"][int(rows[0])].tolist())
         stacked = _stacked_array(whole, shape, descr_dtype(index.values["dtype"][int(rows[0])]))
         if stacked is not None and shape:  # rows of a 1-D array would be scalars, not 0-d arrays
-            return Rows(stacked)
+            return stacked if as_whole else Rows(stacked)
     shapes = index.values["shape"].rows(rows)
     descrs = index.values["dtype"].rows(rows)
     fortran = np.asarray(index.values["fortran_order"])[rows].tolist()

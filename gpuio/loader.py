@@ -387,10 +387,11 @@ class Loader:
     def _read_rows(self, src: np.ndarray) -> dict[str, Any]:
         out: dict[str, Any] = {}
         readers = self._readers
+        stacked = not self.ops  # no op takes the rows one by one: the collated array at once
         if self._host_fields:
-            out.update(read_fields(self.index, src, self._host_fields, reader=readers["host"]))
+            out.update(read_fields(self.index, src, self._host_fields, reader=readers["host"], stacked=stacked))
         if self._dev_fields:
-            out.update(read_fields(self.index, src, self._dev_fields, reader=readers["device"]))
+            out.update(read_fields(self.index, src, self._dev_fields, reader=readers["device"], stacked=stacked))
         return out
 
     def _read(self, w: _Work) -> _Work:
@@ -450,7 +451,8 @@ class Loader:
     def _make_batch(self, w: _Work) -> None:
         data = {f: w.data[f] for f in self.fields}
         # ops run in collect mode: the loader raises for the first rejected row under "raise"
-        w.batch = Batch(data, w.index, sample_seeds(self.seed, w.epoch, w.src), self.device, on_error="skip")
+        seeds = sample_seeds(self.seed, w.epoch, w.src) if self.ops else np.zeros(0, np.uint64)  # no op draws
+        w.batch = Batch(data, w.index, seeds, self.device, on_error="skip")
         w.data = {}
 
     def _run_op(self, op: Any, name: str, w: _Work) -> _Work:

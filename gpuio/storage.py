@@ -163,10 +163,13 @@ def _check_rows(index: SampleIndex, rows: Sequence[int] | np.ndarray) -> np.ndar
 
 
 def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Sequence[str],
-                device: str | Device = "cpu", *, reader: Reader | None = None) -> dict[str, Any]:
+                device: str | Device = "cpu", *, reader: Reader | None = None,
+                stacked: bool = False) -> dict[str, Any]:
     """Several fields of ``rows``: extent fields as lists of uint8 arrays (decoded, as
     ``index.meta["decode"]`` says, by ``gpuio._fielddecode``), dense value fields as
-    arrays with one row per sample, ragged and parsed fields as lists."""
+    arrays with one row per sample, ragged and parsed fields as lists. With ``stacked``,
+    a decoded field whose arrays share one shape and dtype is one ``[B, ...]`` array (a
+    view of the read buffer) instead of a list of its rows."""
     rows = _check_rows(index, rows)
     unknown = [f for f in fields if f not in index.fields]
     if unknown:
@@ -189,7 +192,7 @@ def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Se
             continue
         if f in index.extents:
             if f in decoded:  # from the [B, n] buffer where the rows lie back to back
-                out[f] = decode(index, f, rows, reader._read_rows(index, rows, f))
+                out[f] = decode(index, f, rows, reader._read_rows(index, rows, f), stacked=stacked)
             else:
                 out[f] = reader.read(index, rows, f)
         else:

@@ -626,6 +626,23 @@ def test_shuffled_arrays_stack_as_a_view_of_the_read_buffer(float_npy, monkeypat
             np.testing.assert_array_equal(data[row], np.load(float_npy.extent(i).file))
 
 
+def test_read_fields_stacked_gives_the_read_buffer_or_the_rows(float_npy, tmp_path):
+    """``stacked=True``: arrays of one shape and dtype come back as one [B, ...] view of
+    the read buffer (what a loader with no ops hands out); mixed shapes stay a list."""
+    rows = np.array([5, 0, 9, 3])
+    got = gpuio.storage.read_fields(float_npy, rows, ("data",), stacked=True)["data"]
+    listed = gpuio.storage.read_fields(float_npy, rows, ("data",))["data"]
+    assert isinstance(got, np.ndarray) and got.shape == (4, 3, 7) and got.dtype == np.float32
+    assert isinstance(listed, list) and len(listed) == 4
+    for j, i in enumerate(rows.tolist()):
+        want = np.load(float_npy.extent(i).file)
+        np.testing.assert_array_equal(got[j], want)
+        np.testing.assert_array_equal(listed[j], want)
+    mixed = npy_files(tmp_path / "mixed", [np.ones((2, 3), np.float32), np.zeros((4,), np.float32)])
+    both = gpuio.storage.read_fields(mixed, np.array([0, 1]), ("data",), stacked=True)["data"]
+    assert isinstance(both, list) and [a.shape for a in both] == [(2, 3), (4,)]
+
+
 class ReplaceFirstRow(Op):
     """Changes the batch's list of rows in place: row 0 becomes a new array, the rest reversed."""
 
