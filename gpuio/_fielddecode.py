@@ -20,6 +20,7 @@ import ast
 import functools
 import io
 import json
+import math
 import operator
 import zipfile
 from collections.abc import Callable
@@ -150,7 +151,7 @@ def _stacked_array(whole: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     on_host = isinstance(whole, np.ndarray)
     address = whole.__array_interface__["data"][0] if on_host else whole.data.ptr
     row_bytes = whole.shape[1]
-    if (row_bytes != dtype.itemsize * int(np.prod(shape)) or address % dtype.alignment or row_bytes % dtype.alignment
+    if (row_bytes != dtype.itemsize * math.prod(shape) or address % dtype.alignment or row_bytes % dtype.alignment
             or (not on_host and (dtype.kind not in "biufc" or not dtype.isnative))):
         return None
     return whole.view(dtype).reshape((len(whole), *shape))
