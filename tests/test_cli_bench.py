@@ -141,3 +141,28 @@ def test_storage_bench_npy_reads_one_file_per_call(tmp_path):
     index = storage.make_npy(str(tmp_path), "tiny")  # already there: indexed, not written again
     path = index.files[0]
     assert gpuio.read(index, [0])[0].tobytes() == np.load(path).tobytes()
+
+
+def _bench_module(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_loader_bench_mirrors_the_pair_and_lets_each_follow_the_others(monkeypatch):
+    """The raw read and the Loader run at both ends of a round (A B ... B A, then B A ... A B),
+    so each of them runs right after the other competitors equally often."""
+    bench = _bench_module("loader")
+    monkeypatch.setattr(bench, "SETTLE_S", 0.0)
+    ran = []
+    epochs = {name: (lambda name=name: ran.append(name) or (1, 10)) for name in "ABCD"}
+    rounds = bench.timed_rounds(epochs, repeat=4, paired=2)
+    assert ran[:6] == list("ABCDBA")  # the untimed round
+    assert ran[6:12] == list("BADCAB")
+    assert [len(rounds[n]) for n in "ABCD"] == [8, 8, 4, 4]
+    timed = ran[6:]
+    after_others = [timed[i] for i in range(1, len(timed)) if timed[i - 1] in "CD" and timed[i] in "AB"]
+    assert after_others.count("A") == after_others.count("B") > 0
