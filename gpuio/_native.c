@@ -13,7 +13,8 @@
  * threads) does the pending reads, blocking, so that cold data gets many reads in
  * flight while cached data is not copied by more threads than there are cores.
  *
- * Task k reads lengths[k] bytes of file paths[file[k]] at offsets[k] into base +
+ * File f's path is root + blob[starts[f]:ends[f]] (a PathTable's packed paths, so that no
+ * Python string is made per file). Task k reads lengths[k] bytes of file file[k] at offsets[k] into base +
  * dests[k] and needs at least needs[k] of them. A file read by several tasks is
  * opened once: fds[file] holds its descriptor (-1 until the first task opens it,
  * -2 while it is being opened); the caller closes those afterwards. A file read by
@@ -25,9 +26,11 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -38,7 +41,9 @@
 enum { OK = 0, OPEN_FAILED = 1, READ_FAILED = 2, SHORT_READ = 3 };
 
 typedef struct {
-    const char **paths;
+    const char *root, *blob; /* root is NUL-terminated; blob holds the paths back to back */
+    size_t root_len;
+    const int64_t *starts, *ends;
     const int32_t *file;
     const int64_t *offsets, *lengths, *dests, *needs;
     const int8_t *shared;
@@ -52,6 +57,20 @@ typedef struct {
     int flags, nowait;
 } Batch;
 
+/* open(2) of file f; -1 with errno set where it fails (ENAMETOOLONG past PATH_MAX). */
+static int open_file(const Batch *b, int32_t f) {
+    char path[PATH_MAX];
+    size_t n = (size_t)(b->ends[f] - b->starts[f]);
+    if (b->root_len + n >= sizeof path) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(path, b->root, b->root_len);
+    memcpy(path + b->root_len, b->blob + b->starts[f], n);
+    path[b->root_len + n] = '\0';
+    return open(path, b->flags);
+}
+
 static int open_shared(Batch *b, int32_t f, int *err) {
     for (;;) {
         int32_t fd = __atomic_load_n(&b->fds[f], __ATOMIC_ACQUIRE);
@@ -59,7 +78,7 @@ static int open_shared(Batch *b, int32_t f, int *err) {
         int32_t expected = -1;
         if (fd == -1 && __atomic_compare_exchange_n(&b->fds[f], &expected, -2, 0,
                                                     __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-            fd = open(b->paths[f], b->flags);
+            fd = open_file(b, f);
             if (fd < 0) {
                 *err = errno;
                 __atomic_store_n(&b->fds[f], -1, __ATOMIC_RELEASE);
@@ -88,7 +107,7 @@ static void work(Batch *b, Result *r) {
         int64_t k = b->todo[i];
         int32_t f = b->file[k];
         int own = !b->shared[f];
-        int fd = own ? open(b->paths[f], b->flags) : open_shared(b, f, &err);
+        int fd = own ? open_file(b, f) : open_shared(b, f, &err);
         if (fd < 0) {
             if (own) err = errno;
             status = OPEN_FAILED, task = k;
@@ -226,34 +245,23 @@ static int pool_run(Batch *b, int want, Result *results) {
 }
 
 static PyObject *run(PyObject *self, PyObject *args) {
-    PyObject *paths;
-    Py_buffer bufs[13];
+    const char *root;
+    Py_ssize_t root_len;
+    Py_buffer bufs[16];
     unsigned long long base;
     int flags, nowait, workers;
-    if (!PyArg_ParseTuple(args, "O!y*y*y*y*y*y*w*w*w*y*w*w*w*Kiii", &PyTuple_Type, &paths, &bufs[0],
-                          &bufs[1], &bufs[2], &bufs[3], &bufs[4], &bufs[5], &bufs[6], &bufs[7], &bufs[8],
-                          &bufs[9], &bufs[10], &bufs[11], &bufs[12], &base, &flags, &nowait, &workers))
+    if (!PyArg_ParseTuple(args, "y#y*y*y*y*y*y*y*y*y*w*w*w*y*w*w*w*Kiii", &root, &root_len, &bufs[13], &bufs[14],
+                          &bufs[15], &bufs[0], &bufs[1], &bufs[2], &bufs[3], &bufs[4], &bufs[5], &bufs[6],
+                          &bufs[7], &bufs[8], &bufs[9], &bufs[10], &bufs[11], &bufs[12], &base, &flags, &nowait,
+                          &workers))
         return NULL;
-    /* file, offsets, lengths, dests, needs, shared | fds, counter, stop (writable) |
+    /* blob, starts, ends | file, offsets, lengths, dests, needs, shared | fds, counter, stop (writable) |
        todo | pending, npending, done (writable) */
-    Py_ssize_t npaths = PyTuple_GET_SIZE(paths);
-    const char **cpaths = PyMem_Malloc(sizeof(char *) * (npaths ? npaths : 1));
     PyObject *result = NULL;
-    if (!cpaths) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < npaths; i++) {
-        PyObject *p = PyTuple_GET_ITEM(paths, i);
-        if (!PyBytes_Check(p)) {
-            PyErr_SetString(PyExc_TypeError, "paths must be bytes");
-            goto done;
-        }
-        cpaths[i] = PyBytes_AS_STRING(p);
-    }
-    Batch b = {cpaths, bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, bufs[4].buf, bufs[5].buf,
-               bufs[6].buf, bufs[7].buf, (int64_t)(bufs[9].len / 8), bufs[8].buf, bufs[9].buf,
-               bufs[10].buf, bufs[11].buf, bufs[12].buf, (char *)base, flags, nowait && RWF_NOWAIT};
+    Batch b = {root, bufs[13].buf, (size_t)root_len, bufs[14].buf, bufs[15].buf, bufs[0].buf, bufs[1].buf,
+               bufs[2].buf, bufs[3].buf, bufs[4].buf, bufs[5].buf, bufs[6].buf, bufs[7].buf,
+               (int64_t)(bufs[9].len / 8), bufs[8].buf, bufs[9].buf, bufs[10].buf, bufs[11].buf, bufs[12].buf,
+               (char *)base, flags, nowait && RWF_NOWAIT};
     int want = workers < 1 ? 0 : (workers - 1 > MAX_HELPERS ? MAX_HELPERS : workers - 1);
     Result results[MAX_HELPERS + 1];
     int joined;
@@ -270,9 +278,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         }
         PyList_SET_ITEM(result, i, r);
     }
-done:
-    PyMem_Free(cpaths);
-    for (int i = 0; i < 13; i++) PyBuffer_Release(&bufs[i]);
+    for (int i = 0; i < 16; i++) PyBuffer_Release(&bufs[i]);
     return result;
 }
 
@@ -285,7 +291,7 @@ static PyObject *helpers(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS,
-     "run(paths, file, offsets, lengths, dests, needs, shared, fds, counter, stop, todo, pending,"
+     "run(root, blob, starts, ends, file, offsets, lengths, dests, needs, shared, fds, counter, stop, todo, pending,"
      " npending, done, base, flags, nowait, workers) -> [(status, task, errno, bytes read), ...]:"
      " read tasks on this thread and workers - 1 pool threads until none are left, GIL released;"
      " one result per thread that took part."},

@@ -29,7 +29,6 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -98,7 +97,7 @@ class PosixBackend:
         self.thread_name = thread_name
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self._flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-        self._no_direct: set[str | bytes] = set()  # files whose filesystem refused O_DIRECT
+        self._no_direct: set[str] = set()  # files whose filesystem refused O_DIRECT
         self._nowait = hasattr(os, "RWF_NOWAIT")  # cleared if the kernel refuses it
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -155,10 +154,10 @@ class PosixBackend:
         except OSError as exc:
             raise open_error(path, exc) from exc
 
-    def _direct(self, plan: ReadPlan, names: Sequence[str | bytes]) -> bool:
-        """Whether a batch of these files is read with O_DIRECT: its plan is aligned for it
-        (``o_direct``, or a cold batch of long reads) and none of the files refused it."""
-        return plan.align >= 4096 and not (self._no_direct & set(names))
+    def _direct(self, plan: ReadPlan, paths: PathTable, unique: np.ndarray) -> bool:
+        """Whether a batch of files ``unique`` is read with O_DIRECT: its plan is aligned for
+        it (``o_direct``, or a cold batch of long reads) and none of the files refused it."""
+        return plan.align >= 4096 and not (self._no_direct and self._no_direct & set(paths.many(unique)))
 
     def read(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
         """Fill the host buffer ``lease`` as the plan says; raise StorageError on any failure."""
@@ -177,14 +176,14 @@ class PosixBackend:
         for the disk (a first pass on one thread per core read a cold batch at that queue depth)."""
         n = len(plan)
         unique, inverse, counts = np.unique(plan.task_file, return_inverse=True, return_counts=True)
-        names = tuple(paths.many_bytes(unique))
         fds = np.full(len(unique), -1, dtype=np.int32)
         stop = np.zeros(1, dtype=np.int32)
         pending, npending, done = np.empty(n, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        direct = self._direct(plan, names)
+        direct = self._direct(plan, paths, unique)
         shared = (counts > 1).astype(np.int8)
-        common = (names, inverse.astype(np.int32), plan.task_offset, plan.task_length, plan.task_dest,
-                  plan.task_need, shared, fds)
+        # the C loop builds each path from the table's packed bytes: no Python string per file
+        common = (paths.root, paths.blob, paths.offsets[unique], paths.offsets[unique + 1], inverse.astype(np.int32),
+                  plan.task_offset, plan.task_length, plan.task_dest, plan.task_need, shared, fds)
         tail = (pending, npending, done, lease.array.ctypes.data, self._flags | (os.O_DIRECT if direct else 0))
         try:
             todo = np.arange(n, dtype=np.int64)
@@ -202,10 +201,10 @@ class PosixBackend:
         if not failed:
             return
         status, task, err, got = min(failed, key=lambda r: r[1])
-        path = os.fsdecode(names[inverse[task]])
+        path = paths[int(plan.task_file[task])]
         offset, need = int(plan.task_offset[task]), int(plan.task_need[task])
         if status == 1 and direct and err == errno.EINVAL:  # this filesystem has no O_DIRECT
-            self._no_direct.update(names)
+            self._no_direct.update(paths.many(unique))
             return self._read_native(plan, paths, lease)
         if status == 1:
             raise open_error(path, OSError(err, os.strerror(err)))
@@ -230,7 +229,7 @@ class PosixBackend:
         view = memoryview(lease.array)
         unique, inverse, counts = np.unique(plan.task_file, return_inverse=True, return_counts=True)
         names = paths.many(unique)
-        direct = self._direct(plan, names)
+        direct = self._direct(plan, paths, unique)
         files = [names[i] for i in inverse.tolist()]
         owns = (counts[inverse] == 1).tolist()  # the task's file has no other task: open it alone
         offsets, lengths = plan.task_offset.tolist(), plan.task_length.tolist()

@@ -76,6 +76,11 @@ def build_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, *, gap:
     if streams < 1:
         raise ConfigError(f"streams must be at least 1, got {streams}")
     task_size = max(task_size, align) // align * align
+    if align == 1 and int(length.max()) <= task_size:
+        by_file = np.argsort(file)
+        sorted_file = file[by_file]
+        if (sorted_file[1:] != sorted_file[:-1]).all():  # a file per sample (a file tree): no merges
+            return _one_read_per_sample(file, offset, length, by_file)
 
     order = np.lexsort((offset, file))
     f, start = file[order], offset[order]
@@ -125,6 +130,17 @@ def _given_order_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, 
     first, run_len = first[by_file], run_len[by_file]
     return _split(file[first], offset[first], run_len, run_len, sample_dest[first], sample_dest, length, 1,
                   task_size, streams)
+
+
+def _one_read_per_sample(file: np.ndarray, offset: np.ndarray, length: np.ndarray, by_file: np.ndarray) -> ReadPlan:
+    """The given-order plan where every sample has a file of its own and no read needs
+    splitting: what the general path gives, without its sorting and grouping."""
+    sample_dest = np.zeros(len(file), dtype=np.int64)
+    np.cumsum(length[:-1], out=sample_dest[1:])
+    task_length = length[by_file]
+    return ReadPlan(task_file=file[by_file], task_offset=offset[by_file], task_length=task_length,
+                    task_dest=sample_dest[by_file], task_need=task_length, sample_dest=sample_dest,
+                    sample_length=length.copy(), nbytes=int(length.sum()), align=1)
 
 
 def _split(g_file: np.ndarray, g_start: np.ndarray, g_len: np.ndarray, g_need: np.ndarray, g_dest: np.ndarray,

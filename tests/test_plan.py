@@ -141,3 +141,21 @@ def test_given_order_reads_split_into_tasks():
     assert plan.sample_dest.tolist() == [0, 10 << 20]
     assert plan.task_file.tolist() == [0, 0, 1, 1]  # 20 MiB in 4 streams: tasks of 8 MiB
     assert plan.task_dest.tolist() == [10 << 20, 18 << 20, 0, 8 << 20]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 3000)), min_size=1, max_size=40),
+       st.sampled_from([3000, 1 << 20]), st.sampled_from([1, 4]), st.randoms(use_true_random=False))
+def test_a_file_per_sample_plans_as_the_general_given_order_path(extents, task_size, streams, rnd):
+    """The shortcut for a file tree (every sample in a file of its own, no read to split)
+    gives the plan the general path gives."""
+    from gpuio.plan import _given_order_plan
+
+    offset, length = (np.array(c, dtype=np.int64) for c in zip(*extents))
+    file = np.array(rnd.sample(range(1000), len(extents)), dtype=np.int64)
+    got = build_plan(file, offset, length, task_size=task_size, streams=streams)
+    want = _given_order_plan(file, offset, length, np.zeros(len(file), dtype=bool), task_size, streams)
+    for name in ("task_file", "task_offset", "task_length", "task_dest", "task_need", "sample_dest",
+                 "sample_length"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert (got.nbytes, got.align) == (want.nbytes, want.align)

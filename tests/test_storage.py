@@ -102,6 +102,27 @@ def test_missing_file_names_path(tmp_path):
     assert info.value.path == paths[1]
 
 
+def test_paths_come_from_the_packed_table_as_the_os_takes_them(tmp_path):
+    """The read loops open each file by its packed bytes: nested folders, a name that is not
+    UTF-8, and a name longer than the OS takes (an error that names it, and nothing else lost)."""
+    deep = tmp_path / "deep" / "er"
+    deep.mkdir(parents=True)
+    names = [os.fsencode(deep) + b"/caf\xe9.bin", os.fsencode(tmp_path) + b"/plain.bin"]
+    blobs = [b"a" * 100, b"b" * 50]
+    for name, blob in zip(names, blobs):
+        with open(name, "wb") as f:
+            f.write(blob)
+    paths = [os.fsdecode(n) for n in names]
+    index = file_index(paths, [100, 50])
+    assert [bytes(d) for d in gpuio.read(index, [1, 0])] == [blobs[1], blobs[0]]
+    too_long = str(tmp_path / ("x" * 200) / ("y" * 5000))
+    bad = file_index(paths + [too_long], [100, 50, 10])
+    with pytest.raises(StorageError, match="cannot open") as info:
+        gpuio.read(bad, [0, 2, 1])
+    assert info.value.path == too_long
+    assert [bytes(d) for d in gpuio.read(bad, [0, 1])] == blobs
+
+
 def test_truncated_file_names_path_and_offset(tmp_path, device):
     paths, _ = write_files(tmp_path, [5000, 20])
     index = file_index(paths, [5000, 20])
