@@ -41,7 +41,7 @@
 enum { OK = 0, OPEN_FAILED = 1, READ_FAILED = 2, SHORT_READ = 3 };
 
 typedef struct {
-    const char *root, *blob; /* root is NUL-terminated; blob holds the paths back to back */
+    const char *root, *blob; /* root_len bytes of root, then a path of blob, make a file path */
     size_t root_len;
     const int64_t *starts, *ends;
     const int32_t *file;
