@@ -114,14 +114,14 @@ def decode(index: Any, field: str, rows: np.ndarray, raw: Any, *, stacked: bool 
     return out
 
 
-def _arrays(index: Any, field: str, rows: np.ndarray, raw: Any, as_whole: bool) -> Any:
+def _arrays(index: Any, field: str, rows: np.ndarray, raw: Any, stacked: bool) -> Any:
     whole = raw if not isinstance(raw, list) else raw.stacked() if isinstance(raw, Rows) else None
     if whole is not None and len(rows) and _same_value(index.values["shape"], rows) and (
             _same_value(index.values["dtype"], rows) and not np.asarray(index.values["fortran_order"])[rows].any()):
         shape = tuple(index.values["shape"][int(rows[0])].tolist())
-        stacked = _stacked_array(whole, shape, descr_dtype(index.values["dtype"][int(rows[0])]))
-        if stacked is not None and shape:  # rows of a 1-D array would be scalars, not 0-d arrays
-            return stacked if as_whole else Rows(stacked)
+        view = _stacked_array(whole, shape, descr_dtype(index.values["dtype"][int(rows[0])]))
+        if view is not None and shape:  # rows of a 1-D array would be scalars, not 0-d arrays
+            return view if stacked else Rows(view)
     shapes = index.values["shape"].rows(rows)
     descrs = index.values["dtype"].rows(rows)
     fortran = np.asarray(index.values["fortran_order"])[rows].tolist()

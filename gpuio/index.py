@@ -195,13 +195,9 @@ class PathTable:
 
     def many(self, ids: np.ndarray) -> list[str]:
         """Paths of several file ids at once (faster than one ``table[i]`` each)."""
-        return [os.fsdecode(p) for p in self.many_bytes(ids)]
-
-    def many_bytes(self, ids: np.ndarray) -> list[bytes]:
-        """Paths of several file ids, as the bytes the OS takes."""
         ids = np.asarray(ids, dtype=np.int64)
         blob, root = self.blob.data, self.root
-        return [root + blob[a:b].tobytes()
+        return [os.fsdecode(root + blob[a:b].tobytes())
                 for a, b in zip(self.offsets[ids].tolist(), self.offsets[ids + 1].tolist())]
 
     def __eq__(self, other: object) -> bool:

@@ -76,11 +76,10 @@ def build_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, *, gap:
     if streams < 1:
         raise ConfigError(f"streams must be at least 1, got {streams}")
     task_size = max(task_size, align) // align * align
-    if align == 1 and int(length.max()) <= task_size:
-        by_file = np.argsort(file)
-        sorted_file = file[by_file]
-        if (sorted_file[1:] != sorted_file[:-1]).all():  # a file per sample (a file tree): no merges
-            return _one_read_per_sample(file, offset, length, by_file)
+    if align == 1:
+        sorted_file = np.sort(file)
+        if (sorted_file[1:] != sorted_file[:-1]).all():  # a file per sample (a file tree): nothing merges
+            return _given_order_plan(file, offset, length, np.zeros(n, dtype=bool), task_size, streams)
 
     order = np.lexsort((offset, file))
     f, start = file[order], offset[order]
@@ -132,37 +131,20 @@ def _given_order_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, 
                   task_size, streams)
 
 
-def _one_read_per_sample(file: np.ndarray, offset: np.ndarray, length: np.ndarray, by_file: np.ndarray) -> ReadPlan:
-    """The given-order plan where every sample has a file of its own and no read needs
-    splitting: what the general path gives, without its sorting and grouping."""
-    sample_dest = np.zeros(len(file), dtype=np.int64)
-    np.cumsum(length[:-1], out=sample_dest[1:])
-    task_length = length[by_file]
-    return ReadPlan(task_file=file[by_file], task_offset=offset[by_file], task_length=task_length,
-                    task_dest=sample_dest[by_file], task_need=task_length, sample_dest=sample_dest,
-                    sample_length=length.copy(), nbytes=int(length.sum()), align=1)
-
-
 def _split(g_file: np.ndarray, g_start: np.ndarray, g_len: np.ndarray, g_need: np.ndarray, g_dest: np.ndarray,
            sample_dest: np.ndarray, length: np.ndarray, align: int, task_size: int, streams: int) -> ReadPlan:
     """The plan of reads ``g_*``: those longer than ``task_size`` split into tasks of one
     size, a multiple of ``task_size`` (so of ``align``), about ``streams`` of them in all."""
     long_bytes = int(g_len[g_len > task_size].sum())
-    task_size *= max(1, -(-long_bytes // (streams * task_size)))
-    pieces = np.maximum(1, -(-g_len // task_size))
-    g_of = np.repeat(np.arange(len(g_len)), pieces)
-    k = np.arange(len(g_of)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    t_rel = k * task_size
-    t_len = np.minimum(task_size, g_len[g_of] - t_rel)
-    t_need = np.clip(g_need[g_of] - t_rel, 0, t_len)
-    return ReadPlan(
-        task_file=g_file[g_of],
-        task_offset=g_start[g_of] + t_rel,
-        task_length=t_len,
-        task_dest=g_dest[g_of] + t_rel,
-        task_need=t_need,
-        sample_dest=sample_dest,
-        sample_length=length.copy(),
-        nbytes=int((g_dest + g_len).max()),
-        align=align,
-    )
+    t_file, t_start, t_len, t_dest, t_need = g_file, g_start, g_len, g_dest, g_need  # a task per read
+    if long_bytes:
+        task_size *= max(1, -(-long_bytes // (streams * task_size)))
+        pieces = np.maximum(1, -(-g_len // task_size))
+        g_of = np.repeat(np.arange(len(g_len)), pieces)
+        t_rel = (np.arange(len(g_of)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * task_size
+        t_file, t_start, t_dest = g_file[g_of], g_start[g_of] + t_rel, g_dest[g_of] + t_rel
+        t_len = np.minimum(task_size, g_len[g_of] - t_rel)
+        t_need = np.clip(g_need[g_of] - t_rel, 0, t_len)
+    return ReadPlan(task_file=t_file, task_offset=t_start, task_length=t_len, task_dest=t_dest, task_need=t_need,
+                    sample_dest=sample_dest, sample_length=length.copy(), nbytes=int((t_dest + t_len).max()),
+                    align=align)
