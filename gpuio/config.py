@@ -42,7 +42,7 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
                           "the page cache holds almost none of it"),
     "buffer_budget": (4 * GiB, "bytes of batch buffers one pool may hold, host and device together "
                                "(gpuio.read: the value at each call; a Loader: the value when it is made)"),
-    "backend": ("auto", "storage backend: auto, posix or kvikio"),
+    "backend": ("auto", "storage backend of reads into GPU memory: auto, posix or kvikio (host reads: posix)"),
     "native": (True, "posix reads in C with the GIL released, where the accelerator was built"),
     "pinned": ("auto", "pin host batch buffers: auto (when a GPU is present), true, false"),
     "max_open_files": (256, "kvikio CuFile handles kept open across batches"),

@@ -34,10 +34,13 @@ __all__ = ["Reader", "read", "read_fields", "read_sample"]
 class Reader:
     """Reads batches of extents from an index into buffers on ``device``.
 
-    ``backend`` is ``"posix"`` (host memory; to reach a GPU, a pinned buffer and one
-    copy), ``"kvikio"`` (cuFile straight into GPU memory; needs ``device="cuda"``) or
-    ``"auto"`` (kvikio for GPU destinations when it loads, else posix, with the reason
-    in ``fallback``). Settings not given come from ``gpuio.config`` when the reader is made.
+    ``backend`` says how reads into GPU memory are done: ``"posix"`` (host memory, then
+    one copy from a pinned buffer), ``"kvikio"`` (cuFile straight into GPU memory) or
+    ``"auto"`` (kvikio when it loads, else posix, with the reason in ``fallback``). A
+    reader into host memory always reads with posix, whatever ``backend`` says: kvikio
+    lands bytes on the device, and a pipeline that reads on the GPU still parses and
+    decodes some fields on the host. Settings not given come from ``gpuio.config`` when
+    the reader is made.
     """
 
     def __init__(self, device: str | Device = "cpu", *, backend: str | None = None,
@@ -52,13 +55,10 @@ class Reader:
 
             self.fallback = kvikio_problem()
             backend = "posix" if self.fallback else "kvikio"
-        elif backend == "auto":
-            backend = "posix"
+        elif backend in ("auto", "kvikio") and not self.device.is_cuda:
+            backend = "posix"  # the backend governs device reads only (see the docstring)
         threads = config.get("io_threads") if threads is None else threads
         if backend == "kvikio":
-            if not self.device.is_cuda:
-                raise ConfigError("the kvikio backend reads into GPU memory; use device='cuda' "
-                                  "or backend='posix' for host memory")
             from gpuio._kvikio import KvikioBackend
 
             self.backend: Any = KvikioBackend(threads, config.get("task_size"),
