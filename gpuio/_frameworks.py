@@ -34,11 +34,25 @@ def convert(value: Any, output: str, module: ModuleType | None) -> Any:
         return value
     if output == "torch":
         return module.from_dlpack(value)
-    if isinstance(value, np.ndarray) and not value.flags.writeable:
-        value = value.copy()  # DLPack before 1.0, which JAX and TensorFlow take, has no read-only flag
-    if output == "jax":  # on the CPU, JAX copies arrays not aligned to 64 bytes
+    if isinstance(value, np.ndarray) and (not value.flags.writeable or value.ctypes.data % _ALIGN):
+        # DLPack before 1.0, which JAX and TensorFlow take, has no read-only flag; JAX
+        # copies a CPU array not aligned to 64 bytes itself, TensorFlow aborts the process
+        value = _aligned_copy(value)
+    if output == "jax":
         return module.dlpack.from_dlpack(value)
     return module.experimental.dlpack.from_dlpack(value.__dlpack__())
+
+
+_ALIGN = 64  # bytes: the alignment TensorFlow (Eigen) demands of a CPU tensor's data
+
+
+def _aligned_copy(value: np.ndarray) -> np.ndarray:
+    """A writable C-contiguous copy of ``value`` whose data starts on a 64-byte boundary."""
+    raw = np.empty(value.nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    out = raw[start:start + value.nbytes].view(value.dtype).reshape(value.shape)
+    out[...] = value
+    return out
 
 
 def _numeric_array(value: Any) -> bool:

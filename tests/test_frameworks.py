@@ -98,7 +98,33 @@ def check_read_only_copied(output):
     assert convert([ro], output, module)[0] is ro  # lists are left as they are
 
 
+def total(x, output):
+    """The sum of a framework's tensor, computed by that framework (a kernel reads the memory)."""
+    module = importlib.import_module(output)
+    if output == "torch":
+        return float(x.to(module.float64).sum())
+    if output == "jax":
+        return float(module.numpy.sum(x.astype(module.numpy.float32)))
+    return float(module.reduce_sum(module.cast(x, module.float64)))
+
+
+def check_compute(index, output):
+    """The framework computes on every column of every batch, whatever the column's
+    alignment (TensorFlow aborts the process on a CPU tensor not aligned to 64 bytes)."""
+    columns = 0
+    for shuffle in (False, True):
+        want = list(gpuio.Loader(index, 3, output="numpy", shuffle=shuffle, seed=1))
+        got = list(gpuio.Loader(index, 3, output=output, shuffle=shuffle, seed=1))
+        for g, w in zip(got, want):
+            for name, value in w.items():
+                if isinstance(value, np.ndarray):
+                    assert abs(total(g[name], output) - float(value.astype(np.float64).sum())) < 1e-3
+                    columns += 1
+    assert columns >= 8
+
+
 CHECKS = {
+    "compute": check_compute,
     "values": lambda index, output: check_values(index, output, shuffle=False),
     "values-shuffled": lambda index, output: check_values(index, output, shuffle=True),
     "shares-memory": check_shares_memory,
