@@ -22,22 +22,27 @@ Two places cross streams:
 
 Entries are checked (``cudaEventQuery``, no wait) on every new entry; ``reap()``
 checks them too. CuPy is imported only when a GPU path calls in.
+
+No lock guards the entries: they sit in a deque, whose appends and pops are atomic.
+Finalizers call ``release_after`` (a handed-over array's owner going, an array freed in
+a stage) whenever the garbage collector runs, which can be on any thread and inside any
+code, a ``reap()`` or a ``BufferPool`` call included; a lock taken here would deadlock
+such a re-entry on the same thread, or against the pool's lock on another.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 from gpuio import _fork
 from gpuio.device import require
 
-__all__ = ["hand_over", "reap", "release_after"]
+__all__ = ["hand_over", "keep_until", "reap", "release_after"]
 
-_lock = threading.Lock()
-_pending: list[tuple[list[Any], Any]] = []  # (events, what they keep alive)
+_pending: deque[tuple[list[Any], Any]] = deque()  # (events, what they keep alive)
 
 
 def release_after(streams: Iterable[int], obj: Any, device: int) -> None:
@@ -54,20 +59,36 @@ def release_after(streams: Iterable[int], obj: Any, device: int) -> None:
             event = cp.cuda.Event(block=False, disable_timing=True)
             cp.cuda.runtime.eventRecord(event.ptr, ptr)
             events.append(event)
-    with _lock:
-        _pending.append((events, obj))
+    keep_until(events, obj)
+
+
+def keep_until(events: list[Any], obj: Any) -> None:
+    """Keep ``obj`` alive until every event in ``events`` (objects with a ``done``
+    property, as ``cupy.cuda.Event``) has passed; then a ``reap()`` drops it."""
+    _pending.append((events, obj))
     reap()
 
 
 def reap() -> int:
-    """Drop what no stream still needs; returns how many entries are still waiting."""
-    with _lock:
-        waiting, done = [], []
-        for entry in _pending:
-            (done if all(e.done for e in entry[0]) else waiting).append(entry)
-        _pending[:] = waiting
-    del done  # outside the lock: dropping may run finalizers that call release_after
-    return len(waiting)
+    """Drop what no stream still needs; returns how many entries are still waiting.
+
+    Each entry is popped, checked and, when still needed, appended again: another
+    thread, or a finalizer run by a collection in between, may reap or add entries at
+    the same time, and no entry is lost or dropped early."""
+    done = []
+    for _ in range(len(_pending)):
+        try:
+            entry = _pending.popleft()
+        except IndexError:  # a concurrent reap took the rest
+            break
+        try:
+            passed = all(e.done for e in entry[0])
+        except BaseException:  # a CUDA error: the entry stays, the error goes to the caller
+            _pending.append(entry)
+            raise
+        (done if passed else _pending).append(entry)
+    del done  # dropping may run finalizers, which may call release_after again
+    return len(_pending)
 
 
 class _Owner:

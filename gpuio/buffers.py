@@ -83,7 +83,10 @@ class _Storage:
 
     def idle(self) -> bool:
         """No stream still uses this buffer (always true for host memory)."""
-        self.events = [e for e in self.events if not e.done]
+        # removed one by one, never by rebinding the list: a finalizer (_record_release)
+        # may append an event at any moment
+        for e in [e for e in self.events if e.done]:
+            self.events.remove(e)
         return not self.events
 
     def register_gds(self, kvikio: Any) -> None:
@@ -211,10 +214,12 @@ class BufferPool:
                 f"{budget:,} bytes; raise it with gpuio.config.override(buffer_budget=...) "
                 f"or GPUIO_BUFFER_BUDGET, or use a smaller batch")
         deadline = time.monotonic() + self.wait_s
-        with self._lock:
-            while True:
-                if device.is_cuda:
-                    reap()  # batches whose streams are done return their buffers first
+        while True:
+            if device.is_cuda:
+                # batches whose streams are done return their buffers first; outside the
+                # lock, because what reap drops runs finalizers that take other locks
+                reap()
+            with self._lock:
                 fit = [s for s in self._free if s.device == device and s.pinned == pinned
                        and nbytes <= s.capacity <= 2 * capacity and s.idle()]
                 if fit:

@@ -1,0 +1,111 @@
+"""Deferred frees re-entered by finalizers (issue 24, defect 5).
+
+A collection can run anywhere, inside ``reap()`` too, and run finalizers that hand more
+memory to ``gpuio._deferred`` (a handed-over array's owner calls ``release_after``).
+Such a re-entry on the same thread must neither hang nor lose an entry. The events here
+are small stand-ins for ``cupy.cuda.Event`` (the module reads only ``done``), so that
+the bookkeeping runs without a GPU; the GPU contract covers the real events."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+from gpuio import _deferred
+
+
+class Event:
+    """Passed or not, as set; querying it may run a garbage collection first, as any
+    allocation in the real query can."""
+
+    def __init__(self, passed=True, collect=False):
+        self.passed, self.collect = passed, collect
+
+    @property
+    def done(self):
+        if self.collect:
+            gc.collect()
+        return self.passed
+
+
+class Held:
+    """What an entry keeps alive; tells when it is freed."""
+
+    def __init__(self, freed, name):
+        weakref.finalize(self, freed.append, name)
+
+
+def in_thread(body, timeout=10.0):
+    """Runs ``body`` on a daemon thread; a hang fails the test instead of the run."""
+    errors = []
+
+    def run():
+        try:
+            body()
+        except BaseException as e:  # handed to the test's thread below
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "deadlock: reap() re-entered by a finalizer never returned"
+    if errors:
+        raise errors[0]
+
+
+def test_finalizer_reentering_during_reap_neither_hangs_nor_loses_entries():
+    freed = []
+    waiting = Event(passed=False)
+
+    def body():
+        enabled = gc.isenabled()
+        gc.disable()  # the cycle below is collected only inside reap, by the event query
+        try:
+            cycle = Held(freed, "cycle")
+            cycle.me = cycle
+            # the cycle's finalizer hands two more objects over, as hand_over's owner does
+            weakref.finalize(cycle, lambda: (_deferred.keep_until([Event()], Held(freed, "re-entered")),
+                                             _deferred.keep_until([waiting], Held(freed, "still in use"))))
+            del cycle
+            _deferred.keep_until([Event(collect=True)], Held(freed, "first"))
+        finally:
+            if enabled:
+                gc.enable()
+
+    in_thread(body)
+    assert "cycle" in freed and "first" in freed and "re-entered" in freed
+    assert "still in use" not in freed  # its stream has not passed the event
+    waiting.passed = True
+    assert _deferred.reap() == 0
+    assert "still in use" in freed
+
+
+def test_concurrent_keepers_and_reapers_keep_exactly_what_is_still_in_use():
+    freed, kept = [], []
+    waiting = [Event(passed=False) for _ in range(40)]
+
+    def keeper(k):
+        for i in range(200):
+            name = f"{k}-{i}"
+            if i % 5 == 0:
+                kept.append(name)
+                _deferred.keep_until([waiting[(k * 200 + i) % 40]], Held(freed, name))
+            else:
+                _deferred.keep_until([Event(collect=i % 50 == 1)], Held(freed, name))
+            _deferred.reap()
+
+    def body():
+        threads = [threading.Thread(target=keeper, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    in_thread(body, timeout=60)
+    assert not set(kept) & set(freed)  # nothing freed while its event is pending
+    assert len(freed) == 4 * 200 - len(kept)
+    for e in waiting:
+        e.passed = True
+    assert _deferred.reap() == 0
+    assert len(freed) == 4 * 200
