@@ -3,14 +3,17 @@ the integer tables that are their sidecar index files."""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import stat
 import warnings
+from collections.abc import Sequence
 from typing import BinaryIO
 
 import numpy as np
 
-from gpuio.errors import DataError, FormatError, StorageError
+from gpuio.errors import ConfigError, DataError, FormatError, StorageError
 
 __all__: list[str] = []
 
@@ -60,3 +63,50 @@ def int_table(path: str, columns: int) -> np.ndarray:
     if table.shape[1] != columns:
         raise FormatError(f"expected {columns} integers per line, found {table.shape[1]}", path=path, offset=0)
     return table
+
+
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_GLOB = re.compile(r"[*?[]")
+
+
+def _braces(pattern: str) -> list[str]:
+    """``pattern`` with its first ``{a,b}`` or ``{0000..0099}`` expanded (then the rest,
+    recursively), in order: as webdataset and the shell write shard lists. A numeric
+    range keeps the width of its first bound (``{000..12}`` gives ``000`` ... ``012``)."""
+    m = _BRACE.search(pattern)
+    if m is None:
+        return [pattern]
+    body = m.group(1)
+    r = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if r is not None:
+        lo, hi = int(r.group(1)), int(r.group(2))
+        if hi < lo:
+            raise ConfigError(f"{pattern!r}: the range {{{body}}} runs backwards")
+        width = len(r.group(1))
+        choices = [f"{n:0{width}d}" for n in range(lo, hi + 1)]
+    elif "," in body:
+        choices = body.split(",")
+    else:
+        return [pattern[:m.end()] + p for p in _braces(pattern[m.end():])]  # a literal {word}
+    head, tail = pattern[:m.start()], pattern[m.end():]
+    return [p for c in choices for p in _braces(head + c + tail)]
+
+
+def shard_paths(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], what: str) -> list[str]:
+    """The files named by ``paths`` (one path or several), in order, with brace patterns
+    (``shard-{0000..0099}.tar``, ``{train,val}.rec``) expanded and glob patterns
+    (``shards/*.tar``) matched, sorted by name. A path without a pattern is kept as it
+    is (a missing one is reported when it is opened); a glob that matches no file is a
+    ``DataError`` naming the pattern (``what``: e.g. ``"tar file"``)."""
+    given = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    out: list[str] = []
+    for p in given:
+        for one in _braces(os.fspath(p)):
+            if _GLOB.search(one) and not os.path.exists(one):
+                found = sorted(glob.glob(one))
+                if not found:
+                    raise DataError(f"no {what} matches this pattern", path=one)
+                out.extend(found)
+            else:
+                out.append(one)
+    return out

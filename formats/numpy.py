@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpuio.errors import DataError, FormatError, StorageError
-from gpuio.formats._files import open_regular_file
+from gpuio.formats._files import open_regular_file, shard_paths
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["numpy", "parse_npy_header"]
@@ -75,9 +75,9 @@ def numpy(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
             if not paths:
                 raise DataError("no samples: found no .npy files", path=root)
         else:
-            paths = [root]
+            paths = shard_paths(root, ".npy file")
     else:
-        paths = [os.fspath(p) for p in root_or_files]
+        paths = shard_paths(root_or_files, ".npy file")
         if not paths:
             raise DataError("no samples: an empty list of .npy files was given")
     offsets, lengths, shapes, dtypes, fortran_order = [], [], [], [], []

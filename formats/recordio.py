@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError
-from gpuio.formats._files import int_table, regular_file_size
+from gpuio.formats._files import int_table, regular_file_size, shard_paths
 from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
 
 __all__ = ["recordio", "RecordIOParser", "MAGIC"]
@@ -59,14 +59,13 @@ def recordio(rec_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     the record's position in its file), and, parsed after the read, ``data``,
     ``label`` and ``id``.
     """
-    paths = ([os.fspath(rec_paths)] if isinstance(rec_paths, (str, os.PathLike))
-             else [os.fspath(p) for p in rec_paths])
+    paths = shard_paths(rec_paths, ".rec file")
     if not paths:
         raise DataError("no samples: an empty list of .rec files was given")
     if idx_path is None:
         idx_paths: list[str | None] = [None] * len(paths)
     elif isinstance(idx_path, (str, os.PathLike)):
-        idx_paths = [os.fspath(idx_path)]
+        idx_paths = list(shard_paths(idx_path, ".idx file"))
     else:
         idx_paths = [None if p is None else os.fspath(p) for p in idx_path]
     if len(idx_paths) != len(paths):

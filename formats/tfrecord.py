@@ -39,7 +39,7 @@ import numpy as np
 
 from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
-from gpuio.formats._files import int_table, open_regular_file
+from gpuio.formats._files import int_table, open_regular_file, shard_paths
 from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
 
 __all__ = ["tfrecord", "ExampleParser", "masked_crc32c"]
@@ -85,13 +85,13 @@ def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     into the cache folder (see the module docstring); the index's files are then the
     decompressed copies, and ``index.meta["decompressed_from"]`` lists the originals.
     """
-    paths = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
+    paths = shard_paths(paths, "TFRecord file")
     if not paths:
         raise DataError("no samples: an empty list of TFRecord files was given")
     if index_paths is None:
         index_paths = [None] * len(paths)
     elif isinstance(index_paths, (str, os.PathLike)):
-        index_paths = [index_paths]
+        index_paths = shard_paths(index_paths, "TFRecord index file")
     index_paths = [None if p is None else os.fspath(p) for p in index_paths]
     if len(index_paths) != len(paths):
         raise ConfigError(f"{len(index_paths)} index files for {len(paths)} TFRecord files; give one per file")

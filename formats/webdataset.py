@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError
-from gpuio.formats._files import open_regular_file
+from gpuio.formats._files import open_regular_file, shard_paths
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["webdataset"]
@@ -64,8 +64,7 @@ def webdataset(tar_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[st
         raise ConfigError(f"fields {fields!r}: give distinct member extensions such as ('jpg', 'cls')")
     if missing not in ("error", "skip"):
         raise ConfigError(f"missing {missing!r}; choose 'error' or 'skip'")
-    paths = [os.path.abspath(os.fspath(tar_paths))] if isinstance(tar_paths, (str, os.PathLike)) else \
-        [os.path.abspath(os.fspath(p)) for p in tar_paths]
+    paths = [os.path.abspath(p) for p in shard_paths(tar_paths, "tar file")]
     if not paths:
         raise DataError("no samples: an empty list of tar files was given")
 
