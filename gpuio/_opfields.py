@@ -8,11 +8,37 @@ order and stops at the first op that names no input (a user's op may make anythi
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gpuio.errors import ConfigError
 from gpuio.index import SampleIndex
+
+
+# Field names that hold encoded images: a webdataset member's extension, a TFRecord
+# feature's last part ("image/encoded"), or a plain name.
+_IMAGE_NAMES = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "gif", "jp2", "image",
+                          "img", "encoded"})
+_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def image_fields(index: SampleIndex, fields: Sequence[str] | None = None) -> list[str]:
+    """The fields of ``index`` (among ``fields``, default all) that hold encoded images:
+    those named as images are (``jpg``, ``seg.png``, ``image/encoded``), and ``data``
+    where the format stores images there (a file tree of image files, COCO, RecordIO)."""
+    out = []
+    for f in index.fields if fields is None else fields:
+        if re.split(r"[/.]", f.lower())[-1] in _IMAGE_NAMES:
+            out.append(f)
+        elif f == "data" and f in index.fields:
+            kind = index.meta.get("format")
+            if kind in ("coco", "recordio") or (
+                    kind == "filetree" and len(index.files) and
+                    os.path.splitext(index.files[0])[1].lower() in _IMAGE_SUFFIXES):
+                out.append(f)
+    return out
 
 
 def flat_ops(ops: Iterable[Any]) -> list[Any]:

@@ -1,4 +1,4 @@
-"""The ``gpuio`` command: ``gpuio bench``, ``gpuio sample``, ``gpuio info``, ``gpuio serve``."""
+"""The ``gpuio`` command: ``bench``, ``index``, ``inspect``, ``check``, ``sample``, ``info``, ``serve``."""
 
 from __future__ import annotations
 
@@ -12,16 +12,182 @@ import numpy as np
 
 import gpuio
 from gpuio._bench.common import SAMPLE_COUNT, cache_dir, sample_root
-from gpuio.errors import GpuioError
+from gpuio.errors import ConfigError, GpuioError
 from gpuio.sample import make_image_tree
 
 __all__ = ["main"]
 
 
 def _index_for(path: str) -> gpuio.SampleIndex:
+    """A saved index (a file), else the file tree at ``path``."""
     if os.path.isfile(path):
         return gpuio.SampleIndex.load(path)
     return gpuio.formats.filetree(path)
+
+
+# gpuio index: each format's options on the command line, and which formats take them
+_INDEX_OPTIONS = {"annotations": ("coco",), "fields": ("webdataset",), "features": ("tfrecord",),
+                  "compression": ("tfrecord",)}
+
+
+def _build_index(args: argparse.Namespace) -> gpuio.SampleIndex:
+    name = args.format
+    given = {opt: getattr(args, opt) for opt in _INDEX_OPTIONS if getattr(args, opt) is not None}
+    for opt in given:
+        if name not in _INDEX_OPTIONS[opt]:
+            raise ConfigError(f"--{opt} applies to {', '.join(_INDEX_OPTIONS[opt])}, not to {name}")
+    paths = args.paths[0] if len(args.paths) == 1 else args.paths
+    make = getattr(gpuio.formats, name)
+    if name == "coco":
+        if "annotations" not in given or len(args.paths) != 1:
+            raise ConfigError("coco takes one image folder and --annotations FILE.json")
+        return make(args.paths[0], given["annotations"])
+    if name in ("filetree", "lmdb", "manifest") and len(args.paths) != 1:
+        raise ConfigError(f"{name} takes one path, got {len(args.paths)}")
+    kwargs: dict[str, object] = {}
+    if "fields" in given:
+        kwargs["fields"] = tuple(f for f in given["fields"].split(",") if f)
+    if "features" in given:
+        pairs = [item.partition("=") for item in given["features"].split(",") if item]
+        bad = [name for name, eq, kind in pairs if not eq or not kind]
+        if bad:
+            raise ConfigError(f"--features takes NAME=KIND pairs (kinds bytes, int64, float), e.g. "
+                              f"image/encoded=bytes,image/class/label=int64; got {given['features']!r}")
+        kwargs["features"] = {n: kind for n, _, kind in pairs}
+    if "compression" in given:
+        kwargs["compression"] = given["compression"]
+    return make(paths, **kwargs)
+
+
+def _cmd_index(args: argparse.Namespace) -> None:
+    t0 = time.perf_counter()
+    with _Working(f"indexing {args.format} {' '.join(args.paths)}"):
+        index = _build_index(args)
+        index.save(args.out)
+    print(f"{len(index):,} samples in {len(index.files):,} files, fields {list(index.fields)}: "
+          f"{args.out} ({os.path.getsize(args.out):,} bytes) in {time.perf_counter() - t0:.1f} s")
+
+
+class _Working:
+    """A progress line with the seconds spent, on stderr, while a step whose length is
+    not known ahead (one format call) runs; cleared when it ends."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> _Working:
+        import threading
+
+        from tqdm import tqdm
+
+        self._bar = tqdm(desc=self.what, total=None, bar_format="{desc}: {elapsed}", file=sys.stderr,
+                         leave=False, mininterval=1.0)
+        self._done = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, daemon=True, name="gpuio-cli-progress")
+        self._ticker.start()
+        return self
+
+    def _tick(self) -> None:
+        while not self._done.wait(1.0):
+            self._bar.refresh()
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._ticker.join()
+        self._bar.close()
+
+
+def _cmd_inspect(args: argparse.Namespace) -> None:
+    from gpuio.index import Ragged
+
+    index = _index_for(args.path)
+    print(f"{args.path}: {len(index):,} samples, {len(index.files):,} files, format "
+          f"{index.meta.get('format', 'unknown')}")
+    print("fields:")
+    for name in index.fields:
+        if name in index.extents:
+            n = index.extents[name].length
+            sizes = (f"{int(n.sum()):,} bytes: per sample min {int(n.min()):,}, median {int(np.median(n)):,}, "
+                     f"max {int(n.max()):,}") if len(n) else "no samples"
+            print(f"  {name:20s} bytes   {sizes}")
+        elif name in index.values:
+            col = index.values[name]
+            kind = f"{col.kind} (ragged)" if isinstance(col, Ragged) else f"{col.dtype}{list(col.shape[1:]) or ''}"
+            print(f"  {name:20s} {kind}")
+        else:
+            print(f"  {name:20s} parsed from {index.parser.source!r} when read")
+    classes = index.meta.get("classes")
+    if "label" in index.values and not isinstance(index.values["label"], Ragged) and len(index):
+        labels, counts = np.unique(index.values["label"], return_counts=True)
+        names = list(classes) if classes else []
+        shown = ", ".join(f"{names[int(lab)] if 0 <= int(lab) < len(names) else int(lab)}: {c:,}"
+                          for lab, c in list(zip(labels, counts))[:args.classes])
+        more = f", ... ({len(labels) - args.classes:,} more)" if len(labels) > args.classes else ""
+        print(f"classes: {len(labels):,} (samples per class: min {counts.min():,}, max {counts.max():,}): "
+              f"{shown}{more}")
+    elif classes:
+        print(f"classes: {len(classes):,}")
+    files = list(index.files.many(np.arange(min(len(index.files), args.files))))
+    print("files:" + "".join(f"\n  {f}" for f in files) +
+          (f"\n  ... ({len(index.files) - len(files):,} more)" if len(index.files) > len(files) else ""))
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from gpuio._opfields import image_fields
+
+    if args.format is None and len(args.paths) != 1:
+        raise ConfigError(f"check takes one saved index or file tree (or --format FORMAT and its paths), "
+                          f"got {len(args.paths)} paths")
+    index = _build_index(args) if args.format else _index_for(args.paths[0])
+    images = image_fields(index) if args.decode else []
+    ops = [gpuio.ops.decode_image(field=f, out=f"{f}:decoded") for f in images]
+    what = f"reading every field{', decoding ' + ', '.join(images) if images else ''}"
+    bad = []
+    t0 = time.perf_counter()
+    from tqdm import tqdm
+
+    with tqdm(total=len(index), desc=what, unit="sample", file=sys.stderr, leave=False) as bar:
+        for sample, message in bad_samples(index, ops, args.batch, bar.update):
+            bad.append(sample)
+            tqdm.write(message, file=sys.stdout)
+    print(f"{len(index) - len(bad):,} of {len(index):,} samples good, {len(bad):,} bad ({what}, "
+          f"{time.perf_counter() - t0:.1f} s)")
+    return 1 if bad else 0
+
+
+def bad_samples(index: gpuio.SampleIndex, ops: list, batch: int, progress=lambda n: None):
+    """``(sample, message)`` for each sample of ``index`` that cannot be read, parsed or
+    taken through ``ops``, in sample order; the message names the file, the byte offset
+    and the reason. Good batches go through a ``Loader`` (``on_error="skip"``); each
+    sample it dropped is run alone again for its error."""
+    loader = gpuio.Loader(index, batch, ops=ops, output="numpy", on_error="skip")
+    for k, got in enumerate(loader):
+        expected = np.arange(k * batch, min((k + 1) * batch, len(index)))
+        progress(len(expected))
+        for sample in np.setdiff1d(expected, got["index"]).tolist():
+            yield sample, _why(index, sample, ops)
+
+
+def _why(index: gpuio.SampleIndex, sample: int, ops: list) -> str:
+    """One line on why ``sample`` fails, from running it alone with ``on_error="raise"``."""
+    one = gpuio.Loader(index.take([sample]), 1, ops=ops, output="numpy")
+    try:
+        list(one)
+    except GpuioError as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, GpuioError) else exc
+        where = _where(index, sample, cause)
+        reason = cause.reason if isinstance(cause, gpuio.errors.DataError) else str(cause)
+        return f"sample {sample}: {where}{reason}"
+    return f"sample {sample}: dropped in its batch but reads alone (a fault of the batch, not of the sample)"
+
+
+def _where(index: gpuio.SampleIndex, sample: int, err: BaseException) -> str:
+    """``"FILE at byte N: "`` for the sample's first extent (or the error's own file and offset)."""
+    path, offset = getattr(err, "path", None), getattr(err, "offset", None)
+    if path is None and index.extents:
+        extent = index.extent(sample, next(iter(index.extents)))
+        path, offset = extent.file, extent.offset
+    return f"{path}" + (f" at byte {offset}" if offset is not None else "") + ": " if path else ""
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
@@ -42,7 +208,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     rows = storage.measure(os.path.basename(os.path.normpath(path)), index, ceiling, batch=args.batch,
                            repeat=args.repeat, caches=_caches(args))
     storage.report("gpuio read benchmark", rows, out, {"dataset": path})
-    if not args.no_images:
+    if not args.no_images and not os.path.isdir(path):
+        print(f"\nthe image pipeline bench reads a file tree of images; {path} is a saved index: skipped")
+    elif not args.no_images:
         print()
         images.main(["--root", path, "--batch", str(args.batch), "--epochs", "2",
                      "--out", os.path.splitext(out)[0] + "-images.json"])
@@ -97,9 +265,22 @@ def _cmd_info(args: argparse.Namespace) -> None:
             print(f"  {pkg:18s} {_kvikio_report()}")
             continue
         print(f"  {pkg:18s} {'installed' if found else 'not installed'}")
+    print("C extensions (a missing one means a slower fallback; rebuild with a C compiler and libjpeg headers):")
+    for module, role in _EXTENSIONS.items():
+        print(f"  {module:18s} {'built' if importlib.util.find_spec(module) else 'MISSING'}: {role}")
     print("settings:")
     for name, value in gpuio.config.settings().items():
         print(f"  {name:16s} {value!r:12}  {gpuio.config.DEFAULTS[name][1]}")
+
+
+_EXTENSIONS = {  # module: what it does, and what runs without it
+    "gpuio._native": "the batched posix read loop (else one Python read per extent)",
+    "gpuio._jpeg": "region and DCT-scaled JPEG decoding (else simplejpeg, whole images)",
+    "gpuio._cpuops": "the CPU resampler and fused crop/resize/normalize (else Pillow and NumPy op by op)",
+    "gpuio._video": "YUV to RGB for CPU video decoding (else swscale through PyAV)",
+    "gpuio._audio": "preemphasis and nonsilent region (else NumPy)",
+    "gpuio._flac": "FLAC decoding (else libsndfile through soundfile)",
+}
 
 
 def _kvikio_report() -> str:
@@ -131,6 +312,22 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         server.serve_forever()
 
 
+def _format_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
+    names = [n for n in gpuio.formats.__all__ if n != "concat"]
+    if required:
+        parser.add_argument("format", choices=names, help="the dataset's format")
+        parser.add_argument("paths", nargs="+", help="the dataset: a folder, a file, or several files "
+                            "(brace ranges and globs as shard-{0000..0099}.tar are expanded)")
+    else:
+        parser.add_argument("--format", choices=names, help="index PATH in this format first (default: PATH is a "
+                            "saved index or a file tree)")
+    parser.add_argument("--annotations", help="coco: the annotations JSON file")
+    parser.add_argument("--fields", help="webdataset: member extensions, comma separated (default: jpg,cls)")
+    parser.add_argument("--features", help="tfrecord: NAME=KIND pairs, comma separated, kinds bytes, int64, float "
+                        "(default: the whole record as field data)")
+    parser.add_argument("--compression", choices=("gzip", "zlib"), help="tfrecord: the files' compression")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuio", description="Training data from storage into GPU tensors.")
     parser.add_argument("--version", action="version", version=f"gpuio {gpuio.__version__}")
@@ -151,6 +348,26 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="the results as JSON here, the chart beside it as PNG "
                        "(default: results/bench.json in the cache folder)")
     bench.set_defaults(func=_cmd_bench)
+
+    index = sub.add_parser("index", help="index a dataset and save the index (reload: gpuio.SampleIndex.load)")
+    _format_arguments(index, required=True)
+    index.add_argument("-o", "--out", required=True, help="the index file to write (.idx, a NumPy .npz)")
+    index.set_defaults(func=_cmd_index)
+
+    inspect = sub.add_parser("inspect", help="what a saved index (or a file tree) holds: fields, sizes, classes, files")
+    inspect.add_argument("path", help="a saved index or a file tree")
+    inspect.add_argument("--classes", type=_positive, default=10, help="classes to list (default: 10)")
+    inspect.add_argument("--files", type=_positive, default=5, help="files to list (default: 5)")
+    inspect.set_defaults(func=_cmd_inspect)
+
+    check = sub.add_parser("check", help="read (and decode) every sample; list each bad one with its file, byte "
+                           "offset and reason; exit status 1 when any is bad")
+    check.add_argument("paths", nargs="+", metavar="PATH", help="a saved index or a file tree; with --format, that format's paths")
+    _format_arguments(check, required=False)
+    check.add_argument("--no-decode", dest="decode", action="store_false",
+                       help="only read (and parse) every sample; by default image fields are decoded too")
+    check.add_argument("--batch", type=_positive, default=64, help="samples per batch (default: 64)")
+    check.set_defaults(func=_cmd_check)
 
     sample = sub.add_parser("sample", help="generate the sample dataset and print its path")
     sample.add_argument("--out", help="folder to write to (default: the cache folder)")
@@ -189,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_bench_args(parser, args)
     t0 = time.perf_counter()
     try:
-        args.func(args)
+        status = args.func(args) or 0
     except GpuioError as exc:
         print(f"gpuio: error: {exc}", file=sys.stderr)
         return 1
@@ -197,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if args.command == "bench":
         print(f"done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    return 0
+    return status
 
 
 if __name__ == "__main__":
