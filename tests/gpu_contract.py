@@ -36,11 +36,6 @@ SOURCES = ("gpuio", "ops", "formats")
 # the names gpuio's code gives these modules -> the module
 ALIASES = {"cp": "cupy", "cupy": "cupy", "kvikio": "kvikio", "nvimgcodec": "nvidia.nvimgcodec",
            "nvc": "PyNvVideoCodec"}
-# modules whose import needs the driver (PyNvVideoCodec loads libnvidia-encode and
-# libcuda): their uses are looked up in the strings of their extension modules, where
-# pybind11 keeps every function, class, member and keyword name. A linker may store a
-# name as the tail of a longer string, so this finds only names that are nowhere.
-STATIC = {"PyNvVideoCodec"}
 # methods of objects the libraries return (the scan only sees module attributes):
 # "module.Class.method" -> keywords gpuio passes
 METHODS = {
@@ -58,6 +53,33 @@ METHODS = {
     "cupy.cuda.Event.synchronize": (),
     "cupy.cuda.Event.done": (),
 }
+
+
+# Every place gpuio converts an object a GPU library hands back, as (file, function,
+# variable) -> the object's class. ``check_conversions`` finds each conversion call on that
+# variable and checks that the class has the protocol the call reads; and every device
+# conversion (CuPy, torch) of a variable in a file that uses a decoder library must be
+# listed here or in ``HOST_ARRAYS``, so that a new conversion site is not missed.
+CONVERSIONS = {
+    ("ops/video.py", "keep", "picture"): "PyNvVideoCodec.DecodedFrame",  # NVDEC's frames
+    ("ops/decode.py", "decode_gpu", "img"): "nvidia.nvimgcodec.Image",  # nvImageCodec's images
+}
+# device conversions in those files whose variable holds a NumPy array (decoded on the CPU)
+HOST_ARRAYS = {("ops/decode.py", "upload", "img")}
+DECODERS = ("nvc", "nvimgcodec")  # the names gpuio gives the decoder libraries
+_BUFFER = "buffer protocol"
+# what a converting call reads, as alternatives of protocols all needed. CuPy's asarray takes
+# __cuda_array_interface__ (or CuPy's own hook) and sends anything else through numpy.array,
+# which makes an object array of a device object: it never reads __dlpack__.
+_CUPY_TAKES = [("__cuda_array_interface__",), ("__cupy_get_ndarray__",)]
+_DLPACK = [("__dlpack__", "__dlpack_device__")]
+_NUMPY_TAKES = [("__array_interface__",), ("__array__",), (_BUFFER,)]
+READS = {("cupy", "asarray"): _CUPY_TAKES, ("cupy", "array"): _CUPY_TAKES,
+         ("cupy", "ascontiguousarray"): _CUPY_TAKES, ("numpy", "asarray"): _NUMPY_TAKES,
+         ("numpy", "array"): _NUMPY_TAKES, ("numpy", "ascontiguousarray"): _NUMPY_TAKES,
+         ("numpy", "frombuffer"): [(_BUFFER,)], ("torch", "as_tensor"): _CUPY_TAKES[:1] + _NUMPY_TAKES,
+         ("", "memoryview"): [(_BUFFER,)], ("*", "from_dlpack"): _DLPACK}
+_ROOTS = {"cp": "cupy", "cupy": "cupy", "np": "numpy", "numpy": "numpy", "torch": "torch"}
 
 
 def _chain(node: ast.AST) -> tuple[str, list[str]] | None:
@@ -139,9 +161,7 @@ def _resolve(module: Any, attrs: list[str]) -> Any:
 def check_uses(report: dict[str, Any]) -> None:
     found = scan()
     loaded = {}
-    for use in [u for u in found["uses"] if u["module"] in STATIC]:
-        _check_static(use, report)
-    for name in sorted((set(ALIASES.values()) | set(found["modules"])) - STATIC):
+    for name in sorted(set(ALIASES.values()) | set(found["modules"])):
         try:
             loaded[name] = importlib.import_module(name)
         except Exception as exc:  # any import failure is a finding to report
@@ -173,19 +193,83 @@ def check_uses(report: dict[str, Any]) -> None:
                     report["problems"].append(f"{name}: no keyword {missing}; it takes {sorted(params)}")
 
 
-def _check_static(use: dict[str, Any], report: dict[str, Any]) -> None:
-    spec = importlib.util.find_spec(use["module"])
-    if spec is None or not spec.submodule_search_locations:
-        report["problems"].append(f"{use['module']} is not installed")
-        return
-    folder = Path(list(spec.submodule_search_locations)[0])
-    blob = b"".join(p.read_bytes() for p in folder.glob("*.so")) + b"".join(
-        p.read_bytes() for p in folder.rglob("*.py"))
-    for name in use["attrs"] + use["keywords"]:
-        if name.encode() + b"\0" not in blob and f"def {name}(".encode() not in blob:
-            report["problems"].append(f"{use['module']}.{'.'.join(use['attrs'])} ({use['where']}): "
-                                      f"{name!r} is nowhere in {folder.name}'s extension modules")
-    report["checked"] += 1
+def _conversion_calls(root: Path = ROOT) -> list[dict[str, Any]]:
+    """Calls that convert a variable (the first argument) into an array, with the file,
+    the innermost function around them and what they read."""
+    found = []
+    for top in SOURCES:
+        for path in sorted((root / top).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            decoders = any(isinstance(n, ast.Name) and n.id in DECODERS for n in ast.walk(tree))
+            for fn in ast.walk(tree):
+                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                inner = {id(n) for f in ast.walk(fn) if f is not fn and isinstance(f, (ast.FunctionDef,
+                         ast.AsyncFunctionDef)) for n in ast.walk(f)}
+                for node in ast.walk(fn):
+                    if id(node) in inner or not isinstance(node, ast.Call) or not node.args \
+                            or not isinstance(node.args[0], ast.Name):
+                        continue
+                    if isinstance(node.func, ast.Name):
+                        module, name = "", node.func.id
+                    elif isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+                        module, name = _ROOTS.get(node.func.value.id, "?"), node.func.attr
+                    else:
+                        continue
+                    reads = READS.get((module, name)) or (READS["*", name] if name == "from_dlpack" else None)
+                    if reads is not None:
+                        found.append({"where": f"{path.relative_to(root)}:{node.lineno}", "call": ast.unparse(node),
+                                      "site": (str(path.relative_to(root)), fn.name, node.args[0].id),
+                                      "reads": reads, "device": module in ("cupy", "torch"), "decoders": decoders})
+    return found
+
+
+def _has_buffer(cls: type) -> bool:
+    """Whether instances of ``cls`` export the buffer protocol (a C-level slot)."""
+    if sys.version_info >= (3, 12):
+        return hasattr(cls, "__buffer__")
+    import ctypes
+
+    offset = 20 * ctypes.sizeof(ctypes.c_void_p)  # PyTypeObject.tp_as_buffer, Python 3.8 to 3.11
+
+    def slot(t: type) -> int | None:
+        return ctypes.c_void_p.from_address(id(t) + offset).value
+
+    if not slot(bytes) or slot(int):
+        raise RuntimeError("cannot read tp_as_buffer on this Python: the type layout is not the one assumed")
+    return bool(slot(cls))
+
+
+def check_conversions(report: dict[str, Any]) -> None:
+    """Each listed conversion reads a protocol its object's class has; no device
+    conversion in a decoder file is unlisted."""
+    calls = _conversion_calls()
+    for call in calls:
+        if call["device"] and call["decoders"] and call["site"] not in CONVERSIONS and call["site"] not in HOST_ARRAYS:
+            report["problems"].append(f"{call['where']} {call['call']}: converts {call['site'][2]!r} in a file that "
+                                      "uses a decoder library; list its class in tests/gpu_contract.py CONVERSIONS "
+                                      "(or HOST_ARRAYS if it is a NumPy array)")
+    for site, qualname in CONVERSIONS.items():
+        module_name, cls_name = qualname.rsplit(".", 1)
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError, RuntimeError) as exc:
+            report["problems"].append(f"{qualname} (converted in {site[0]}): {type(exc).__name__}: {exc}")
+            continue
+        has = {p for p in ("__cuda_array_interface__", "__cupy_get_ndarray__", "__dlpack__", "__dlpack_device__",
+                           "__array_interface__", "__array__") if hasattr(cls, p)} | ({_BUFFER} if _has_buffer(cls)
+                                                                                        else set())
+        here = [c for c in calls if c["site"] == site]
+        if not here:
+            report["problems"].append(f"{site[0]}: no conversion of {site[2]!r} in {site[1]}() any more; "
+                                      "update tests/gpu_contract.py CONVERSIONS")
+        for call in here:
+            report["conversions"] += 1
+            if not any(set(need) <= has for need in call["reads"]):
+                report["problems"].append(
+                    f"{call['where']} {call['call']}: reads {' or '.join('+'.join(n) for n in call['reads'])}, "
+                    f"but {qualname} has {', '.join(sorted(has)) or 'no array protocol'}"
+                    + ("; convert it with from_dlpack" if set(_DLPACK[0]) <= has else ""))
 
 
 def _split(key: str) -> tuple[str, list[str]]:
@@ -199,7 +283,7 @@ def _split(key: str) -> tuple[str, list[str]]:
 def run_gpuio(report: dict[str, Any]) -> None:
     """Run the parts of gpuio's GPU code that need no driver."""
     steps = [("kvikio", _kvikio), ("decode params", _decode_params), ("region streams", _region_streams),
-             ("device arrays", _device_arrays), ("gpuio info", _info)]
+             ("cpu decode", _cpu_decode), ("device arrays", _device_arrays), ("gpuio info", _info)]
     for name, step in steps:
         try:
             step()
@@ -310,6 +394,46 @@ def _region_streams() -> None:
     assert code_stream(nvimgcodec, data[:40]) is None and code_stream(nvimgcodec, data[:0]) is None
 
 
+def _cpu_decode() -> None:
+    """gpuio's nvImageCodec calls on the wheel's CPU backend, on real JPEGs (colour and
+    grayscale): its decode parameters for each colour, the sources it passes (the bytes,
+    a code stream, a region's sub code stream) and the keywords it passes; the images,
+    shaped as ``decode_gpu`` shapes them, equal gpuio's CPU decoder's."""
+    import io
+
+    import numpy as np
+    from nvidia import nvimgcodec
+    from PIL import Image
+
+    from gpuio.ops.decode import COLORS, _decode_params, decode_cpu
+    from gpuio.ops.decode_slice import code_stream, region_source
+
+    y, x = np.mgrid[0:48, 0:64]
+    rgb = np.stack([x * 4, y * 5, (x + y) * 2], -1).astype(np.uint8)
+    decoder = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                                 backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)])
+    for mode, pixels in (("RGB", rgb), ("L", rgb[:, :, 0])):
+        buf = io.BytesIO()
+        Image.fromarray(pixels, mode).save(buf, "JPEG", quality=95)
+        data = np.frombuffer(buf.getvalue(), np.uint8)
+        stream = code_stream(nvimgcodec, data)
+        window = (8, 16, 40, 48)
+        for color in COLORS:
+            images = decoder.decode([data, stream, region_source(nvimgcodec, stream, window)],
+                                    params=_decode_params(nvimgcodec, color), cuda_stream=0)
+            whole = decode_cpu(data, color, 0)
+            for img, want in zip(images, (whole, whole, whole[window[0]:window[2], window[1]:window[3]])):
+                assert img is not None, (mode, color)
+                arr = np.asarray(img)  # a host image; decode_gpu's steps after its conversion:
+                if arr.ndim == 2:
+                    arr = arr[:, :, None]
+                if color == "rgb" and arr.shape[2] == 1:
+                    arr = np.broadcast_to(arr, arr.shape[:2] + (3,))
+                assert arr.dtype == want.dtype and arr.shape == want.shape, (mode, color, arr.shape, want.shape)
+                diff = int(np.abs(arr.astype(np.int16) - want).max())
+                assert diff <= 2, f"{mode} JPEG as {color}: differs from the CPU decode by up to {diff}"
+
+
 def _device_arrays() -> None:
     """The CuPy arrays gpuio builds on pointers, over a made-up address (never read)."""
     import gc
@@ -375,17 +499,25 @@ def _info() -> None:
 
 
 def main() -> None:
-    report: dict[str, Any] = {"problems": [], "checked": 0, "ran": [], "python": sys.version.split()[0],
-                              "versions": {}}
+    report: dict[str, Any] = {"problems": [], "checked": 0, "conversions": 0, "ran": [],
+                              "python": sys.version.split()[0], "versions": {}}
     before = set(sys.modules)
-    import gpuio  # noqa: F401
+    import gpuio
+
+    if not Path(gpuio.__file__).resolve().is_relative_to(ROOT):  # the other checks would test that gpuio
+        report["problems"].append(f"gpuio imports from {gpuio.__file__}, not from this checkout ({ROOT}): "
+                                  f"install this checkout into the environment that runs the tests (pip install -e)")
+        print(json.dumps(report))
+        sys.stdout.flush()
+        os._exit(0)
 
     cuda = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("cupy", "kvikio", "cupy_backends")
                   or m.startswith("nvidia"))
     if cuda:
         report["problems"].append(f"import gpuio imported CUDA libraries: {cuda[:5]}")
     check_uses(report)
-    for name in ("cupy", "kvikio", "nvidia.nvimgcodec"):
+    check_conversions(report)
+    for name in ("cupy", "kvikio", "nvidia.nvimgcodec", "PyNvVideoCodec"):
         module = sys.modules.get(name)
         report["versions"][name] = getattr(module, "__version__", None)
     run_gpuio(report)

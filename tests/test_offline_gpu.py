@@ -14,7 +14,6 @@ and never skip: a missing nvcc or an unreachable package index fails them).
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import os
 import re
@@ -22,11 +21,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
+import contract_env
 from gpuio.ops._kernels import OPTIONS, SOURCE
 
 pytestmark = pytest.mark.offline_gpu
@@ -34,16 +33,7 @@ pytestmark = pytest.mark.offline_gpu
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = ("sm_80", "sm_90")
 
-# pinned so that a new release changes this file (and the cache key) visibly
-WHEELS = {
-    "cu13": ["cupy-cuda13x==14.2.0", "cuda-pathfinder==1.9.0", "kvikio-cu13==26.10.0", "libkvikio-cu13==26.10.0",
-             "rapids-logger==0.3.0", "nvidia-cufile==1.20.0.107", "nvidia-nvimgcodec-cu13==0.9.0.20",
-             "pynvvideocodec==2.2.4"],
-    "cu12": ["cupy-cuda12x==13.6.0", "fastrlock==0.8.3", "cuda-pathfinder==1.9.0", "kvikio-cu12==26.10.0",
-             "libkvikio-cu12==26.10.0", "rapids-logger==0.3.0", "nvidia-cufile-cu12==1.14.1.1",
-             "nvidia-nvimgcodec-cu12==0.9.0.20", "pynvvideocodec==2.2.4"],
-}
-
+WHEELS = contract_env.wheels()  # tests/gpu_wheels.txt: the pins, shared with bench/gpu_wheels.sh
 
 def _cuda_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     """(name, source, nvcc options) of every CUDA source: the kernels gpuio compiles at
@@ -77,51 +67,79 @@ def test_cuda_source_compiles_clean(tmp_path, arch, name, source, options):
         f"{name} for {arch} keeps a stack frame or spills (arrays indexed at run time?):\n{log}"
 
 
-def _venv(flavor: str) -> Path:
-    """A virtual environment with the ``flavor`` GPU wheels (and the test environment's
-    packages through ``--system-site-packages``), made once and kept in the cache."""
-    pins = WHEELS[flavor]
-    key = hashlib.sha1(" ".join([sys.version, *pins]).encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("GPUIO_CONTRACT_DIR", Path.home() / ".cache" / "gpuio-contract"))
-    target = cache / f"{flavor}-{key}"
-    python = target / "bin" / "python"
-    if (target / "complete").exists():
-        return python
-    building = cache / f"{flavor}-{key}.{os.getpid()}"
-    shutil.rmtree(building, ignore_errors=True)
-    t0 = time.monotonic()
-    steps = [[sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(building)],
-             # the test environment's pip, run by the new environment's python, installs there
-             [str(building / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--no-compile",
-              "--disable-pip-version-check", "--quiet", "--only-binary=:all:", *pins]]
-    for cmd in steps:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            pytest.fail(f"installing the {flavor} GPU wheels failed (package index unreachable?):\n"
-                        f"{' '.join(cmd)}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    for stale in cache.glob(f"{flavor}-*"):  # earlier pins' environments
-        if stale != building:
-            shutil.rmtree(stale, ignore_errors=True)
-    building.rename(target)  # venv scripts name their folder; bin/python itself does not
-    (target / "complete").write_text(f"{time.monotonic() - t0:.1f} s to install {' '.join(pins)}\n")
-    return python
+def _stub_driver(folder: Path) -> Path:
+    """``tests/libcuda_stub.c`` built as ``libcuda.so.1`` and ``libnvidia-encode.so.1`` in
+    ``folder``: with it on LD_LIBRARY_PATH the driver-linked extensions load."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.fail("gcc is not on PATH (the wheel contract builds a stub libcuda.so.1 with it)")
+    lib = folder / "libcuda.so.1"
+    done = subprocess.run([gcc, "-shared", "-fPIC", "-Wall", "-Werror", "-o", str(lib),
+                           str(ROOT / "tests" / "libcuda_stub.c")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    shutil.copy(lib, folder / "libnvidia-encode.so.1")
+    return folder
 
 
-@pytest.mark.parametrize("flavor", list(WHEELS))
-def test_gpu_wheels_have_what_gpuio_uses(flavor):
-    # GPUIO_CONTRACT_PYTHON: an interpreter that already has the GPU packages (a GPU host,
-    # which cannot reach a package index); then both flavors check what it has
-    given = os.environ.get("GPUIO_CONTRACT_PYTHON")
-    python = given or _venv(flavor)
-    env = {k: v for k, v in os.environ.items() if given or k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
+def _contract(python: Path | str, env: dict[str, str]) -> dict:
     done = subprocess.run([str(python), str(ROOT / "tests" / "gpu_contract.py")], capture_output=True, text=True,
                           timeout=600, cwd=ROOT, env=env)
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines, f"the contract check crashed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
-    report = json.loads(lines[-1])
+    return json.loads(lines[-1])
+
+
+# the NVENC version the stub driver reports: PyNvVideoCodec then loads its NVENC 13.0 module
+# for cu13 and its 12.1 module for cu12, so that both are checked
+NVENC = {"cu13": "13.0", "cu12": "12.1"}
+
+
+@pytest.mark.parametrize("flavor", list(WHEELS))
+def test_gpu_wheels_have_what_gpuio_uses(flavor, tmp_path):
+    # GPUIO_CONTRACT_PYTHON: an interpreter that already has the GPU packages (a GPU host,
+    # which cannot reach a package index, with its real driver); then both flavors check what it has
+    given = os.environ.get("GPUIO_CONTRACT_PYTHON")
+    if given:
+        report = _contract(given, dict(os.environ))
+    else:
+        try:
+            python = contract_env.ensure(flavor)
+        except contract_env.ContractEnvError as exc:
+            pytest.fail(str(exc))
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
+        stub = str(_stub_driver(tmp_path))
+        env.update(LD_LIBRARY_PATH=os.pathsep.join([stub, *filter(None, [env.get("LD_LIBRARY_PATH")])]),
+                   GPUIO_STUB_NVENC=NVENC[flavor])
+        report = _contract(python, env)
     assert report["problems"] == [], f"{flavor} ({report['versions']}):\n" + "\n".join(report["problems"])
     assert report["checked"] >= 30  # the scan found gpuio's uses
-    assert report["ran"] == ["kvikio", "decode params", "region streams", "device arrays", "gpuio info"]
+    assert report["conversions"] >= 2  # the decoders' frames and images gpuio converts
+    assert report["ran"] == ["kvikio", "decode params", "region streams", "cpu decode", "device arrays",
+                             "gpuio info"]
+
+
+def test_contract_env_serves_a_virtual_environment(tmp_path):
+    """From a virtual environment that has gpuio only in its own site-packages (its base
+    interpreter has none here), the contract environment imports this checkout's gpuio:
+    ``venv --system-site-packages`` would expose the base interpreter's packages instead."""
+    outer = tmp_path / "outer"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(outer)], check=True, timeout=120)
+    py = str(outer / "bin" / "python")
+    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    adds = "; ".join(f"site.addsitedir({d!r})" for d in contract_env.site_dirs())
+    Path(purelib, "test-env.pth").write_text(f"import site; {adds}\n")
+    probe = "import gpuio, gpuio.ops, gpuio.formats; print(gpuio.__file__, gpuio.ops.__file__, gpuio.formats.__file__)"
+    made = subprocess.run([py, str(ROOT / "tests" / "contract_env.py"), "cu13", str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=1800)
+    assert made.returncode == 0, made.stdout + made.stderr
+    python = made.stdout.strip().splitlines()[-1]
+    done = subprocess.run([python, "-I", "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    files = [Path(f) for f in done.stdout.split()]
+    assert files and all(f.is_relative_to(ROOT) for f in files), (files, ROOT)
+    made_for = json.loads((Path(python).parents[1] / "complete").read_text())
+    assert made_for["prefix"] == str(outer) and made_for["checkout"] == str(ROOT), made_for
 
 
 # Files that still pick CuPy's current stream outside ``with cp.cuda.Device(...)``
