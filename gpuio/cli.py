@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import sys
 import time
 
 import numpy as np
 
 import gpuio
-from gpuio._bench.common import SAMPLE_COUNT, cache_dir, sample_root
+from gpuio._bench.common import SAMPLE_COUNT, BenchError, cache_dir, sample_root
 from gpuio.errors import ConfigError, GpuioError
 from gpuio.sample import make_image_tree
 
@@ -212,15 +213,43 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         print(f"\nthe image pipeline bench reads a file tree of images; {path} is a saved index: skipped")
     elif not args.no_images:
         print()
-        images.main(["--root", path, "--batch", str(args.batch), "--epochs", "2",
-                     "--out", os.path.splitext(out)[0] + "-images.json"])
+        root = _without_bad_files(index, path) if args.skip_bad else path
+        try:
+            images.main(["--root", root, "--batch", str(args.batch), "--epochs", "2",
+                         "--out", os.path.splitext(out)[0] + "-images.json"])
+        except BenchError as exc:
+            raise BenchError(f"{exc}\nList the bad files with `gpuio check {path}`, or bench the rest with "
+                             f"`gpuio bench {path} --skip-bad`") from exc
+
+
+def _without_bad_files(index: gpuio.SampleIndex, root: str) -> str:
+    """``root``, or where it has files that do not decode, a tree of links to its good
+    files (the same bytes on the same disk) in the cache folder, for every competitor."""
+    from gpuio._opfields import image_fields
+
+    ops = [gpuio.ops.decode_image(field=f, out=f"{f}:decoded") for f in image_fields(index)]
+    bad = {index.extent(s, "data").file for s, _ in bad_samples(index, ops, 64)}
+    if not bad:
+        return root
+    key = hashlib.sha1("\0".join(sorted(bad)).encode() + os.path.abspath(root).encode()).hexdigest()[:12]
+    links = os.path.join(cache_dir(), f"good-{key}")
+    shutil.rmtree(links, ignore_errors=True)
+    for path in index.files.many(np.arange(len(index.files))):
+        if path not in bad:
+            target = os.path.join(links, os.path.relpath(path, root))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.symlink(path, target)
+    print(f"--skip-bad: {len(bad)} file(s) that do not decode left out of the image bench "
+          f"(list them with `gpuio check {root}`)")
+    return links
 
 
 def _check_bench_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse flags that the chosen benchmark would ignore."""
     if args.storage:
         ignored = [flag for flag, value in (("PATH", args.path), ("--count", args.count),
-                                           ("--no-images", args.no_images)) if value]
+                                           ("--no-images", args.no_images), ("--skip-bad", args.skip_bad))
+                   if value]
         why = "--storage makes and reads its own datasets"
     else:
         ignored = [flag for flag, value in (("--size", args.size), ("--root", args.root)) if value]
@@ -345,6 +374,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warm-only", action="store_true", help="skip the cold page cache runs")
     bench.add_argument("--no-images", action="store_true",
                        help="skip the image pipeline (decode, random resized crop, flip, normalize)")
+    bench.add_argument("--skip-bad", action="store_true",
+                       help="leave files that do not decode out of the image pipeline bench (see gpuio check)")
     bench.add_argument("--out", help="the results as JSON here, the chart beside it as PNG "
                        "(default: results/bench.json in the cache folder)")
     bench.set_defaults(func=_cmd_bench)

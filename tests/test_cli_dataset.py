@@ -111,3 +111,17 @@ def test_info_lists_the_c_extensions(capsys):
     for module in ("gpuio._native", "gpuio._jpeg", "gpuio._cpuops", "gpuio._video", "gpuio._audio", "gpuio._flac"):
         assert f"{module}" in text
     assert "gpuio._native      built:" in text  # built here: CI has a C compiler
+
+
+def test_bench_on_a_set_with_bad_files_says_what_to_do_and_skips_them_on_request(bad_tree, tmp_path, capsys,
+                                                                                monkeypatch):
+    monkeypatch.setenv("GPUIO_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["bench", str(bad_tree), "--repeat", "1", "--batch", "8", "--warm-only", "--out", str(tmp_path / "r.json")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"gpuio check {bad_tree}" in err and "--skip-bad" in err
+    assert main([*argv, "--skip-bad"]) == 0
+    text = capsys.readouterr().out
+    assert "--skip-bad: 2 file(s) that do not decode left out of the image bench" in text
+    rows = json.loads((tmp_path / "r-images.json").read_text())["results"]
+    assert all(r["images_s"] > 0 for r in rows if r["name"].startswith(("gpuio", "torch")))
