@@ -142,6 +142,20 @@ def test_contract_env_serves_a_virtual_environment(tmp_path):
     assert made_for["prefix"] == str(outer) and made_for["checkout"] == str(ROOT), made_for
 
 
+def test_gpu_host_gets_the_contract_pins():
+    """bench/gpu_wheels.sh fetches for a GPU host exactly the cu13 versions the contract
+    checks (all but those the host has), and nothing else the contract pins, unpinned."""
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_wheels.sh"), "--list"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    fetched = [line.split()[1] for line in done.stdout.splitlines()]
+    host = [line.split()[1] for line in contract_env.PINS.read_text().splitlines()
+            if line.split()[:1] == ["cu13"] and line.split()[2:3] == ["host"]]
+    assert host and sorted(r for r in fetched if "==" in r) == sorted(set(WHEELS["cu13"]) - set(host)), fetched
+    pinned = {r.split("==")[0] for flavor in WHEELS.values() for r in flavor}
+    assert not [r for r in fetched if "==" not in r and r in pinned], fetched
+
+
 # Files that still pick CuPy's current stream outside ``with cp.cuda.Device(...)``
 # (issue 9, defect 9); each must still have such a call, so that the list only shrinks.
 STREAM_BEFORE_DEVICE: set[str] = set()
