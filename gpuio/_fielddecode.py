@@ -8,7 +8,8 @@ values; ``gpuio.read`` keeps returning the raw bytes. Decoders:
   header ``descr`` string) and ``fortran_order`` (bool) are the index's value fields of
   those names (``formats.numpy``). The bytes are viewed in place, on the device they
   were read to (CuPy on a GPU: no copy through the host); a view whose address does not
-  suit the dtype's alignment is first copied on that device.
+  suit the dtype's alignment is first copied on that device (entered explicitly: CuPy
+  copies to the current device).
 - ``"int"`` (``int(bytes)``, as ``np.int64``), ``"str"`` (UTF-8), ``"json"``, ``"npy"``
   (``np.load`` without pickles) and ``"npz"`` (a dict of arrays): on the host, as the
   webdataset package's default decoders.
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 
 __all__ = ["DECODERS", "Rows", "decoded_fields", "host_decoded_fields", "decode", "descr_dtype"]
@@ -134,9 +136,17 @@ def _arrays(index: Any, field: str, rows: np.ndarray, raw: Any, stacked: bool) -
                                                 f"bool, int, float and complex); read it with device='cpu'")
         address = data.__array_interface__["data"][0] if on_host else data.data.ptr
         if address % dtype.alignment:
-            data = data.copy()  # on the same device
+            data = np.copy(data) if on_host else _device_copy(data)
         out.append(data.view(dtype).reshape(tuple(shape.tolist()), order="F" if f_order else "C"))
     return out
+
+
+def _device_copy(data: Any) -> Any:
+    """A copy of the CuPy array ``data`` on its own GPU. CuPy copies to the current
+    device, and on a reader's thread that is GPU 0, whichever GPU the read was for."""
+    cp = require("cupy")
+    with cp.cuda.Device(data.device.id):
+        return data.copy()
 
 
 def _same_value(col: Any, rows: np.ndarray) -> bool:
