@@ -21,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 
@@ -73,12 +74,29 @@ def _base_python() -> tuple[list[str], dict[str, str]]:
 
 
 def venv_dir() -> str:
+    """The environment's folder, one per checkout (its gpuio is installed editable from
+    there) and dependency list."""
     cache = os.environ.get("GPUIO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio")
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:  # changed dependencies make a new one
         project = tomllib.load(f)["project"]
-    needs = [*project["dependencies"], *project["optional-dependencies"]["serve"]]
+    needs = [ROOT, *project["dependencies"], *project["optional-dependencies"]["serve"]]
     key = hashlib.sha1("\n".join(needs).encode()).hexdigest()[:10]
     return os.path.join(cache, f"serve-venv-py312-{key}")
+
+
+def gpuio_source(python: str) -> str | None:
+    """The folder holding the gpuio package ``python`` imports (a checkout, for an editable
+    install), if gpuio.ops and gpuio.formats come from there too; else None. Asked from
+    outside any checkout and isolated (-I): run in a checkout, ``import gpuio`` finds that
+    checkout's package whatever the environment has installed."""
+    probe = "import gpuio, gpuio.ops, gpuio.formats; print(gpuio.__file__, gpuio.ops.__file__, gpuio.formats.__file__)"
+    with tempfile.TemporaryDirectory() as away:
+        done = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True, cwd=away)
+    if done.returncode != 0:
+        return None
+    files = done.stdout.split()
+    top = os.path.dirname(os.path.dirname(files[0]))
+    return top if all(f.startswith(top + os.sep) for f in files) else None
 
 
 def _run(cmd: list[str], what: str, **kw: object) -> str:
@@ -96,10 +114,23 @@ def _ready(python: str) -> bool:
         built = glob.glob(source[:-2] + ".cpython-312-*.so")
         if built and os.path.getmtime(built[0]) < os.path.getmtime(source):
             return False
-    probe = ("import gpuio, gpuio._cpuops, gpuio._native, pytriton.triton, tritonclient.http, tritonclient.grpc;"
-             "print(gpuio.__file__)")
-    done = subprocess.run([python, "-c", probe], capture_output=True, text=True)
-    return done.returncode == 0 and done.stdout.strip() == os.path.join(ROOT, "gpuio", "__init__.py")
+    if gpuio_source(python) != ROOT:
+        return False
+    probe = "import gpuio._cpuops, gpuio._native, pytriton.triton, tritonclient.http, tritonclient.grpc"
+    with tempfile.TemporaryDirectory() as away:
+        return subprocess.run([python, "-I", "-c", probe], capture_output=True, cwd=away).returncode == 0
+
+
+def _replaced(path: str) -> bool:
+    """Whether an environment is out of use: this checkout's for another dependency list, or
+    one whose checkout is gone, or one made before environments recorded their checkout.
+    Another checkout's stays, and so does an unfinished one for an hour (being made)."""
+    try:
+        with open(os.path.join(path, ".complete")) as f:
+            made_from = f.read().strip()
+    except OSError:
+        return time.time() - os.path.getmtime(path) > 3600
+    return made_from in ("", ROOT) or not os.path.isdir(made_from)
 
 
 def ensure(log=print) -> str:
@@ -113,14 +144,16 @@ def ensure(log=print) -> str:
         log(f"making the Python 3.12 serving environment in {path} (once)")
         shutil.rmtree(path, ignore_errors=True)
         for old in glob.glob(os.path.join(os.path.dirname(path), "serve-venv-py312-*")):
-            shutil.rmtree(old, ignore_errors=True)  # made for another dependency list
+            if _replaced(old):
+                shutil.rmtree(old, ignore_errors=True)
         cmd, env = _base_python()
         _run([*cmd, "-m", "venv", path], "making the virtual environment", env=env)
         _run([python, "-m", "pip", "install", "-q", "setuptools>=74.1", "wheel"], "installing setuptools")
         _run([python, "-m", "pip", "install", "-q", "--no-build-isolation", "-e", f"{ROOT}[serve]"],
              "installing gpuio[serve]")
-        open(os.path.join(path, ".complete"), "w").close()
-    else:  # made from another checkout, or this one's extensions are not built for 3.12 yet
+        with open(os.path.join(path, ".complete"), "w") as f:
+            f.write(ROOT + "\n")  # the checkout it serves
+    else:  # this checkout's extensions are not built for 3.12 yet, or its C sources changed
         _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", ROOT],
              "installing gpuio from this checkout")
     if not _ready(python):
