@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from gpuio.errors import ConfigError
 from gpuio.index import SampleIndex
@@ -65,10 +68,13 @@ def check_op_fields(ops: Sequence[Any], fields: Sequence[str], index: SampleInde
     """Raise ``ConfigError`` naming the op, the field it reads and the fields there
     are, when an op would read a field that neither ``fields`` nor an earlier op gives."""
     have = list(fields)
+    decoded: dict[str, int | None] = {}  # field -> channels, of uint8 images a decoder made
     for op in flat_ops(ops):
         field = getattr(op, "field", None)
         if not isinstance(field, str):
             return
+        if field in decoded and hasattr(op, "channel_params"):
+            _check_normalize(op, field, decoded[field])
         if field not in have:
             name = type(op).__name__
             why = (f"fields={list(fields)} leaves it out" if field in index.fields
@@ -77,6 +83,29 @@ def check_op_fields(ops: Sequence[Any], fields: Sequence[str], index: SampleInde
                               f"(the index offers {list(index.fields)}). Name one of them with "
                               f"{name}'s field= argument, or list {field!r} in the Loader's fields=")
         have.extend(f for f in _made(op) if f not in have)
+        if getattr(op, "host_inputs", ()) and isinstance(getattr(op, "color", None), str):  # an image decoder
+            decoded.update(dict.fromkeys(_made(op), _CHANNELS.get(op.color)))
+
+
+_CHANNELS = {"rgb": 3, "gray": 1}  # an image decoder's color= -> channels ("unchanged": any)
+
+
+def _check_normalize(op: Any, field: str, channels: int | None) -> None:
+    """A normalizing op on decoded uint8 images: its mean/std fit the decoder's channels
+    (a ``ConfigError`` now, not at the first batch), and 0-1 values, torchvision's
+    units for float images, draw a warning (on 0-255 pixels they give outputs up to
+    about 1,100)."""
+    if channels is not None:
+        try:
+            op.channel_params(channels)
+        except ConfigError as exc:
+            raise ConfigError(f"{type(op).__name__} on {field!r}, decoded with {channels} channel(s): {exc}") from exc
+    mean, std = (np.round(np.asarray(getattr(op, name), dtype=np.float64), 4) for name in ("mean", "std"))
+    if np.all(np.abs(mean) <= 1) and np.all(std <= 1) and not (np.all(mean == 0) and np.all(std == 1)):
+        warnings.warn(f"{type(op).__name__} on {field!r}: mean={mean.tolist()} and std={std.tolist()} look like "
+                      f"values for 0-1 images (torchvision's), but {field!r} holds uint8 pixels (0-255): scale "
+                      f"them by 255 (e.g. mean=[123.7, 116.3, 103.5], std=[58.4, 57.1, 57.4])",
+                      UserWarning, stacklevel=4)
 
 
 def consumed_fields(ops: Sequence[Any], fields: Sequence[str]) -> dict[str, str]:

@@ -9,13 +9,14 @@ CMYK and EXIF-rotated JPEGs (a few each). The same ``seed`` writes the same byte
 from __future__ import annotations
 
 import io
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["make_image_tree", "sample_image"]
+__all__ = ["make_coco", "make_image_tree", "sample_image"]
 
 _KINDS = ("plain", "gray", "progressive", "cmyk", "exif")
 
@@ -101,3 +102,36 @@ def make_image_tree(root: str | os.PathLike[str], count: int = 1000, classes: in
         for _ in results:
             pass
     return root
+
+
+COCO_SIZES = ((480, 640), (640, 480), (427, 640), (512, 512))  # (h, w) as COCO's images are
+
+
+def make_coco(root: str | os.PathLike[str], count: int, size: tuple[int, int] | None = None, seed: int = 0,
+              categories: int = 20) -> tuple[str, str]:
+    """A COCO-style dataset: ``count`` JPEGs (``size`` (h, w), or COCO-like sizes) with
+    1-8 boxes each, every box a flat rectangle painted on the image, in
+    ``root/images``, and ``root/instances.json``. Returns (image root, annotation file)."""
+    root = os.fspath(root)
+    images_dir = os.path.join(root, "images")
+    os.makedirs(images_dir, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    images, anns = [], []
+    for k in range(count):
+        h, w = size or COCO_SIZES[k % len(COCO_SIZES)]
+        img = sample_image(rng, h, w)
+        for _ in range(int(rng.integers(1, 9))):
+            bw, bh = (rng.uniform(0.05, 0.6, 2) * (w, h)).astype(int) + 2
+            x, y = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
+            img[y:y + bh, x:x + bw] = rng.integers(0, 256, 3)
+            anns.append({"id": len(anns) + 1, "image_id": k + 1, "category_id": int(rng.integers(1, categories + 1)),
+                         "bbox": [x, y, int(bw), int(bh)], "area": float(bw * bh), "iscrowd": 0})
+        name = f"{k:06d}.jpg"
+        Image.fromarray(img).save(os.path.join(images_dir, name), quality=90)
+        images.append({"id": k + 1, "file_name": name, "width": w, "height": h})
+    doc = {"images": images, "annotations": anns,
+           "categories": [{"id": c, "name": f"class{c}"} for c in range(1, categories + 1)]}
+    ann_path = os.path.join(root, "instances.json")
+    with open(ann_path, "w") as f:
+        json.dump(doc, f)
+    return images_dir, ann_path

@@ -23,7 +23,7 @@ from gpuio.ops.color import ColorJitter, Normalize, color_jitter, normalize
 from gpuio.ops.decode import DecodeImage, decode_image
 from gpuio.ops.decode_slice import DecodeImageSlice, decode_image_slice
 from gpuio.ops.detection import (BBFlip, BBoxPaste, BoxEncoder, Paste, RandomBBoxCrop, bb_flip, bbox_paste,
-                                 box_encoder, paste, random_bbox_crop)
+                                 box_encoder, paste, random_bbox_crop, ssd300_anchors)
 from gpuio.ops.fused import Compose, FusedCropResizeNormalize, fused_crop_resize_normalize, fused_reference
 from gpuio.ops.geometry import (CenterCrop, Flip, RandomResizedCrop, Resize, center_crop, flip,
                                 random_resized_crop, resize)
@@ -45,6 +45,7 @@ __all__ = [
     "box_encoder",
     "paste",
     "random_bbox_crop",
+    "ssd300_anchors",
     "CenterCrop",
     "ColorJitter",
     "Compose",
@@ -87,3 +88,22 @@ __all__ = [
     "spectrogram",
     "to_decibels",
 ]
+
+
+def _document_factories() -> None:
+    """Give each op factory whose docstring only points at its class (``See ``Resize``.``)
+    that class's docstring, so that ``help(ops.resize)`` shows the arguments' meaning."""
+    import inspect
+    import re
+
+    namespace = globals()
+    for name in __all__:
+        factory = namespace[name]
+        found = re.fullmatch(r"See ``(\w+)``\.", (factory.__doc__ or "").strip())
+        if inspect.isfunction(factory) and found and found.group(1) in namespace:
+            op = namespace[found.group(1)]
+            factory.__doc__ = (f"Make a ``{op.__name__}`` op (``{name}(...)`` takes the arguments "
+                               f"``{op.__name__}(...)`` takes).\n\n{inspect.cleandoc(op.__doc__ or '')}")
+
+
+_document_factories()

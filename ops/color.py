@@ -54,6 +54,9 @@ class Normalize(Op):
         if self.mean.ndim != 1 or self.std.ndim != 1 or not np.all(self.std != 0):
             raise ConfigError(f"mean and std are one number per channel and std has no zero; "
                               f"got mean={mean!r} std={std!r}")
+        if len(self.mean) > 1 and len(self.std) > 1 and len(self.mean) != len(self.std):
+            raise ConfigError(f"mean has {len(self.mean)} values and std {len(self.std)}: give one per channel "
+                              f"to both (or one number for every channel)")
         self.layout, self.dtype, self.field = layout, dtype, field
 
     def channel_params(self, channels: int) -> tuple[np.ndarray, np.ndarray]:

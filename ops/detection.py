@@ -29,6 +29,7 @@ change; pixel masks keep their size).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -531,6 +532,25 @@ def encode_boxes(xp: Any, boxes: Any, counts: np.ndarray, labels: Any, anchors: 
         out += [(xp.log(xp.where(matched, box_cs[k], 1) / anchor_cs[k]) - xp.float32(means[k])) / xp.float32(stds[k])
                 for k in range(2, 4)]
     return xp.stack([xp.where(matched, v, 0) for v in out], axis=-1).astype(xp.float32, copy=False), out_labels
+
+
+def ssd300_anchors() -> np.ndarray:
+    """The 8732 SSD300 default boxes for ``box_encoder``: float32 ``[8732, 4]``, ltrb,
+    relative to the image (0-1, clipped): feature maps 38/19/10/5/3/1, steps
+    8/16/32/64/100/300, scales 21-315 pixels, aspect ratios 2 (and 3 on the middle maps)."""
+    fig, feats, steps = 300, (38, 19, 10, 5, 3, 1), (8, 16, 32, 64, 100, 300)
+    scales, ratios = (21, 45, 99, 153, 207, 261, 315), ((2,), (2, 3), (2, 3), (2, 3), (2,), (2,))
+    boxes = []
+    for k, f in enumerate(feats):
+        s1, s2 = scales[k] / fig, scales[k + 1] / fig
+        sizes = [(s1, s1), (math.sqrt(s1 * s2),) * 2]
+        for r in ratios[k]:
+            sizes += [(s1 * math.sqrt(r), s1 / math.sqrt(r)), (s1 / math.sqrt(r), s1 * math.sqrt(r))]
+        step = fig / steps[k]
+        for i, j in itertools.product(range(f), repeat=2):
+            cx, cy = (j + 0.5) / step, (i + 0.5) / step
+            boxes += [(cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2) for w, h in sizes]
+    return np.clip(np.array(boxes, np.float32), 0, 1)
 
 
 class BoxEncoder(Op):

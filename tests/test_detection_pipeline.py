@@ -9,7 +9,8 @@ import pytest
 
 import gpuio
 from gpuio import ops
-from gpuio._bench.detection import ENCODE, gpuio_ssd, ssd300_anchors, write_coco
+from gpuio._bench.detection import ENCODE, gpuio_ssd, write_coco
+from gpuio.ops import ssd300_anchors
 from tests.checkers import check_deterministic, check_resume, host
 
 

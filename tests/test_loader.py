@@ -550,7 +550,7 @@ def test_image_pipeline_resumes_with_same_draws(tmp_path):
 
     def make(**kw):
         chain = ops.Compose([ops.decode_image(), ops.random_resized_crop(16), ops.flip(),
-                             ops.normalize([0.5] * 3, [0.2] * 3)])
+                             ops.normalize([127.5] * 3, [51.0] * 3)])
         return gpuio.Loader(index, 4, fields=["data", "label"], ops=[chain], shuffle=True, threads=2,
                             output="numpy", **kw)
 

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import io
-import itertools
 import json
-import math
 import os
 import time
 from typing import Any
@@ -40,7 +38,8 @@ import gpuio
 from gpuio import ops
 from gpuio._bench.common import BenchError, cache_dir, interleaved_rounds, machine, print_table, write_json
 from gpuio.batch import Batch, sample_seeds
-from gpuio.sample import sample_image
+from gpuio.ops import ssd300_anchors
+from gpuio.sample import make_coco as write_coco, sample_image
 
 MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
 STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
@@ -49,58 +48,6 @@ CROP = dict(aspect_ratio=(0.5, 2.0), thresholds=(0.0, 0.1, 0.3, 0.5, 0.7, 0.9), 
             bbox_layout="xyXY", allow_no_crop=True, num_attempts=50)
 ZOOM = dict(ratio=(1.0, 4.0), paste_x=(0.0, 1.0), paste_y=(0.0, 1.0))
 ENCODE = dict(criteria=0.5, offset=True, scale=300.0, stds=(0.1, 0.1, 0.2, 0.2))
-SIZES = ((480, 640), (640, 480), (427, 640), (512, 512))
-
-
-def write_coco(root: str | os.PathLike[str], count: int, size: tuple[int, int] | None = None, seed: int = 0,
-               categories: int = 20) -> tuple[str, str]:
-    """A COCO-style dataset: ``count`` JPEGs (``size`` (h, w), or COCO-like sizes) with
-    1-8 boxes each, every box a flat rectangle painted on the image, in
-    ``root/images``, and ``root/instances.json``. Returns (image root, annotation file)."""
-    root = os.fspath(root)
-    images_dir = os.path.join(root, "images")
-    os.makedirs(images_dir, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    images, anns = [], []
-    for k in range(count):
-        h, w = size or SIZES[k % len(SIZES)]
-        img = sample_image(rng, h, w)
-        for _ in range(int(rng.integers(1, 9))):
-            bw, bh = (rng.uniform(0.05, 0.6, 2) * (w, h)).astype(int) + 2
-            x, y = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
-            img[y:y + bh, x:x + bw] = rng.integers(0, 256, 3)
-            anns.append({"id": len(anns) + 1, "image_id": k + 1, "category_id": int(rng.integers(1, categories + 1)),
-                         "bbox": [x, y, int(bw), int(bh)], "area": float(bw * bh), "iscrowd": 0})
-        name = f"{k:06d}.jpg"
-        Image.fromarray(img).save(os.path.join(images_dir, name), quality=90)
-        images.append({"id": k + 1, "file_name": name, "width": w, "height": h})
-    doc = {"images": images, "annotations": anns,
-           "categories": [{"id": c, "name": f"class{c}"} for c in range(1, categories + 1)]}
-    ann_path = os.path.join(root, "instances.json")
-    with open(ann_path, "w") as f:
-        json.dump(doc, f)
-    return images_dir, ann_path
-
-
-def ssd300_anchors() -> np.ndarray:
-    """The 8732 SSD300 default boxes (ltrb, relative, clipped to 0-1), float32 [8732, 4]:
-    feature maps 38/19/10/5/3/1, steps 8/16/32/64/100/300, scales 21-315 pixels, aspect
-    ratios 2 (and 3 on the middle maps)."""
-    fig, feats, steps = 300, (38, 19, 10, 5, 3, 1), (8, 16, 32, 64, 100, 300)
-    scales, ratios = (21, 45, 99, 153, 207, 261, 315), ((2,), (2, 3), (2, 3), (2, 3), (2,), (2,))
-    boxes = []
-    for k, f in enumerate(feats):
-        s1, s2 = scales[k] / fig, scales[k + 1] / fig
-        sizes = [(s1, s1), (math.sqrt(s1 * s2),) * 2]
-        for r in ratios[k]:
-            sizes += [(s1 * math.sqrt(r), s1 / math.sqrt(r)), (s1 / math.sqrt(r), s1 * math.sqrt(r))]
-        step = fig / steps[k]
-        for i, j in itertools.product(range(f), repeat=2):
-            cx, cy = (j + 0.5) / step, (i + 0.5) / step
-            boxes += [(cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2) for w, h in sizes]
-    return np.clip(np.array(boxes, np.float32), 0, 1)
-
-
 def gpuio_ssd(anchors: np.ndarray, one_pass_zoom: bool = True) -> ops.Compose:
     """The SSD pipeline as gpuio ops: the zoom out and the resize to 300x300 are one
     ``paste(size=(300, 300))`` (the same output as ``paste`` then ``resize``), or with
