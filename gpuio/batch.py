@@ -55,6 +55,7 @@ class Batch:
     on_error: str = "raise"  # or "skip"
     stream: Any = None  # the CuPy stream GPU ops run on (None: current stream)
     errors: list[tuple[int, BaseException]] = field(default_factory=list)
+    warnings: list[tuple[int, str]] = field(default_factory=list)  # (sample, message): decoded despite them
     _rejected: set[int] = field(default_factory=set)
 
     def __len__(self) -> int:
@@ -77,6 +78,11 @@ class Batch:
             raise error
         self._rejected.add(row)
         self.errors.append((int(self.index[row]), error))
+
+    def warn(self, row: int, message: str) -> None:
+        """Report that ``row`` was decoded despite a problem a decoder warned of (the
+        Loader counts these in ``stats()``); the row stays."""
+        self.warnings.append((int(self.index[row]), message))
 
     def drop_rejected(self) -> None:
         """Remove the rows rejected so far from every field (called between ops)."""

@@ -226,6 +226,8 @@ class Loader:
         self._wait_s = 0.0  # consumer waits of executors already closed
         self._skipped = 0
         self._errors: list[str] = []
+        self._warned = 0
+        self._warnings: list[str] = []
 
     # ---- epochs and state ---------------------------------------------------------------
     def __len__(self) -> int:
@@ -472,6 +474,9 @@ class Loader:
             raise self._pipeline_error(name, w, err, sample=sample) from err
         for index, err in errors:
             self._skip(index, name, err)
+        warnings, b.warnings[:] = list(b.warnings), []
+        for index, message in warnings:
+            self._warn(index, name, message)
         b.drop_rejected()
         w.batch = b
         return w
@@ -527,10 +532,28 @@ class Loader:
 
     # ---- errors and stats ------------------------------------------------------------
     def _skip(self, sample: int, stage: str, err: BaseException) -> None:
+        where = self._where(sample, err)
         with self._lock:
             self._skipped += 1
             if len(self._errors) < _MAX_ERRORS:
-                self._errors.append(f"sample {sample} (stage {stage!r}): {type(err).__name__}: {err}")
+                self._errors.append(f"sample {sample} (stage {stage!r}, {where}): {type(err).__name__}: {err}")
+
+    def _warn(self, sample: int, stage: str, message: str) -> None:
+        where = self._where(sample, None)
+        with self._lock:
+            self._warned += 1
+            if len(self._warnings) < _MAX_ERRORS:
+                self._warnings.append(f"sample {sample} (stage {stage!r}, {where}): {message}")
+
+    def _where(self, sample: int, err: BaseException | None) -> str:
+        """The file and byte offset of a skipped or warned-of sample: those its error
+        names, else where its first stored field starts."""
+        path, offset = (err.path, err.offset) if isinstance(err, DataError) else (None, None)
+        fields = [f for f in self._host_fields + self._dev_fields if f in self.index.extents]
+        if path is None and fields and 0 <= sample < len(self.index):
+            extent = self.index.extent(sample, fields[0])
+            path, offset = extent.file, extent.offset
+        return f"file {path}" + ("" if offset is None else f" at byte {offset}")
 
     def _key(self, sample: int) -> Any:
         for name in ("key", "__key__"):
@@ -563,7 +586,9 @@ class Loader:
         ``window`` is the most batches the running pass keeps in flight; ``inline``
         says whether the last pass ran on the consumer's thread (see ``prefetch``);
         ``skipped`` counts bad samples dropped under ``on_error="skip"`` and ``errors``
-        holds the first few of them.
+        holds the first few of them, each naming the sample, its file and byte offset;
+        ``warned`` counts samples decoded despite a decoder's warning (a JPEG libjpeg
+        warns about, decoded as Pillow decodes it) and ``warnings`` names the first few.
         """
         with self._lock:
             seconds = self._seconds
@@ -581,6 +606,8 @@ class Loader:
                 "inline": ex is not None and ex.inline,
                 "skipped": self._skipped,
                 "errors": list(self._errors),
+                "warned": self._warned,
+                "warnings": list(self._warnings),
             }
 
 

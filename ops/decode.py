@@ -13,16 +13,31 @@ uploaded, without failing the batch.
 
 Output: HWC uint8 per sample; ``color="rgb"`` gives 3 channels (grayscale and CMYK
 JPEGs too), ``"gray"`` 1 channel, ``"unchanged"`` the file's own channels (1, 2, 3
-or 4). The EXIF orientation is applied on both devices. The two decoders differ within
-the JPEG standard's IDCT and chroma-upsampling tolerances (a few levels at edges).
+or 4). Grayscale JPEGs are decoded as gray and their one channel repeated for ``"rgb"``
+(libjpeg-turbo converts lossless JPEGs to no other colour space). The orientation is
+applied once, on both devices: a JPEG's EXIF orientation, and for the other formats the
+one Pillow reports after loading the pixels (Pillow applies a TIFF's own Orientation tag
+while loading and then drops it; it leaves an EXIF orientation in PNG and WebP to the
+caller). The two decoders differ within the JPEG standard's IDCT and chroma-upsampling
+tolerances (a few levels at edges).
+
+What is decoded, on every route (this op, ``Compose``'s fused chain, a GPU batch's CPU
+fallback, ``decode_image_slice``): what Pillow decodes. A JPEG that libjpeg-turbo decodes
+only with a warning (extraneous bytes before a marker, a malformed ICC block, data that
+ends a segment early) is decoded by Pillow and the warning is reported
+(``Batch.warn``; a Loader counts it in ``stats()["warned"]``). A JPEG whose data stops
+before its end-of-image marker (a truncated file) is refused, whatever Pillow's
+``LOAD_TRUNCATED_IMAGES`` says, and so is whatever Pillow cannot decode.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import re
 import struct
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -86,18 +101,28 @@ def _bytes(buf: Any) -> np.ndarray:
 def jpeg_info(buf: Any) -> JpegInfo | None:
     """Frame and EXIF facts of a JPEG from its headers (stops at the first scan), or
     None when ``buf`` does not start like a JPEG."""
+    return _headers(buf)[0]
+
+
+def _headers(buf: Any) -> tuple[JpegInfo | None, int]:
+    """``jpeg_info`` and the byte offset of the first start-of-scan marker (0 if none)."""
     data = memoryview(_bytes(buf)).cast("B")
     if len(data) < 4 or data[0] != 0xFF or data[1] != 0xD8:
-        return None
-    pos, components, progressive, orientation, height, width = 2, 0, False, 1, 0, 0
+        return None, 0
+    pos, components, progressive, orientation, height, width, scan = 2, 0, False, 1, 0, 0, 0
     while pos + 4 <= len(data):
-        if data[pos] != 0xFF:
-            break
+        if data[pos] != 0xFF:  # bytes that are no marker: skipped to the next one, as libjpeg does (warning)
+            pos += 1
+            continue
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte
             pos += 1
             continue
+        if marker == 0x00:  # a stuffed zero outside a scan: no marker either
+            pos += 2
+            continue
         if marker in (0xD9, 0xDA):  # end of image, start of scan
+            scan = pos if marker == 0xDA else 0
             break
         if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a length
             pos += 2
@@ -110,7 +135,7 @@ def jpeg_info(buf: Any) -> JpegInfo | None:
         elif marker == 0xE1 and bytes(seg[:6]) == b"Exif\0\0":
             orientation = _exif_orientation(seg[6:])
         pos += 2 + length
-    return JpegInfo(components, progressive, orientation, height, width)
+    return JpegInfo(components, progressive, orientation, height, width), scan
 
 
 def orient(img: Any, orientation: int) -> Any:
@@ -178,24 +203,27 @@ def _check_pixels(height: int, width: int, nbytes: int, sample: int) -> None:
                           f"gpuio.ops.decode.MAX_PIXELS ({MAX_PIXELS:,}); raise it for such images", sample=sample)
 
 
-def decode_cpu(buf: Any, color: str, sample: int, info: JpegInfo | None = None) -> np.ndarray:
+def decode_cpu(buf: Any, color: str, sample: int, info: JpegInfo | None = None,
+               on_warning: Callable[[str], None] | None = None) -> np.ndarray:
     """One encoded image to HWC uint8 on the host (see the module docstring); bad bytes
     raise ``FormatError`` naming ``sample``. ``info``: its ``jpeg_info`` where the
-    caller has read it already."""
+    caller has read it already. ``on_warning(message)`` hears of a JPEG decoded despite
+    a libjpeg warning (None: not reported)."""
     buf = _bytes(buf)
     info = jpeg_info(buf) if info is None else info
     if info is not None:
         _check_pixels(info.height, info.width, len(buf), sample)
     try:
         if info is not None and info.components in (1, 3):
-            img = simplejpeg.decode_jpeg(buf, colorspace="GRAY" if _gray(color, info.components) else "RGB")
+            img = _decode_jpeg(buf, color, info, sample, on_warning)
             orientation = info.orientation
         else:
-            with Image.open(io.BytesIO(memoryview(buf))) as im:
-                orientation = int(im.getexif().get(0x0112, 1))
-                mode = _pillow_mode(im.mode, color, "transparency" in im.info)
-                im8 = _eight_bit(im)
-                img = np.asarray(im8 if im8.mode == mode else im8.convert(mode))
+            if info is not None and info.components:  # a JPEG frame (CMYK, YCCK): Pillow's, when complete
+                _check_complete(buf, sample)
+            img, orientation = _decode_pillow(buf, color)
+            orientation = info.orientation if info is not None else orientation
+    except FormatError:
+        raise
     except _PILLOW_ERRORS as exc:
         raise FormatError(f"cannot decode image ({len(buf)} bytes): {_reason(exc, buf)}", sample=sample) from exc
     except MemoryError as exc:
@@ -203,6 +231,52 @@ def decode_cpu(buf: Any, color: str, sample: int, info: JpegInfo | None = None) 
     if img.ndim == 2:
         img = img[:, :, None]
     return np.ascontiguousarray(orient(img, orientation if 1 <= orientation <= 8 else 1))
+
+
+def _decode_pillow(buf: np.ndarray, color: str) -> tuple[np.ndarray, int]:
+    """Pixels (HW or HWC uint8) and the orientation still to apply, by Pillow. The
+    orientation is read after the pixels are loaded: Pillow has applied and dropped a
+    TIFF's Orientation tag by then."""
+    with Image.open(io.BytesIO(memoryview(buf))) as im:
+        im.load()
+        orientation = int(im.getexif().get(0x0112, 1))
+        mode = _pillow_mode(im.mode, color, "transparency" in im.info)
+        im8 = _eight_bit(im)
+        return np.asarray(im8 if im8.mode == mode else im8.convert(mode)), orientation
+
+
+def _check_complete(buf: np.ndarray, sample: int, why: str = "") -> None:
+    """Refuse a JPEG whose data stops before the end-of-image marker that follows its
+    first scan: Pillow would decode it when told to load truncated images (the rest
+    gray), and libjpeg only warns of it."""
+    if len(buf) >= 2 and buf[-2] == 0xFF and buf[-1] == 0xD9:
+        return
+    scan = _headers(buf)[1]
+    if not scan or bytes(buf[scan:]).find(b"\xff\xd9") < 0:
+        raise FormatError(f"cannot decode image ({len(buf)} bytes): truncated: the data ends at byte {len(buf)}, "
+                          f"before the end-of-image marker{why}", sample=sample)
+
+
+def _decode_jpeg(buf: np.ndarray, color: str, info: JpegInfo, sample: int,
+                 on_warning: Callable[[str], None] | None) -> np.ndarray:
+    """A 1- or 3-component JPEG by simplejpeg; one it refuses (it stops at libjpeg's
+    first warning) is Pillow's to decode, the warning reported, unless its data stops
+    before the end-of-image marker (truncated: refused)."""
+    gray = info.components == 1 or color == "gray"
+    try:
+        img = simplejpeg.decode_jpeg(buf, colorspace="GRAY" if gray else "RGB")
+    except ValueError as exc:
+        reason = f"cannot decode image ({len(buf)} bytes): {exc}"
+        _check_complete(buf, sample, f" ({exc})")
+        try:
+            img = _decode_pillow(buf, color)[0]
+        except _PILLOW_ERRORS as pillow_exc:  # an error, not a warning: libjpeg's words say why
+            raise FormatError(reason, sample=sample) from pillow_exc
+        if on_warning is not None:
+            on_warning(f"decoded by Pillow after libjpeg's warning: {exc}")
+        return img
+    # libjpeg's gray -> RGB conversion repeats the value; done here, it also serves lossless JPEGs
+    return np.repeat(img, 3, axis=2) if gray and color == "rgb" else img
 
 
 try:
@@ -295,7 +369,8 @@ def decode_rows(batch: Batch, bufs: list[Any], rows: list[int], color: str, imag
     for row in rows:
         if images[row] is None:
             try:
-                images[row] = decode_cpu(bufs[row], color, int(batch.index[row]))
+                images[row] = decode_cpu(bufs[row], color, int(batch.index[row]),
+                                         on_warning=functools.partial(batch.warn, row))
             except FormatError as exc:
                 batch.reject(row, exc)
                 bad.append(row)

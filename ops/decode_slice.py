@@ -5,7 +5,9 @@ The window comes per row as a relative ``anchor`` (x, y) and ``shape`` (w, h), b
 0-1, rounded to pixels by ``crop_window``. CPU: JPEGs that ``region_decodable`` takes
 (their headers read in one call per batch) are decoded by libjpeg-turbo only where the
 window is (rows below it are not decoded, columns beside it not IDCT'd;
-``gpuio._jpeg``); other images are decoded whole and sliced. GPU: nvImageCodec decodes
+``gpuio._jpeg``); other images, and those the region decoder stops on (a libjpeg
+warning), are decoded whole by ``decode_cpu`` (the one decode policy: see
+``ops.decode``) and sliced. GPU: nvImageCodec decodes
 the batch in one call, JPEGs without EXIF rotation and JPEG 2000 through its region
 decode (``CodeStream.get_sub_code_stream(region=)``), TIFFs and rotated JPEGs whole and
 then sliced; the rest take the CPU path and are uploaded. The output equals ``decode_image`` followed by the same slice.
@@ -15,7 +17,8 @@ machinery, shared with ``ops.fused.DecodeFused`` (the window a fused chain reads
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,7 +75,8 @@ class DecodeImageSlice(Op):
         for k, row in enumerate(rows):
             try:
                 images[row] = self._decode_cpu(data[k], None if facts is None else facts[k], windowed[k],
-                                               anchors[row], shapes[row], int(batch.index[row]))
+                                               anchors[row], shapes[row], int(batch.index[row]),
+                                               functools.partial(batch.warn, row))
             except FormatError as exc:
                 batch.reject(row, exc)
         batch.data[self.out] = upload(batch, images)
@@ -80,15 +84,20 @@ class DecodeImageSlice(Op):
         return batch
 
     def _decode_cpu(self, data: np.ndarray, facts: np.ndarray | None, windowed: bool, anchor: Sequence[float],
-                    shape: Sequence[float], sample: int) -> np.ndarray:
+                    shape: Sequence[float], sample: int, on_warning: Callable[[str], None]) -> np.ndarray:
         """The window of one image: by the region decoder where it takes the image
         (``windowed``; ``facts``: its row of ``jpeg_facts``, None where the decoder is
-        not built)."""
+        not built). What the region decoder refuses (it stops at libjpeg's first
+        warning) is decoded whole by ``decode_cpu``, which decodes or refuses it as
+        ``decode_image`` does."""
         if windowed:
             window = crop_window(anchor, shape, int(facts[3]), int(facts[4]))
-            return decode_region(data, int(facts[0]), self.color, window, 1, sample)
+            try:
+                return decode_region(data, int(facts[0]), self.color, window, 1, sample)
+            except FormatError:
+                pass
         info = facts_info(facts) if facts is not None else None
-        return np.ascontiguousarray(_slice(decode_cpu(data, self.color, sample, info), anchor, shape))
+        return np.ascontiguousarray(_slice(decode_cpu(data, self.color, sample, info, on_warning), anchor, shape))
 
     def _decode_gpu(self, batch: Batch, bufs: list[Any], anchors: list[Any], shapes: list[Any],
                     images: list[Any]) -> None:

@@ -18,8 +18,9 @@ more C call (``gpuio._jpeg.decode_resample``, the GIL released) decodes each JPE
 window with libjpeg-turbo's partial decode, at 1/2, 1/4 or 1/8 scale (libjpeg's DCT
 scaling) when the crop keeps at least the output's size (times 1.5) at that scale, and
 resamples it into the batch output while it is still in the cache; images it does not
-take (CMYK, EXIF-rotated, truncated, not JPEG) are decoded whole and resampled by
-``gpuio._cpuops``. On the GPU the batch goes through nvImageCodec's region decode in
+take (CMYK, EXIF-rotated, truncated, not JPEG), or stops on (a libjpeg warning), are
+decoded whole by ``decode_cpu`` (the one decode policy: see ``ops.decode``) and resampled
+by ``gpuio._cpuops``. On the GPU the batch goes through nvImageCodec's region decode in
 one call (``ops.decode_slice.region_source``), the rest falling back per image as in
 ``decode_image``.
 
@@ -30,6 +31,7 @@ every fusable chain for the fused op (and a decoder in front of one for
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -143,15 +145,19 @@ class FusedCropResizeNormalize(Op):
         if not images:
             return []
         channels = images[0].shape[2]
-        mean, inv_std = self.normalize.channel_params(channels)
         args = dict(interp=self.interp, antialias=self.antialias, layout=self.normalize.layout,
                     dtype=self.normalize.dtype)
-        if batch.device.is_cuda:
+        if batch.device.is_cuda:  # one launch per channel count, each with its normalization
             from gpuio.ops._kernels import crop_resize_normalize
 
             return crop_resize_normalize(batch, images, plan["box"], plan["clip"], plan["out_hw"], plan["flip"],
-                                         mean=mean, inv_std=inv_std, **args)
-        if not self.runs_in_c() or any(img.ndim != 3 or img.shape[2] != channels for img in images):
+                                         params=self.normalize.channel_params, **args)
+        if any(img.shape[2] != channels for img in images):  # grey and colour: as Normalize, per image
+            return stack_or_list(np, [fused_reference([img], {k: v[row: row + 1] for k, v in plan.items()},
+                                                      *self.normalize.channel_params(img.shape[2]), **args)[0]
+                                      for row, img in enumerate(images)])
+        mean, inv_std = self.normalize.channel_params(channels)
+        if not self.runs_in_c():
             return fused_reference(images, plan, mean, inv_std, **args)
         out, offsets = self.c_output(plan["out_hw"], channels)
         _cpuops.resample(images, *self.c_args(plan, offsets, out, channels))
@@ -198,7 +204,8 @@ class DecodeFused(Op):
     """``decode`` (a ``decode_image``) then ``fused`` on its output; see the module
     docstring. Outputs equal those of the two ops in turn, up to the DCT scaling (when
     it applies: within 1.5 levels on average). Corrupt data in rows below a crop is
-    never read, so it is not an error here (a truncated file still is). On a GPU batch
+    never read (a truncated file is still refused: the region decoder takes only files
+    that end with the end-of-image marker). On a GPU batch
     nvImageCodec decodes only the window the chain reads, then the fused kernel runs
     (no DCT scaling there: outputs equal the two ops in turn up to the region decode's
     chroma upsampling at the window's edges)."""
@@ -234,7 +241,8 @@ class DecodeFused(Op):
         def decode_whole(rows: np.ndarray) -> None:
             for row in rows.tolist():
                 try:
-                    images[row] = decode_cpu(bufs[row], color, int(batch.index[row]), facts_info(facts[row]))
+                    images[row] = decode_cpu(bufs[row], color, int(batch.index[row]), facts_info(facts[row]),
+                                             functools.partial(batch.warn, row))
                     hw[row] = images[row].shape[:2]
                 except FormatError as exc:
                     batch.reject(row, exc)
@@ -263,8 +271,9 @@ class DecodeFused(Op):
                   channels: int) -> Batch:
         """The chain's output into one buffer: the ``windowed`` rows of ``images``
         (encoded) decoded and resampled by ``gpuio._jpeg.decode_resample``, the others
-        (decoded, ``channels`` each) by ``gpuio._cpuops.resample``; the rows the first
-        fails on are rejected."""
+        (decoded, ``channels`` each) by ``gpuio._cpuops.resample``. The rows the first
+        refuses (it stops at libjpeg's first warning) are decoded whole by ``decode_cpu``,
+        which decodes or refuses them as ``decode_image`` does, and resampled after."""
         out, offsets = self.fused.c_output(plan["out_hw"], channels)
         rows = np.flatnonzero(windowed)
         part = {k: v[rows] for k, v in plan.items()}
@@ -275,10 +284,25 @@ class DecodeFused(Op):
         if len(rest):
             part = {k: v[rest] for k, v in plan.items()}
             _cpuops.resample([images[r] for r in rest], *self.fused.c_args(part, offsets[rest], out, channels))
-        for k, message in failed:
+        redo, decoded = [], []
+        for k, _ in failed:
             row = int(rows[k])
-            batch.reject(row, FormatError(f"cannot decode image ({len(images[row])} bytes): {message}",
-                                          sample=int(batch.index[row])))
+            try:
+                img = decode_cpu(images[row], self.decode.color, int(batch.index[row]),
+                                 on_warning=functools.partial(batch.warn, row))
+            except FormatError as exc:
+                batch.reject(row, exc)
+                continue
+            y0, x0, y1, x1 = plan["clip"][row].tolist()
+            if img.shape[2] != channels or y1 > img.shape[0] or x1 > img.shape[1]:
+                batch.reject(row, FormatError(f"image of {len(images[row])} bytes decodes to {img.shape}, not the "
+                                              f"size its header declares", sample=int(batch.index[row])))
+                continue
+            redo.append(row)
+            decoded.append(img)
+        if redo:
+            part = {k: v[redo] for k, v in plan.items()}
+            _cpuops.resample(decoded, *self.fused.c_args(part, offsets[redo], out, channels))
         batch.data[self.fused.field] = self.fused.c_result(out, offsets, plan["out_hw"], channels)
         batch.drop_rejected()
         return batch
