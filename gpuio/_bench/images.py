@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     write_json(args.out, payload)
     if args.out:
         charts = [Group(PIPELINES[p], [(r["name"], r.get("images_s")) for r in rows if r["pipeline"] == p],
-                        notes={r["name"]: r["note"] for r in rows if r.get("note") and r["pipeline"] == p})
+                        notes={r["name"]: r["note"] for r in rows if r.get("note") and r["pipeline"] == p},
+                        ours={r["name"] for r in rows if r["name"].startswith("gpuio")})
                   for p in pipelines]
         png = write_chart(os.path.splitext(args.out)[0] + ".png", "gpuio image pipeline benchmark", "images/s", charts)
         print(f"wrote {png}")

@@ -356,8 +356,20 @@ def report(title: str, rows: list[dict[str, Any]], out: str | None, extra: dict[
     return result
 
 
+def _ceiling_words() -> dict[str, str]:
+    """The chart's label of each ceiling row: what it reads, in plain words."""
+    same, streams, threads = "ceiling: the same bytes in one file,", gpuio.config.get("read_streams"), \
+        gpuio.config.get("io_threads")
+    return {SEQUENTIAL: f"{same} one sequential read",
+            PARALLEL: f"{same} 4 MiB reads, {threads} at once",
+            STREAMS: f"{same} {streams} parallel sequential reads",
+            DIRECT: f"{same} {streams} parallel O_DIRECT reads",
+            DIRECT_DEEP: f"{same} O_DIRECT 1 MiB reads, {threads} at once"}
+
+
 def _groups(rows: list[dict[str, Any]]) -> list[Group]:
     """One chart panel per dataset and cache: a bar per method, the ceiling as a line."""
+    words = _ceiling_words()
     groups: dict[tuple[str, str], Group] = {}
     for r in rows:
         key = (r["dataset"], r["cache"])
@@ -368,9 +380,14 @@ def _groups(rows: list[dict[str, Any]]) -> list[Group]:
         if r["method"] == "pinned H2D (ceiling)":
             g.ceiling = r["GB/s"]
             continue
-        g.bars.append((r["method"], r.get("GB/s")))
+        label = words.get(r["method"], r["method"])
+        g.bars.append((label, r.get("GB/s")))
+        if label != r["method"]:
+            g.ceilings.add(label)
+        elif r["method"].startswith("gpuio"):
+            g.ours.add(label)
         if r.get("failed"):
-            g.notes[r["method"]] = "failed measurement (see the JSON)"
+            g.notes[label] = "failed measurement (see the JSON)"
     return list(groups.values())
 
 
