@@ -110,9 +110,13 @@ def _headers(buf: Any) -> tuple[JpegInfo | None, int]:
     if len(data) < 4 or data[0] != 0xFF or data[1] != 0xD8:
         return None, 0
     pos, components, progressive, orientation, height, width, scan = 2, 0, False, 1, 0, 0, 0
+    raw = None  # the bytes, copied once where a search needs them
     while pos + 4 <= len(data):
         if data[pos] != 0xFF:  # bytes that are no marker: skipped to the next one, as libjpeg does (warning)
-            pos += 1
+            raw = bytes(data) if raw is None else raw
+            pos = raw.find(b"\xff", pos)
+            if pos < 0:
+                break
             continue
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte
