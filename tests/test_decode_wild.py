@@ -109,6 +109,33 @@ def test_every_orientation_equals_the_upright_picture(picture, container, orient
         np.testing.assert_array_equal(np.asarray(got[name].data["image"])[0], center16(want), err_msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("container", ["tiff", "jpeg", "png", "webp"])
+def test_every_orientation_equals_the_upright_picture_on_the_gpu(picture, container):
+    """The same rule on a GPU batch: nvImageCodec applies the JPEG EXIF and TIFF
+    orientation (``apply_exif_orientation``; its TIFF parser reads the tag) once, and
+    what it does not take comes from the CPU path: the upright picture (exact for the
+    lossless containers; JPEG within the GPU IDCT's few levels)."""
+    import cupy
+
+    from gpuio.device import Device
+
+    bufs = [encode_oriented(picture, container, o) for o in range(1, 9)]
+    batch = make_batch(bufs)
+    batch.device = Device("cuda", 0)
+    whole = [np.zeros(2, np.float32)] * 8, [np.ones(2, np.float32)] * 8
+    sliced = make_batch(bufs, crop_anchor=whole[0], crop_shape=whole[1])
+    sliced.device = Device("cuda", 0)
+    for out in (ops.decode_image()(batch), ops.decode_image_slice()(sliced)):
+        for o, img in zip(range(1, 9), out.data["image"]):
+            got = cupy.asnumpy(img)
+            assert got.shape == picture.shape, (container, o)
+            if container == "jpeg":
+                assert np.abs(got.astype(int) - picture).mean() < 3, o
+            else:
+                np.testing.assert_array_equal(got, picture, err_msg=f"orientation {o}")
+
+
 @pytest.fixture(scope="module")
 def lossless():
     """8-bit lossless JPEGs (SOF3) from libjpeg-turbo's own encoder: gray and RGB."""
