@@ -35,7 +35,7 @@ from gpuio.storage import Reader, read_fields
 from gpuio._deferred import hand_over
 from gpuio._executor import Executor, Stage, StageStats
 from gpuio._fielddecode import Rows, decoded_fields, host_decoded_fields
-from gpuio._opfields import LoaderBatch, check_op_fields, consumed_fields
+from gpuio._opfields import LoaderBatch, check_op_fields, consumed_fields, flat_ops, image_fields
 from gpuio._order import EpochPlan, epoch_order
 
 __all__ = ["Loader"]
@@ -79,6 +79,12 @@ class Loader:
             bytes a decoder turns into another field, e.g. ``data`` into ``image``, are
             not handed over unless named here). ``"index"`` is reserved. An op reading
             a field that neither these nor an earlier op give is an error here, at once.
+            A dict renames: ``{"data": "jpg", "label": "cls"}`` loads the index's
+            ``jpg`` and ``cls`` as ``data`` and ``label`` (ops and batches see the new
+            names), so one loader serves every format. With the default fields, a
+            decoder reading ``data`` from an index without one (``ops.decode_image()``
+            on a webdataset of ``jpg``, a TFRecord of ``image/encoded``) reads the
+            index's one image field, where it has exactly one.
         ops: ops applied in order (``gpuio.batch.Op``); an op's ``host_inputs`` names
             extent fields that must be read into host (pinned) memory; other extent
             fields land on ``device`` (kvikio on a GPU). On the CPU the ops run as one
@@ -158,8 +164,8 @@ class Loader:
     order other streams after it (``torch.Tensor.record_stream``).
     """
 
-    def __init__(self, index: SampleIndex, batch_size: int, *, fields: Sequence[str] | None = None,
-                 ops: Sequence[Any] = (), device: str | Device = "cpu", output: str = "torch",
+    def __init__(self, index: SampleIndex, batch_size: int, *,
+                 fields: Sequence[str] | dict[str, str] | None = None, ops: Sequence[Any] | Any = (), device: str | Device = "cpu", output: str = "torch",
                  shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
                  last_batch: str = "partial", prefetch: int = 1, threads: int | None = None,
                  on_error: str = "raise") -> None:
@@ -180,8 +186,12 @@ class Loader:
             raise ConfigError(f"threads must be a positive integer, got {threads!r}")
         self.output, self.on_error, self.prefetch, self.threads = output, on_error, prefetch, threads
         self.shuffle, self.seed = bool(shuffle), int(seed)
-        self.fields = tuple(index.fields if fields is None else fields)
-        unknown = [f for f in self.fields if f not in index.fields]
+        if callable(ops):  # one op (or a Compose) for the whole chain
+            ops = [ops]
+        # the fields as ops and batches name them -> the index's fields they hold
+        self._source = _field_sources(index, fields, ops)
+        self.fields = tuple(self._source)
+        unknown = [f for f in self._source.values() if f not in index.fields]
         if unknown:
             raise ConfigError(f"unknown field(s) {unknown}; this index has {list(index.fields)}")
         if "index" in self.fields:
@@ -194,12 +204,12 @@ class Loader:
         self._notes = consumed_fields(ops, self.fields) if fields is None else {}
         self.ops = _group_ops(ops, self.device.is_cuda)
         parser = index.parser
-        self._parsed = tuple(f for f in self.fields
+        self._parsed = tuple(f for f in self._source.values()
                              if parser is not None and f in parser.fields and f not in index.extents)
-        read = [f for f in self.fields if f not in self._parsed]
+        read = [f for f in self._source.values() if f not in self._parsed]
         if self._parsed and parser.source not in read:
             read.append(parser.source)
-        host = {f for op in self.ops for f in getattr(op, "host_inputs", ())}
+        host = {self._source.get(f, f) for op in self.ops for f in getattr(op, "host_inputs", ())}
         host.update(host_decoded_fields(index))  # int, str, json ... decode on the host
         if self._parsed:
             host.add(parser.source)
@@ -214,6 +224,7 @@ class Loader:
         self._epoch = 0
         self._pos = 0  # batches of the current epoch handed to the consumer
         self._resume = 0  # where the next pass starts (set by load_state_dict)
+        self._pass_start = 0  # where the running pass started
         self._executor: Executor | None = None  # kept across completed passes
         self._passing = False  # a pass is between its first and last batch
         self._inline = False  # the next pass reads on the consumer's thread (see _INLINE_BELOW)
@@ -231,8 +242,10 @@ class Loader:
 
     # ---- epochs and state ---------------------------------------------------------------
     def __len__(self) -> int:
-        """Batches per epoch on this rank (the same on every rank)."""
-        return len(self.plan)
+        """Batches the running pass yields in all, or else the next one: an epoch's
+        batches on this rank (the same on every rank), less those already handed out
+        before a resume (``load_state_dict``), so that a progress bar counts right."""
+        return len(self.plan) - (self._pass_start if self._passing else self._resume)
 
     @property
     def epoch(self) -> int:
@@ -287,7 +300,7 @@ class Loader:
         if self._passing:  # one pass at a time: stop one left running
             self.close()
         epoch, start = self._epoch, self._resume
-        self._resume, self._pos = 0, start
+        self._resume, self._pos, self._pass_start = 0, start, start
         return self._run(epoch, start)
 
     def _run(self, epoch: int, start: int) -> Iterator[dict[str, Any]]:
@@ -451,7 +464,7 @@ class Loader:
         return w
 
     def _make_batch(self, w: _Work) -> None:
-        data = {f: w.data[f] for f in self.fields}
+        data = {f: w.data[src] for f, src in self._source.items()}
         # ops run in collect mode: the loader raises for the first rejected row under "raise"
         seeds = sample_seeds(self.seed, w.epoch, w.src) if self.ops else np.zeros(0, np.uint64)  # no op draws
         w.batch = Batch(data, w.index, seeds, self.device, on_error="skip")
@@ -503,8 +516,9 @@ class Loader:
             return col
         if not _is_array(first):
             return col
-        if isinstance(self.index.values.get(name), Ragged) or (
-                name in self._raw_fields and first.ndim == 1 and first.dtype == np.uint8):
+        src = self._source.get(name, name)
+        if isinstance(self.index.values.get(src), Ragged) or (
+                src in self._raw_fields and first.ndim == 1 and first.dtype == np.uint8):
             return col  # ragged by nature (boxes, raw bytes): a list, even when a batch's rows agree
         stacked = _stack(col, xp)
         if stacked is None:
@@ -609,6 +623,28 @@ class Loader:
                 "warned": self._warned,
                 "warnings": list(self._warnings),
             }
+
+
+def _field_sources(index: SampleIndex, fields: Sequence[str] | dict[str, str] | None,
+                   ops: Sequence[Any]) -> dict[str, str]:
+    """``{name the ops and batches use: the index field it holds}`` (see ``Loader``'s
+    ``fields``)."""
+    if isinstance(fields, dict):
+        sources = {str(new): str(old) for new, old in fields.items()}
+        twice = sorted({old for old in sources.values() if list(sources.values()).count(old) > 1})
+        if twice:
+            raise ConfigError(f"fields={fields!r} loads {twice} under two names; name each index field once")
+        return sources
+    if isinstance(fields, str):
+        raise ConfigError(f"fields={fields!r}: give a list of field names (fields=[{fields!r}]) or a dict of renames")
+    names = index.fields if fields is None else tuple(fields)
+    sources = {f: f for f in names}
+    reads_data = any(getattr(op, "field", None) == "data" and getattr(op, "host_inputs", ())
+                     for op in flat_ops(ops))
+    images = image_fields(index)
+    if fields is None and reads_data and "data" not in sources and len(images) == 1:
+        sources = {("data" if f == images[0] else f): f for f in names}  # the decoder's default finds it
+    return sources
 
 
 def _works(plan: EpochPlan, order: np.ndarray, epoch: int, start: int) -> Iterator[_Work]:

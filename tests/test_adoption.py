@@ -58,3 +58,20 @@ def test_normalize_arguments_are_checked_when_made(tree):
     with pytest.raises(ConfigError, match=r"Normalize on 'image', decoded with 1 channel\(s\): mean/std have 3/3"):
         gpuio.Loader(tree, 4, ops=[ops.decode_image(color="gray"), ops.normalize([120.0] * 3, [60.0] * 3)])
     gpuio.Loader(tree, 4, ops=[ops.decode_image(color="gray"), ops.normalize(120.0, 60.0)])  # one for all
+
+
+def test_len_after_a_resume_counts_the_batches_the_pass_yields(tree):
+    loader = gpuio.Loader(tree, 3, output="numpy")  # 8 samples: 3 batches
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    it.close()
+    resumed = gpuio.Loader(tree, 3, output="numpy")
+    resumed.load_state_dict(state)
+    assert len(resumed) == 2
+    seen = []
+    for batch in resumed:
+        seen.append(batch["index"].tolist())
+        assert len(resumed) == 2  # the running pass
+    assert seen == [[3, 4, 5], [6, 7]]
+    assert len(resumed) == 3  # the next epoch is whole

@@ -34,13 +34,37 @@ def shards(tmp_path_factory):
 
 def test_a_decoder_reading_a_field_the_index_lacks_fails_when_the_loader_is_made(shards):
     wds, _ = shards
+    two = wds.take(range(len(wds)))  # the same samples with a second image field
+    two.extents["seg.png"] = two.extents["jpg"]
     with pytest.raises(ConfigError) as info:
-        gpuio.Loader(wds, 4, ops=[ops.decode_image(), ops.crop_mirror_normalize(16)])
+        gpuio.Loader(two, 4, ops=[ops.decode_image(), ops.crop_mirror_normalize(16)])
     msg = str(info.value)
     assert "DecodeImage reads field 'data', but this index has no field 'data'" in msg
     assert "'jpg'" in msg and "field=" in msg
     batch = next(iter(gpuio.Loader(wds, 4, ops=[ops.decode_image("jpg")], output="numpy")))
     assert batch["image"].shape == (4, 24, 32, 3)
+
+
+def test_the_decoder_finds_the_one_image_field_and_fields_rename(shards):
+    wds, tree = shards
+    want = list(gpuio.Loader(tree, 3, ops=ops.decode_image(), output="numpy"))  # one op, not in a list
+    found = list(gpuio.Loader(wds, 3, ops=[ops.decode_image()], output="numpy"))
+    renamed = list(gpuio.Loader(wds, 3, fields={"data": "jpg", "label": "cls"}, ops=[ops.decode_image()],
+                                output="numpy"))
+    assert sorted(found[0]) == ["__key__", "cls", "image", "index"] and sorted(renamed[0]) == ["data", "image", "index", "label"]
+    by_name = {int(i): img for b in want for i, img in zip(b["index"], b["image"])}
+    tree_pos = {i: k for k, i in enumerate(sorted(range(6), key=lambda i: (i % 2, i)))}  # c0/0,2,4 then c1/1,3,5
+    for batches in (found, renamed):
+        for b in batches:
+            for i, img in zip(b["index"].tolist(), b["image"]):
+                np.testing.assert_array_equal(img, by_name[tree_pos[i]])
+    assert [int(v) for b in renamed for v in b["label"]] == [i % 2 for i in range(6)]
+    with pytest.raises(ConfigError, match=r"loads \['jpg'\] under two names"):
+        gpuio.Loader(wds, 3, fields={"data": "jpg", "jpg": "jpg"})
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['png'\]"):
+        gpuio.Loader(wds, 3, fields={"data": "png"})
+    with pytest.raises(ConfigError, match=r"give a list of field names \(fields=\['jpg'\]\)"):
+        gpuio.Loader(wds, 3, fields="jpg")
 
 
 def test_fields_that_leave_out_an_op_s_input_fail_when_the_loader_is_made(shards):
