@@ -1,16 +1,19 @@
 """The fused crop + resize + flip + normalize + layout + cast CUDA kernel (CuPy).
 
-One launch per batch: grid ``(ceil(max_out_pixels / 256), N)``, one thread per output
-pixel (all channels). Per-sample parameters travel as two small device arrays. The
-kernel mirrors ``gpuio.ops.geometry.resample`` and ``gpuio.ops.fused.fused_reference``
-line by line: the same filter window, the horizontal pass clipped to
-0-255 (as Pillow), then the vertical pass, clip to 0-255, ``(v - mean) * inv_std``, cast.
+One launch per batch (per channel count, where grey and colour images share a batch):
+grid ``(ceil(max_out_pixels / 256), N)``, one thread per output pixel (all channels).
+Per-sample parameters travel as two small device arrays. The kernel mirrors
+``gpuio.ops.geometry.resample`` and ``gpuio.ops.fused.fused_reference`` line by line:
+the same filter window, the horizontal pass clipped to 0-255 (as Pillow), then the
+vertical pass, clip to 0-255, ``(v - mean) * inv_std``, cast. It reads uint8 only;
+the ops take other images to the array-module path (``geometry.resample`` on CuPy).
 CuPy is imported only when a GPU batch runs.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +22,8 @@ from gpuio.batch import Batch
 from gpuio.device import require
 from gpuio.errors import ConfigError
 
-__all__ = ["crop_resize_normalize", "SOURCE", "OPTIONS"]
+__all__ = ["OPTIONS", "SOURCE", "channel_groups", "check_images", "crop_resize_normalize", "launch_params",
+           "split_output"]
 
 # params, int64 per sample: src address, row / column / channel strides (bytes),
 # clip y0, x0, y1, x1 (source pixels the filter may read), out h, out w,
@@ -146,51 +150,87 @@ def _kernel(cp: Any, dtype: str) -> Any:
         return _compiled[dtype]
 
 
-def crop_resize_normalize(batch: Batch, images: list[Any], boxes: np.ndarray, clips: np.ndarray,
-                          out_hw: np.ndarray, flips: np.ndarray, *, interp: str = "linear",
-                          antialias: bool = True, mean: np.ndarray | None = None,
-                          inv_std: np.ndarray | None = None, layout: str = "CHW", dtype: str = "float32") -> Any:
-    """Run the fused kernel over uint8 HWC CuPy ``images`` (any strides: crops and
-    flips may be views). Per sample: ``boxes`` ``[N, 4]`` (y0, x0, h, w; source
-    pixels, float), ``clips`` ``[N, 4]`` (y0, x0, y1, x1; the pixels the filter may
-    read), ``out_hw`` ``[N, 2]``, ``flips`` ``[N]`` (bit 1 left-right, bit 2 upside
-    down). Returns one array ``[N, C, H, W]`` / ``[N, H, W, C]`` when every output has
-    the same size, else a list of per-sample views into one buffer."""
-    cp = require("cupy")
-    n = len(images)
-    if n == 0:
-        return []
-    channels = images[0].shape[2]
-    if any(img.ndim != 3 or img.shape[2] != channels or img.dtype != np.uint8 for img in images) \
-            or not 1 <= channels <= 4:
-        raise ConfigError("the GPU crop/resize/normalize kernel takes uint8 HWC images with the same "
-                          "number (1-4) of channels in a batch")
-    mean = np.zeros(channels, np.float32) if mean is None else mean
-    inv_std = np.ones(channels, np.float32) if inv_std is None else inv_std
+def channel_groups(channels: np.ndarray) -> dict[int, np.ndarray]:
+    """The rows of each channel count (``channels``, int ``[N]``), ascending: the kernel
+    takes one count per launch, so a batch of grey and colour images is launched once
+    per count, each launch writing its rows into the one output buffer."""
+    return {int(c): np.flatnonzero(channels == c) for c in np.unique(channels)}
+
+
+def launch_params(addresses: Sequence[int], strides: Sequence[Sequence[int]], channels: np.ndarray,
+                  clips: np.ndarray, out_hw: np.ndarray, flips: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's per-sample parameters, int64 ``[N, 12]`` (see ``_NPARAM``), and each
+    sample's output size in elements (``[N]``): outputs lie back to back in row order
+    in one buffer, each of its own channel count."""
+    n = len(addresses)
     out_hw = np.asarray(out_hw, dtype=np.int64).reshape(n, 2)
-    sizes = out_hw[:, 0] * out_hw[:, 1] * channels
+    sizes = out_hw[:, 0] * out_hw[:, 1] * np.asarray(channels, np.int64)
     params = np.empty((n, _NPARAM), dtype=np.int64)
-    params[:, 0] = [img.data.ptr for img in images]
-    params[:, 1:4] = [img.strides for img in images]
+    params[:, 0] = addresses
+    params[:, 1:4] = np.asarray(strides, np.int64).reshape(n, 3)
     params[:, 4:8] = clips
     params[:, 8:10] = out_hw
     params[:, 10] = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     params[:, 11] = flips
+    return params, sizes
+
+
+def check_images(images: Sequence[Any]) -> np.ndarray:
+    """The channel count of each image (int64 ``[N]``), or a ``ConfigError`` for an
+    image the kernel cannot read (not uint8 HWC of 1-4 channels: callers take those
+    to the array-module path, as the CPU does)."""
+    channels = np.array([img.shape[2] if img.ndim == 3 else 0 for img in images], np.int64)
+    bad = [row for row, img in enumerate(images) if img.dtype != np.uint8 or not 1 <= channels[row] <= 4]
+    if bad:
+        img = images[bad[0]]
+        raise ConfigError(f"the GPU crop/resize/normalize kernel takes uint8 HWC images of 1-4 channels; "
+                          f"row {bad[0]} is {img.dtype} of shape {tuple(img.shape)}")
+    return channels
+
+
+def crop_resize_normalize(batch: Batch, images: list[Any], boxes: np.ndarray, clips: np.ndarray,
+                          out_hw: np.ndarray, flips: np.ndarray, *, interp: str = "linear",
+                          antialias: bool = True,
+                          params: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None,
+                          layout: str = "CHW", dtype: str = "float32") -> Any:
+    """Run the fused kernel over uint8 HWC CuPy ``images`` (any strides: crops and
+    flips may be views; 1 to 4 channels, counts may differ between rows). Per sample:
+    ``boxes`` ``[N, 4]`` (y0, x0, h, w; source pixels, float), ``clips`` ``[N, 4]``
+    (y0, x0, y1, x1; the pixels the filter may read), ``out_hw`` ``[N, 2]``, ``flips``
+    ``[N]`` (bit 1 left-right, bit 2 upside down). ``params(channels)`` gives the
+    normalization (mean, 1/std), float32 ``[channels]``, of images of that many
+    channels (None: none). Returns one array ``[N, C, H, W]`` / ``[N, H, W, C]`` when
+    every output has the same shape, else a list of per-sample views into one buffer."""
+    n = len(images)
+    if n == 0:
+        return []
+    channels = check_images(images)
+    cp = require("cupy")
+    table, sizes = launch_params([img.data.ptr for img in images], [img.strides for img in images], channels,
+                                 clips, out_hw, flips)
+    boxes = np.asarray(boxes, np.float32).reshape(n, 4)
+    out_hw = table[:, 8:10]
+    threads = 256
     with cp.cuda.Device(batch.device.index):
         # picked inside the device context: the current stream is per device
         stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
         with stream:
             out = cp.empty(int(sizes.sum()), dtype=dtype)
-            args = (cp.asarray(params), cp.asarray(np.asarray(boxes, np.float32)),
-                    cp.asarray(np.asarray(mean, np.float32)), cp.asarray(np.asarray(inv_std, np.float32)),
-                    out, np.int32(channels), np.int32(_INTERP[interp]), np.int32(antialias),
-                    np.int32(layout == "CHW"))
-            threads = 256
-            pixels = int((out_hw[:, 0] * out_hw[:, 1]).max())
-            _kernel(cp, dtype)(((pixels + threads - 1) // threads, n), (threads,), args)
-    if (out_hw == out_hw[0]).all():
-        h, w = (int(v) for v in out_hw[0])
-        return out.reshape((n, channels, h, w) if layout == "CHW" else (n, h, w, channels))
-    shapes = [(channels, h, w) if layout == "CHW" else (h, w, channels) for h, w in out_hw.tolist()]
-    return [out[o: o + s].reshape(shape) for o, s, shape in zip(params[:, 10].tolist(), sizes.tolist(), shapes)]
+            for c, rows in channel_groups(channels).items():
+                mean, inv_std = (np.zeros(c, np.float32), np.ones(c, np.float32)) if params is None else params(c)
+                args = (cp.asarray(table[rows]), cp.asarray(boxes[rows]),
+                        cp.asarray(np.asarray(mean, np.float32)), cp.asarray(np.asarray(inv_std, np.float32)),
+                        out, np.int32(c), np.int32(_INTERP[interp]), np.int32(antialias), np.int32(layout == "CHW"))
+                pixels = int((out_hw[rows, 0] * out_hw[rows, 1]).max())
+                _kernel(cp, dtype)(((pixels + threads - 1) // threads, len(rows)), (threads,), args)
+    return split_output(out, table, sizes, channels, layout)
 
+
+def split_output(out: Any, table: np.ndarray, sizes: np.ndarray, channels: np.ndarray, layout: str) -> Any:
+    """The samples in the kernel's flat output ``out`` (``launch_params``' ``table`` and
+    ``sizes``): one array ``[N, ...]`` when all have one shape, else a list of views."""
+    shapes = [(c, h, w) if layout == "CHW" else (h, w, c) for c, (h, w) in zip(channels.tolist(),
+                                                                               table[:, 8:10].tolist())]
+    if all(shape == shapes[0] for shape in shapes):
+        return out.reshape((len(shapes), *shapes[0]))
+    return [out[o: o + s].reshape(shape) for o, s, shape in zip(table[:, 10].tolist(), sizes.tolist(), shapes)]

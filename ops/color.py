@@ -71,16 +71,15 @@ class Normalize(Op):
         images = batch.data[self.field]
         if len(images) == 0:
             return batch
-        if batch.device.is_cuda and all(img.dtype == np.uint8 for img in images):
+        if batch.device.is_cuda and all(img.dtype == np.uint8 and 1 <= img.shape[2] <= 4 for img in images):
             from gpuio.ops._kernels import crop_resize_normalize
 
-            # the fused kernel with the whole image as its box: one launch per batch
+            # the fused kernel with the whole image as its box: one launch per channel count
             hw = np.array([img.shape[:2] for img in images], dtype=np.int64).reshape(-1, 2)
             box = np.concatenate([np.zeros_like(hw), hw], axis=1)
-            mean, inv_std = self.channel_params(images[0].shape[2])
             batch.data[self.field] = crop_resize_normalize(
                 batch, list(images), box.astype(np.float64), box, hw, np.zeros(len(hw), np.int64),
-                interp="linear", antialias=True, mean=mean, inv_std=inv_std, layout=self.layout, dtype=self.dtype)
+                interp="linear", antialias=True, params=self.channel_params, layout=self.layout, dtype=self.dtype)
             return batch
         xp = batch.xp
         params: dict[int, tuple[Any, Any]] = {}  # channels -> (mean, 1/std), once per batch

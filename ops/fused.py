@@ -145,15 +145,19 @@ class FusedCropResizeNormalize(Op):
         if not images:
             return []
         channels = images[0].shape[2]
-        mean, inv_std = self.normalize.channel_params(channels)
         args = dict(interp=self.interp, antialias=self.antialias, layout=self.normalize.layout,
                     dtype=self.normalize.dtype)
-        if batch.device.is_cuda:
+        if batch.device.is_cuda:  # one launch per channel count, each with its normalization
             from gpuio.ops._kernels import crop_resize_normalize
 
             return crop_resize_normalize(batch, images, plan["box"], plan["clip"], plan["out_hw"], plan["flip"],
-                                         mean=mean, inv_std=inv_std, **args)
-        if not self.runs_in_c() or any(img.ndim != 3 or img.shape[2] != channels for img in images):
+                                         params=self.normalize.channel_params, **args)
+        if any(img.shape[2] != channels for img in images):  # grey and colour: as Normalize, per image
+            return stack_or_list(np, [fused_reference([img], {k: v[row: row + 1] for k, v in plan.items()},
+                                                      *self.normalize.channel_params(img.shape[2]), **args)[0]
+                                      for row, img in enumerate(images)])
+        mean, inv_std = self.normalize.channel_params(channels)
+        if not self.runs_in_c():
             return fused_reference(images, plan, mean, inv_std, **args)
         out, offsets = self.c_output(plan["out_hw"], channels)
         _cpuops.resample(images, *self.c_args(plan, offsets, out, channels))

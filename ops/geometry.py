@@ -31,6 +31,7 @@ import numpy as np
 from PIL import Image
 
 from gpuio.batch import Batch, Op
+from gpuio.device import require
 from gpuio.errors import ConfigError, DataError
 from gpuio.ops._streams import Streams
 
@@ -92,29 +93,30 @@ def filter_weights(out: int, start: float, length: float, lo: int, hi: int, inte
     return (w / np.where(total == 0.0, 1.0, total)).astype(np.float32)
 
 
-def resample(img: np.ndarray, box: Sequence[float], clip: Sequence[int], out_hw: tuple[int, int],
-             interp: str = "linear", antialias: bool = True) -> np.ndarray:
+def resample(img: Any, box: Sequence[float], clip: Sequence[int], out_hw: tuple[int, int],
+             interp: str = "linear", antialias: bool = True, xp: Any = np) -> Any:
     """Resample ``img`` (HWC, any real dtype) to ``out_hw``: the source box
     ``(y0, x0, h, w)`` in pixels, the filter reading only the source pixels in
     ``clip = (y0, x0, y1, x1)``. Horizontal pass first; for uint8 input its result is
     clipped to 0-255, as Pillow clips (Pillow also rounds it: within 0.5 level). Returns float32 HWC, not
-    rounded or clipped."""
+    rounded or clipped. ``xp`` is the array module of ``img`` (CuPy for a GPU image; the
+    caller has entered its device)."""
     y0, x0, bh, bw = (float(v) for v in box)
     cy0, cx0, cy1, cx1 = (int(v) for v in clip)
     wy = filter_weights(out_hw[0], y0, bh, cy0, cy1, interp, antialias)
     wx = filter_weights(out_hw[1], x0, bw, cx0, cx1, interp, antialias)
     region = img[cy0:cy1, cx0:cx1]
     if interp == "nearest":  # one-hot weights: pick the pixels
-        return region[np.argmax(wy, axis=1)][:, np.argmax(wx, axis=1)].astype(np.float32)
-    rows = np.einsum("xj,yjc->yxc", wx, region.astype(np.float32), optimize=True)
+        return region[xp.asarray(np.argmax(wy, axis=1))][:, xp.asarray(np.argmax(wx, axis=1))].astype(np.float32)
+    rows = xp.einsum("xj,yjc->yxc", xp.asarray(wx), region.astype(np.float32), optimize=True)
     if img.dtype == np.uint8:
-        rows = np.clip(rows, 0, 255)
+        rows = xp.clip(rows, 0, 255)
     h, w, c = rows.shape
-    return (wy @ rows.reshape(h, w * c)).reshape(out_hw[0], w, c)
+    return (xp.asarray(wy) @ rows.reshape(h, w * c)).reshape(out_hw[0], w, c)
 
 
-def _to_uint8(x: np.ndarray) -> np.ndarray:
-    return np.clip(np.floor(x + 0.5), 0, 255).astype(np.uint8)
+def _to_uint8(x: Any, xp: Any = np) -> Any:
+    return xp.clip(xp.floor(x + 0.5), 0, 255).astype(np.uint8)
 
 
 def _resize_cpu(img: np.ndarray, out_hw: tuple[int, int], interp: str, antialias: bool) -> np.ndarray:
@@ -131,15 +133,43 @@ def _resize_cpu(img: np.ndarray, out_hw: tuple[int, int], interp: str, antialias
 
 
 def _resize_gpu(batch: Batch, images: list[Any], boxes: np.ndarray, out_hw: np.ndarray, interp: str,
-                antialias: bool) -> list[Any]:
-    """Crop boxes ``[N, 4]`` (y0, x0, h, w) of uint8 HWC images resized to ``out_hw``
-    ``[N, 2]`` on the GPU in one launch; the filter reads only inside each box."""
+                antialias: bool) -> Any:
+    """Crop boxes ``[N, 4]`` (y0, x0, h, w) of HWC images resized to ``out_hw`` ``[N, 2]``
+    on the GPU, the filter reading only inside each box: the uint8 images of 1-4
+    channels in one kernel launch per channel count, the others (another dtype, more
+    channels) one by one with ``resample`` on CuPy, rounded or cast as on the CPU. One
+    array when every output has one shape and dtype, else a list."""
     from gpuio.ops._kernels import crop_resize_normalize
 
     clips = np.stack([boxes[:, 0], boxes[:, 1], boxes[:, 0] + boxes[:, 2], boxes[:, 1] + boxes[:, 3]], axis=1)
-    return crop_resize_normalize(batch, images, boxes.astype(np.float32), clips, out_hw,
-                                 np.zeros(len(images), np.int64), interp=interp, antialias=antialias,
-                                 layout="HWC", dtype="uint8")
+    on_kernel = [img.dtype == np.uint8 and img.ndim == 3 and 1 <= img.shape[2] <= 4 for img in images]
+    rows = np.flatnonzero(on_kernel)
+    got = crop_resize_normalize(batch, [images[r] for r in rows], boxes[rows].astype(np.float32), clips[rows],
+                                out_hw[rows], np.zeros(len(rows), np.int64), interp=interp,
+                                antialias=antialias, layout="HWC", dtype="uint8")
+    if len(rows) == len(images):
+        return got
+    out: list[Any] = [None] * len(images)
+    for r, image in zip(rows.tolist(), got):
+        out[r] = image
+    for r in np.flatnonzero(~np.array(on_kernel, bool)).tolist():
+        out[r] = _resample_gpu(batch, images[r], boxes[r], clips[r], tuple(out_hw[r].tolist()), interp, antialias)
+    return out
+
+
+def _resample_gpu(batch: Batch, img: Any, box: np.ndarray, clip: np.ndarray, out_hw: tuple[int, int],
+                  interp: str, antialias: bool) -> Any:
+    """One image the kernel does not read, resized as ``_resize_cpu`` resizes it (a box
+    of the output's size is the crop itself, as on the CPU)."""
+    t, l, h, w = (int(v) for v in box)
+    if (h, w) == out_hw and tuple(float(v) for v in box) == (t, l, h, w):
+        return img[t:t + h, l:l + w]
+    cp = require("cupy")
+    with cp.cuda.Device(batch.device.index):
+        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+        with stream:
+            res = resample(img, box, clip, out_hw, interp, antialias, xp=cp)
+            return _to_uint8(res, cp) if img.dtype == np.uint8 else res.astype(img.dtype, copy=False)
 
 
 class Resize(Op):
