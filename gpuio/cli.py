@@ -334,7 +334,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     server = serve.Server(serve.parse_ops(args.ops), model=args.model, device=args.device, name=args.name,
                           http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           address=args.address, instances=args.instances, max_batch=args.max_batch)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop Triton cleanly on SIGTERM as on Ctrl-C
+    signal.signal(signal.SIGTERM, server.exit_on_signal)  # a clean stop and exit status 0, even while starting
     with server:
         print(f"serving model {args.name!r} ({server.output} out): http {args.address}:{args.http_port}, "
               f"grpc {args.address}:{args.grpc_port}", flush=True)
@@ -393,7 +393,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="read (and decode) every sample; list each bad one with its file, byte "
                            "offset and reason; exit status 1 when any is bad")
-    check.add_argument("paths", nargs="+", metavar="PATH", help="a saved index or a file tree; with --format, that format's paths")
+    check.add_argument("paths", nargs="+", metavar="PATH",
+                       help="a saved index or a file tree; with --format, that format's paths")
     _format_arguments(check, required=False)
     check.add_argument("--no-decode", dest="decode", action="store_false",
                        help="only read (and parse) every sample; by default image fields are decoded too")
@@ -418,7 +419,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        "or FILE.py:NAME (a callable on arrays)")
     serve.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     serve.add_argument("--name", default="gpuio", help="the Triton model's name (default: gpuio)")
-    serve.add_argument("--address", default="0.0.0.0", help="interface to listen on (default: all)")
+    serve.add_argument("--address", default="0.0.0.0", help="interface to listen on (default: 0.0.0.0, all "
+                       "interfaces, as Triton's own default; --address 127.0.0.1 serves this machine only)")
     serve.add_argument("--http-port", type=_positive, default=8000)
     serve.add_argument("--grpc-port", type=_positive, default=8001)
     serve.add_argument("--metrics-port", type=_positive, default=8002)

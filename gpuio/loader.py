@@ -165,7 +165,8 @@ class Loader:
     """
 
     def __init__(self, index: SampleIndex, batch_size: int, *,
-                 fields: Sequence[str] | dict[str, str] | None = None, ops: Sequence[Any] | Any = (), device: str | Device = "cpu", output: str = "torch",
+                 fields: Sequence[str] | dict[str, str] | None = None, ops: Sequence[Any] | Any = (),
+                 device: str | Device = "cpu", output: str = "torch",
                  shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
                  last_batch: str = "partial", prefetch: int = 1, threads: int | None = None,
                  on_error: str = "raise") -> None:
@@ -485,11 +486,12 @@ class Loader:
             sample = index if index >= 0 else getattr(err, "sample", None)
             sample = int(sample) if isinstance(sample, (int, np.integer)) else None
             raise self._pipeline_error(name, w, err, sample=sample) from err
+        read = getattr(op, "host_inputs", ())  # the fields the op read: where its bad samples are
         for index, err in errors:
-            self._skip(index, name, err)
+            self._skip(index, name, err, read)
         warnings, b.warnings[:] = list(b.warnings), []
         for index, message in warnings:
-            self._warn(index, name, message)
+            self._warn(index, name, message, read)
         b.drop_rejected()
         w.batch = b
         return w
@@ -545,25 +547,25 @@ class Loader:
         return LoaderBatch(out, self._notes)
 
     # ---- errors and stats ------------------------------------------------------------
-    def _skip(self, sample: int, stage: str, err: BaseException) -> None:
-        where = self._where(sample, err)
+    def _skip(self, sample: int, stage: str, err: BaseException, fields: Sequence[str] = ()) -> None:
+        where = self._where(sample, err, fields)
         with self._lock:
             self._skipped += 1
             if len(self._errors) < _MAX_ERRORS:
                 self._errors.append(f"sample {sample} (stage {stage!r}, {where}): {type(err).__name__}: {err}")
 
-    def _warn(self, sample: int, stage: str, message: str) -> None:
-        where = self._where(sample, None)
+    def _warn(self, sample: int, stage: str, message: str, fields: Sequence[str] = ()) -> None:
+        where = self._where(sample, None, fields)
         with self._lock:
             self._warned += 1
             if len(self._warnings) < _MAX_ERRORS:
                 self._warnings.append(f"sample {sample} (stage {stage!r}, {where}): {message}")
 
-    def _where(self, sample: int, err: BaseException | None) -> str:
+    def _where(self, sample: int, err: BaseException | None, fields: Sequence[str] = ()) -> str:
         """The file and byte offset of a skipped or warned-of sample: those its error
-        names, else where its first stored field starts."""
+        names, else where the first of ``fields`` (the fields read) stored for it starts."""
         path, offset = (err.path, err.offset) if isinstance(err, DataError) else (None, None)
-        fields = [f for f in self._host_fields + self._dev_fields if f in self.index.extents]
+        fields = [f for f in (*fields, *self._host_fields, *self._dev_fields) if f in self.index.extents]
         if path is None and fields and 0 <= sample < len(self.index):
             extent = self.index.extent(sample, fields[0])
             path, offset = extent.file, extent.offset
