@@ -57,11 +57,12 @@ METHODS = {
 
 # Every place gpuio converts an object a GPU library hands back, as (file, function,
 # variable) -> the object's class. ``check_conversions`` finds each conversion call on that
-# variable and checks that the class has the protocol the call reads; and every device
+# variable (there, or in a function of the same file it is passed to) and checks that the
+# class has the protocol the call reads; and every device
 # conversion (CuPy, torch) of a variable in a file that uses a decoder library must be
 # listed here or in ``HOST_ARRAYS``, so that a new conversion site is not missed.
 CONVERSIONS = {
-    ("ops/video.py", "keep", "picture"): "PyNvVideoCodec.DecodedFrame",  # NVDEC's frames
+    ("ops/video.py", "_decode_clip_nvdec.keep", "picture"): "PyNvVideoCodec.DecodedFrame",  # NVDEC's frames
     ("ops/decode.py", "decode_gpu", "img"): "nvidia.nvimgcodec.Image",  # nvImageCodec's images
 }
 # device conversions in those files whose variable holds a NumPy array (decoded on the CPU)
@@ -193,22 +194,39 @@ def check_uses(report: dict[str, Any]) -> None:
                     report["problems"].append(f"{name}: no keyword {missing}; it takes {sorted(params)}")
 
 
-def _conversion_calls(root: Path = ROOT) -> list[dict[str, Any]]:
-    """Calls that convert a variable (the first argument) into an array, with the file,
-    the innermost function around them and what they read."""
-    found = []
+def _own_nodes(fn: ast.AST) -> list[ast.AST]:
+    """The nodes of a function's body, less those of the functions defined inside it."""
+    inner = {id(n) for f in ast.walk(fn) if f is not fn and isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(f)}
+    return [n for n in ast.walk(fn) if id(n) not in inner]
+
+
+def _functions(tree: ast.AST, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every function under ``tree`` with its qualified name (``outer.inner``, ``Class.method``)."""
+    out = []
+    for node in ast.iter_child_nodes(tree):
+        name = f"{prefix}{node.name}" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else None
+        if name and not isinstance(node, ast.ClassDef):
+            out.append((name, node))
+        out += _functions(node, f"{name}." if name else prefix)
+    return out
+
+
+def _conversions(root: Path = ROOT) -> tuple[list[dict[str, Any]], dict[tuple[str, str], Any]]:
+    """The calls that convert a variable (their first argument) into an array, with the
+    file, the innermost function around them and what they read; and the functions, as
+    (file, function name) -> (definition, its own nodes)."""
+    found, functions = [], {}
     for top in SOURCES:
         for path in sorted((root / top).rglob("*.py")):
             tree = ast.parse(path.read_text(), str(path))
+            rel = str(path.relative_to(root))
             decoders = any(isinstance(n, ast.Name) and n.id in DECODERS for n in ast.walk(tree))
-            for fn in ast.walk(tree):
-                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    continue
-                inner = {id(n) for f in ast.walk(fn) if f is not fn and isinstance(f, (ast.FunctionDef,
-                         ast.AsyncFunctionDef)) for n in ast.walk(f)}
-                for node in ast.walk(fn):
-                    if id(node) in inner or not isinstance(node, ast.Call) or not node.args \
-                            or not isinstance(node.args[0], ast.Name):
+            for qualname, fn in _functions(tree):
+                nodes = _own_nodes(fn)
+                functions[rel, qualname] = (fn, nodes)
+                for node in nodes:
+                    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Name):
                         continue
                     if isinstance(node.func, ast.Name):
                         module, name = "", node.func.id
@@ -217,11 +235,32 @@ def _conversion_calls(root: Path = ROOT) -> list[dict[str, Any]]:
                     else:
                         continue
                     reads = READS.get((module, name)) or (READS["*", name] if name == "from_dlpack" else None)
-                    if reads is not None:
-                        found.append({"where": f"{path.relative_to(root)}:{node.lineno}", "call": ast.unparse(node),
-                                      "site": (str(path.relative_to(root)), fn.name, node.args[0].id),
-                                      "reads": reads, "device": module in ("cupy", "torch"), "decoders": decoders})
-    return found
+                    if reads is not None:  # from_dlpack of an array module passed in (xp) counts as a device one
+                        found.append({"where": f"{rel}:{node.lineno}", "call": ast.unparse(node), "reads": reads,
+                                      "site": (rel, qualname, node.args[0].id), "decoders": decoders,
+                                      "device": module in ("cupy", "torch") or name == "from_dlpack"})
+    return found, functions
+
+
+def _reached(site: tuple[str, str, str], calls: list[dict[str, Any]], functions: dict, depth: int = 0) -> list:
+    """The conversion calls that take the variable of ``site``: in its function, and in
+    the functions of the same file it is passed to (a helper that converts it)."""
+    path, fn, var = site
+    out = [c for c in calls if c["site"] == site]
+    for node in functions[path, fn][1] if (path, fn) in functions and depth < 3 else []:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+            continue
+        # the function the name means: one defined in this function or an enclosing one, or at the top
+        scopes = [fn.rsplit(".", k)[0] + "." for k in range(fn.count(".") + 1)] + [""]  # innermost first
+        callee = next((scope + node.func.id for scope in scopes if (path, scope + node.func.id) in functions), None)
+        if callee is None:
+            continue
+        definition = functions[path, callee][0]
+        params = [a.arg for a in definition.args.posonlyargs + definition.args.args]
+        for i, arg in enumerate(node.args):
+            if isinstance(arg, ast.Name) and arg.id == var and i < len(params):
+                out += _reached((path, callee, params[i]), calls, functions, depth + 1)
+    return out
 
 
 def _has_buffer(cls: type) -> bool:
@@ -243,9 +282,11 @@ def _has_buffer(cls: type) -> bool:
 def check_conversions(report: dict[str, Any]) -> None:
     """Each listed conversion reads a protocol its object's class has; no device
     conversion in a decoder file is unlisted."""
-    calls = _conversion_calls()
+    calls, functions = _conversions()
+    reached = {site: _reached(site, calls, functions) for site in CONVERSIONS}
+    listed = {c["site"] for found in reached.values() for c in found} | set(CONVERSIONS) | HOST_ARRAYS
     for call in calls:
-        if call["device"] and call["decoders"] and call["site"] not in CONVERSIONS and call["site"] not in HOST_ARRAYS:
+        if call["device"] and call["decoders"] and call["site"] not in listed:
             report["problems"].append(f"{call['where']} {call['call']}: converts {call['site'][2]!r} in a file that "
                                       "uses a decoder library; list its class in tests/gpu_contract.py CONVERSIONS "
                                       "(or HOST_ARRAYS if it is a NumPy array)")
@@ -259,7 +300,7 @@ def check_conversions(report: dict[str, Any]) -> None:
         has = {p for p in ("__cuda_array_interface__", "__cupy_get_ndarray__", "__dlpack__", "__dlpack_device__",
                            "__array_interface__", "__array__") if hasattr(cls, p)} | ({_BUFFER} if _has_buffer(cls)
                                                                                         else set())
-        here = [c for c in calls if c["site"] == site]
+        here = reached[site]
         if not here:
             report["problems"].append(f"{site[0]}: no conversion of {site[2]!r} in {site[1]}() any more; "
                                       "update tests/gpu_contract.py CONVERSIONS")
