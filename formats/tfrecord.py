@@ -405,8 +405,8 @@ class ExampleParser(Parser):
                 found = self._find(buf, len(record), wanted)
                 for name, kind in self.features.items():
                     if name not in found:
-                        raise _Bad(f"feature {name!r} missing; the record has {sorted(found)} "
-                                   f"of the requested ones", 0)
+                        raise _Bad(f"feature {name!r} missing; the record's features: "
+                                   f"{self._names(buf, len(record))}", 0)
                     out[name].append(_feature(buf, record, *found[name], kind, name))
             except _Bad as exc:
                 raise FormatError(f"bad tf.train.Example: {exc.args[0]} (at payload byte {exc.args[1]})",
@@ -414,9 +414,9 @@ class ExampleParser(Parser):
         return out
 
     @staticmethod
-    def _find(buf: memoryview, size: int, wanted: dict[bytes, str]) -> dict[str, tuple[int, int]]:
-        """Byte ranges of the wanted ``Feature`` messages: Example.features (1) ->
-        Features.feature (1, map entries of key 1 and value 2)."""
+    def _find(buf: memoryview, size: int, wanted: dict[bytes, str] | None) -> dict[str, tuple[int, int]]:
+        """Byte ranges of the wanted ``Feature`` messages (every one for ``None``):
+        Example.features (1) -> Features.feature (1, map entries of key 1 and value 2)."""
         found: dict[str, tuple[int, int]] = {}
         for number, wire, a, b in _fields(buf, 0, size):
             if number != 1 or wire != 2:
@@ -430,6 +430,15 @@ class ExampleParser(Parser):
                         key = buf[x:y].tobytes()
                     elif n3 == 2 and w3 == 2:
                         value = (x, y)
-                if key in wanted:
+                if wanted is None and key is not None:
+                    found[key.decode(errors="replace")] = value
+                elif wanted is not None and key in wanted:
                     found[wanted[key]] = value
         return found
+
+    @classmethod
+    def _names(cls, buf: memoryview, size: int) -> str:
+        """The names of every feature a record has, sorted, for an error message."""
+        names = sorted(cls._find(buf, size, None))
+        return ", ".join(repr(n) for n in names[:50]) + (f", ... ({len(names) - 50} more)" if len(names) > 50 else "") \
+            if names else "none"

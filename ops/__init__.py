@@ -19,6 +19,7 @@ parameters and defaults and read and write ``audio``: ``decode_audio`` ->
 from gpuio.ops.audio import (DecodeAudio, NonsilentRegion, PreemphasisFilter, Slice, decode_audio,
                              nonsilent_region, preemphasis_filter, slice)
 from gpuio.ops.cmn import crop_mirror_normalize
+from gpuio.ops.custom import PythonFunction, python_function
 from gpuio.ops.color import ColorJitter, Normalize, color_jitter, normalize
 from gpuio.ops.decode import DecodeImage, decode_image
 from gpuio.ops.decode_slice import DecodeImageSlice, decode_image_slice
@@ -35,6 +36,8 @@ from gpuio.ops.video import DecodeVideo, decode_video
 __all__ = [
     "BBFlip",
     "DecodeImageSlice",
+    "PythonFunction",
+    "python_function",
     "decode_image_slice",
     "BBoxPaste",
     "BoxEncoder",

@@ -388,3 +388,14 @@ def test_gpu_read_matches_cpu(dataset):
 def test_directory_and_fifo_name_the_path(dataset, tmp_path):
     path, index_path = dataset
     check_directory_and_fifo_name_the_path(tfrecord, path, index_path, tmp_path, ".tfrecord", "a TFRecord file")
+
+
+def test_a_missing_feature_names_the_features_the_record_has(dataset):
+    path, _ = dataset
+    index = tfrecord(path, features={"image/encoded": "bytes", "image/label": "int64"})
+    with pytest.raises(FormatError) as err:
+        index[3]
+    msg = str(err.value)
+    assert "feature 'image/label' missing; the record's features: 'bbox', 'ids', 'image/class/label', " \
+           "'image/encoded', 'score', 'tags'" in msg
+    assert str(path) in msg and "sample 3" in msg
