@@ -1,9 +1,12 @@
-"""What gpuio uses of CuPy, kvikio and nvImageCodec, checked against the installed
-packages on a machine without a GPU (run by tests/test_offline_gpu.py in a virtual
-environment that has the GPU wheels; nothing here touches a driver).
+"""What gpuio uses of CuPy, kvikio, nvImageCodec and PyNvVideoCodec, checked against the
+installed packages on a machine without a GPU (run by tests/test_offline_gpu.py in the
+environment of ``tests/contract_env.py``, with the stub driver of ``tests/libcuda_stub.c``
+on LD_LIBRARY_PATH, so that the extensions linked against libcuda load; every driver call
+fails there, as with no GPU). It checks the gpuio of this checkout, and says so otherwise.
 
 ``python tests/gpu_contract.py`` prints a JSON report: ``problems`` (each a line that
-names the use and what is missing) and ``checked`` (how many uses were resolved).
+names the use and what is missing), ``checked`` (how many uses were resolved) and
+``conversions`` (how many conversions of the libraries' objects were checked).
 
 The uses come from gpuio's source (``scan``): every attribute chain and call rooted at
 the names gpuio gives these modules (``cp``/``cupy``, ``kvikio``, ``nvimgcodec``,
@@ -11,10 +14,12 @@ the names gpuio gives these modules (``cp``/``cupy``, ``kvikio``, ``nvimgcodec``
 deprecated), and the modules gpuio imports (``require("...")``,
 ``import_module("...")``), so that a new use is checked without editing this file.
 Methods called on objects the libraries return are not visible to the scan; they are
-listed in ``METHODS``. Then the parts of gpuio's GPU code that need no driver run for
-real: kvikio loading and configuration, cuFile open errors, ``gpuio info``, the
-nvImageCodec decode parameters and region code streams, and the CuPy arrays gpuio
-builds on raw pointers.
+listed in ``METHODS``. The objects the decoders hand back are checked for the array
+protocol of the call that converts them (``CONVERSIONS``). Then the parts of gpuio's GPU
+code that need no driver run for real: kvikio loading and configuration, cuFile open
+errors, ``gpuio info``, the nvImageCodec decode parameters and region code streams, a
+decode of real JPEGs on nvImageCodec's CPU backend with gpuio's calls, and the CuPy
+arrays gpuio builds on raw pointers.
 """
 
 from __future__ import annotations

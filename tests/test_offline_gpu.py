@@ -3,11 +3,13 @@ and never skip: a missing nvcc or an unreachable package index fails them).
 
 - Every CUDA source compiles with nvcc for sm_80 and sm_90 with no warning, no spill
   and no stack frame (a stack frame means per-thread arrays left registers).
-- The GPU wheels (kvikio, nvImageCodec, CuPy, PyNvVideoCodec; CUDA 13 and 12 builds)
-  are installed once into a cached virtual environment beside the test environment,
-  not into it, and ``tests/gpu_contract.py`` checks there every module, attribute,
-  enum member and keyword gpuio's source uses, and runs the GPU code that needs no
-  driver (see that file).
+- The GPU wheels (kvikio, nvImageCodec, CuPy, PyNvVideoCodec; CUDA 13 and 12 builds,
+  pinned in ``tests/gpu_wheels.txt``) are installed once into a cached virtual
+  environment that sees the test environment's packages (``tests/contract_env.py``),
+  and ``tests/gpu_contract.py`` checks there, against a stub libcuda, every module,
+  attribute, enum member and keyword gpuio's source uses and the protocols of the
+  objects it converts, and runs the GPU code that needs no driver (see that file).
+- ``bench/gpu_wheels.sh`` fetches those pins for a GPU host.
 - ``backend="auto"`` and ``"kvikio"`` against a kvikio that is installed but cannot load.
 """
 
