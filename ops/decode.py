@@ -24,8 +24,9 @@ tolerances (a few levels at edges).
 What is decoded, on every route (this op, ``Compose``'s fused chain, a GPU batch's CPU
 fallback, ``decode_image_slice``): what Pillow decodes. A JPEG that libjpeg-turbo decodes
 only with a warning (extraneous bytes before a marker, a malformed ICC block, data that
-ends a segment early) is decoded by Pillow and the warning is reported
-(``Batch.warn``; a Loader counts it in ``stats()["warned"]``). A JPEG whose data stops
+ends a segment early), or any other JPEG simplejpeg refuses, is decoded by Pillow and
+what stopped simplejpeg is reported (``Batch.warn``; a Loader counts it in
+``stats()["warned"]``). A JPEG whose data stops
 before its end-of-image marker (a truncated file) is refused, whatever Pillow's
 ``LOAD_TRUNCATED_IMAGES`` says, and so is whatever Pillow cannot decode.
 """
@@ -264,8 +265,9 @@ def _check_complete(buf: np.ndarray, sample: int, why: str = "") -> None:
 def _decode_jpeg(buf: np.ndarray, color: str, info: JpegInfo, sample: int,
                  on_warning: Callable[[str], None] | None) -> np.ndarray:
     """A 1- or 3-component JPEG by simplejpeg; one it refuses (it stops at libjpeg's
-    first warning) is Pillow's to decode, the warning reported, unless its data stops
-    before the end-of-image marker (truncated: refused)."""
+    first warning, or at what its TurboJPEG API does not take) is Pillow's to decode,
+    what stopped simplejpeg reported, unless its data stops before the end-of-image
+    marker (truncated: refused)."""
     gray = info.components == 1 or color == "gray"
     try:
         img = simplejpeg.decode_jpeg(buf, colorspace="GRAY" if gray else "RGB")
@@ -277,7 +279,7 @@ def _decode_jpeg(buf: np.ndarray, color: str, info: JpegInfo, sample: int,
         except _PILLOW_ERRORS as pillow_exc:  # an error, not a warning: libjpeg's words say why
             raise FormatError(reason, sample=sample) from pillow_exc
         if on_warning is not None:
-            on_warning(f"decoded by Pillow after libjpeg's warning: {exc}")
+            on_warning(f"simplejpeg (libjpeg-turbo) stopped at: {exc}; decoded by Pillow")
         return img
     # libjpeg's gray -> RGB conversion repeats the value; done here, it also serves lossless JPEGs
     return np.repeat(img, 3, axis=2) if gray and color == "rgb" else img
