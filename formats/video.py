@@ -26,12 +26,18 @@ Fields:
         carries (-1 for a packet the container marks as not shown), and the clip slot
         ``j`` of that frame (-1 when the clip does not keep it).
     ``codec``: per clip the decoder's parameters from the container header (decoder
-        name, size, pixel format, colour description, reorder depth) as JSON, a
-        newline and the codec's extradata bytes (``ops.video.codec_header`` parses it).
+        name, size, pixel format, colour description, reorder depth, and the lengths of
+        the stream-state units) as JSON, a newline, the codec's extradata bytes and the
+        stream-state units (``ops.video.codec_header`` parses it). The stream state
+        (H.264, HEVC; ``gpuio._nal``) is what a decoder that read the file from its start
+        has learnt by the clip's first packet besides the header: in-band parameter sets
+        and the encoder's user-data SEI notes (x264's version note, which FFmpeg needs to
+        decode streams of old x264 builds right, is in the file's first packet only).
 
 Both per-clip tables are stored for every clip (a ``SampleIndex`` holds only
 per-sample columns): 16 bytes per packet of the span plus the header (tens of bytes
-for H.264, up to a few kB for x265's HEVC) per clip, well under 0.1 % of the bytes a
+for H.264, up to a few kB for x265's HEVC) and the stream state (none for a clip at
+the file's start, about 0.7 kB for x264's note) per clip, well under 1 % of the bytes a
 clip reads. ``ops.decode_video`` turns these fields into frames.
 
 Errors at index time (``FormatError`` naming the file): no video stream, a file the
@@ -50,6 +56,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from gpuio import _nal
 from gpuio.device import require
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
 from gpuio.formats._files import regular_file_size
@@ -104,7 +111,7 @@ def video(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
         "file": clip_file.astype(np.int64),
         "frame": np.concatenate([p.frame for p in parts]),
         "packets": Ragged.from_list([t for p in parts for t in p.tables], dtype=np.int32, row_shape=(4,)),
-        "codec": Ragged.from_list([p.header for p in parts for _ in p.file], kind="bytes"),
+        "codec": Ragged.from_list([h for p in parts for h in p.headers], kind="bytes"),
     }
     return SampleIndex(files, {"data": extents}, values, meta=meta)
 
@@ -116,7 +123,9 @@ class _Stream(NamedTuple):
     size: np.ndarray  # int64 bytes
     frame: np.ndarray  # int64 frame number (presentation order), -1 if not shown
     key: np.ndarray  # bool keyframe
-    header: bytes  # the ``codec`` field value
+    params: dict  # the decoder's parameters
+    extradata: bytes
+    state: dict[int, tuple[bytes, ...]]  # per keyframe packet: the stream state before it (``gpuio._nal``)
 
 
 def _ebml_size(mm: mmap.mmap, at: int) -> tuple[int, int]:
@@ -175,7 +184,15 @@ def _demux(av, path: str) -> _Stream:
                   "reorder_depth": cc.reorder_depth, "colorspace": int(cc.colorspace),
                   "color_range": int(cc.color_range), "color_primaries": int(cc.color_primaries),
                   "color_trc": int(cc.color_trc)}
-        header = json.dumps(params, separators=(",", ":")).encode() + b"\n" + (cc.extradata or b"")
+        extradata = cc.extradata or b""
+        codec = cc.codec.name if cc.codec.name in _nal.CODECS else None
+        if codec is not None:
+            try:
+                state = _nal.StreamState(codec, _nal.header_units(codec, extradata))
+            except ValueError as exc:
+                raise FormatError(f"bad {codec} header (extradata): {exc}", path=path) from exc
+            nal_size = _nal.length_size(codec, extradata)
+        states: dict[int, tuple[bytes, ...]] = {}
         declared = stream.frames
         pos, size, pts, key, shown = [], [], [], [], []
         try:
@@ -202,6 +219,12 @@ def _demux(av, path: str) -> _Stream:
                                               f"has {file_size} bytes", path=path, offset=packet.pos)
                         raise FormatError(f"video packet {d} ({packet.size} bytes) is not stored verbatim at "
                                           f"its position (compressed or laced frames)", path=path, offset=packet.pos)
+                    if codec is not None:  # the stream state before each keyframe, where clips start
+                        if packet.is_keyframe or not d:
+                            states[d] = state.units()
+                        view = memoryview(data)
+                        for a, n in _nal.units(data, 0, len(data), nal_size):
+                            state.add(view[a:a + n])
                     pos.append(at)
                     size.append(packet.size)
                     pts.append(packet.pts)
@@ -221,7 +244,7 @@ def _demux(av, path: str) -> _Stream:
     by_time = np.flatnonzero(shown_)[np.argsort(pts_[shown_], kind="stable")]
     frame[by_time] = np.arange(len(by_time))
     return _Stream(np.array(pos, dtype=np.int64), np.array(size, dtype=np.int64), frame,
-                   np.array(key, dtype=bool), header)
+                   np.array(key, dtype=bool), params, extradata, states)
 
 
 class _Clips(NamedTuple):
@@ -232,7 +255,7 @@ class _Clips(NamedTuple):
     length: np.ndarray  # int64 bytes of the span
     frame: np.ndarray  # int64 first frame
     tables: list[np.ndarray]  # per clip [P, 4]: offset in the span, size, frame number, slot
-    header: bytes  # the file's ``codec`` field value
+    headers: list[bytes]  # per clip the ``codec`` field value
 
 
 def _clips(s: _Stream, file_id: int, length: int, stride: int, step: int) -> _Clips:
@@ -244,7 +267,8 @@ def _clips(s: _Stream, file_id: int, length: int, stride: int, step: int) -> _Cl
     last_needed = np.maximum.accumulate(decode_at) if n else decode_at
     key_frames = np.sort(s.frame[s.key & (s.frame >= 0)])
     ends = s.pos + s.size
-    offsets, lengths, tables = [], [], []
+    offsets, lengths, tables, headers = [], [], [], []
+    made: dict[tuple[bytes, ...], bytes] = {}
     for f0 in starts.tolist():
         f_last = f0 + (length - 1) * stride
         k = np.searchsorted(key_frames, f0, side="right") - 1
@@ -257,5 +281,10 @@ def _clips(s: _Stream, file_id: int, length: int, stride: int, step: int) -> _Cl
         tables.append(np.stack([s.pos[rows] - lo, s.size[rows], frames, slot], axis=1))
         offsets.append(lo)
         lengths.append(hi - lo)
+        state = s.state.get(first, ())
+        if state not in made:
+            params = json.dumps({**s.params, "state": [len(u) for u in state]}, separators=(",", ":"))
+            made[state] = params.encode() + b"\n" + s.extradata + b"".join(state)
+        headers.append(made[state])
     return _Clips(np.full(len(starts), file_id, dtype=np.int32), np.array(offsets, dtype=np.int64),
-                  np.array(lengths, dtype=np.int64), starts, tables, s.header)
+                  np.array(lengths, dtype=np.int64), starts, tables, headers)

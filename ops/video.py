@@ -13,29 +13,34 @@ of 60 1080p frames are 3 GB.
 CPU: PyAV (FFmpeg's decoders, libdav1d for AV1). Clips decode in parallel on a thread
 pool (FFmpeg runs with the GIL released); a clip that spans several H.264/HEVC IDR
 pictures decodes as parts, one decoder each, that the pool runs in parallel too, each
-part ending at its last kept frame (``_parts``). Packets whose pictures the clip does
-not keep are sent with ``skip_frame="NONREF"``, so a non-reference picture nobody looks
-at is not decoded at all; every picture the clip keeps, and every reference picture it
-needs, is decoded as FFmpeg decodes it from the start of the file. The kept 4:2:0 pictures are
-converted to RGB by ``gpuio/_video.c`` straight into the clip's array, with the fixed-point
-arithmetic of swscale's unscaled converter; it is used for a colour setting (pixel
-format, colour space, range) only after it gave the bytes of swscale for every (Y, U, V)
-triple, once per process. Other pictures (4:4:4, 10-bit, odd sizes, a setting where the
-two differ) go through swscale as ``VideoFrame.to_ndarray(format="rgb24")`` does (the
-frame's own colour space; with ``size`` the same call with ``width``/``height``,
-swscale's bilinear filter), one single-threaded swscale context per part. The
-frames equal, bit for bit, those of decoding the whole file with PyAV.
+part ending at its last kept frame (``_parts``). A part's decoder is first given what a
+decoder that read the file from its start knows there (``gpuio._nal``: in-band parameter
+sets, the encoder's notes such as the version of old x264 builds whose bugs FFmpeg
+corrects), in front of the part's first packet; NVDEC gets the same. Packets whose
+pictures the clip does not keep are sent with ``skip_frame="NONREF"``, so a
+non-reference picture nobody looks at is not decoded at all; every picture the clip
+keeps, and every reference picture it needs, is decoded as FFmpeg decodes it from the
+start of the file. The kept 4:2:0 pictures are converted to RGB by ``gpuio/_video.c``
+straight into the clip's array, with the fixed-point arithmetic of swscale's unscaled
+converter; it is used for a colour setting (pixel format, colour space, range) only
+after it gave the bytes of swscale for every (Y, U, V) triple, once per process. Other
+pictures (4:4:4, 10-bit, odd sizes, a setting where the two differ) go through swscale
+as ``VideoFrame.to_ndarray(format="rgb24")`` does (the frame's own colour space; with
+``size`` the same call with ``width``/``height``, swscale's bilinear filter), one
+single-threaded swscale context per part. The frames equal, bit for bit, those of
+decoding the whole file with PyAV.
 
 GPU: PyNvVideoCodec (NVDEC), one decoder per clip, clips in parallel. H.264/HEVC
 packets are rewritten to Annex B on the host (start codes for the length fields, the
-avcC/hvcC parameter sets in front of the first packet; ``annexb_packets``), AV1 gets its
-configuration OBUs in front, VP9 goes as stored. The decoder works on the batch's CUDA
-stream and converts to RGB itself (``OutputColorType.RGB``, the colour matrix the stream
-signals); the kept pictures are copied into one ``[B, F, H, W, 3]`` device array, and
-``size`` resizes them all in one bilinear launch (``ops.resize``). Clips in another
-codec or pixel format (4:4:4, 10-bit) decode on the CPU and are uploaded. NVDEC's
-pictures equal FFmpeg's (decoding is exact for these codecs); its RGB conversion rounds
-differently from swscale's.
+avcC/hvcC parameter sets and the clip's stream state in front of the first packet;
+``annexb_packets``), AV1 gets its configuration OBUs in front, VP9 goes as stored.
+The decoder works on the batch's CUDA stream and converts to RGB itself
+(``OutputColorType.RGB``, the colour matrix the stream signals); its pictures are taken
+by DLPack (``device_frame``) and the kept ones copied into one ``[B, F, H, W, 3]``
+device array, and ``size`` resizes them all in one bilinear launch (``ops.resize``).
+Clips in another codec or pixel format (4:4:4, 10-bit) decode on the CPU and are
+uploaded. NVDEC's pictures equal FFmpeg's (decoding is exact for these codecs); its RGB
+conversion rounds differently from swscale's.
 
 A packet the decoder rejects, or a frame it does not return, is a ``FormatError``
 naming the sample, the frame number and the packet's byte offset in the clip.
@@ -45,13 +50,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from gpuio import _fork
+from gpuio import _fork, _nal
 from gpuio.batch import Batch, Op
 from gpuio.buffers import pooled_empty
 from gpuio.device import require
@@ -62,7 +66,8 @@ try:
 except ImportError:  # built at install where a C compiler exists; else swscale converts every frame
     _video = None
 
-__all__ = ["DecodeVideo", "decode_video", "CodecHeader", "codec_header", "decode_clip", "annexb_packets"]
+__all__ = ["DecodeVideo", "decode_video", "CodecHeader", "codec_header", "decode_clip", "annexb_packets",
+           "device_frame"]
 
 
 class CodecHeader(NamedTuple):
@@ -78,6 +83,7 @@ class CodecHeader(NamedTuple):
     color_primaries: int
     color_trc: int
     extradata: bytes
+    state: tuple[bytes, ...] = ()  # NAL units for a decoder started at the clip's first packet (``gpuio._nal``)
 
 
 _headers: dict[bytes, CodecHeader] = {}
@@ -87,14 +93,31 @@ _SKIP_PER_PACKET = {"h264", "hevc", "vp9"}
 
 
 def codec_header(blob: Any) -> CodecHeader:
-    """Parse a ``codec`` field value (JSON, a newline, the extradata)."""
+    """Parse a ``codec`` field value (JSON, a newline, the extradata, the stream state)."""
     blob = bytes(blob)
     header = _headers.get(blob)
     if header is None:
-        text, _, extradata = blob.partition(b"\n")
+        text, _, rest = blob.partition(b"\n")
         try:
-            header = CodecHeader(**json.loads(text), extradata=extradata)
-        except (ValueError, TypeError) as exc:
+            params = json.loads(text)
+            lengths = params.pop("state")
+        except KeyError:
+            raise FormatError("the index's codec field has no stream state: it was made by an older gpuio; "
+                              "index the videos again with formats.video") from None
+        except (ValueError, AttributeError) as exc:
+            raise FormatError(f"bad codec header in the index: {exc}") from exc
+        if not isinstance(lengths, list) or not all(isinstance(n, int) and n >= 0 for n in lengths) \
+                or sum(lengths) > len(rest):
+            raise FormatError(f"bad codec header in the index: stream-state lengths {lengths!r} for "
+                              f"{len(rest)} bytes after the parameters")
+        at = len(rest) - sum(lengths)
+        state = []
+        for n in lengths:
+            state.append(rest[at:at + n])
+            at += n
+        try:
+            header = CodecHeader(**params, extradata=rest[:len(rest) - sum(lengths)], state=tuple(state))
+        except TypeError as exc:
             raise FormatError(f"bad codec header in the index: {exc}") from exc
         if len(_headers) > 1024:
             _headers.clear()
@@ -152,41 +175,53 @@ class _Slots:
                               f"a packet of the clip is corrupt", sample=self.sample)
 
 
-# NAL unit types (H.264, HEVC): IDR pictures, parameter sets
-_IDR = {"h264": ({5}, {7, 8}), "hevc": ({19, 20}, {32, 33, 34})}
+_START = b"\0\0\0\1"
 
 
-def _length_prefixed(buf: Any, at: int, end: int, size: int) -> Iterator[tuple[int, int]]:
-    """(start, length) of each NAL unit of the packet ``buf[at:end]`` (avcC/hvcC: each
-    unit after a ``size``-byte big-endian length); the last may run past ``end``."""
-    while at + size <= end:
-        n = int.from_bytes(buf[at:at + size], "big")
-        yield at + size, n
-        at += size + n
+def _header_units(header: CodecHeader) -> list[bytes]:
+    """The NAL units of an H.264/HEVC header (avcC/hvcC or Annex B)."""
+    try:
+        return _nal.header_units(header.decoder, header.extradata)
+    except ValueError as exc:
+        raise FormatError(f"bad avcC/hvcC extradata in the index: {exc}") from exc
 
 
-def _parts(buf: memoryview, rows: list[list[int]], header: CodecHeader) -> list[tuple[int, int]]:
-    """Row ranges ``[start, end)`` of the clip's table that decode on their own: a new
-    part starts at each H.264/HEVC IDR picture after the first row (no picture after an
-    IDR refers to one before it), unless a packet before it carries parameter sets (a new
-    decoder has only the header's); each part ends at its last kept frame (pictures refer
-    only to pictures before them in decode order), and a part with none is left out."""
-    nal_types = _IDR.get(header.decoder)
-    size = _parameter_sets(header)[0] if nal_types else 0
-    starts, in_band = [0], False
-    for k, (offset, length, _, _) in enumerate(rows if size else []):
-        end, types = offset + length, set()
-        for at, _ in _length_prefixed(buf, offset, end, size):
-            if at < end:
-                types.add(buf[at] & 31 if header.decoder == "h264" else (buf[at] >> 1) & 63)
-        if k and not in_band and types & nal_types[0]:
-            starts.append(k)
-        in_band = in_band or bool(types & nal_types[1])
+def _framed(units: tuple[bytes, ...], size: int) -> bytes:
+    """NAL units as a packet carries them: each after a ``size``-byte length, or after a
+    start code (``size`` 0)."""
+    if size and any(len(u) >> (8 * size) for u in units):
+        raise FormatError(f"a stream-state NAL unit does not fit this stream's {size}-byte lengths")
+    return b"".join((len(u).to_bytes(size, "big") if size else _START) + u for u in units)
+
+
+def _parts(buf: memoryview, rows: list[list[int]], header: CodecHeader) -> list[tuple[int, int, bytes]]:
+    """Row ranges ``[start, end)`` of the clip's table that decode on their own, each with
+    the bytes to put in front of its first packet: a new part starts at each H.264/HEVC
+    IDR picture after the first row (no picture after an IDR refers to one before it),
+    and its decoder gets, in front, what a decoder reading from the file's start knows
+    there (the clip's stream state from the index, updated by the rows before); each part
+    ends at its last kept frame (pictures refer only to pictures before them in decode
+    order), and a part with none is left out."""
+    codec = header.decoder
+    size = _nal.length_size(codec, header.extradata)
+    starts = [(0, header.state)]
+    if codec in _nal.CODECS:
+        state = _nal.StreamState(codec, _header_units(header))
+        for unit in header.state:
+            state.add(unit)
+        data = buf if size else buf.tobytes()  # Annex B is searched for start codes
+        for k, (offset, length, _, _) in enumerate(rows):
+            end = offset + length
+            found = [(at, min(n, end - at)) for at, n in _nal.units(data, offset, end, size) if at < end]
+            if k and any(n > 0 and _nal.nal_type(codec, data, at) in _nal.IDR[codec] for at, n in found):
+                starts.append((k, state.units()))
+            for at, n in found:
+                state.add(data[at:at + n])
     parts = []
-    for start, stop in zip(starts, starts[1:] + [len(rows)]):
+    for (start, units), (stop, _) in zip(starts, starts[1:] + [(len(rows), ())]):
         kept = [k for k in range(start, stop) if rows[k][3] >= 0]
         if kept:
-            parts.append((start, kept[-1] + 1))
+            parts.append((start, kept[-1] + 1, _framed(units, size)))
     return parts
 
 
@@ -207,8 +242,9 @@ class _Clip:
         self.parts = _parts(self.buf, self.rows, self.header)
         self.error: FormatError | None = None  # a part's, when parts decode on other threads
 
-    def decode(self, start: int, end: int, threads: int = 1) -> None:
-        """Decode rows ``[start, end)`` with a new decoder; their kept frames land in ``frames``."""
+    def decode(self, start: int, end: int, front: bytes = b"", threads: int = 1) -> None:
+        """Decode rows ``[start, end)`` with a new decoder, ``front`` (NAL units, see
+        ``_parts``) before the first packet; their kept frames land in ``frames``."""
         av, frames, size = self.av, self.frames, self.size
         resize = {"width": frames.shape[2], "height": frames.shape[1]} if size is not None else {}
         # one swscale context for the part, on this thread: PyAV's per-frame default makes a
@@ -217,7 +253,7 @@ class _Clip:
         ctx = _context(av, self.header, threads)
         skips = self.header.decoder in _SKIP_PER_PACKET
 
-        def keep(pictures: list[Any]) -> None:
+        def store(pictures: list[Any]) -> None:
             for picture in pictures:
                 j = self.slots.take(picture.pts)
                 if j < 0:
@@ -236,14 +272,15 @@ class _Clip:
         try:
             for row in range(start, end):
                 offset, length, frame, slot = self.rows[row]
-                packet = av.Packet(self.buf[offset: offset + length])
+                body = self.buf[offset: offset + length]
+                packet = av.Packet(front + body.tobytes() if row == start and front else body)
                 # pictures come back with the packet's pts: the frame number (negative: not shown)
                 packet.pts = packet.dts = frame if frame >= 0 else -1 - row
                 if skips:
                     ctx.skip_frame = "DEFAULT" if slot >= 0 else "NONREF"
-                keep(ctx.decode(packet))
+                store(ctx.decode(packet))
             row = end - 1
-            keep(ctx.decode(None))
+            store(ctx.decode(None))
         except av.FFmpegError as exc:
             offset, _, frame, _ = self.rows[row]
             raise FormatError(f"cannot decode frame {frame} (packet at byte {offset} of the clip): {exc}",
@@ -265,8 +302,8 @@ def decode_clip(data: Any, packets: Any, codec: Any, size: tuple[int, int] | Non
     this clip.
     """
     clip = _Clip(data, packets, codec, size, out, sample)
-    for start, end in clip.parts:
-        clip.decode(start, end, threads)
+    for start, end, front in clip.parts:
+        clip.decode(start, end, front, threads)
     return clip.result()
 
 
@@ -400,14 +437,14 @@ class DecodeVideo(Op):
         block = pooled_empty((len(shapes), *shapes[0]), np.uint8) if shapes and len(set(shapes)) == 1 else None
         clips = [_caught(_Clip, data[row], packets[row], codecs[row], self.size,
                          None if block is None else block[row], int(batch.index[row])) for row in range(len(shapes))]
-        parts = [(clip, start, end) for clip in clips if isinstance(clip, _Clip) for start, end in clip.parts]
+        parts = [(clip, *part) for clip in clips if isinstance(clip, _Clip) for part in clip.parts]
         # few parts: FFmpeg's own threads; many: one thread per part
         threads = max(1, (os.cpu_count() or 1) // max(1, len(parts)))
 
-        def one(part: tuple[_Clip, int, int]) -> None:
-            clip, start, end = part
+        def one(part: tuple[_Clip, int, int, bytes]) -> None:
+            clip, start, end, front = part
             try:
-                clip.decode(start, end, threads)
+                clip.decode(start, end, front, threads)
             except FormatError as exc:
                 clip.error = clip.error or exc
 
@@ -428,8 +465,10 @@ class DecodeVideo(Op):
 
             def one(row: int) -> Any:
                 header = codec_header(codecs[row])
-                out = block[row] if block is not None else cp.empty(native[row], cp.uint8)
+                # a pool thread's current device is GPU 0: every allocation and copy is made inside
+                # the batch's device, or it lands there (a cuda:N tensor over GPU 0's memory)
                 with cp.cuda.Device(device), stream:
+                    out = block[row] if block is not None else cp.empty(native[row], cp.uint8)
                     if header.decoder in _NVDEC_CODECS and header.pix_fmt in _NVDEC_FORMATS:
                         return _decode_clip_nvdec(nvc, cp, data[row], packets[row], header, out, device,
                                                   stream, int(batch.index[row]))
@@ -479,44 +518,13 @@ def _rejected(batch: Batch, clips: list[Any]) -> list[Any]:
 
 _NVDEC_CODECS = {"h264": "H264", "hevc": "HEVC", "vp9": "VP9", "libdav1d": "AV1", "av1": "AV1"}
 _NVDEC_FORMATS = ("yuv420p", "yuvj420p")
-_START = b"\0\0\0\1"
-
-
-def _nal_units(x: bytes, at: int, count: int) -> tuple[int, list[bytes]]:
-    """``count`` NAL units, each after a 2-byte length, from byte ``at``; returns
-    where they end and the units."""
-    units = []
-    for _ in range(count):
-        n = int.from_bytes(x[at:at + 2], "big")
-        if at + 2 + n > len(x):
-            raise FormatError(f"bad avcC/hvcC extradata in the index: a parameter set of {n} bytes at byte {at} "
-                              f"runs past its {len(x)} bytes")
-        units.append(x[at + 2:at + 2 + n])
-        at += 2 + n
-    return at, units
-
-
-def _parameter_sets(header: CodecHeader) -> tuple[int, bytes]:
-    """(NAL length size, the parameter sets as Annex B) of an avcC / hvcC extradata;
-    (0, b"") when the stream is Annex B already (no such extradata)."""
-    x = header.extradata
-    if len(x) < (23 if header.decoder == "hevc" else 7) or x[0] != 1:
-        return 0, b""
-    if header.decoder == "h264":
-        at, units = _nal_units(x, 6, x[5] & 31)  # sequence parameter sets
-        units += _nal_units(x, at + 1, x[at] if at < len(x) else 0)[1]  # picture parameter sets
-        return (x[4] & 3) + 1, b"".join(_START + u for u in units)
-    at, units = 23, []
-    for _ in range(x[22]):  # arrays of VPS, SPS, PPS, SEI
-        at, more = _nal_units(x, at + 3, int.from_bytes(x[at + 1:at + 3], "big"))
-        units += more
-    return (x[21] & 3) + 1, b"".join(_START + u for u in units)
 
 
 def annexb_packets(data: Any, packets: Any, codec: Any) -> list[bytes]:
     """The clip's video packets as the NVDEC parser takes them: H.264/HEVC NAL units
-    with start codes instead of length fields and the parameter sets in front of the
-    first packet; AV1 with the configuration OBUs in front; VP9 as stored."""
+    with start codes instead of length fields and, in front of the first packet, the
+    header's parameter sets and the clip's stream state (``CodecHeader.state``); AV1
+    with the configuration OBUs in front; VP9 as stored."""
     return _annexb(_bytes(data), _table(packets), codec_header(codec))
 
 
@@ -530,13 +538,16 @@ def _annexb(buf: bytes, table: np.ndarray, header: CodecHeader, sample: object =
         if raw and len(header.extradata) > 4:
             raw[0] = header.extradata[4:] + raw[0]
         return raw
-    size, prefix = _parameter_sets(header) if header.decoder in ("h264", "hevc") else (0, b"")
-    if not size:
+    if header.decoder not in _nal.CODECS:
         return raw
+    front = _framed((*_header_units(header), *header.state), 0)
+    size = _nal.length_size(header.decoder, header.extradata)
+    if not size:  # Annex B already
+        return [front + packet if k == 0 else packet for k, packet in enumerate(raw)]
     out = []
     for k, packet in enumerate(raw):
-        parts = [prefix] if k == 0 else []
-        for at, n in _length_prefixed(packet, 0, len(packet), size):
+        parts = [front] if k == 0 else []
+        for at, n in _nal.units(packet, 0, len(packet), size):
             if at + n > len(packet):
                 raise FormatError(f"frame {table[k, 2]}: a NAL unit of {n} bytes runs past its packet "
                                   f"({len(packet)} bytes, at packet byte {at - size})", sample=sample)
@@ -552,35 +563,45 @@ def _decode_clip_nvdec(nvc: Any, cp: Any, data: Any, packets: Any, header: Codec
     slots = _Slots(table, sample)
     units = _annexb(_bytes(data), table, header, sample)
     errors = (getattr(nvc, "PyNvVCException", RuntimeError), RuntimeError, ValueError)
-    cp.cuda.runtime.free(0)  # makes the device's primary context current in this thread
-    try:  # the decoder works on the batch's stream: copies out of its surfaces are ordered after it
-        decoder = nvc.CreateDecoder(gpuid=device, codec=getattr(nvc.cudaVideoCodec, _NVDEC_CODECS[header.decoder]),
-                                    cudacontext=cp.cuda.driver.ctxGetCurrent(), cudastream=stream.ptr,
-                                    usedevicememory=True, outputColorType=nvc.OutputColorType.RGB)
-    except errors as exc:
-        raise FormatError(f"NVDEC cannot take this {header.decoder} stream: {exc}", sample=sample) from exc
+    with cp.cuda.Device(device):  # it runs on pool threads, whose current device is GPU 0
+        cp.cuda.runtime.free(0)  # makes the device's primary context current in this thread
+        try:  # the decoder works on the batch's stream: copies out of its surfaces are ordered after it
+            decoder = nvc.CreateDecoder(gpuid=device,
+                                        codec=getattr(nvc.cudaVideoCodec, _NVDEC_CODECS[header.decoder]),
+                                        cudacontext=cp.cuda.driver.ctxGetCurrent(), cudastream=stream.ptr,
+                                        usedevicememory=True, outputColorType=nvc.OutputColorType.RGB)
+        except errors as exc:
+            raise FormatError(f"NVDEC cannot take this {header.decoder} stream: {exc}", sample=sample) from exc
 
-    def keep(pictures: list[Any]) -> None:
-        for picture in pictures:
-            j = slots.take(int(picture.getPTS()))
-            if j >= 0:
-                out[j] = cp.asarray(picture).reshape(out.shape[1:])
+        def keep(pictures: list[Any]) -> None:
+            for picture in pictures:
+                j = slots.take(int(picture.getPTS()))
+                if j >= 0:
+                    out[j] = device_frame(cp, picture).reshape(out.shape[1:])
 
-    row = 0
-    try:
-        for row, unit in enumerate(units):
-            host = np.frombuffer(unit, np.uint8)  # NVDEC reads it during Decode
-            packet = nvc.PacketData()
-            packet.bsl_data, packet.bsl = host.ctypes.data, host.size
-            packet.pts = int(table[row, 2]) if table[row, 2] >= 0 else -1 - row
-            keep(decoder.Decode(packet))
-        row = len(units)
-        keep(decoder.Decode(nvc.PacketData()))  # an empty packet: end of stream, flush
-    except errors as exc:
-        frame = table[min(row, len(table) - 1), 2]
-        raise FormatError(f"NVDEC cannot decode frame {frame}: {exc}", sample=sample) from exc
+        row = 0
+        try:
+            for row, unit in enumerate(units):
+                host = np.frombuffer(unit, np.uint8)  # NVDEC reads it during Decode
+                packet = nvc.PacketData()
+                packet.bsl_data, packet.bsl = host.ctypes.data, host.size
+                packet.pts = int(table[row, 2]) if table[row, 2] >= 0 else -1 - row
+                keep(decoder.Decode(packet))
+            row = len(units)
+            keep(decoder.Decode(nvc.PacketData()))  # an empty packet: end of stream, flush
+        except errors as exc:
+            frame = table[min(row, len(table) - 1), 2]
+            raise FormatError(f"NVDEC cannot decode frame {frame}: {exc}", sample=sample) from exc
     slots.check("NVDEC")
     return out
+
+
+def device_frame(xp: Any, picture: Any) -> Any:
+    """A decoded picture as an ``xp`` (CuPy, or NumPy for a host picture) array, without
+    a copy, through DLPack: PyNvVideoCodec's ``DecodedFrame`` has ``__dlpack__`` and
+    ``__dlpack_device__`` but no ``__cuda_array_interface__``, which ``cupy.asarray``
+    needs (it turns anything else into an object array, and fails)."""
+    return xp.from_dlpack(picture)
 
 
 def decode_video(size: tuple[int, int] | None = None, field: str = "data", out: str = "frames") -> DecodeVideo:

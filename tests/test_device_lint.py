@@ -53,9 +53,8 @@ COPY_METHODS = {"copy", "astype", "flatten", "ravel"}
 HOST_MODULES = {"np", "numpy"}
 
 # Worker-thread CuPy work outside the device that another change fixes (issue 24: the
-# NVDEC pool threads in ops/video.py, the serve batcher); each file must still have
-# such a finding, so that the list only shrinks.
-KNOWN_OFFENDERS: set[str] = {"ops/video.py", "gpuio/serve.py"}
+# serve batcher); each file must still have such a finding, so that the list only shrinks.
+KNOWN_OFFENDERS: set[str] = {"gpuio/serve.py"}
 
 # Entries that run only where no GPU is in play, with the reason.
 CPU_ONLY_ENTRIES = {
