@@ -65,7 +65,7 @@ try:
     print("C read loop (gpuio._native) built:", "yes" if native_available() else "no")
 except Exception as exc:
     print("C read loop: unknown:", type(exc).__name__, exc)
-try:  # a real kvikio read shows whether GDS (not compat mode) did the reads
+try:  # a real kvikio read; GDS is claimed only where cuFile's driver says it is used
     import tempfile
     import numpy as np
     import gpuio
@@ -82,13 +82,14 @@ try:  # a real kvikio read shows whether GDS (not compat mode) did the reads
         if backend.name == "kvikio":
             import kvikio, kvikio.defaults
             print("kvikio", kvikio.__version__, "compat_mode setting:", kvikio.defaults.get("compat_mode"),
-                  "| compat mode active:", backend.compat, "| GDS used:", "no" if backend.compat else "yes",
-                  "| read correct:", ok)
+                  "| kvikio compat mode active:", backend.compat, "| GDS used:", "yes" if backend.gds else "no",
+                  "|", backend.how, "| buffer registration:", backend.unregistered or "ok", "| read correct:", ok)
         reader.close()
 except Exception as exc:
     print("kvikio read: failed:", type(exc).__name__, exc)
 EOF
   ls -l /run/udev /etc/cufile.json 2>&1 | head -3
+  echo "nvidia-fs (GDS kernel driver):"; cat /proc/driver/nvidia-fs/stats 2>&1 | head -5
   timeout 30 python3 -m gpuio.cli info 2>&1
 } > "$OUT/machine.txt"
 cat "$OUT/machine.txt"

@@ -1,15 +1,22 @@
 """The ``kvikio`` backend: cuFile reads straight into device memory.
 
-With GPUDirect Storage the bytes go from NVMe to GPU memory by DMA; without it (kvikio
-"compat mode") kvikio reads through its own pinned bounce buffers. Either way the
+With GPUDirect Storage the bytes go from NVMe to GPU memory by DMA. Without it they go
+through host memory, in one of two ways: kvikio's own "compat mode" never calls cuFile
+and reads with POSIX into its pinned bounce buffers; or kvikio calls cuFile, and cuFile
+runs in *its* compat mode (no nvidia-fs kernel driver: POSIX reads into cuFile's bounce
+buffers). Only the driver tells the two cuFile cases apart: ``gds_status()`` asks it
+(``kvikio.cufile_driver.get("is_gds_available")``) and looks for nvidia-fs
+(``/proc/driver/nvidia-fs``), and ``gpuio info`` reports what it says. Either way the
 batch buffer is a CuPy array and no host copy is made by gpuio.
 
 kvikio's default of one I/O thread is far too low for many small extents, so its thread
 pool and task size come from gpuio's ``io_threads`` and ``task_size``. ``CuFile``
 handles are cached across batches (opening one costs two descriptors and a cuFile
-handle registration). Each device batch buffer is registered with cuFile once, by the
-buffer pool that owns it (``_Storage.register_gds``), and deregistered when the pool
-frees it.
+handle registration). Where GDS is in use, each device batch buffer is registered with
+cuFile once, by the buffer pool that owns it (``_Storage.register_gds``), and
+deregistered when the pool frees it. A registration cuFile refuses (its BAR1 or pinned
+limits) is not an error: cuFile also reads into unregistered device memory, through
+its own staging buffers, so the backend warns once, stops registering and reads on.
 
 ``import kvikio`` loads libkvikio, libcufile and rapids-logger; ``load()`` does it on
 first use and turns a failure into a ``DependencyError`` that names the library and
@@ -23,16 +30,17 @@ import functools
 import importlib
 import os
 import re
+import warnings
 from types import ModuleType
 from typing import Any
 
 from gpuio._handles import HandleCache
 from gpuio.buffers import Lease
-from gpuio.errors import DependencyError, DeviceError, StorageError, open_error, truncated_error
+from gpuio.errors import DependencyError, StorageError, open_error, truncated_error
 from gpuio.index import PathTable
 from gpuio.plan import ReadPlan
 
-__all__ = ["KvikioBackend", "compat_mode_active", "kvikio_problem", "load"]
+__all__ = ["NVIDIA_FS", "KvikioBackend", "compat_mode_active", "gds_status", "kvikio_problem", "load"]
 
 # a shared library or module kvikio loads -> the pip package that brings it
 _PACKAGES = {
@@ -85,6 +93,36 @@ def compat_mode_active() -> bool:
     return bool(kvikio.defaults.is_compat_mode_preferred())
 
 
+# present while the nvidia-fs kernel module, GDS's driver, is loaded
+NVIDIA_FS = "/proc/driver/nvidia-fs"
+
+
+def gds_status() -> tuple[bool, str]:
+    """Whether kvikio's reads use GPUDirect Storage here, and how they go, in words.
+
+    GDS only when kvikio calls cuFile (not its own compat mode), the nvidia-fs driver
+    is loaded and cuFile's driver properties report it (``is_gds_available``; where
+    this kvikio cannot tell, nvidia-fs alone decides). Otherwise cuFile reads with
+    POSIX in its compat mode. (cuFile may still fall back per file, on a file system
+    GDS does not support.)"""
+    kvikio = load()
+    if compat_mode_active():
+        return False, "kvikio compat mode: POSIX reads + bounce buffers, no cuFile, no GDS"
+    nvfs = os.path.exists(NVIDIA_FS)
+    unknown = None
+    try:
+        available = bool(importlib.import_module("kvikio.cufile_driver").get("is_gds_available"))
+    except (ImportError, AttributeError, KeyError, RuntimeError) as exc:  # older kvikio; a driver that will not open
+        available, unknown = None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+    version = getattr(kvikio, "__version__", "?")
+    if not nvfs or available is False:
+        why = f"no nvidia-fs driver ({NVIDIA_FS} absent)" if not nvfs else "cuFile reports no GDS driver"
+        return False, f"kvikio {version} (cuFile compat mode: POSIX reads; {why})"
+    if available is None:
+        return True, f"GDS (kvikio {version}; nvidia-fs loaded, cuFile's driver properties unreadable: {unknown})"
+    return True, f"GDS (kvikio {version}; cuFile with the nvidia-fs driver)"
+
+
 class KvikioBackend:
     """Reads a plan into a CuPy batch buffer with kvikio ``CuFile.pread``."""
 
@@ -96,6 +134,8 @@ class KvikioBackend:
         self._kvikio = load()
         _configure(self._kvikio, threads, task_size, compat)
         self.compat = compat_mode_active()
+        self.gds, self.how = gds_status()  # how = gds_status's words, for reports
+        self.unregistered: str | None = None  # why buffers are no longer registered with cuFile
         self._handles = HandleCache(self._open, lambda f: f.close(), max_open)
 
     def _open(self, path: str) -> Any:
@@ -113,12 +153,13 @@ class KvikioBackend:
 
     def read(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
         """Fill the device buffer ``lease`` as the plan says."""
-        if not self.compat:
+        if self.gds and self.unregistered is None:
             try:
                 lease._storage.register_gds(self._kvikio)
-            except RuntimeError as exc:
-                raise DeviceError(f"cuFile cannot register a {lease.nbytes:,}-byte batch buffer for "
-                                  f"GPUDirect Storage: {exc}; kvikio_compat='on' (GPUIO_KVIKIO_COMPAT=on) reads without GDS") from exc
+            except RuntimeError as exc:  # cuFile reads unregistered memory too: through its staging buffers
+                self.unregistered = f"cuFile cannot register a {lease.nbytes:,}-byte batch buffer: {exc}"
+                warnings.warn(f"{self.unregistered}; reading into unregistered GPU memory from now on (slower)",
+                              RuntimeWarning, stacklevel=2)
         buf = lease.array
         files = [paths[i] for i in plan.task_file.tolist()]
         sizes: dict[str, int] = {}

@@ -314,16 +314,15 @@ _EXTENSIONS = {  # module: what it does, and what runs without it
 
 def _kvikio_report() -> str:
     """Whether kvikio loads (an installed kvikio may not: libcufile missing ...), and
-    whether its reads would use GPUDirect Storage."""
-    from gpuio._kvikio import compat_mode_active, kvikio_problem, load
+    whether its reads would use GPUDirect Storage, as the cuFile driver says (GDS only
+    where cuFile really uses it; see ``gpuio._kvikio.gds_status``)."""
+    from gpuio._kvikio import gds_status, kvikio_problem, load
 
     problem = kvikio_problem()
     if problem is not None:
         return f"installed, cannot be loaded: the GPU backend 'auto' uses posix. {problem}"
-    kvikio = load()
-    mode = kvikio.defaults.get("compat_mode").name  # an IntEnum: AUTO, ON or OFF
-    how = "compat mode: POSIX reads + bounce buffers, no GDS" if compat_mode_active() else "GDS"
-    return f"{kvikio.__version__} loads; compat_mode {mode} -> {how}"
+    mode = load().defaults.get("compat_mode").name  # an IntEnum: AUTO, ON or OFF
+    return f"loads; compat_mode {mode} -> {gds_status()[1]}"
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
