@@ -293,7 +293,7 @@ class DecodeFused(Op):
             except FormatError as exc:
                 batch.reject(row, exc)
                 continue
-            y0, x0, y1, x1 = plan["clip"][row].tolist()
+            y1, x1 = plan["clip"][row, 2:].tolist()
             if img.shape[2] != channels or y1 > img.shape[0] or x1 > img.shape[1]:
                 batch.reject(row, FormatError(f"image of {len(images[row])} bytes decodes to {img.shape}, not the "
                                               f"size its header declares", sample=int(batch.index[row])))

@@ -260,7 +260,7 @@ def test_skip_stats_name_the_file_and_byte_offset(tmp_path, damaged):
     stats = loader.stats()
     paths = [index.extent(i).file for i in range(4)]
     cut, warned = (next(i for i, p in enumerate(paths) if p.endswith(n)) for n in ("b_cut.jpg", "c_warned.jpg"))
-    assert sorted(sum(rows, [])) == sorted(set(range(4)) - {cut})
+    assert sorted(i for row in rows for i in row) == sorted(set(range(4)) - {cut})
     assert stats["skipped"] == 1 and stats["warned"] == 1
     assert f"sample {cut} " in stats["errors"][0] and f"file {paths[cut]} at byte 0" in stats["errors"][0]
     assert "truncated" in stats["errors"][0].lower()
