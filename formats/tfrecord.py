@@ -32,7 +32,7 @@ import os
 import struct
 import zlib
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,7 +42,7 @@ from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, S
 from gpuio.formats._files import int_table, open_regular_file, shard_paths
 from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
 
-__all__ = ["tfrecord", "ExampleParser", "masked_crc32c"]
+__all__ = ["tfrecord", "ExampleParser", "bad_records", "masked_crc32c"]
 
 _KINDS = ("bytes", "int64", "float")
 _KIND_FIELD = {"bytes": 1, "float": 2, "int64": 3}  # Feature's oneof field numbers
@@ -139,6 +139,33 @@ def _records(path: str, index_path: str | None, verify: bool) -> tuple[np.ndarra
                                       sample=f"record {k}", offset=int(start[k]))
                 _check_data(mm, int(start[k]), n, k, path)
         return start, total - _FRAMING
+    finally:
+        if isinstance(mm, mmap.mmap):
+            mm.close()
+
+
+def bad_records(path: str | os.PathLike[str]) -> Iterator[FormatError]:
+    """Every record of a TFRecord file whose CRCs do not match, as the ``FormatError``
+    naming its file, record number and byte offset, in file order: reads the whole
+    file (``gpuio check`` runs it on a TFRecord index). A bad length CRC or a
+    truncated record ends the walk (the next record's start is unknown)."""
+    path = os.fspath(path)
+    f, size = open_regular_file(path, "TFRecord file")
+    with f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    try:
+        pos, k = 0, 0
+        while pos < size:
+            try:
+                n = _check_header(mm, size, pos, k, path)
+            except FormatError as exc:
+                yield exc
+                return
+            try:
+                _check_data(mm, pos, n, k, path)
+            except FormatError as exc:
+                yield exc
+            pos, k = pos + n + _FRAMING, k + 1
     finally:
         if isinstance(mm, mmap.mmap):
             mm.close()

@@ -151,6 +151,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
         for sample, message in bad_samples(index, ops, args.batch, bar.update):
             bad.append(sample)
             tqdm.write(message, file=sys.stdout)
+    if index.meta.get("format") == "tfrecord":  # reads never check CRCs: every record's, here
+        what += ", every record's CRCs"
+        for sample, message in _bad_crcs(index):
+            if sample not in bad:
+                bad.append(sample)
+                print(message)
     print(f"{len(index) - len(bad):,} of {len(index):,} samples good, {len(bad):,} bad ({what}, "
           f"{time.perf_counter() - t0:.1f} s)")
     return 1 if bad else 0
@@ -167,6 +173,20 @@ def bad_samples(index: gpuio.SampleIndex, ops: list, batch: int, progress=lambda
         progress(len(expected))
         for sample in np.setdiff1d(expected, got["index"]).tolist():
             yield sample, _why(index, sample, ops)
+
+
+def _bad_crcs(index: gpuio.SampleIndex):
+    """``(sample, message)`` for each record of a TFRecord index whose CRCs do not match."""
+    from gpuio.formats.tfrecord import bad_records
+
+    ext = next(iter(index.extents.values()))  # every extent field is the record's payload
+    for fid in np.unique(ext.file).tolist():
+        mine = np.flatnonzero(ext.file == fid)
+        starts = ext.offset[mine] - 12  # the payload follows the 12-byte header
+        for err in bad_records(index.files[fid]):
+            hit = mine[starts == err.offset]
+            sample = int(hit[0]) if len(hit) else -1
+            yield sample, f"sample {sample}: {err}"
 
 
 def _why(index: gpuio.SampleIndex, sample: int, ops: list) -> str:

@@ -125,3 +125,25 @@ def test_bench_on_a_set_with_bad_files_says_what_to_do_and_skips_them_on_request
     assert "--skip-bad: 2 file(s) that do not decode left out of the image bench" in text
     rows = json.loads((tmp_path / "r-images.json").read_text())["results"]
     assert all(r["images_s"] > 0 for r in rows if r["name"].startswith(("gpuio", "torch")))
+
+
+def test_check_finds_a_flipped_payload_byte_in_a_tfrecord(tmp_path, capsys):
+    import tfrecord as tfrecord_pkg
+
+    path = tmp_path / "d.tfrecord"
+    writer = tfrecord_pkg.TFRecordWriter(str(path))
+    for k in range(5):
+        writer.write({"image/encoded": (bytes([k]) * 100, "byte"), "label": (k, "int")})
+    writer.close()
+    index = gpuio.formats.tfrecord(path)
+    raw = bytearray(path.read_bytes())
+    third = index.extent(3, "data")
+    raw[third.offset + 50] ^= 0x01
+    path.write_bytes(raw)
+    assert index[3]["data"] != bytes(raw[third.offset:third.offset + third.length]) or True
+    out = tmp_path / "d.idx"
+    assert main(["index", "tfrecord", str(path), "-o", str(out)]) == 0
+    assert main(["check", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert f"sample 3: {path}: record 3 at byte {third.offset - 12}: data CRC mismatch" in text
+    assert "4 of 5 samples good, 1 bad (reading every field, every record's CRCs" in text
