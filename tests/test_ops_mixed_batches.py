@@ -198,6 +198,6 @@ def test_gpu_resize_of_non_uint8_images_matches_cpu(dtype, make):
     images[0] = rng.integers(0, 255, (50, 60, 3), dtype=np.uint8)  # a kernel row among them
     cpu = make()(batch_of(images)).data["image"]
     gpu = to_host(make()(batch_of(on_gpu(images), "cuda")).data["image"])
-    for g, c in zip(gpu, cpu):
+    for g, c in zip(gpu, cpu):  # float sums in another order; a uint16 truncation may flip by one
         assert g.shape == c.shape and g.dtype == c.dtype
-        assert levels(g, c, 1.0).max() <= (1.0 if dtype == np.uint16 else 1e-2 * 255 * 200)
+        np.testing.assert_allclose(g.astype(np.float64), c.astype(np.float64), rtol=1e-5, atol=1.0)
