@@ -23,6 +23,7 @@ import mmap
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -171,14 +172,20 @@ class BufferPool:
         self.wait_s = wait_s
         self._lock = threading.Condition()
         self._free: list[_Storage] = []
+        # buffers given back by leases' finalizers, which run wherever a collection
+        # does, other pools' locked code included: they append here and never take the
+        # lock (two pools would deadlock, each finalizer waiting for the other's lock);
+        # the pool moves them to _free under its lock, and a waiting acquire polls
+        self._returned: deque[_Storage] = deque()
         self._held = 0  # bytes allocated, in use or free
         self._generation = 0  # forks seen: a buffer lent in an earlier one is not ours
         _fork.renew_after_fork(self)
 
     def _after_fork(self) -> None:
-        _fork.keep_forever([s for s in self._free if s.device.is_cuda or s.pinned])
+        _fork.keep_forever([s for s in [*self._free, *self._returned] if s.device.is_cuda or s.pinned])
         self._lock = threading.Condition()  # a parent's thread may have held it
         self._free = []
+        self._returned = deque()
         self._held = 0
         self._generation += 1
 
@@ -220,6 +227,7 @@ class BufferPool:
                 # lock, because what reap drops runs finalizers that take other locks
                 reap()
             with self._lock:
+                self._take_returned()
                 fit = [s for s in self._free if s.device == device and s.pinned == pinned
                        and nbytes <= s.capacity <= 2 * capacity and s.idle()]
                 if fit:
@@ -239,7 +247,7 @@ class BufferPool:
                         f"waited {self.wait_s:.0f} s for {capacity:,} bytes of batch buffer, but "
                         f"{self._held:,} of the {budget:,}-byte budget stay in use; release "
                         f"references to old batches or raise buffer_budget")
-                self._lock.wait(min(left, _POLL_S))  # given-back device buffers turn idle unnotified
+                self._lock.wait(min(left, _POLL_S))  # given-back buffers arrive unnotified
         try:
             storage = _Storage(capacity, device, pinned)
         except BaseException:
@@ -254,13 +262,17 @@ class BufferPool:
             if storage.device.is_cuda or storage.pinned:
                 _fork.keep_forever([storage])
             return
-        with self._lock:
-            self._free.append(storage)
-            self._lock.notify_all()
+        self._returned.append(storage)  # no lock: see __init__
+
+    def _take_returned(self) -> None:
+        """Move the given-back buffers to the free list (under the lock)."""
+        while self._returned:
+            self._free.append(self._returned.popleft())
 
     def clear(self) -> None:
         """Free every cached buffer (buffers in use return later and are kept)."""
         with self._lock:
+            self._take_returned()
             for s in self._free:
                 self._held -= s.close()
             self._free.clear()

@@ -1,10 +1,12 @@
-"""Deferred frees re-entered by finalizers (issue 24, defect 5).
+"""Deferred frees and buffer give-backs re-entered by finalizers (issue 24, defect 5).
 
 A collection can run anywhere, inside ``reap()`` too, and run finalizers that hand more
 memory to ``gpuio._deferred`` (a handed-over array's owner calls ``release_after``).
 Such a re-entry on the same thread must neither hang nor lose an entry. The events here
 are small stand-ins for ``cupy.cuda.Event`` (the module reads only ``done``), so that
-the bookkeeping runs without a GPU; the GPU contract covers the real events."""
+the bookkeeping runs without a GPU; the GPU contract covers the real events. A lease's
+finalizer gives its buffer back to its pool from wherever a collection runs, another
+pool's locked code included, so it must not wait for its pool's lock."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import threading
 import weakref
 
 from gpuio import _deferred
+from gpuio.buffers import BufferPool
 
 
 class Event:
@@ -109,3 +112,25 @@ def test_concurrent_keepers_and_reapers_keep_exactly_what_is_still_in_use():
         e.passed = True
     assert _deferred.reap() == 0
     assert len(freed) == 4 * 200
+
+
+def test_a_lease_given_back_while_its_pool_is_locked_does_not_wait():
+    pool = BufferPool(1 << 20)
+    leases = [pool.acquire(1000)]
+    held, release = threading.Event(), threading.Event()
+
+    def hold():  # another thread inside the pool's locked code, as in its acquire
+        with pool._lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    held.wait()
+    try:
+        in_thread(lambda: (leases.clear(), gc.collect()), timeout=5)  # the lease's finalizer runs here
+    finally:
+        release.set()
+        holder.join()
+    again = pool.acquire(1000)  # the buffer given back is lent again: nothing new is allocated
+    assert again.nbytes == 1000 and pool.held_bytes == 64 << 10
