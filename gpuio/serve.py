@@ -28,17 +28,35 @@ interpreter's version and linked against its ``libpython3.X.so``, which must be 
 ``LD_LIBRARY_PATH`` (``start`` puts this interpreter's folder there). Under Python 3.11 the
 stub fails to load any model; under 3.12 it works, so ``start`` asks for 3.12.
 ``import gpuio`` (and this module) never imports PyTriton: ``start`` does.
+
+Errors: PyTriton answers any exception of an inference callable as an internal error (HTTP
+500, gRPC INTERNAL) whose message is the Python traceback. ``start`` therefore puts a small
+Triton Python model (``STUB_MODEL``) in front of PyTriton's own in the model store: a request
+gpuio refuses (an empty one, or an image that does not decode; a ``DataError``) is answered as
+the client's error (HTTP 400, gRPC INVALID_ARGUMENT) with gpuio's one-line message, any other
+failure as an internal error with one line; tracebacks go to the server's log only.
+
+Stopping: Triton's exit timeout (``exit_timeout`` seconds) is how long a stop waits for the
+requests in flight and then for the model instances to unload; the Python stubs unload one
+after the other, about 2 s each (a 1 s wait in Triton's Python backend and PyTriton's 1 s
+polling), so with more than two instances Triton gives up and exits before the last stubs have
+finished. ``stop`` then ends every process the server started that is still running, and
+removes PyTriton's shared memory segments of this process (``/dev/shm/pytrtion<pid>-*``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import queue
 import runpy
+import signal
 import socket
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,7 +66,7 @@ from gpuio.batch import Batch, sample_seeds
 from gpuio.device import Device, check_cuda, parse_device, require
 from gpuio.errors import ConfigError, DataError, DependencyError, GpuioError
 
-__all__ = ["Batcher", "Pipeline", "Server", "load_model", "parse_ops", "INPUT", "OUTPUT", "SCORES"]
+__all__ = ["Batcher", "Pipeline", "Server", "load_model", "parse_ops", "INPUT", "OUTPUT", "SCORES", "STUB_MODEL"]
 
 INPUT = "images"  # encoded bytes, uint8 [n, L] per request
 OUTPUT = "image"  # the ops' output, one row per image
@@ -144,18 +162,26 @@ class Pipeline:
         rows = [np.frombuffer(a, np.uint8) if isinstance(a, (bytes, bytearray, memoryview)) else a for a in images]
         seeds = sample_seeds(0, 0, np.arange(n)) if seeds is None else seeds
         batch = Batch({self.field: rows}, np.arange(n, dtype=np.int64), seeds, self.device, on_error="skip")
-        batch = self.ops(batch)
+        with self._on_device():  # CuPy allocates on the current device, which is per thread (GPU 0 by default)
+            batch = self.ops(batch)
+            out = batch.data[self.output]
+            kept = batch.index.tolist()
+            if self.model is not None and kept:
+                out = self._run_model(out if not isinstance(out, list) else _stacked(out, batch.xp,
+                                                                                     "the model's inputs"))
+            out = [to_host(a) for a in out] if isinstance(out, list) else to_host(out)  # one copy per batch
         results: list[np.ndarray | DataError] = [None] * n
         for row, err in batch.errors:
             results[row] = _for_image(err, row)
-        out = batch.data[self.output]
-        kept = batch.index.tolist()
-        if self.model is not None and kept:
-            out = self._run_model(out if not isinstance(out, list) else _stacked(out, batch.xp, "the model's inputs"))
-        out = [to_host(a) for a in out] if isinstance(out, list) else to_host(out)  # one copy per batch
         for j, row in enumerate(kept):
             results[row] = out[j]
         return results
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """This pipeline's GPU as CuPy's current device (nothing on the CPU)."""
+        if not self.device.is_cuda:
+            return contextlib.nullcontext()
+        return require("cupy").cuda.Device(self.device.index)
 
     def _run_model(self, x: Any) -> Any:
         torch = self._torch
@@ -163,8 +189,7 @@ class Pipeline:
             return self.model(x)
         if self.device.is_cuda:  # torch's stream waits for the ops' kernels (on CuPy's current stream)
             cp = require("cupy")
-            with cp.cuda.Device(self.device.index):
-                event = cp.cuda.get_current_stream().record()
+            event = cp.cuda.get_current_stream().record()  # the caller made this pipeline's GPU current
             stream = torch.cuda.current_stream(self.device.index).cuda_stream
             cp.cuda.runtime.streamWaitEvent(stream, event.ptr)
         with torch.inference_mode():
@@ -226,9 +251,10 @@ class Batcher:
 
     def submit(self, images: np.ndarray) -> np.ndarray:
         """Run one request's images (uint8 ``[n, L]``); its output rows stacked, or raise
-        the error of its first bad image."""
-        if len(images) == 0:
-            raise ConfigError("a request with no images: send uint8 [n, L] with n >= 1, one encoded image per row")
+        the error of its first bad image (a ``DataError``; an empty request is one too)."""
+        shape = list(images.shape) if isinstance(images, np.ndarray) else [len(images)]
+        if 0 in shape:
+            raise DataError(_EMPTY.format(shape=shape))
         job = _Job([_unpad(row) for row in images])
         self._queue.put(job)
         job.done.wait()
@@ -292,6 +318,146 @@ class Batcher:
             job.done.set()
 
 
+# What is wrong with a request that holds no image bytes: gpuio's own check and the stub model's
+# (which runs before PyTriton's serializer fails on such a request) say it alike.
+_EMPTY = ("a request of shape {shape} holds no image: send uint8 [n, L] with n >= 1 images of L >= 1 bytes, "
+          "one encoded image per row")
+
+
+# Marks the message a request is answered with inside the text PyTriton hands the stub model
+# (its traceback of the raised exception): "<START>invalid message<END>" or "<START>internal ...".
+_START, _END = "<<gpuio-answer ", " gpuio-answer>>"
+
+STUB_MODEL = f'''"""gpuio's Triton Python model (written by gpuio.serve): PyTriton's proxy model
+(pytriton_model.py) answering gpuio's errors as Triton errors with their own code and one line."""
+
+import triton_python_backend_utils as pb_utils
+
+from .pytriton_model import TritonPythonModel as PyTritonModel
+
+INPUT, START, END, EMPTY = {INPUT!r}, {_START!r}, {_END!r}, {_EMPTY!r}
+
+
+class TritonPythonModel(PyTritonModel):
+    def execute(self, requests):
+        # the stub adds these names to pb_utils once the model runs, not when it is imported
+        codes = {{"invalid": pb_utils.TritonError.INVALID_ARG, "internal": pb_utils.TritonError.INTERNAL}}
+        answers = [None] * len(requests)
+        passed = []
+        for i, request in enumerate(requests):
+            shape = list(pb_utils.get_input_tensor_by_name(request, INPUT).shape())
+            if 0 in shape:  # PyTriton's serializer cannot take it
+                error = pb_utils.TritonError(EMPTY.format(shape=shape), codes["invalid"])
+                answers[i] = pb_utils.InferenceResponse(error=error)
+            else:
+                passed.append(i)
+        if passed:
+            try:
+                got = super().execute([requests[i] for i in passed])
+            except pb_utils.TritonModelException as exc:
+                text = str(exc)
+                start = text.rfind(START)
+                end = text.find(END, start)
+                if start < 0 or end < 0:  # failed in PyTriton itself
+                    pb_utils.Logger.log_error(text)
+                    kind, message = "internal", "the server failed on this request; its log has the details"
+                else:
+                    kind, _, message = text[start + len(START): end].partition(" ")
+                error = pb_utils.TritonError(message, codes[kind])
+                got = [pb_utils.InferenceResponse(error=error) for _ in passed]
+            for i, answer in zip(passed, got):
+                answers[i] = answer
+        return answers
+'''
+
+
+class _Answer(Exception):
+    """How a request fails: ``kind`` ``"invalid"`` (the client's error) or ``"internal"``, and
+    one line for the client, marked so that ``STUB_MODEL`` finds it."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{_START}{kind} {' '.join(message.split())}{_END}")
+
+
+def _answer(exc: Exception) -> _Answer:
+    """``exc``, which failed a request, as the answer to it: gpuio's ``DataError`` (a bad image or
+    request) is the client's; anything else is the server's, named by its type only (its message
+    may hold server paths; the log has the traceback)."""
+    if isinstance(exc, DataError):
+        return _Answer("invalid", str(exc))
+    return _Answer("internal", f"the server failed on this request ({type(exc).__name__}); its log has the details")
+
+
+def _processes_under(pid: int) -> dict[int, str]:
+    """Every process under ``pid`` (from ``/proc``), each with its start time (which tells it
+    from a later process given the same pid)."""
+    children: dict[int, list[int]] = {}
+    started: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        started[int(entry)] = fields[19]
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = started[child]
+            todo.append(child)
+    return found
+
+
+def _running(pid: int, started: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and fields[19] == started
+
+
+def _end(processes: dict[int, str]) -> None:
+    """End the ``processes`` (pid: start time) still running. Once Triton is gone its Python
+    stubs serve nothing: SIGTERM, and SIGKILL after 1 s (a stub may ignore SIGTERM). A
+    multiprocessing resource tracker ignores SIGTERM and ends by itself once the processes it
+    serves are gone, removing the shared memory they left: it is given 3 s for that."""
+    def running(pids: dict[int, str]) -> dict[int, str]:
+        return {p: s for p, s in pids.items() if _running(p, s)}
+
+    def send(pids: dict[int, str], sig: int) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def wait(pids: dict[int, str], seconds: float) -> dict[int, str]:
+        deadline = time.monotonic() + seconds
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+            pids = running(pids)
+        return pids
+
+    left = running(processes)
+    trackers = {p: s for p, s in left.items() if b"multiprocessing.resource_tracker" in _cmdline(p)}
+    others = {p: s for p, s in left.items() if p not in trackers}
+    send(others, signal.SIGTERM)
+    others = wait(others, 1.0)
+    send(others, signal.SIGKILL)
+    send(wait({**others, **trackers}, 3.0), signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def _libpython_on_path() -> None:
     """Put this interpreter's ``libpython3.X.so`` folder on ``LD_LIBRARY_PATH``: Triton's
     Python stub (started by the server, inheriting this environment) links against it."""
@@ -349,18 +515,25 @@ class Server:
         self.output_shape = tuple(output_shape or ((-1,) if chained else (-1, -1, -1)))
         self.output_dtype = np.dtype(output_dtype or (np.float32 if chained else self.pipeline.dtype))
         self.workers = workers or (1 if self.pipeline.device.is_cuda else os.cpu_count() or 1)
+        self.exit_timeout = 5  # seconds a stop waits for the requests in flight (and the unloading)
         self.batcher: Batcher | None = None
         self._triton: Any = None
+        self._stopping = False
 
     def bind(self, triton: Any) -> None:
-        """Bind the model to a PyTriton ``Triton`` (which may serve other models too)."""
+        """Bind the model to a PyTriton ``Triton`` (which may serve other models too). Errors
+        are answered PyTriton's way (internal, with a traceback) unless ``STUB_MODEL`` is put
+        in front of PyTriton's model, as ``start`` does."""
         _, mc = _pytriton()
         self.batcher = Batcher(self.pipeline, self.max_batch, self.workers)
 
         def infer(requests: list[Any]) -> list[dict[str, np.ndarray]]:
             # one request per call: the model config has no dynamic batcher (see the module docstring)
-            return [{self.output: self.batcher.submit(r[INPUT]).astype(self.output_dtype, copy=False)}
-                    for r in requests]
+            try:
+                return [{self.output: self.batcher.submit(r[INPUT]).astype(self.output_dtype, copy=False)}
+                        for r in requests]
+            except Exception as exc:  # answered by STUB_MODEL; PyTriton logs the traceback
+                raise _answer(exc) from exc
 
         triton.bind(model_name=self.name, infer_func=[infer] * self.instances,
                     inputs=[mc.Tensor(name=INPUT, dtype=np.uint8, shape=(-1,))],
@@ -376,15 +549,24 @@ class Server:
         all, then its error is raised."""
         self._check_ports()
         triton, _ = _pytriton()
+        from pytriton.utils.workspace import Workspace
+
         _libpython_on_path()
         config = triton.TritonConfig(http_address=self.address, grpc_address=self.address,
                                      metrics_address=self.address, http_port=self.ports["http"],
                                      grpc_port=self.ports["grpc"], metrics_port=self.ports["metrics"],
-                                     exit_timeout_secs=5)
+                                     exit_timeout_secs=self.exit_timeout)
+        local_store = triton.TritonLifecyclePolicy(launch_triton_on_startup=True, local_model_store=True)
         for attempt in range(1, tries + 1):
-            self._triton = triton.Triton(config=config)
+            # a local model store: PyTriton writes the model's files there when it is bound, and
+            # Triton loads them from there when it starts
+            workspace = Workspace()
+            self._triton = triton.Triton(config=config, workspace=workspace, triton_lifecycle_policy=local_store)
             try:
                 self.bind(self._triton)
+                version = workspace.model_store_path / self.name / "1"
+                os.replace(version / "model.py", version / "pytriton_model.py")
+                (version / "model.py").write_text(STUB_MODEL)
                 self._triton.run()
                 return self
             except Exception as exc:
@@ -417,13 +599,30 @@ class Server:
         self._triton.serve()
 
     def stop(self) -> None:
-        """Stop Triton (its server and stub processes end) and the batch threads."""
+        """Stop Triton and the batch threads; then end every process started under this one
+        that is still running (Triton's Python stubs and their helpers, see the module
+        docstring) and remove PyTriton's shared memory segments of this process."""
+        self._stopping = True
         if self._triton is not None:
+            started = _processes_under(os.getpid())
             self._triton.stop()
             self._triton = None
+            _end(started)
+            for segment in glob.glob(f"/dev/shm/pytrtion{os.getpid()}-*"):  # PyTriton's prefix (sic)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(segment)
         if self.batcher is not None:
             self.batcher.close()
             self.batcher = None
+        self._stopping = False
+
+    def exit_on_signal(self, signum: int, frame: Any) -> None:
+        """A signal handler (``signal.signal(signal.SIGTERM, server.exit_on_signal)``, in the
+        main thread): leave by ``SystemExit(0)`` from wherever the main thread is, also while
+        the server starts, so that the ``with`` block stops it; a signal during a stop is
+        ignored, as that stop ends the server anyway."""
+        if not self._stopping:
+            raise SystemExit(0)
 
     def __enter__(self) -> Server:
         return self.start()

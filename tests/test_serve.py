@@ -24,7 +24,7 @@ import pytest
 
 import gpuio
 from gpuio import formats, serve
-from gpuio.errors import ConfigError, DependencyError, FormatError
+from gpuio.errors import ConfigError, DataError, DependencyError, FormatError
 from gpuio.sample import make_image_tree
 
 from serve_env import ensure, free_ports
@@ -211,9 +211,11 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="instances"):
         serve.Server(serve.parse_ops(OPS), instances=0)
     batcher = serve.Batcher(serve.Pipeline(serve.parse_ops(OPS)))
-    try:
-        with pytest.raises(ConfigError, match="no images"):
-            batcher.submit(np.zeros((0, 16), np.uint8))
+    try:  # an empty request is the client's error (DataError), and the message says what to send
+        for shape in ((0, 16), (1, 0)):
+            with pytest.raises(DataError, match=rf"a request of shape \[{shape[0]}, {shape[1]}\] holds no image: send "
+                                                r"uint8 \[n, L\] with n >= 1 images of L >= 1 bytes"):
+                batcher.submit(np.zeros(shape, np.uint8))
     finally:
         batcher.close()
 
