@@ -16,27 +16,34 @@ The lint, precisely:
   ``functools.partial(f, ...)`` and ``_weak(f)`` are looked through.
 - **Reached functions** are the entries and, transitively, what they call *outside* a
   device block: plain names (functions of the module, nested ones included, and names
-  imported from gpuio modules), ``self.``/``cls.`` methods of the enclosing class, and
-  ``module.function`` through a gpuio module imported by name.
+  imported from gpuio modules), ``self.``/``cls.`` methods of the enclosing class,
+  ``module.function`` through a gpuio module imported by name, and ``self.x(...)`` /
+  ``self.x.method(...)`` where the class stores in ``self.x`` an object of a known class
+  (``self.x = Class(...)``, or a parameter annotated ``Class``). A function is followed
+  once per set of its parameters that its caller passes NumPy values or ``np`` to
+  (``stack(rows, np)`` is host work; ``stack(rows, batch.xp)`` is not).
 - **Flagged**, in a reached function and not inside a ``with <...>.cuda.Device(...)``
-  block *of that same function* (a lambda or nested function may run on another
-  thread, so an enclosing function's block does not count): every call on ``cp``,
-  ``cupy`` or ``xp`` (the array module, which is CuPy on a GPU) except the few that
-  allocate nothing (``NO_DEVICE_WORK``), and the array methods ``COPY_METHODS`` unless
-  their receiver is provably a NumPy value (a ``np.`` call, or a local name only ever
-  assigned from one).
+  block (or ``with f(...)`` where ``f`` returns ``<...>.cuda.Device(...)``, possibly
+  behind a conditional) *of that same function* (a lambda or nested function may run
+  on another thread, so an enclosing function's block does not count): every call on
+  ``cp``, ``cupy`` or ``xp`` (the array module, which is CuPy on a GPU; not where it is
+  provably NumPy) except the few that allocate nothing (``NO_DEVICE_WORK``), and the
+  array methods ``COPY_METHODS`` unless their receiver is provably a NumPy value (a
+  ``np.`` call, or a name only ever holding one).
 
 What it cannot see, so that a clean run is read for what it is: calls through other
-objects (``reader.read()``, ``stage.fn()``, an op's ``__call__``), arithmetic and
-indexing on CuPy arrays (kernels on the current device too), and array methods outside
-``COPY_METHODS``. The runtime rule stays: a function that a worker thread runs enters
-the GPU of its data before any CuPy work.
+objects whose class it does not know (``reader.read()`` on a reader passed in,
+``stage.fn()``, an op's ``__call__``), arithmetic and indexing on CuPy arrays (kernels
+on the current device too), and array methods outside ``COPY_METHODS``. The runtime
+rule stays: a function that a worker thread runs enters the GPU of its data before any
+CuPy work.
 """
 
 from __future__ import annotations
 
 import ast
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,9 +59,9 @@ NO_DEVICE_WORK = {"dtype", "get_array_module", "asnumpy", "result_type", "promot
 COPY_METHODS = {"copy", "astype", "flatten", "ravel"}
 HOST_MODULES = {"np", "numpy"}
 
-# Worker-thread CuPy work outside the device that another change fixes (issue 24: the
-# serve batcher); each file must still have such a finding, so that the list only shrinks.
-KNOWN_OFFENDERS: set[str] = {"gpuio/serve.py"}
+# Worker-thread CuPy work outside the device that another change is to fix; each file
+# must still have such a finding, so that the list only shrinks.
+KNOWN_OFFENDERS: set[str] = set()
 
 # Entries that run only where no GPU is in play, with the reason.
 CPU_ONLY_ENTRIES = {
@@ -93,28 +100,38 @@ class Module:
             node = self.parents.get(node)
         return node
 
-    def in_device(self, node: ast.AST) -> bool:
-        """Inside a ``with <...>.cuda.Device(...)`` block of the function that holds ``node``."""
+    def in_device(self, node: ast.AST, enters: Callable[[Module, ast.AST], bool]) -> bool:
+        """Inside a ``with`` block of the function that holds ``node`` whose context
+        ``enters(module, call)`` says enters a GPU."""
         node = self.parents.get(node)
         while node is not None and not isinstance(node, _FUNCTIONS):
             if isinstance(node, ast.With) and any(
-                    isinstance(item.context_expr, ast.Call)
-                    and ast.unparse(item.context_expr.func).endswith("cuda.Device") for item in node.items):
+                    isinstance(item.context_expr, ast.Call) and enters(self, item.context_expr) for item in node.items):
                 return True
             node = self.parents.get(node)
         return False
+
+
+def _methods(m: Module, cls: ast.AST | None, name: str) -> list[tuple[Module, ast.AST]]:
+    return [(m, d) for d in getattr(cls, "body", []) if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and d.name == name]
+
+
+def _is_device_call(call: ast.AST) -> bool:
+    return isinstance(call, ast.Call) and ast.unparse(call.func).endswith("cuda.Device")
 
 
 def _name(node: ast.AST) -> str:
     return getattr(node, "name", "<lambda>")
 
 
-def _host_names(fn: ast.AST) -> set[str]:
+def _host_names(fn: ast.AST, given: frozenset[str] = frozenset()) -> set[str]:
     """Local names of ``fn`` that hold NumPy values wherever they are read: parameters
-    annotated with a NumPy type or rebound from a NumPy call by the body's first
-    statement that names them, and names only ever assigned from NumPy calls (or from
-    calls on such names). The largest such set: a name is dropped once any of its values
-    is not provably on the host."""
+    in ``given`` (a caller passed NumPy values or ``np`` itself), annotated with a NumPy
+    type or rebound from a NumPy call by the body's first statement that names them,
+    and names only ever assigned from NumPy calls (or from calls on such names). The
+    largest such set: a name is dropped once any of its values is not provably on the
+    host."""
     values: dict[str, list[ast.AST | None]] = {}  # None: a value not known (a parameter, a loop variable)
     params = [] if isinstance(fn, ast.Lambda) else [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]
     body = fn.body if isinstance(fn.body, list) else [fn.body]
@@ -125,7 +142,7 @@ def _host_names(fn: ast.AST) -> set[str]:
         rebound = (isinstance(first, ast.Assign) and len(first.targets) == 1
                    and isinstance(first.targets[0], ast.Name) and first.targets[0].id == arg.arg)
         typed = arg.annotation is not None and ast.unparse(arg.annotation).split(".")[0] in HOST_MODULES
-        values.setdefault(arg.arg, []).append(on_host if typed or rebound else None)
+        values.setdefault(arg.arg, []).append(on_host if typed or rebound or arg.arg in given else None)
     for node in ast.walk(fn):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, (ast.AnnAssign, ast.AugAssign, ast.For, ast.comprehension)) else []
@@ -141,6 +158,17 @@ def _host_names(fn: ast.AST) -> set[str]:
         if not dropped:
             return host
         host -= dropped
+
+
+def _host_params(fn: ast.AST, call: ast.Call, host: set[str]) -> frozenset[str]:
+    """The parameters of ``fn`` that ``call`` passes NumPy values (or ``np``) to."""
+    if isinstance(fn, ast.Lambda):
+        return frozenset()
+    names = [a.arg for a in [*fn.args.posonlyargs, *fn.args.args]]
+    if names[:1] in (["self"], ["cls"]) and isinstance(call.func, ast.Attribute):
+        names = names[1:]
+    passed = [*zip(names, call.args), *((k.arg, k.value) for k in call.keywords if k.arg)]
+    return frozenset(name for name, value in passed if _is_host(value, host))
 
 
 def _is_host(expr: ast.AST, host: set[str]) -> bool:
@@ -189,13 +217,66 @@ class Project:
             base = expr.value.id
             if base in ("self", "cls"):
                 owner = m.up(site, ast.ClassDef)
-                return [(m, d) for d in getattr(owner, "body", [])
-                        if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef)) and d.name == expr.attr]
+                found = _methods(m, owner, expr.attr)
+                if not found:  # an attribute holding an object of a known class: its __call__
+                    found = [f for cm, c in self.attribute_classes(m, owner).get(expr.attr, [])
+                             for f in _methods(cm, c, "__call__")]
+                return found
             if base in m.imports:
                 return self._module_functions(".".join(m.imports[base]), expr.attr)
+        if (isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Attribute)
+                and isinstance(expr.value.value, ast.Name) and expr.value.value.id == "self"):
+            owner = m.up(site, ast.ClassDef)  # self.attr.method(...)
+            return [f for cm, c in self.attribute_classes(m, owner).get(expr.value.attr, [])
+                    for f in _methods(cm, c, expr.attr)]
         if isinstance(expr, ast.Call):  # a wrapper: functools.partial(f, ...), _weak(f)
             return [found for arg in expr.args for found in self.resolve(m, arg, site)]
         return []
+
+    def find_class(self, m: Module, name: str) -> list[tuple[Module, ast.ClassDef]]:
+        """The class ``name`` means in ``m``: defined there, or imported from a gpuio module."""
+        if name in m.imports:
+            module, name = m.imports[name]
+            m = self.modules.get(module)
+            if m is None:
+                return []
+        return [(m, c) for c in m.tree.body if isinstance(c, ast.ClassDef) and c.name == name]
+
+    def attribute_classes(self, m: Module, owner: ast.AST | None) -> dict[str, list[tuple[Module, ast.ClassDef]]]:
+        """``self.<attr>`` of class ``owner`` -> the classes of the objects its methods
+        store there: ``self.x = Class(...)``, or ``self.x = param`` of a parameter
+        annotated ``Class`` (tuple assignments paired)."""
+        out: dict[str, list[tuple[Module, ast.ClassDef]]] = {}
+        for fn in getattr(owner, "body", []):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            annotated = {a.arg: ast.unparse(a.annotation).split("|")[0].strip().strip("'\"")
+                         for a in [*fn.args.args, *fn.args.kwonlyargs] if a.annotation is not None}
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.Assign):
+                    continue
+                for target in node.targets:
+                    pairs = (zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple)
+                             and isinstance(node.value, ast.Tuple) else [(target, node.value)])
+                    for t, v in pairs:
+                        if not (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                                and t.value.id == "self"):
+                            continue
+                        name = (v.func.id if isinstance(v, ast.Call) and isinstance(v.func, ast.Name)
+                                else annotated.get(v.id) if isinstance(v, ast.Name) else None)
+                        if name:
+                            out.setdefault(t.attr, []).extend(self.find_class(m, name))
+        return out
+
+    def enters_device(self, m: Module, call: ast.Call) -> bool:
+        """``<...>.cuda.Device(...)``, or a call of a function that returns one (a
+        helper such as ``self._on_device()``, which may return a null context on the CPU)."""
+        if _is_device_call(call):
+            return True
+        returned = [ret.value for _, fn in self.resolve(m, call.func, call) for ret in ast.walk(fn)
+                    if isinstance(ret, ast.Return)]
+        returned += [v for ret in returned if isinstance(ret, ast.IfExp) for v in (ret.body, ret.orelse)]
+        return any(_is_device_call(v) for v in returned)
 
     def entries(self) -> list[tuple[Module, ast.AST]]:
         """The functions that start worker threads' work (see the module docstring)."""
@@ -220,25 +301,27 @@ class Project:
         """``{file: ["line function: call", ...]}`` of CuPy work that worker threads do
         outside a ``with <cupy>.cuda.Device(...)`` block."""
         found: dict[str, list[str]] = {}
-        seen: set[int] = set()
-        todo = self.entries()
+        seen: set[tuple[int, frozenset[str]]] = set()
+        # (module, function, its parameters known to hold NumPy values at this call)
+        todo = [(m, fn, frozenset()) for m, fn in self.entries()]
         while todo:
-            m, fn = todo.pop()
-            if id(fn) in seen:
+            m, fn, given = todo.pop()
+            if (id(fn), given) in seen:
                 continue
-            seen.add(id(fn))
-            host = _host_names(fn)
+            seen.add((id(fn), given))
+            host = _host_names(fn, given)
             for node in ast.walk(fn):
-                if not isinstance(node, ast.Call) or m.in_device(node):
+                if not isinstance(node, ast.Call) or m.in_device(node, self.enters_device):
                     continue
-                todo += self.resolve(m, node.func, node)
+                todo += [(cm, callee, _host_params(callee, node, host))
+                         for cm, callee in self.resolve(m, node.func, node)]
                 func = node.func
                 if not isinstance(func, ast.Attribute):
                     continue
                 root = func.value
                 while isinstance(root, ast.Attribute):
                     root = root.value
-                on_module = isinstance(root, ast.Name) and root.id in ARRAY_MODULES
+                on_module = isinstance(root, ast.Name) and root.id in ARRAY_MODULES and root.id not in host
                 if (on_module and func.attr not in NO_DEVICE_WORK) or (
                         not on_module and func.attr in COPY_METHODS and not _is_host(func.value, host)):
                     found.setdefault(m.rel, []).append(f"{node.lineno} {_name(fn)}: {ast.unparse(node)[:80]}")
@@ -260,6 +343,13 @@ def test_the_lint_sees_every_kind_of_entry_and_work():
         def copy_rows(data):
             return data.copy()
 
+        def stacked(rows, xp):
+            return xp.stack(rows)
+
+        @contextlib.contextmanager
+        def unrelated():
+            yield
+
         def host_only(n):
             rows = np.arange(n)
             return rows.copy(), np.zeros(3).astype(np.int8)
@@ -270,7 +360,17 @@ def test_the_lint_sees_every_kind_of_entry_and_work():
         from gpuio.helpers import copy_rows, host_only
         from gpuio import helpers
 
+        class Pipeline:
+            def __call__(self, rows, xp):
+                return xp.concatenate(rows)
+
+            def run(self, rows, xp):
+                return xp.asarray(rows)
+
         class Stages:
+            def __init__(self, pipeline: Pipeline):
+                self.pipeline, self.other = pipeline, Pipeline()
+
             def start(self, pool, cp):
                 threading.Thread(target=self._loop).start()
                 pool.submit(functools.partial(self._one, 1))
@@ -283,10 +383,17 @@ def test_the_lint_sees_every_kind_of_entry_and_work():
                 out = xp.stack(rows)
                 with cp.cuda.Device(1):
                     inside = xp.stack(rows), copy_rows(rows)  # called inside: runs on the device
-                return out, xp.float32, host_only(3)
+                with self._on_device():
+                    inside = xp.zeros(3)
+                with helpers.unrelated():
+                    outside = xp.ones(3)
+                return out, xp.float32, host_only(3), helpers.stacked(rows, np), helpers.stacked(rows, xp=xp)
 
-            def _one(self, k, data):
-                return helpers.copy_rows(data)
+            def _on_device(self):
+                return contextlib.nullcontext() if self.cpu else cp.cuda.Device(self.index)
+
+            def _one(self, k, data, xp):
+                return helpers.copy_rows(data), self.pipeline(data, xp), self.other.run(data, xp)
 
             def _read(self, data):
                 return data.astype("f4")
@@ -296,5 +403,6 @@ def test_the_lint_sees_every_kind_of_entry_and_work():
     """})
     found = project.worker_cupy_outside_device()
     lines = sorted(entry.split(" ", 1)[1] for entries in found.values() for entry in entries)
-    assert lines == ["<lambda>: cp.empty(i)", "_loop: xp.stack(rows)", "_read: data.astype('f4')",
-                     "copy_rows: data.copy()"], found
+    assert lines == ["<lambda>: cp.empty(i)", "__call__: xp.concatenate(rows)", "_loop: xp.ones(3)",
+                     "_loop: xp.stack(rows)", "_read: data.astype('f4')", "copy_rows: data.copy()",
+                     "run: xp.asarray(rows)", "stacked: xp.stack(rows)"], found
