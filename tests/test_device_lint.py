@@ -19,7 +19,8 @@ The lint, precisely:
   imported from gpuio modules), ``self.``/``cls.`` methods of the enclosing class,
   ``module.function`` through a gpuio module imported by name, and ``self.x(...)`` /
   ``self.x.method(...)`` where the class stores in ``self.x`` an object of a known class
-  (``self.x = Class(...)``, or a parameter annotated ``Class``). A function is followed
+  (``self.x = Class(...)``, or a parameter annotated ``Class``), and ``p.method(...)``
+  on a parameter ``p`` annotated ``Class`` (or ``Class | None``). A function is followed
   once per set of its parameters that its caller passes NumPy values or ``np`` to
   (``stack(rows, np)`` is host work; ``stack(rows, batch.xp)`` is not).
 - **Flagged**, in a reached function and not inside a ``with <...>.cuda.Device(...)``
@@ -32,8 +33,8 @@ The lint, precisely:
   ``np.`` call, or a name only ever holding one).
 
 What it cannot see, so that a clean run is read for what it is: calls through other
-objects whose class it does not know (``reader.read()`` on a reader passed in,
-``stage.fn()``, an op's ``__call__``), arithmetic and indexing on CuPy arrays (kernels
+objects whose class it does not know (``stage.fn()``, an op's ``__call__``, a backend's
+``read``), arithmetic and indexing on CuPy arrays (kernels
 on the current device too), and array methods outside ``COPY_METHODS``. The runtime
 rule stays: a function that a worker thread runs enters the GPU of its data before any
 CuPy work.
@@ -117,6 +118,13 @@ def _methods(m: Module, cls: ast.AST | None, name: str) -> list[tuple[Module, as
             and d.name == name]
 
 
+def _class_name(annotation: ast.AST | None) -> str | None:
+    """The class an annotation names first (``Reader | None`` -> ``Reader``)."""
+    if annotation is None:
+        return None
+    return ast.unparse(annotation).split("|")[0].strip().strip("'\"") or None
+
+
 def _is_device_call(call: ast.AST) -> bool:
     return isinstance(call, ast.Call) and ast.unparse(call.func).endswith("cuda.Device")
 
@@ -149,9 +157,10 @@ def _host_names(fn: ast.AST, given: frozenset[str] = frozenset()) -> set[str]:
         for target in targets:
             for name in ast.walk(target):
                 if isinstance(name, ast.Name):
-                    # a part of a tuple, a loop variable: not the whole value
-                    whole = isinstance(target, ast.Name) and isinstance(node, (ast.Assign, ast.AnnAssign))
-                    values.setdefault(name.id, []).append(node.value if whole else None)
+                    # an assigned value (a part of a NumPy tuple, as np.unique's, is NumPy
+                    # too); a loop variable: not known
+                    known = isinstance(node, (ast.Assign, ast.AnnAssign))
+                    values.setdefault(name.id, []).append(node.value if known else None)
     host = set(values)
     while True:
         dropped = {n for n in host if not all(v is not None and _is_host(v, host) for v in values[n])}
@@ -172,6 +181,12 @@ def _host_params(fn: ast.AST, call: ast.Call, host: set[str]) -> frozenset[str]:
 
 
 def _is_host(expr: ast.AST, host: set[str]) -> bool:
+    if isinstance(expr, ast.Constant):
+        return True
+    if isinstance(expr, (ast.BinOp, ast.Compare, ast.UnaryOp, ast.Tuple)):  # NumPy in, NumPy out
+        parts = [getattr(expr, k) for k in ("left", "right", "operand") if hasattr(expr, k)]
+        parts += getattr(expr, "comparators", []) + getattr(expr, "elts", [])
+        return all(_is_host(p, host) for p in parts)
     while isinstance(expr, (ast.Call, ast.Attribute, ast.Subscript)):
         expr = expr.func if isinstance(expr, ast.Call) else expr.value
     return isinstance(expr, ast.Name) and (expr.id in HOST_MODULES or expr.id in host)
@@ -224,6 +239,10 @@ class Project:
                 return found
             if base in m.imports:
                 return self._module_functions(".".join(m.imports[base]), expr.attr)
+            fn = m.up(site, (ast.FunctionDef, ast.AsyncFunctionDef))  # a parameter annotated with a class
+            kinds = {a.arg: _class_name(a.annotation) for a in [*fn.args.args, *fn.args.kwonlyargs]} if fn else {}
+            if kinds.get(base):
+                return [f for cm, c in self.find_class(m, kinds[base]) for f in _methods(cm, c, expr.attr)]
         if (isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Attribute)
                 and isinstance(expr.value.value, ast.Name) and expr.value.value.id == "self"):
             owner = m.up(site, ast.ClassDef)  # self.attr.method(...)
@@ -250,8 +269,7 @@ class Project:
         for fn in getattr(owner, "body", []):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            annotated = {a.arg: ast.unparse(a.annotation).split("|")[0].strip().strip("'\"")
-                         for a in [*fn.args.args, *fn.args.kwonlyargs] if a.annotation is not None}
+            annotated = {a.arg: _class_name(a.annotation) for a in [*fn.args.args, *fn.args.kwonlyargs]}
             for node in ast.walk(fn):
                 if not isinstance(node, ast.Assign):
                     continue
@@ -346,6 +364,10 @@ def test_the_lint_sees_every_kind_of_entry_and_work():
         def stacked(rows, xp):
             return xp.stack(rows)
 
+        def host_parts(n):
+            values, counts = np.unique(np.arange(n), return_counts=True)
+            return (counts > 1).astype(np.int8), values.copy()
+
         @contextlib.contextmanager
         def unrelated():
             yield
@@ -366,6 +388,9 @@ def test_the_lint_sees_every_kind_of_entry_and_work():
 
             def run(self, rows, xp):
                 return xp.asarray(rows)
+
+            def read(self, xp):
+                return xp.empty(3)
 
         class Stages:
             def __init__(self, pipeline: Pipeline):
@@ -395,8 +420,8 @@ def test_the_lint_sees_every_kind_of_entry_and_work():
             def _one(self, k, data, xp):
                 return helpers.copy_rows(data), self.pipeline(data, xp), self.other.run(data, xp)
 
-            def _read(self, data):
-                return data.astype("f4")
+            def _read(self, data, xp, reader: Pipeline | None = None):
+                return data.astype("f4"), reader.read(xp), helpers.host_parts(4)
 
             def _gpu_op(self, cp):
                 return cp.zeros(3)
@@ -405,4 +430,4 @@ def test_the_lint_sees_every_kind_of_entry_and_work():
     lines = sorted(entry.split(" ", 1)[1] for entries in found.values() for entry in entries)
     assert lines == ["<lambda>: cp.empty(i)", "__call__: xp.concatenate(rows)", "_loop: xp.ones(3)",
                      "_loop: xp.stack(rows)", "_read: data.astype('f4')", "copy_rows: data.copy()",
-                     "run: xp.asarray(rows)", "stacked: xp.stack(rows)"], found
+                     "read: xp.empty(3)", "run: xp.asarray(rows)", "stacked: xp.stack(rows)"], found
