@@ -35,8 +35,10 @@ CORRUPT = b"\xff\xd8\xff\xe0" + b"\x00" * 200  # a JPEG start, then nothing a de
 MODEL_PY = '''
 import numpy as np
 
-def classify(x):  # exact in any NumPy: per-channel max and min, [N, 6]
+def classify(x):  # exact in any NumPy: per-channel max and min, [N, 6]; refuses an all-white image
     x = np.asarray(x)
+    if (x.reshape(len(x), -1).min(axis=1) > 2.0).any():
+        raise ValueError("/srv/models/classify.py: an all-white image")
     return np.concatenate([x.max(axis=(2, 3)), x.min(axis=(2, 3))], axis=1)
 '''
 
@@ -264,6 +266,19 @@ def _descendants(pid):
     return found
 
 
+def _segments(pids):
+    """The /dev/shm files the processes ``pids`` have mapped."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                found |= {line.split(None, 5)[5].strip().removesuffix(" (deleted)") for line in f
+                          if "/dev/shm/" in line}
+        except OSError:
+            continue
+    return found
+
+
 def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -320,7 +335,11 @@ class _Served:
         return self.log.read()[-6000:]
 
     def stop(self, timeout=120):
-        """SIGTERM, as a service manager stops it; its exit status."""
+        """SIGTERM, as a service manager stops it; its exit status. Records first every process
+        under the server and the /dev/shm segments they have mapped."""
+        self.processes = sorted(set(self.processes) | set(_descendants(self.proc.pid)))
+        self.commands = {p: _cmdline(p) for p in self.processes}
+        self.segments = _segments([self.proc.pid, *self.processes])
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)  # a timeout raises; the test's finally kills what is left
 
@@ -347,14 +366,18 @@ def serve_python():
 
 def _infer(protocol, port, rows, output):
     """One request (rows padded to one length) from a client of its own."""
-    import tritonclient.grpc as grpc
-    import tritonclient.http as http
-
-    mod = http if protocol == "http" else grpc
     width = max(len(r) for r in rows)
     data = np.zeros((len(rows), width), np.uint8)
     for i, r in enumerate(rows):
         data[i, :len(r)] = np.frombuffer(r, np.uint8)
+    return _infer_array(protocol, port, data, output)
+
+
+def _infer_array(protocol, port, data, output):
+    import tritonclient.grpc as grpc
+    import tritonclient.http as http
+
+    mod = http if protocol == "http" else grpc
     client = mod.InferenceServerClient(f"127.0.0.1:{port}")
     try:
         inp = mod.InferInput("images", list(data.shape), "UINT8")
@@ -389,21 +412,47 @@ def _send_all(served, images, output):
 
 
 def _check_stopped(served):
+    """SIGTERM exits 0 and leaves no process that ran under the server and none of the shared
+    memory segments they had mapped (PyTriton's own are named after the server's pid)."""
     assert served.stop() == 0, served.output()
-    deadline = time.monotonic() + 30  # processes of a clean stop may take a moment to be reaped
-    while True:
-        left = [p for p in served.processes if _alive(p)]
-        left += [p for p in _descendants(1) if f"--http-port={served.http}" in _cmdline(p) and _alive(p)]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    # what was checked: the stubs and helpers, and Triton's and PyTriton's shared memory
+    assert any("triton_python_backend_stub" in c for c in served.commands.values()), served.commands
+    assert any("resource_tracker" in c for c in served.commands.values()), served.commands
+    assert any(f"/pytrtion{served.proc.pid}-" in s for s in served.segments), served.segments
+    left = [p for p in served.processes if _alive(p)]
+    left += [p for p in _descendants(1) if f"--http-port={served.http}" in _cmdline(p) and _alive(p)]
     assert not left, f"processes left behind: {[(p, _cmdline(p)) for p in left]}"
+    shm = [s for s in served.segments if os.path.exists(s)] + glob.glob(f"/dev/shm/pytrtion{served.proc.pid}-*")
+    assert not shm, f"shared memory left behind: {shm}"
+
+
+def _refused(error, protocol, code, message):
+    """``error`` is the server's answer with status ``code`` (``"invalid"``: HTTP 400 / gRPC
+    INVALID_ARGUMENT; ``"internal"``: 500 / INTERNAL) and exactly the one line ``message``."""
+    from tritonclient.utils import InferenceServerException
+
+    assert isinstance(error, InferenceServerException), error
+    status = {("http", "invalid"): "400", ("grpc", "invalid"): "StatusCode.INVALID_ARGUMENT",
+              ("http", "internal"): "500", ("grpc", "internal"): "StatusCode.INTERNAL"}[protocol, code]
+    assert str(error.status()) == status, (error.status(), str(error))
+    assert error.message() == message, error.message()
+
+
+def _ask(protocol, port, data):
+    """The error a request of ``data`` (uint8) gets."""
+    try:
+        _infer_array(protocol, port, data, "image")
+    except Exception as exc:  # noqa: BLE001 - tritonclient's InferenceServerException, checked by the caller
+        return exc
+    raise AssertionError(f"a request of shape {list(data.shape)} was answered")
 
 
 @pytest.mark.parametrize("chained", [False, True], ids=["ops", "ops+model"])
 def test_server_over_http_and_grpc(serve_python, images, tmp_path, chained):
     """Outputs equal the offline pipeline's (and the model's on them) exactly; the corrupt
     requests fail alone; SIGTERM stops the server and every process under it."""
+    import simplejpeg
+
     (tmp_path / "model.py").write_text(MODEL_PY)
     served = _Served(serve_python, tmp_path, ["--model", f"{tmp_path / 'model.py'}:classify"] if chained else [])
     encoded, offline = images
@@ -411,15 +460,51 @@ def test_server_over_http_and_grpc(serve_python, images, tmp_path, chained):
     try:
         assert any("tritonserver" in _cmdline(p) for p in served.processes)
         results = _send_all(served, images, "scores" if chained else "image")
-        for error in results[-2:]:
-            assert isinstance(error, Exception) and "image 0: cannot decode image" in str(error), error
+        undecodable = ("image 0: cannot decode image (204 bytes): not an image format Pillow reads (the bytes start "
+                       "b'\\xff\\xd8\\xff\\xe0\\x00\\x00\\x00\\x00')")
+        for error, protocol in zip(results[-2:], ("grpc", "http")):  # a client error, one line, no traceback
+            _refused(error, protocol, "invalid", undecodable)
         for i in range(len(encoded)):
             assert isinstance(results[i], np.ndarray), (i, results[i])
             assert results[i].shape == (1, *expected.shape[1:]), (i, results[i].shape)
             assert np.array_equal(results[i][0], expected[i]), (i, np.abs(results[i][0] - expected[i]).max())
         assert np.array_equal(results[-3], expected[:2])
+        for protocol in ("http", "grpc"):
+            port = served.http if protocol == "http" else served.grpc
+            empty = _ask(protocol, port, np.zeros((1, 0), np.uint8))  # refused by gpuio before PyTriton
+            _refused(empty, protocol, "invalid", "a request of shape [1, 0] holds no image: send uint8 [n, L] with "
+                                                 "n >= 1 images of L >= 1 bytes, one encoded image per row")
+            no_rows = _ask(protocol, port, np.zeros((0, 16), np.uint8))  # refused by Triton before the model
+            assert str(no_rows.status()) in ("400", "StatusCode.INVALID_ARGUMENT"), no_rows
+            if chained:  # the model's own error: internal, one line, no server path
+                white = _ask(protocol, port, np.frombuffer(simplejpeg.encode_jpeg(np.full((48, 48, 3), 255, np.uint8)),
+                                                           np.uint8)[None])
+                _refused(white, protocol, "internal", "the server failed on this request (ValueError); its log "
+                                                      "has the details")
+        if chained:
+            assert "/srv/models/classify.py: an all-white image" in served.output()  # the log has the traceback
         _check_stopped(served)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\nserver log:\n{served.output()}") from None
     finally:
         served.kill()  # after a clean stop there is nothing left to kill
+
+
+def test_sigterm_as_soon_as_the_model_is_ready_stops_cleanly(serve_python, tmp_path):
+    """SIGTERM the moment the model reports ready (the server may still be finishing its start):
+    exit status 0 and nothing left behind, with four instances, more than Triton unloads within
+    its exit timeout (so gpuio ends the stubs Triton leaves)."""
+    served = _Served(serve_python, tmp_path, ["--instances", "4"])
+    try:
+        _check_stopped(served)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nserver log:\n{served.output()}") from None
+    finally:
+        served.kill()
+
+
+def test_serve_help_says_where_it_listens():
+    done = subprocess.run([sys.executable, "-m", "gpuio.cli", "serve", "--help"], capture_output=True, text=True,
+                          check=True)
+    text = " ".join(done.stdout.split())
+    assert "(default: 0.0.0.0, all interfaces" in text and "--address 127.0.0.1 serves this machine only" in text
