@@ -469,8 +469,19 @@ def test_server_over_http_and_grpc(serve_python, images, tmp_path, chained):
             assert results[i].shape == (1, *expected.shape[1:]), (i, results[i].shape)
             assert np.array_equal(results[i][0], expected[i]), (i, np.abs(results[i][0] - expected[i]).max())
         assert np.array_equal(results[-3], expected[:2])
+        bomb = bytearray(simplejpeg.encode_jpeg(np.full((16, 16, 3), 90, np.uint8)))
+        sof = bomb.index(b"\xff\xc0")
+        bomb[sof + 5: sof + 9] = (60000).to_bytes(2, "big") * 2  # its frame header declares 60000x60000
         for protocol in ("http", "grpc"):
             port = served.http if protocol == "http" else served.grpc
+            try:
+                _infer(protocol, port, [encoded[2], bytes(bomb)], "image")
+            except Exception as exc:  # noqa: BLE001 - checked below
+                _refused(exc, protocol, "invalid", f"image 1: image of {len(bomb)} bytes declares 60000x60000 pixels, "
+                                                   f"more than gpuio.ops.decode.MAX_PIXELS (178,956,970); raise it "
+                                                   f"for such images")
+            else:
+                raise AssertionError("a request with a 60000x60000 image was answered")
             empty = _ask(protocol, port, np.zeros((1, 0), np.uint8))  # refused by gpuio before PyTriton
             _refused(empty, protocol, "invalid", "a request of shape [1, 0] holds no image: send uint8 [n, L] with "
                                                  "n >= 1 images of L >= 1 bytes, one encoded image per row")
