@@ -165,25 +165,44 @@ STREAM_BEFORE_DEVICE: set[str] = set()
 
 def _streams_outside_device(path: Path) -> list[int]:
     """Lines calling ``<cupy>.cuda.get_current_stream()`` outside a ``with`` block that
-    enters ``<cupy>.cuda.Device(...)``. The current stream is per device: picked outside,
-    it is device 0's (CuPy then refuses it on another device, or, worse, it is used)."""
+    enters ``<cupy>.cuda.Device(...)`` (directly, or through a function of the module that
+    returns one), unless every call of the function around it, in the module, is inside
+    such a block. The current stream is per device: picked outside, it is device 0's (CuPy
+    then refuses it on another device, or, worse, it is used)."""
     tree = ast.parse(path.read_text())
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    functions = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+    def is_device(call: ast.AST) -> bool:
+        return isinstance(call, ast.Call) and ast.unparse(call.func).endswith("cuda.Device")
+
+    # functions that return a device: ``with self._on_device():`` enters it as well
+    gives_device = {f.name for f in functions
+                    if any(isinstance(n, ast.Return) and is_device(n.value) for n in ast.walk(f))}
 
     def enters_device(node: ast.AST) -> bool:
         return isinstance(node, ast.With) and any(
-            isinstance(item.context_expr, ast.Call) and ast.unparse(item.context_expr.func).endswith("cuda.Device")
+            is_device(item.context_expr) or (isinstance(item.context_expr, ast.Call) and
+                                             _called_name(item.context_expr) in gives_device)
             for item in node.items)
 
-    bad = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("cuda.get_current_stream"):
-            up = parents.get(node)
-            while up is not None and not enters_device(up):
-                up = parents.get(up)
-            if up is None:
-                bad.append(node.lineno)
-    return bad
+    def inside_device(node: ast.AST, seen: frozenset = frozenset()) -> bool:
+        up = parents.get(node)
+        while up is not None and not enters_device(up):
+            if isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef)):  # held by every caller?
+                calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _called_name(c) == up.name]
+                return bool(calls) and up.name not in seen and all(inside_device(c, seen | {up.name}) for c in calls)
+            up = parents.get(up)
+        return up is not None
+
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and ast.unparse(node.func).endswith("cuda.get_current_stream") and not inside_device(node)]
+
+
+def _called_name(call: ast.Call) -> str | None:
+    """``f`` for ``f(...)``, ``self.f(...)`` and ``obj.f(...)``."""
+    return call.func.id if isinstance(call.func, ast.Name) else \
+        call.func.attr if isinstance(call.func, ast.Attribute) else None
 
 
 def test_current_stream_is_picked_inside_the_device():
