@@ -42,6 +42,8 @@ after the other, about 2 s each (a 1 s wait in Triton's Python backend and PyTri
 polling), so with more than two instances Triton gives up and exits before the last stubs have
 finished. ``stop`` then ends every process the server started that is still running, and
 removes PyTriton's shared memory segments of this process (``/dev/shm/pytrtion<pid>-*``).
+The timeout is one budget for both waits, so it stays at 5 s: shorter, a slow request in
+flight would be cut off.
 """
 
 from __future__ import annotations
@@ -498,13 +500,16 @@ class Server:
         output_shape: the output's dims per image (default: ``(-1, -1, -1)`` for images,
             ``(-1,)`` for scores).
         output_dtype: the output's dtype (default: the ops' own, float32 for a model).
+        exit_timeout: seconds a stop waits for the requests in flight and for the model
+            instances to unload (Triton's exit timeout; see the module docstring).
     """
 
     def __init__(self, ops: Sequence[Any], *, model: Model | str | None = None, device: str | Device = "cpu",
                  name: str = "gpuio", http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  address: str = "0.0.0.0", instances: int = 4, max_batch: int = 64, workers: int | None = None,
-                 output_shape: Sequence[int] | None = None, output_dtype: Any = None) -> None:
-        for what, value in (("instances", instances), ("max_batch", max_batch), ("workers", workers or 1)):
+                 output_shape: Sequence[int] | None = None, output_dtype: Any = None, exit_timeout: int = 5) -> None:
+        for what, value in (("instances", instances), ("max_batch", max_batch), ("workers", workers or 1),
+                            ("exit_timeout", exit_timeout)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{what} must be a positive integer, got {value!r}")
         self.pipeline = Pipeline(ops, model=model, device=device)
@@ -515,7 +520,7 @@ class Server:
         self.output_shape = tuple(output_shape or ((-1,) if chained else (-1, -1, -1)))
         self.output_dtype = np.dtype(output_dtype or (np.float32 if chained else self.pipeline.dtype))
         self.workers = workers or (1 if self.pipeline.device.is_cuda else os.cpu_count() or 1)
-        self.exit_timeout = 5  # seconds a stop waits for the requests in flight (and the unloading)
+        self.exit_timeout = exit_timeout
         self.batcher: Batcher | None = None
         self._triton: Any = None
         self._stopping = False
