@@ -210,7 +210,8 @@ def _functions(tree: ast.AST, prefix: str = "") -> list[tuple[str, Any]]:
     """Every function under ``tree`` with its qualified name (``outer.inner``, ``Class.method``)."""
     out = []
     for node in ast.iter_child_nodes(tree):
-        name = f"{prefix}{node.name}" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else None
+        defines = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        name = f"{prefix}{node.name}" if defines else None
         if name and not isinstance(node, ast.ClassDef):
             out.append((name, node))
         out += _functions(node, f"{name}." if name else prefix)
@@ -328,14 +329,45 @@ def _split(key: str) -> tuple[str, list[str]]:
 
 def run_gpuio(report: dict[str, Any]) -> None:
     """Run the parts of gpuio's GPU code that need no driver."""
-    steps = [("kvikio", _kvikio), ("decode params", _decode_params), ("region streams", _region_streams),
-             ("cpu decode", _cpu_decode), ("device arrays", _device_arrays), ("gpuio info", _info)]
+    steps = [("driver-linked imports", _import_extensions), ("kvikio", _kvikio), ("decode params", _decode_params),
+             ("region streams", _region_streams), ("cpu decode", _cpu_decode), ("device arrays", _device_arrays),
+             ("gpuio info", _info)]
     for name, step in steps:
         try:
             step()
             report["ran"].append(name)
         except Exception as exc:  # each failure is a finding to report
             report["problems"].append(f"running {name}: {type(exc).__name__}: {exc}")
+
+
+# the packages whose extension modules link or load the CUDA driver, all imported
+EXTENSION_PACKAGES = ("PyNvVideoCodec", "kvikio", "nvidia.nvimgcodec")
+
+
+def _import_extensions() -> None:
+    """Every extension module of those packages built for this interpreter loads (against
+    the stub driver here), so that their classes are the real ones. PyNvVideoCodec's two
+    NVENC builds register the same classes: its package loads the one for the driver's
+    NVENC version (the test runs cu13 with 13.0 and cu12 with 12.1), the other is skipped."""
+    import importlib.machinery
+
+    suffixes = [s for s in importlib.machinery.EXTENSION_SUFFIXES if s != ".so"]  # .so alone: any Python's
+    failed, loaded = [], 0
+    for package in EXTENSION_PACKAGES:
+        folder = Path(list(importlib.util.find_spec(package).submodule_search_locations)[0])
+        for path in sorted(folder.rglob("*.so")):
+            suffix = next((x for x in suffixes if path.name.endswith(x)), None)
+            stem = path.name[:-len(suffix)] if suffix else ""
+            if suffix is None or re.fullmatch(r"PyNvVideoCodec_\d+", stem):
+                continue
+            name = ".".join([package, *path.relative_to(folder).parent.parts, stem])
+            try:
+                importlib.import_module(name)
+                loaded += 1
+            except ImportError as exc:
+                failed.append(f"{name}: {exc}")
+    assert not failed, failed
+    assert loaded >= 3, f"only {loaded} extension modules found in {EXTENSION_PACKAGES}"
 
 
 def _kvikio() -> None:
