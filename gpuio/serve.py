@@ -40,7 +40,7 @@ Stopping: Triton's exit timeout (``exit_timeout`` seconds) is how long a stop wa
 requests in flight and then for the model instances to unload; the Python stubs unload one
 after the other, about 2 s each (a 1 s wait in Triton's Python backend and PyTriton's 1 s
 polling), so with more than two instances Triton gives up and exits before the last stubs have
-finished. ``stop`` then ends every process the server started that is still running, and
+finished. ``stop`` then ends every process under Triton's server that is still running, and
 removes PyTriton's shared memory segments of this process (``/dev/shm/pytrtion<pid>-*``).
 The timeout is one budget for both waits, so it stays at 5 s: shorter, a slow request in
 flight would be cut off.
@@ -390,9 +390,10 @@ def _answer(exc: Exception) -> _Answer:
     return _Answer("internal", f"the server failed on this request ({type(exc).__name__}); its log has the details")
 
 
-def _processes_under(pid: int) -> dict[int, str]:
-    """Every process under ``pid`` (from ``/proc``), each with its start time (which tells it
-    from a later process given the same pid)."""
+def _triton_processes() -> dict[int, str]:
+    """The Triton servers this process started and every process under them (from ``/proc``),
+    each with its start time (which tells it from a later process given the same pid). Other
+    children of this process (an application's own) are not among them."""
     children: dict[int, list[int]] = {}
     started: dict[int, str] = {}
     for entry in os.listdir("/proc"):
@@ -405,12 +406,13 @@ def _processes_under(pid: int) -> dict[int, str]:
             continue
         children.setdefault(int(fields[1]), []).append(int(entry))
         started[int(entry)] = fields[19]
+    todo = [p for p in children.get(os.getpid(), [])
+            if os.path.basename(_cmdline(p).split(b"\0")[0]) == b"tritonserver"]
     found: dict[int, str] = {}
-    todo = [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
-            found[child] = started[child]
-            todo.append(child)
+        pid = todo.pop()
+        found[pid] = started[pid]
+        todo.extend(children.get(pid, []))
     return found
 
 
@@ -604,12 +606,12 @@ class Server:
         self._triton.serve()
 
     def stop(self) -> None:
-        """Stop Triton and the batch threads; then end every process started under this one
-        that is still running (Triton's Python stubs and their helpers, see the module
-        docstring) and remove PyTriton's shared memory segments of this process."""
+        """Stop Triton and the batch threads; then end every process under Triton's server
+        that is still running (its Python stubs and their helpers, see the module docstring)
+        and remove PyTriton's shared memory segments of this process."""
         self._stopping = True
         if self._triton is not None:
-            started = _processes_under(os.getpid())
+            started = _triton_processes()
             self._triton.stop()
             self._triton = None
             _end(started)

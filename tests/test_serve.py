@@ -519,3 +519,27 @@ def test_serve_help_says_where_it_listens():
                           check=True)
     text = " ".join(done.stdout.split())
     assert "(default: 0.0.0.0, all interfaces" in text and "--address 127.0.0.1 serves this machine only" in text
+
+
+def test_stop_ends_only_tritons_processes(serve_python, tmp_path):
+    """Server.stop in an application's own process ends what Triton left, not the
+    application's other child processes."""
+    script = tmp_path / "app.py"
+    script.write_text(f'''
+import subprocess, sys
+from gpuio import serve
+from serve_env import free_ports
+
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+http, grpc, metrics = free_ports(3)
+server = serve.Server(serve.parse_ops({OPS!r}), address="127.0.0.1", http_port=http, grpc_port=grpc,
+                      metrics_port=metrics, instances=3)
+with server:
+    pass
+print("child running" if child.poll() is None else f"child ended: {{child.returncode}}")
+child.kill()
+''')
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    done = subprocess.run([serve_python, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == 0 and done.stdout.strip().endswith("child running"), done.stdout + done.stderr[-3000:]
