@@ -4,16 +4,24 @@ the integer tables that are their sidecar index files."""
 from __future__ import annotations
 
 import glob
+import multiprocessing
 import os
 import re
 import stat
+import sys
+import time
 import warnings
-from collections.abc import Sequence
-from typing import BinaryIO
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from typing import BinaryIO, TypeVar
 
 import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 __all__: list[str] = []
 
@@ -110,3 +118,64 @@ def shard_paths(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
             else:
                 out.append(one)
     return out
+
+
+# An indexing shows its bar only once it has run this long, so small datasets stay silent.
+PROGRESS_DELAY_S = 1.0
+
+
+@contextmanager
+def progress(what: str, total: int | None, unit: str) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr (tqdm) for an indexing step; yields ``advance(n)``,
+    safe to call from several threads. The bar appears only after
+    ``PROGRESS_DELAY_S`` seconds and is removed when the step ends."""
+    from tqdm import tqdm
+
+    scale = unit == "B"
+    with tqdm(total=total, desc=what, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000,
+              file=sys.stderr, delay=PROGRESS_DELAY_S, leave=False, dynamic_ncols=True) as bar:
+        yield bar.update
+
+
+def each_shard(work: Callable[[_T, Callable[[int], None]], _R], items: Sequence[_T], what: str,
+               sizes: Sequence[int], processes: bool = True) -> list[_R]:
+    """``[work(item, advance) for item in items]``, in order, with a progress bar on
+    stderr counting bytes out of ``sum(sizes)`` (``advance(n)``: ``n`` more bytes done;
+    ``sizes[k]`` is item k's share).
+
+    Indexing a shard is a Python loop over its headers: threads would only take turns
+    holding the GIL. So the first item runs here, and when the rest would take more
+    than ``POOL_AFTER_S`` seconds at its pace (and ``processes``), they run on a pool
+    of processes (one per core, started by a fork server: the caller may hold threads
+    and locks a fork would copy), ``work`` then being picklable. The first failing
+    item, in order, raises its error; items not yet started are cancelled."""
+    with progress(what, int(sum(sizes)), "B") as advance:
+        if not items:
+            return []
+        t0 = time.perf_counter()
+        out = [work(items[0], advance)]
+        rest = len(items) - 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if not (processes and rest and cores > 1 and (time.perf_counter() - t0) * rest > POOL_AFTER_S
+                and not multiprocessing.current_process().daemon):  # a daemon may not start processes
+            for item, size in zip(items[1:], sizes[1:]):
+                out.append(work(item, advance))
+            return out
+        pool = ProcessPoolExecutor(max_workers=min(rest, cores), mp_context=multiprocessing.get_context("forkserver"))
+        try:
+            futures = [pool.submit(work, item, _no_progress) for item in items[1:]]
+            for future, size in zip(futures, sizes[1:]):
+                out.append(future.result())
+                advance(size)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        return out
+
+
+# Shards go to a process pool when the rest would take longer than this here; below it,
+# starting the processes (each imports NumPy and gpuio) costs more than it saves.
+POOL_AFTER_S = 2.0
+
+
+def _no_progress(n: int) -> None:
+    """``advance`` in a pool process: its shard counts once it is back."""

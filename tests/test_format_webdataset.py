@@ -391,3 +391,132 @@ def test_directory_and_fifo_name_the_path(tmp_path):
     with pytest.raises(DataError, match="this is a device, FIFO or socket") as err:
         webdataset(tmp_path / "fifo.tar")  # must not wait for a writer
     assert err.value.path == str(tmp_path / "fifo.tar")
+
+
+# ---- the header walk against tarfile (issue 31) ---------------------------------------------
+
+def _expected(paths, fields, skip):
+    """What the module docstring says, computed from tarfile's own member list:
+    (tar number, key, {field: (data offset, size)}) per kept sample."""
+    out = []
+    for t, path in enumerate(paths):
+        groups = []
+        with tarfile.open(path) as tf:
+            for m in tf:
+                if not m.isreg():
+                    continue
+                slash = m.name.rfind("/")
+                dot = m.name.find(".", slash + 1)
+                if dot <= slash + 1:
+                    continue
+                key, field = m.name[:dot], m.name[dot + 1:].lower()
+                if not groups or groups[-1][0] != key:
+                    groups.append((key, {}))
+                if field in fields:
+                    groups[-1][1][field] = (m.offset_data, m.size)
+        for key, found in groups:
+            if len(found) == len(fields):
+                out.append((t, key, found))
+            else:
+                assert skip, key
+    return out
+
+
+def _odd_members(k, long_names):
+    """A sample's members with what a real shard holds besides: folders, files that are
+    no sample, upper-case extensions, empty members, and (where asked) long names."""
+    deep = ("p" * 70 + "/" + "q" * 50 + "/") if long_names and k % 3 == 0 else "s/"
+    data = bytes([k % 256]) * (k * 37 % 1500)
+    members = [(f"{deep}{k:05d}.JPG" if k % 4 == 1 else f"{deep}{k:05d}.jpg", data),
+               (f"{deep}{k:05d}.cls", str(k % 7).encode())]
+    if k % 5 == 0:
+        members.insert(0, (f"dir{k}", None))
+    if k % 6 == 0:
+        members.append((f"{deep}README", b"not a sample"))
+        members.append((f"{deep}.hidden", b"nor this"))
+    if k % 9 == 0:
+        members.pop(1)  # no .cls: left out with missing="skip"
+    if k % 11 == 0:
+        members.append((f"{deep}{k:05d}.txt", b""))
+    return members
+
+
+@pytest.mark.parametrize("writer", ["webdataset.TarWriter", "ustar", "gnu", "pax"])
+def test_index_matches_tarfile_for_every_writer(tmp_path, writer):
+    paths = []
+    for shard in range(3):
+        path = str(tmp_path / f"{writer}-{shard}.tar")
+        ks = range(shard * 40, shard * 40 + 40)
+        if writer == "webdataset.TarWriter":
+            import webdataset as wds
+
+            with wds.TarWriter(path) as sink:
+                for k in ks:
+                    sample = {"__key__": f"s/{k:05d}", "jpg": bytes([k]) * (k * 37 % 1500), "cls": k % 7}
+                    if k % 9 != 0:
+                        sink.write(sample)
+                    else:
+                        sink.write({"__key__": sample["__key__"], "jpg": sample["jpg"], "txt": "no cls"})
+        else:
+            fmt = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}[writer]
+            members = [m for k in ks for m in _odd_members(k, long_names=writer != "ustar" and shard != 1)]
+            _write_tar(path, members, fmt)
+        paths.append(path)
+    index = webdataset(paths, fields=("jpg", "cls"), missing="skip")
+    expected = _expected(paths, ("jpg", "cls"), skip=True)
+    assert len(index) == len(expected) > 80
+    for field in ("jpg", "cls"):
+        ext = index.extents[field]
+        assert ext.file.tolist() == [t for t, _, _ in expected]
+        assert ext.offset.tolist() == [found[field][0] for _, _, found in expected]
+        assert ext.length.tolist() == [found[field][1] for _, _, found in expected]
+    assert [index[i]["__key__"] for i in range(len(index))] == [key for _, key, _ in expected]
+    with pytest.raises(FormatError, match="sample has no member for field"):
+        webdataset(paths, fields=("jpg", "cls"))
+
+
+def test_shards_on_a_process_pool_match_one_process(tmp_path, monkeypatch):
+    paths = [_write_tar(tmp_path / f"{s}.tar", _samples(30, start=30 * s), tarfile.USTAR_FORMAT) for s in range(4)]
+    here = webdataset(paths, fields=("jpg", "seg.png"))
+    monkeypatch.setattr("gpuio.formats._files.POOL_AFTER_S", 0.0)  # the rest of the shards go to processes
+    pooled = webdataset(paths, fields=("jpg", "seg.png"))
+    for field in ("jpg", "seg.png"):
+        for part in ("file", "offset", "length"):
+            assert np.array_equal(getattr(here.extents[field], part), getattr(pooled.extents[field], part))
+    assert [pooled[i]["__key__"] for i in range(len(pooled))] == [here[i]["__key__"] for i in range(len(here))]
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(open(paths[1], "rb").read()[:5000])
+    with pytest.raises(FormatError, match="truncated") as err:  # raised in a pool process, names its tar
+        webdataset([paths[0], bad, paths[2]], fields=("jpg",))
+    assert err.value.path == str(bad)
+
+
+def test_progress_bar_only_for_long_indexing(tmp_path, capfd, monkeypatch):
+    paths = [_write_tar(tmp_path / f"{s}.tar", _samples(5, start=5 * s)) for s in range(2)]
+    webdataset(paths, fields=("jpg",))
+    assert capfd.readouterr().err == ""  # quick: silent
+    monkeypatch.setattr("gpuio.formats._files.PROGRESS_DELAY_S", 0.0)  # as if it had run for a second
+    webdataset(paths, fields=("jpg",))
+    assert "indexing tar files" in capfd.readouterr().err
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.integers(0, 6000), st.integers(0, 255)), min_size=1, max_size=4),
+       cut=st.one_of(st.none(), st.integers(0, 6000)))
+def test_corrupted_plain_tars_raise_only_gpuio_errors(tmp_path, edits, cut):
+    buf = io.BytesIO()  # plain ustar headers only: the bulk header walk reads them
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        for name, data in [("a/k1.txt", b"one"), ("a/k1.cls", b"1"), ("a/k2.txt", b"two" * 300), ("dir", None)]:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tf.addfile(info)
+            else:
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    raw = bytearray(buf.getvalue())
+    for pos, byte in edits:
+        raw[pos % len(raw)] = byte
+    path = tmp_path / "c.tar"
+    path.write_bytes(bytes(raw[:cut]) if cut is not None else bytes(raw))
+    _check_or_gpuio_error(path)
