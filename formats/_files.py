@@ -43,6 +43,15 @@ def open_regular_file(path: str, what: str) -> tuple[BinaryIO, int]:
     return os.fdopen(fd, "rb"), st.st_size
 
 
+def size_or_zero(path: str) -> int:
+    """A file's size in bytes for a progress bar; 0 when it cannot be stat'ed (the
+    format reports that when it opens the file)."""
+    try:
+        return os.stat(path).st_size
+    except (OSError, ValueError):
+        return 0
+
+
 def regular_file_size(path: str, what: str) -> int:
     """Size in bytes of ``path``, checked as ``open_regular_file`` does."""
     f, size = open_regular_file(path, what)

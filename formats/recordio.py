@@ -31,13 +31,13 @@ import mmap
 import os
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError
-from gpuio.formats._files import int_table, regular_file_size, shard_paths
+from gpuio.formats._files import each_shard, int_table, regular_file_size, shard_paths, size_or_zero
 from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
 
 __all__ = ["recordio", "RecordIOParser", "MAGIC"]
@@ -71,9 +71,8 @@ def recordio(rec_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     if len(idx_paths) != len(paths):
         raise ConfigError(f"{len(idx_paths)} .idx files for {len(paths)} .rec files; give one per file")
     files, offsets, lengths, keys = [], [], [], []
-    for k, (path, idx) in enumerate(zip(paths, idx_paths)):
-        size = regular_file_size(path, ".rec file")
-        key, off, length = _scan(path, size) if idx is None else _from_idx(idx, path, size)
+    found = each_shard(_records, list(zip(paths, idx_paths)), "indexing .rec files", [size_or_zero(p) for p in paths])
+    for k, (key, off, length) in enumerate(found):
         files.append(np.full(len(off), k, dtype=np.int32))
         offsets.append(off)
         lengths.append(length)
@@ -81,6 +80,20 @@ def recordio(rec_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     return SampleIndex(PathTable.from_paths([os.path.abspath(p) for p in paths]),
                        {"record": Extents(np.concatenate(files), np.concatenate(offsets), np.concatenate(lengths))},
                        {"key": np.concatenate(keys)}, RecordIOParser(), meta={"format": "recordio"})
+
+
+def _records(paths: tuple[str, str | None], advance: Callable[[int], None]
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(key, offset, length)`` of one ``.rec`` file's records, from its ``.idx`` file
+    (``paths``: the two, or the ``.rec`` and ``None``) or a scan; ``advance(n)``: ``n``
+    more bytes done."""
+    path, idx = paths
+    size = regular_file_size(path, ".rec file")
+    if idx is None:
+        return _scan(path, size, advance)
+    out = _from_idx(idx, path, size)
+    advance(size)
+    return out
 
 
 def _from_idx(idx: str, path: str, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -119,9 +132,10 @@ def _check_covers(idx: str, path: str, size: int, key: np.ndarray, offset: np.nd
                           sample=f"record {k}", offset=end)
 
 
-def _scan(path: str, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _scan(path: str, size: int, advance: Callable[[int], None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(record number, offset, length)`` of every record, one pass over the headers."""
     starts, lengths = array("q"), array("q")
+    done = 0
     if size:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             pos = 0
@@ -130,6 +144,10 @@ def _scan(path: str, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 starts.append(pos)
                 lengths.append(end - pos)
                 pos = (end + 3) & ~3
+                if not len(starts) & 0xFFFF:
+                    advance(pos - done)
+                    done = pos
+    advance(size - done)
     off = np.frombuffer(starts, dtype=np.int64)
     return np.arange(len(off), dtype=np.int64), off, np.frombuffer(lengths, dtype=np.int64)
 

@@ -26,20 +26,21 @@ into the batch buffer.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
 import struct
 import zlib
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
-from gpuio.formats._files import int_table, open_regular_file, shard_paths
+from gpuio.formats._files import each_shard, int_table, open_regular_file, shard_paths, size_or_zero
 from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
 
 __all__ = ["tfrecord", "ExampleParser", "bad_records", "masked_crc32c"]
@@ -105,8 +106,9 @@ def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     if parser is not None and {"record", "record_number"} & set(parser.fields):
         raise ConfigError("feature names 'record' and 'record_number' are taken by the index's own fields")
     files, offsets, lengths, numbers = [], [], [], []
-    for k, (path, idx) in enumerate(zip(paths, index_paths)):
-        off, length = _records(path, idx, verify)
+    found = each_shard(functools.partial(_records, verify), list(zip(paths, index_paths)), "indexing TFRecord files",
+                       [size_or_zero(p) for p in paths])
+    for k, (off, length) in enumerate(found):
         files.append(np.full(len(off), k, dtype=np.int32))
         offsets.append(off + _HEADER)
         lengths.append(length)
@@ -117,8 +119,11 @@ def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                        {"record_number": np.concatenate(numbers)}, parser, meta=meta)
 
 
-def _records(path: str, index_path: str | None, verify: bool) -> tuple[np.ndarray, np.ndarray]:
-    """``(record start, payload length)`` arrays for one file, in bytes."""
+def _records(verify: bool, paths: tuple[str, str | None], advance: Callable[[int], None]
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """``(record start, payload length)`` arrays for one file (``paths``: the file and
+    its index file or ``None``), in bytes; ``advance(n)``: ``n`` more bytes done."""
+    path, index_path = paths
     f, size = open_regular_file(path, "TFRecord file")
     try:
         with f:
@@ -128,7 +133,7 @@ def _records(path: str, index_path: str | None, verify: bool) -> tuple[np.ndarra
     try:
         _refuse_compressed(mm, size, path)
         if index_path is None:
-            return _scan(mm, size, path, verify)
+            return _scan(mm, size, path, verify, advance)
         start, total = _read_index(index_path, path, size)
         if verify:
             for k in range(len(start)):
@@ -138,6 +143,7 @@ def _records(path: str, index_path: str | None, verify: bool) -> tuple[np.ndarra
                                       f"its header says {n + _FRAMING}", path=path,
                                       sample=f"record {k}", offset=int(start[k]))
                 _check_data(mm, int(start[k]), n, k, path)
+        advance(size)
         return start, total - _FRAMING
     finally:
         if isinstance(mm, mmap.mmap):
@@ -171,9 +177,10 @@ def bad_records(path: str | os.PathLike[str]) -> Iterator[FormatError]:
             mm.close()
 
 
-def _scan(mm: Any, size: int, path: str, verify: bool) -> tuple[np.ndarray, np.ndarray]:
+def _scan(mm: Any, size: int, path: str, verify: bool, advance: Callable[[int], None]
+          ) -> tuple[np.ndarray, np.ndarray]:
     starts, lengths = array("q"), array("q")
-    pos = 0
+    pos = done = 0
     while pos < size:
         k = len(starts)
         n = _check_header(mm, size, pos, k, path)
@@ -182,6 +189,10 @@ def _scan(mm: Any, size: int, path: str, verify: bool) -> tuple[np.ndarray, np.n
         starts.append(pos)
         lengths.append(n)
         pos += n + _FRAMING
+        if not k & 0xFFFF:
+            advance(pos - done)
+            done = pos
+    advance(size - done)
     return np.frombuffer(starts, dtype=np.int64), np.frombuffer(lengths, dtype=np.int64)
 
 

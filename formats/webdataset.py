@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
-from gpuio.formats._files import each_shard, open_regular_file, shard_paths
+from gpuio.formats._files import each_shard, open_regular_file, shard_paths, size_or_zero
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["webdataset"]
@@ -71,7 +71,7 @@ def webdataset(tar_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[st
         raise DataError("no samples: an empty list of tar files was given")
 
     wanted = {f: k for k, f in enumerate(fields)}
-    sizes = [_size_or_zero(p) for p in paths]
+    sizes = [size_or_zero(p) for p in paths]
     shards = each_shard(functools.partial(_index_shard, wanted, missing == "skip"), paths, "indexing tar files",
                         sizes)
     counts = [s.samples for s in shards]
@@ -94,14 +94,6 @@ def webdataset(tar_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[st
     decoders = {f: _DECODERS[f.rsplit(".", 1)[-1]] for f in fields if decode and f.rsplit(".", 1)[-1] in _DECODERS}
     return SampleIndex(PathTable.from_paths(paths), extents, values,
                        meta={"format": "webdataset", "fields": list(fields), "decode": decoders})
-
-
-def _size_or_zero(path: str) -> int:
-    """A shard's size for the progress bar (a missing one is reported when it is opened)."""
-    try:
-        return os.stat(path).st_size
-    except (OSError, ValueError):
-        return 0
 
 
 def _join(parts: list[np.ndarray]) -> np.ndarray:

@@ -335,3 +335,24 @@ def test_gpu_read_matches_cpu(tmp_path):
     _write_file(tmp_path / "a.rec", _samples(12), idx_path=tmp_path / "a.idx")
     index = recordio(tmp_path / "a.rec", tmp_path / "a.idx")
     assert_gpu_read_matches_cpu(index, "record")
+
+
+def test_files_scanned_on_a_process_pool_match_one_process(tmp_path, monkeypatch, capfd):
+    paths = []
+    for k in range(4):
+        _write_file(tmp_path / f"{k}.rec", _samples(5, seed=k))
+        paths.append(tmp_path / f"{k}.rec")
+    here = recordio(paths)
+    assert capfd.readouterr().err == ""  # quick: no progress bar
+    monkeypatch.setattr("gpuio.formats._files.POOL_AFTER_S", 0.0)  # the files after the first go to processes
+    monkeypatch.setattr("gpuio.formats._files.PROGRESS_DELAY_S", 0.0)
+    pooled = recordio(paths)
+    assert "indexing .rec files" in capfd.readouterr().err
+    for part in ("file", "offset", "length"):
+        assert np.array_equal(getattr(here.extents["record"], part), getattr(pooled.extents["record"], part))
+    assert pooled.values["key"].tolist() == here.values["key"].tolist()
+    with open(paths[3], "r+b") as f:
+        f.write(b"\0\0\0\0")  # the first record's magic
+    with pytest.raises(FormatError, match="bad magic") as err:
+        recordio(paths)
+    assert err.value.path == os.fspath(paths[3])

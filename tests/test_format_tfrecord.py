@@ -399,3 +399,26 @@ def test_a_missing_feature_names_the_features_the_record_has(dataset):
     assert "feature 'image/label' missing; the record's features: 'bbox', 'ids', 'image/class/label', " \
            "'image/encoded', 'score', 'tags'" in msg
     assert str(path) in msg and "sample 3" in msg
+
+
+def test_files_scanned_on_a_process_pool_match_one_process(tmp_path, monkeypatch):
+    paths = [_write(tmp_path / f"{k}.tfrecord", _examples(6, seed=k)) for k in range(4)]
+    here = tfrecord(paths, features=FEATURES)
+    monkeypatch.setattr("gpuio.formats._files.POOL_AFTER_S", 0.0)  # the files after the first go to processes
+    pooled = tfrecord(paths, features=FEATURES)
+    for part in ("file", "offset", "length"):
+        assert np.array_equal(getattr(here.extents["record"], part), getattr(pooled.extents["record"], part))
+    assert pooled.values["record_number"].tolist() == here.values["record_number"].tolist()
+    _flip(paths[2], 3)  # the length CRC of the first record
+    with pytest.raises(FormatError, match="length CRC mismatch") as err:  # raised in a process, naming the file
+        tfrecord(paths)
+    assert err.value.path == os.fspath(paths[2])
+
+
+def test_progress_bar_only_for_long_scans(tmp_path, capfd, monkeypatch):
+    paths = [_write(tmp_path / f"{k}.tfrecord", _examples(3, seed=k)) for k in range(2)]
+    tfrecord(paths)
+    assert capfd.readouterr().err == ""
+    monkeypatch.setattr("gpuio.formats._files.PROGRESS_DELAY_S", 0.0)  # as if it had run for a second
+    tfrecord(paths)
+    assert "indexing TFRecord files" in capfd.readouterr().err
