@@ -9,10 +9,18 @@ fresh child process, so that the peak-RSS increase belongs to the indexing alone
   the directory below, cycled (each line is still stat'ed);
 - ``filetree-walk``: a real directory of ``--dir-files`` empty files in 1000 class
   folders (creating a million files takes minutes, hence the lower default);
-- ``webdataset``: one tar of ``--n`` samples, two members each (``.jpg``, ``.cls``);
+- ``filetree-torchvision-loop``: the reference for ``filetree-walk``: torchvision's
+  ``find_classes``/``make_dataset`` algorithm written out here as a plain loop (scandir
+  for the sorted class folders, ``sorted(os.walk(followlinks=True))``, sorted file
+  names, the extension test), since torchvision cannot be installed beside this torch;
+- ``webdataset``: ``--shards`` tars of ``--n`` samples in all, two members each
+  (``.jpg``, ``.cls``), plain ustar headers;
 - ``tfrecord``: one TFRecord file of ``--n`` records plus its index file (the
-  ``tfrecord`` package's ``offset length`` text format), when ``gpuio.formats.tfrecord``
-  exists.
+  ``tfrecord`` package's ``offset length`` text format);
+- ``tfrecord-scan``: the same records in ``--shards`` files without index files (scanned);
+- ``recordio-scan``: ``--shards`` ``.rec`` files of ``--n`` records in all, no ``.idx``;
+- ``lmdb`` and its reference ``lmdb-cursor-loop`` (a plain ``for key, value in
+  txn.cursor()`` over the same database, keeping nothing).
 
 Per dataset it reports the wall time to index, the peak RSS increase while indexing,
 the index's array bytes (``nbytes``), the saved file's size, and the save and load
@@ -22,17 +30,20 @@ times. It prints a table and writes JSON with ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -40,7 +51,11 @@ import gpuio
 from gpuio._bench.common import machine, print_table, write_json
 from gpuio.index import Ragged, SampleIndex
 
-CASES = ("filetree-list", "filetree-walk", "webdataset", "tfrecord")
+CASES = ("filetree-list", "filetree-walk", "filetree-torchvision-loop", "webdataset", "tfrecord", "tfrecord-scan",
+         "recordio-scan", "lmdb", "lmdb-cursor-loop")
+# the reference each gpuio case is compared with, measured in the same run
+REFERENCE = {"filetree-walk": "filetree-torchvision-loop", "lmdb": "lmdb-cursor-loop"}
+TORCHVISION_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
 def index_nbytes(index: SampleIndex) -> int:
@@ -69,18 +84,67 @@ def make_file_list(path: str, dir_files: int, n: int) -> None:
         f.writelines(lines)
 
 
-def make_tar(path: str, n: int) -> None:
+def make_tar(path: str, start: int, n: int) -> None:
+    """A tar of samples ``start`` to ``start + n - 1``: ``s/<k>.jpg`` (4 bytes) and
+    ``s/<k>.cls`` (3 digits), ustar headers as ``tarfile`` writes them. One sample is
+    written by ``tarfile``; the rest are copies with the digits and checksums changed,
+    in NumPy (``tarfile`` would take minutes for millions of members)."""
+    template = bytearray()
+    for ext, data in (("jpg", b"\xff\xd8\xff\xd9"), ("cls", b"000")):
+        info = tarfile.TarInfo(f"s/{0:010d}.{ext}")
+        info.size, info.mtime = len(data), 0
+        template += info.tobuf(tarfile.USTAR_FORMAT) + data + b"\0" * (-len(data) % 512)
+    one = np.frombuffer(bytes(template), dtype=np.uint8)
+    step = 100_000
     with open(path, "wb") as f:
-        for k in range(n):
-            for ext, data in (("jpg", b"\xff\xd8\xff\xd9"), ("cls", str(k % 1000).encode())):
-                info = tarfile.TarInfo(f"s/{k:08d}.{ext}")
-                info.size = len(data)
-                f.write(info.tobuf(tarfile.USTAR_FORMAT))
-                f.write(data + b"\0" * (-len(data) % 512))
+        for first in range(start, start + n, step):
+            k = np.arange(first, min(first + step, start + n))
+            rows = np.tile(one, (len(k), 1))
+            digits = (k[:, None] // 10 ** np.arange(9, -1, -1) % 10 + ord("0")).astype(np.uint8)
+            cls = (k[:, None] % 1000 // 10 ** np.arange(2, -1, -1) % 10 + ord("0")).astype(np.uint8)
+            rows[:, 1536:1539] = cls
+            for header in (0, 1024):
+                rows[:, header + 2:header + 12] = digits
+                head = rows[:, header:header + 512]
+                head[:, 148:156] = ord(" ")
+                chk = head.sum(axis=1, dtype=np.int64)
+                head[:, 148:156] = np.frombuffer(b"".join(b"%06o\0 " % c for c in chk.tolist()),
+                                                 dtype=np.uint8).reshape(-1, 8)
+            f.write(rows.tobytes())
         f.write(b"\0" * 1024)
 
 
-def make_tfrecord(path: str, index_path: str, n: int) -> None:
+def make_rec(path: str, n: int) -> None:
+    """A RecordIO file of ``n`` whole records (magic, length, 24-byte header, 4-byte payload)."""
+    import struct
+
+    payload = struct.pack("<IfQQ", 0, 1.0, 7, 0) + b"\xff\xd8\xff\xd9"
+    record = struct.pack("<II", 0xCED7230A, len(payload)) + payload
+    with open(path, "wb") as f:
+        for first in range(0, n, 100_000):
+            f.write(record * min(100_000, n - first))
+
+
+def make_lmdb(path: str, n: int) -> None:
+    import lmdb
+
+    env = lmdb.open(path, map_size=max(1 << 30, n * 200), subdir=True, writemap=True, sync=False)
+    value = b"\xff\xd8" + b"x" * 60 + b"\xff\xd9"
+    for first in range(0, n, 1_000_000):
+        with env.begin(write=True) as txn:
+            cur = txn.cursor()
+            cur.putmulti(((b"%010d" % k, value) for k in range(first, min(first + 1_000_000, n))), append=True)
+    env.sync()
+    env.close()
+
+
+def shards(n: int, count: int) -> list[tuple[int, int]]:
+    """``(first sample, samples)`` of ``count`` shards holding ``n`` samples in all."""
+    bounds = np.linspace(0, n, count + 1).astype(np.int64).tolist()
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+def make_tfrecord(path: str, index_path: str | None, n: int) -> None:
     from tfrecord.writer import TFRecordWriter
 
     one = path + ".one"
@@ -93,6 +157,8 @@ def make_tfrecord(path: str, index_path: str, n: int) -> None:
     with open(path, "wb") as f:
         for _ in range(0, n, 10_000):  # the same valid record, n times
             f.write(record * min(10_000, n - _))
+    if index_path is None:
+        return
     offsets = np.arange(n, dtype=np.int64) * len(record)
     with open(index_path, "w") as f:
         f.writelines(f"{o} {len(record)}\n" for o in offsets.tolist())
@@ -135,20 +201,54 @@ def _peak_rss() -> int:
     return _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+def torchvision_loop(root: str) -> int:
+    """torchvision's ``find_classes`` + ``make_dataset`` walk, as a plain loop; the count."""
+    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    samples = []
+    for label, name in enumerate(classes):
+        for folder, _, names in sorted(os.walk(os.path.join(root, name), followlinks=True)):
+            for fname in sorted(names):
+                path = os.path.join(folder, fname)
+                if path.lower().endswith(TORCHVISION_EXTENSIONS):
+                    samples.append((path, label))
+    return len(samples)
+
+
+def lmdb_cursor_loop(path: str) -> int:
+    """A plain cursor loop over an LMDB database, keeping nothing; the count."""
+    import lmdb
+
+    env = lmdb.open(path, readonly=True, lock=False, readahead=False)
+    n = 0
+    with env.begin(buffers=True) as txn:
+        for _key, _value in txn.cursor():
+            n += 1
+    env.close()
+    return n
+
+
 def child(case: str, args: list[str], out_dir: str) -> dict:
-    from gpuio.formats import filetree, webdataset
+    from gpuio.formats import filetree, lmdb, recordio, tfrecord, webdataset
 
     build = {
         "filetree-list": lambda: filetree(args[0], file_list=args[1]),
         "filetree-walk": lambda: filetree(args[0]),
-        "webdataset": lambda: webdataset(args[0], fields=("jpg", "cls")),
+        "filetree-torchvision-loop": lambda: torchvision_loop(args[0]),
+        "webdataset": lambda: webdataset(args, fields=("jpg", "cls")),
         "tfrecord": lambda: _tfrecord_index(args[0], args[1]),
+        "tfrecord-scan": lambda: tfrecord(args),
+        "recordio-scan": lambda: recordio(args),
+        "lmdb": lambda: lmdb(args[0]),
+        "lmdb-cursor-loop": lambda: lmdb_cursor_loop(args[0]),
     }[case]
     rss0 = _reset_peak_rss()
     t0 = time.perf_counter()
     index = build()
     t_index = time.perf_counter() - t0
     rss1 = _peak_rss()
+    if isinstance(index, int):  # a reference loop: no index
+        return {"case": case, "samples": index, "index_s": t_index, "rss_mb": (rss1 - rss0) / 1024,
+                "per_sample_us": t_index / index * 1e6}
     path = os.path.join(out_dir, case + ".gpuio-index")
     t0 = time.perf_counter()
     index.save(path)
@@ -171,13 +271,29 @@ def run_child(case: str, args: list[str], out_dir: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@contextlib.contextmanager
+def workdir(parent: str | None, keep: bool) -> Iterator[str]:
+    """A new folder for the datasets, removed afterwards unless ``keep``."""
+    path = tempfile.mkdtemp(dir=parent, prefix="gpuio-index-bench-")
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"datasets kept in {path}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=1_000_000, help="samples in the list, tar and TFRecord datasets")
     p.add_argument("--dir-files", type=int, default=100_000, help="files in the real directory tree")
+    p.add_argument("--shards", type=int, default=1, help="files the webdataset, tfrecord-scan and recordio-scan "
+                                                         "samples are spread over")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     p.add_argument("--tmp", default=None, help="where to build the datasets (default: the system temp dir)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--keep", action="store_true", help="keep the datasets (their folder is printed)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
@@ -187,46 +303,71 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     cases = [c for c in a.cases.split(",") if c]
+    cases += [REFERENCE[c] for c in cases if c in REFERENCE and REFERENCE[c] not in cases]
     unknown = set(cases) - set(CASES)
     if unknown:
         p.error(f"unknown case(s) {sorted(unknown)}; choose from {', '.join(CASES)}")
-    if "tfrecord" in cases and importlib.util.find_spec("tfrecord") is None:
-        print("tfrecord: skipped, the tfrecord package writes its file: pip install 'gpuio[bench]'")
-        cases.remove("tfrecord")
+    if importlib.util.find_spec("tfrecord") is None:
+        for case in {"tfrecord", "tfrecord-scan"} & set(cases):
+            print(f"{case}: skipped, the tfrecord package writes its file: pip install 'gpuio[bench]'")
+            cases.remove(case)
     dir_files = min(a.dir_files, a.n)
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, python {info['python']}, gpuio {info['gpuio']}")
+    if "filetree-torchvision-loop" in cases:
+        print("filetree-torchvision-loop: torchvision's find_classes/make_dataset algorithm re-implemented in this "
+              "file (torchvision is not installed beside this torch)")
     rows = []
-    with tempfile.TemporaryDirectory(dir=a.tmp, prefix="gpuio-index-bench-") as tmp:
+    with workdir(a.tmp, a.keep) as tmp:
         tree = os.path.join(tmp, "tree")
         made: dict[str, list[str]] = {}
         t0 = time.perf_counter()
-        if {"filetree-list", "filetree-walk"} & set(cases):
+        if {"filetree-list", "filetree-walk", "filetree-torchvision-loop"} & set(cases):
             make_tree(tree, dir_files)
         if "filetree-list" in cases:
             make_file_list(os.path.join(tmp, "list.txt"), dir_files, a.n)
             made["filetree-list"] = [tree, os.path.join(tmp, "list.txt")]
-        if "filetree-walk" in cases:
-            made["filetree-walk"] = [tree]
+        for case in ("filetree-walk", "filetree-torchvision-loop"):
+            made[case] = [tree]
+        parts = shards(a.n, a.shards)
         if "webdataset" in cases:
-            make_tar(os.path.join(tmp, "shard.tar"), a.n)
-            made["webdataset"] = [os.path.join(tmp, "shard.tar")]
+            made["webdataset"] = [os.path.join(tmp, f"shard-{k:05d}.tar") for k in range(a.shards)]
+            for path, (first, count) in zip(made["webdataset"], parts):
+                make_tar(path, first, count)
         if "tfrecord" in cases:
             make_tfrecord(os.path.join(tmp, "data.tfrecord"), os.path.join(tmp, "data.index"), a.n)
             made["tfrecord"] = [os.path.join(tmp, "data.tfrecord"), os.path.join(tmp, "data.index")]
+        if "tfrecord-scan" in cases:
+            made["tfrecord-scan"] = [os.path.join(tmp, f"scan-{k:05d}.tfrecord") for k in range(a.shards)]
+            for path, (_, count) in zip(made["tfrecord-scan"], parts):
+                make_tfrecord(path, None, count)
+        if "recordio-scan" in cases:
+            made["recordio-scan"] = [os.path.join(tmp, f"scan-{k:05d}.rec") for k in range(a.shards)]
+            for path, (_, count) in zip(made["recordio-scan"], parts):
+                make_rec(path, count)
+        if {"lmdb", "lmdb-cursor-loop"} & set(cases):
+            make_lmdb(os.path.join(tmp, "lmdb"), a.n)
+            made["lmdb"] = made["lmdb-cursor-loop"] = [os.path.join(tmp, "lmdb")]
         print(f"datasets built in {time.perf_counter() - t0:.1f} s in {tmp} "
-              f"(n={a.n}, directory tree: {dir_files} files)")
+              f"(n={a.n} in {a.shards} shard(s), directory tree: {dir_files} files)")
         out_dir = os.path.join(tmp, "indexes")
         os.makedirs(out_dir)
         from tqdm import tqdm
 
         for case in tqdm(cases, desc="indexing", unit="dataset"):
             rows.append(run_child(case, made[case], out_dir))
+    times = {r["case"]: r["index_s"] for r in rows}
+    for r in rows:
+        ref = REFERENCE.get(r["case"])
+        r["vs_reference"] = f"{r['index_s'] / times[ref]:.2f}x {ref}" if ref in times else "-"
+        for key in ("nbytes_mb", "file_mb", "save_s", "load_s"):
+            r.setdefault(key, None)
     print()
     print_table(rows, [("case", "dataset", "s"), ("samples", "samples", "d"), ("index_s", "index s", ".2f"),
                        ("per_sample_us", "us/sample", ".1f"), ("rss_mb", "peak RSS +MB", ".1f"),
                        ("nbytes_mb", "arrays MB", ".1f"), ("file_mb", "file MB", ".1f"),
-                       ("save_s", "save s", ".3f"), ("load_s", "load s", ".3f")])
+                       ("save_s", "save s", ".3f"), ("load_s", "load s", ".3f"),
+                       ("vs_reference", "time vs reference", "s")])
     write_json(a.out, {"bench": "index", "machine": info, "n": a.n, "dir_files": dir_files, "results": rows,
                        "gpuio": gpuio.__version__})
 
