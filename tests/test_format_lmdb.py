@@ -195,3 +195,48 @@ def test_gpu_read_matches_cpu(tmp_path):
     env = _write_env(tmp_path / "env", _items(SIZES))
     index = lmdb(env)
     assert_gpu_read_matches_cpu(index, "data")
+
+
+def test_b_tree_walk_after_updates_deletes_and_growth(tmp_path):
+    """Many transactions leave old copies of pages in the file; only the current tree counts.
+    Thousands of records make a tree of several levels; keys of one size and of many sizes."""
+    rng = np.random.default_rng(3)
+    path = tmp_path / "env"
+    env = lmdb_pkg.open(os.fspath(path), map_size=1 << 28)
+    for round_ in range(6):
+        with env.begin(write=True) as txn:
+            for k in rng.integers(0, 6000, 3000).tolist():
+                key = b"%08d" % k if round_ % 2 else b"v" * (k % 40 + 1) + b"%d" % k
+                txn.put(key, rng.integers(0, 256, int(rng.choice([0, 5, 300, 3000, 9000])), dtype=np.uint8).tobytes())
+            for k in rng.integers(0, 6000, 500).tolist():
+                txn.delete(b"%08d" % k)
+    stat = env.stat()
+    env.close()
+    assert stat["depth"] >= 3 and stat["overflow_pages"] > 0
+    index = lmdb(path)
+    assert len(_check_against_lmdb(index, path)) == stat["entries"]
+
+
+def test_main_database_holding_named_databases_is_indexed_as_before(tmp_path):
+    """The main database's records that name sub-databases (the B-tree walk leaves
+    them to the cursor) are samples whose value is the sub-database's record."""
+    path = tmp_path / "env"
+    env = lmdb_pkg.open(os.fspath(path), map_size=1 << 26, max_dbs=2)
+    db = env.open_db(b"named", dupsort=True)
+    with env.begin(write=True, db=db) as txn:
+        for k in range(300):
+            txn.put(b"k%03d" % (k % 50), b"value %d" % k, dupdata=True)
+    with env.begin(write=True) as txn:
+        txn.put(b"plain", b"record")
+    env.close()
+    index = lmdb(path)
+    assert [k for k, _ in _check_against_lmdb(index, path)] == [b"named", b"plain"]
+
+
+def test_progress_bar_only_for_long_indexing(tmp_path, capfd, monkeypatch):
+    env = _write_env(tmp_path / "env", _items([10] * 50))
+    lmdb(env)
+    assert capfd.readouterr().err == ""
+    monkeypatch.setattr("gpuio.formats._files.PROGRESS_DELAY_S", 0.0)  # as if it had run for a second
+    lmdb(env)
+    assert "indexing LMDB" in capfd.readouterr().err
