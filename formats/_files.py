@@ -9,6 +9,7 @@ import os
 import re
 import stat
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -155,34 +156,40 @@ def each_shard(work: Callable[[_T, Callable[[int], None]], _R], items: Sequence[
     Indexing a shard is a Python loop over its headers: threads would only take turns
     holding the GIL. So the first item runs here, and when the rest would take more
     than ``POOL_AFTER_S`` seconds at its pace (and ``processes``), they run on a pool
-    of processes (one per core, started by a fork server: the caller may hold threads
-    and locks a fork would copy), ``work`` then being picklable. The first failing
+    of forked processes, one per core. Only a process with no other Python thread
+    forks (a fork copies locks other threads may hold; a fork server or spawned
+    interpreter would run the caller's script again unless it guards its main
+    code); the pool starts before the progress bar's own thread. The first failing
     item, in order, raises its error; items not yet started are cancelled."""
-    with progress(what, int(sum(sizes)), "B") as advance:
-        if not items:
-            return []
-        t0 = time.perf_counter()
-        out = [work(items[0], advance)]
-        rest = len(items) - 1
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        if not (processes and rest and cores > 1 and (time.perf_counter() - t0) * rest > POOL_AFTER_S
-                and not multiprocessing.current_process().daemon):  # a daemon may not start processes
-            for item, size in zip(items[1:], sizes[1:]):
-                out.append(work(item, advance))
-            return out
-        pool = ProcessPoolExecutor(max_workers=min(rest, cores), mp_context=multiprocessing.get_context("forkserver"))
-        try:
-            futures = [pool.submit(work, item, _no_progress) for item in items[1:]]
-            for future, size in zip(futures, sizes[1:]):
-                out.append(future.result())
-                advance(size)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+    if not items:
+        return []
+    t0 = time.perf_counter()
+    first = work(items[0], _no_progress)
+    rest = len(items) - 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    pool = None
+    if (processes and rest and cores > 1 and (time.perf_counter() - t0) * rest > POOL_AFTER_S
+            and threading.active_count() == 1 and not multiprocessing.current_process().daemon):
+        pool = ProcessPoolExecutor(max_workers=min(rest, cores), mp_context=multiprocessing.get_context("fork"))
+    try:
+        futures = [pool.submit(work, item, _no_progress) for item in items[1:]] if pool is not None else None
+        with progress(what, int(sum(sizes)), "B") as advance:
+            advance(sizes[0])
+            out = [first]
+            if futures is None:
+                out += [work(item, advance) for item in items[1:]]
+            else:
+                for future, size in zip(futures, sizes[1:]):
+                    out.append(future.result())
+                    advance(size)
         return out
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 # Shards go to a process pool when the rest would take longer than this here; below it,
-# starting the processes (each imports NumPy and gpuio) costs more than it saves.
+# starting the processes costs more than it saves.
 POOL_AFTER_S = 2.0
 
 

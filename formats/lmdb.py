@@ -150,7 +150,7 @@ def _page_walk(env, data_file: str, size: int, psize: int
             del data  # the map closes only once no array views it
     if walked is None:
         return None
-    offset, length, keys, key_offsets = walked
+    keys = walked[2]
     # keys are unique in the database: the same keys in the same order are the same nodes
     with env.begin() as txn:  # keys as bytes: joining them is faster than joining buffers
         if b"".join(txn.cursor().iternext(keys=True, values=False)) != keys.tobytes():
