@@ -141,8 +141,11 @@ def progress(what: str, total: int | None, unit: str) -> Iterator[Callable[[int]
     ``PROGRESS_DELAY_S`` seconds and is removed when the step ends."""
     from tqdm import tqdm
 
+    class Bar(tqdm):
+        monitor_interval = 0  # no monitor thread: a process with one thread may fork its shard pool
+
     scale = unit == "B"
-    with tqdm(total=total, desc=what, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000,
+    with Bar(total=total, desc=what, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000,
               file=sys.stderr, delay=PROGRESS_DELAY_S, leave=False, dynamic_ncols=True) as bar:
         yield bar.update
 

@@ -225,10 +225,13 @@ def _walk(mm: mmap.mmap, pos: int, count: int) -> tuple[array, int, bool] | None
     for _ in range(count):
         try:
             n = int(mm[pos + 124:pos + 135], 8)
+            pax = mm[pos + 156] == 120  # b"x"
         except ValueError:
             return (at, pos, True) if mm[pos:pos + block] == _ZERO else None
+        except IndexError:  # a header cut by the end of the file
+            return None
         add(pos)
-        if mm[pos + 156] == 120 and not _plain_pax(mm[pos + block:pos + block + n]):  # b"x": a pax header
+        if pax and not _plain_pax(mm[pos + block:pos + block + n]):
             return None
         pos += block + ((n + 511) & -512)
     return at, pos, False

@@ -479,6 +479,9 @@ def test_shards_on_a_process_pool_match_one_process(tmp_path, monkeypatch):
     paths = [_write_tar(tmp_path / f"{s}.tar", _samples(30, start=30 * s), tarfile.USTAR_FORMAT) for s in range(4)]
     here = webdataset(paths, fields=("jpg", "seg.png"))
     monkeypatch.setattr("gpuio.formats._files.POOL_AFTER_S", 0.0)  # the rest of the shards go to processes
+    import threading
+
+    assert threading.active_count() == 1  # else the pool is not used: an index made here leaves no thread
     pooled = webdataset(paths, fields=("jpg", "seg.png"))
     for field in ("jpg", "seg.png"):
         for part in ("file", "offset", "length"):
