@@ -451,7 +451,9 @@ def _end(processes: dict[int, str]) -> None:
     send(others, signal.SIGTERM)
     others = wait(others, 1.0)
     send(others, signal.SIGKILL)
-    send(wait({**others, **trackers}, 3.0), signal.SIGKILL)
+    killed = wait({**others, **trackers}, 3.0)
+    send(killed, signal.SIGKILL)
+    wait(killed, 2.0)  # a killed process needs a moment to finish exiting (its cmdline empty meanwhile)
 
 
 def _cmdline(pid: int) -> bytes:

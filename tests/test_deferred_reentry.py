@@ -62,6 +62,7 @@ def test_finalizer_reentering_during_reap_neither_hangs_nor_loses_entries():
     waiting = Event(passed=False)
 
     def body():
+        gc.collect()  # earlier garbage (other tests' loaders, whose finalizers join threads) goes first
         enabled = gc.isenabled()
         gc.disable()  # the cycle below is collected only inside reap, by the event query
         try:
