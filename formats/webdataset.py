@@ -37,7 +37,7 @@ __all__ = ["webdataset"]
 _COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd",
                b"\x04\x22\x4d\x18": "lz4"}
 _BLOCK = 512
-# last extension -> field decoder (gpuio._fielddecode), as the webdataset package decodes them
+# last extension -> field decoder (gpuio.storage._fielddecode), as the webdataset package decodes them
 _DECODERS = {"txt": "str", "text": "str", "transcript": "str", "cls": "int", "cls2": "int", "index": "int",
              "inx": "int", "id": "int", "json": "json", "jsn": "json", "npy": "npy", "npz": "npz"}
 
@@ -162,6 +162,9 @@ def _index_shard(wanted: dict[str, int], skip: bool, path: str, advance: Callabl
 
 # Headers walked before their names are parsed (in bulk with NumPy): 4 MiB of headers.
 _RUN = 8192
+# Bytes per header below which the pages ahead are read ahead (a header and its member
+# average less than two pages: reading only the pages with headers saves little).
+_DENSE = 2 * mmap.PAGESIZE
 _COLUMNS = np.arange(100)
 # GNU long names, pax global headers and sparse files: left to the full parser (a pax
 # header that changes no name or size is passed over by the walk)
@@ -186,6 +189,11 @@ def _plain_shard(mm: mmap.mmap, size: int, wanted: dict[str, int], skip: bool,
                 return None
             at, next_pos, done = walked
             advance(next_pos - pos)
+            if not done and len(at) and (next_pos - pos) < _DENSE * len(at):
+                # headers dense enough that most pages hold one: read the next run's span
+                # ahead in the background (the random access advice turned readahead off)
+                start = next_pos // mmap.PAGESIZE * mmap.PAGESIZE
+                mm.madvise(mmap.MADV_WILLNEED, start, min(2 * (next_pos - pos), size - start))
             at = np.concatenate((carry_at, np.frombuffer(at, dtype=np.int64)))
             rest = _samples(blocks, at, next_pos, wanted, skip, done, shard)
             if rest is None:
