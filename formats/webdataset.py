@@ -223,8 +223,7 @@ def _first(hits: np.ndarray) -> np.ndarray:
 def _walk(mm: mmap.mmap, pos: int, count: int) -> tuple[array, int, bool] | None:
     """``(header offsets, next header offset, end reached)`` of up to ``count``
     headers from ``pos``, each member's size taken as an 11-digit octal number;
-    ``None`` at anything but such a header or the end-of-archive block, and at a pax
-    header that renames or resizes its member. Everything
+    ``None`` at anything but such a header or the end-of-archive block. Everything
     else about the headers (bounds, full size field, type, checksum) is checked in
     bulk afterwards (``_samples``); a bad size can only make this walk stop early or
     land elsewhere, which that check catches."""
@@ -233,14 +232,9 @@ def _walk(mm: mmap.mmap, pos: int, count: int) -> tuple[array, int, bool] | None
     for _ in range(count):
         try:
             n = int(mm[pos + 124:pos + 135], 8)
-            pax = mm[pos + 156] == 120  # b"x"
         except ValueError:
             return (at, pos, True) if mm[pos:pos + block] == _ZERO else None
-        except IndexError:  # a header cut by the end of the file
-            return None
         add(pos)
-        if pax and not _plain_pax(mm[pos + block:pos + block + n]):
-            return None
         pos += block + ((n + 511) & -512)
     return at, pos, False
 
@@ -277,6 +271,10 @@ def _samples(blocks: np.ndarray, at: np.ndarray, next_at: int, wanted: dict[str,
     stored = _octal_rows(head[:, 148:156], 6)
     computed = (head.sum(axis=1, dtype=np.uint32) - head[:, 148:156].sum(axis=1, dtype=np.uint32)).astype(np.int64) + 8 * 32
     kind = head[:, 156]
+    for k in np.flatnonzero(kind == ord("x")).tolist():  # a pax header must leave names and sizes alone
+        data_at = int(at[k]) + _BLOCK
+        if length[k] < 0 or not _plain_pax(blocks.reshape(-1)[data_at:data_at + int(length[k])].tobytes()):
+            return None
     if (np.any(stored != computed) or np.any(length < 0) or np.any(np.diff(at, append=next_at) != _BLOCK + (length + _BLOCK - 1) // _BLOCK * _BLOCK)
             or np.any(np.isin(kind, _NOT_PLAIN))):
         return None  # a bad header, a size the walk did not read the same, or an extended header
@@ -317,10 +315,9 @@ def _samples(blocks: np.ndarray, at: np.ndarray, next_at: int, wanted: dict[str,
         want = field.encode("utf-8")
         if not want.isascii():
             continue  # an ASCII member name never lowers to it
-        at_field = dot[:, None] + 1 + np.arange(len(want))
-        same = (ends - dot - 1 == len(want)) & (np.take_along_axis(lower, np.minimum(at_field, width - 1), axis=1)
-                                                 == np.frombuffer(want, np.uint8)).all(axis=1)
-        which[same] = k
+        fits = np.flatnonzero(ends - dot - 1 == len(want))
+        same = (lower[fits[:, None], dot[fits, None] + 1 + np.arange(len(want))] == np.frombuffer(want, np.uint8))
+        which[fits[same.all(axis=1)]] = k
     found = np.full((len(wanted), len(starts)), -1)
     for k in range(len(wanted)):
         hits = np.flatnonzero(which == k)
