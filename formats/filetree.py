@@ -30,11 +30,12 @@ import heapq
 import os
 import warnings
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from gpuio.errors import DataError, FormatError, StorageError
+from gpuio.formats._files import progress
 from gpuio.index import Extents, PathTable, SampleIndex
 
 __all__ = ["filetree", "IMAGE_EXTENSIONS"]
@@ -128,18 +129,20 @@ def filetree(root: str | os.PathLike[str], extensions: Sequence[str] = IMAGE_EXT
         raise DataError("not a directory", path=root)
     exts = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in extensions)
     files = _Files()
-    if file_list is not None:
-        labels = _read_file_list(os.fspath(file_list), root, files)
-    else:
-        classes = _class_folders(root)
-        root_st = os.stat(root)
-        skipped = _Skipped()
-        class_counts = []
-        for cls in classes:
-            before = len(files)
-            _walk_class(os.path.join(root, cls), cls, exts, root_st, files, skipped)
-            class_counts.append(len(files) - before)
-        labels = np.repeat(np.arange(len(classes), dtype=np.int64), class_counts)
+    with progress(f"indexing files under {root}", None, "file") as advance:
+        if file_list is not None:
+            labels = _read_file_list(os.fspath(file_list), root, files, advance)
+        else:
+            classes = _class_folders(root)
+            root_st = os.stat(root)
+            skipped = _Skipped()
+            class_counts = []
+            for cls in classes:
+                before = len(files)
+                _walk_class(os.path.join(root, cls), cls, exts, root_st, files, skipped)
+                class_counts.append(len(files) - before)
+                advance(class_counts[-1])
+            labels = np.repeat(np.arange(len(classes), dtype=np.int64), class_counts)
     if not len(files):
         where = f"listed in {os.fspath(file_list)}" if file_list is not None else \
             f"with extensions {', '.join(exts)} in class folders"
@@ -173,7 +176,7 @@ def _class_folders(root: str) -> list[str]:
     return sorted(classes)
 
 
-def _read_file_list(path: str, root: str, out: _Files) -> np.ndarray:
+def _read_file_list(path: str, root: str, out: _Files, advance: Callable[[int], None]) -> np.ndarray:
     labels = array("q")
     offset = 0  # byte offset of the line, for error messages
     try:
@@ -193,6 +196,8 @@ def _read_file_list(path: str, root: str, out: _Files) -> np.ndarray:
                                            f"{exc.strerror or exc}", path=full) from exc
                     out.add(parts[0], size)
                     labels.append(int(parts[1]))
+                    if not len(labels) & 0xFFFF:
+                        advance(0x10000)
                 offset += len(raw)
     except UnicodeDecodeError as exc:
         raise FormatError(f"file list is not UTF-8: {exc.reason}", path=path, offset=offset + exc.start) from exc

@@ -131,3 +131,20 @@ def test_image_folder_lists_what_gpuio_skips(tmp_path):
         index = filetree(root)
     assert _samples(index) == [("cls/a.jpg", 0)]
     assert (index.meta["broken_links"], index.meta["directory_loops"]) == (1, 1)
+
+
+def test_progress_bar_only_for_long_indexing(tmp_path, capfd, monkeypatch):
+    for c in range(3):
+        os.makedirs(tmp_path / "root" / f"c{c}")
+        for k in range(4):
+            (tmp_path / "root" / f"c{c}" / f"{k}.jpg").write_bytes(b"x" * k)
+    (tmp_path / "list.txt").write_text("c0/1.jpg 0\nc2/3.jpg 2\n")
+    filetree(tmp_path / "root")
+    filetree(tmp_path / "root", file_list=tmp_path / "list.txt")
+    assert capfd.readouterr().err == ""  # quick: silent
+    monkeypatch.setattr("gpuio.formats._files.PROGRESS_DELAY_S", 0.0)  # as if it had run for a second
+    walked = filetree(tmp_path / "root")
+    assert "indexing files under" in capfd.readouterr().err
+    listed = filetree(tmp_path / "root", file_list=tmp_path / "list.txt")
+    assert "indexing files under" in capfd.readouterr().err
+    assert len(walked) == 12 and len(listed) == 2
