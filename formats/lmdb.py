@@ -13,6 +13,7 @@ is 0 unless the environment was created with ``MDB_FIXEDMAP``, so it cannot be u
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from array import array
@@ -132,7 +133,7 @@ _P_BRANCH, _P_LEAF, _P_LEAF2 = 0x01, 0x02, 0x20
 _F_BIGDATA, _F_SUBDATA_DUPDATA = 0x01, 0x06
 _DUPSORT = 0x04
 _HEADER = 16
-_RUN = 1 << 18  # leaf nodes whose keys are gathered at once (bounds the gather's index arrays)
+_LEAVES = 4096  # leaf pages parsed at once: bounds the per-node arrays (int64 each) in memory
 
 
 def _page_walk(env, data_file: str, size: int, psize: int
@@ -153,9 +154,14 @@ def _page_walk(env, data_file: str, size: int, psize: int
     keys = walked[2]
     # keys are unique in the database: the same keys in the same order are the same nodes
     with env.begin() as txn:  # keys as bytes: joining them is faster than joining buffers
-        if b"".join(txn.cursor().iternext(keys=True, values=False)) != keys.tobytes():
-            return None
-    return walked
+        cursor_keys, at = txn.cursor().iternext(keys=True, values=False), 0
+        while True:
+            part = b"".join(itertools.islice(cursor_keys, 1 << 16))  # a run at a time: bounded memory
+            if not part:
+                return walked if at == len(keys) else None
+            if memoryview(keys)[at:at + len(part)] != part:
+                return None
+            at += len(part)
 
 
 def _u(data: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
@@ -197,8 +203,27 @@ def _walk_pages(data: np.ndarray, size: int, psize: int, txnid: int, entries: in
         if nodes is None:
             return None
         level = _u(data, node_at, 2) | (_u(data, node_at + 2, 2) << 16) | (_u(data, node_at + 4, 2) << 32)
-    nodes, node_at = _nodes(data, level, psize)
-    if nodes is None or len(node_at) != entries:
+    runs = [_leaves(data, level[k:k + _LEAVES], psize, size) for k in range(0, len(level), _LEAVES)]
+    if any(run is None for run in runs) or sum(len(run[1]) for run in runs) != entries:
+        return None
+    offset = np.concatenate([run[0] for run in runs])
+    length = np.concatenate([run[1] for run in runs])
+    ksize = np.concatenate([run[2] for run in runs])
+    keys = np.concatenate([run[3] for run in runs])
+    del runs
+    key_offsets = np.zeros(len(ksize) + 1, dtype=np.int64)
+    np.cumsum(ksize, out=key_offsets[1:])
+    return offset, length, keys, key_offsets
+
+
+def _leaves(data: np.ndarray, leaves: np.ndarray, psize: int, size: int
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(value offsets, value lengths, key sizes, key bytes)`` of the nodes of a run of
+    leaf pages, in order; ``None`` where a node is not a plain record or lies outside
+    its page or the file."""
+    pages = size // psize
+    nodes, node_at = _nodes(data, leaves, psize)
+    if nodes is None:
         return None
     node_flags = _u(data, node_at + 4, 2)
     ksize = _u(data, node_at + 6, 2)
@@ -214,20 +239,12 @@ def _walk_pages(data: np.ndarray, size: int, psize: int, txnid: int, entries: in
         offset[big] = over * psize + _HEADER
     if np.any(offset + length > size):
         return None
-    key_offsets = np.zeros(len(ksize) + 1, dtype=np.int64)
-    np.cumsum(ksize, out=key_offsets[1:])
-    keys = np.empty(int(key_offsets[-1]), dtype=np.uint8)
-    same = bool(np.all(ksize == ksize[0]))
-    for first in range(0, len(ksize), _RUN):  # each key's bytes, a run of nodes at a time
-        last = min(first + _RUN, len(ksize))
-        start, stop = int(key_offsets[first]), int(key_offsets[last])
-        if same:  # keys of one size: a 2-D gather
-            at = (node_at[first:last] + 8)[:, None] + np.arange(int(ksize[0]))
-        else:
-            at = np.repeat(node_at[first:last] + 8 - (key_offsets[first:last] - start), ksize[first:last]) \
-                + np.arange(stop - start)
-        keys[start:stop] = data[at].ravel()
-    return offset, length, keys, key_offsets
+    if len(ksize) and np.all(ksize == ksize[0]):  # keys of one size: a 2-D gather
+        at = (node_at + 8)[:, None] + np.arange(int(ksize[0]))
+    else:
+        starts = np.cumsum(ksize) - ksize
+        at = np.repeat(node_at + 8 - starts, ksize) + np.arange(int(ksize.sum()))
+    return offset, length, ksize, data[at].ravel()
 
 
 def _nodes(data: np.ndarray, pages: np.ndarray, psize: int) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
