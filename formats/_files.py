@@ -151,10 +151,10 @@ def progress(what: str, total: int | None, unit: str) -> Iterator[Callable[[int]
 
 
 def each_shard(work: Callable[[_T, Callable[[int], None]], _R], items: Sequence[_T], what: str,
-               sizes: Sequence[int], processes: bool = True) -> list[_R]:
+               sizes: Sequence[int], processes: bool = True, unit: str = "B") -> list[_R]:
     """``[work(item, advance) for item in items]``, in order, with a progress bar on
-    stderr counting bytes out of ``sum(sizes)`` (``advance(n)``: ``n`` more bytes done;
-    ``sizes[k]`` is item k's share).
+    stderr counting ``unit`` (bytes by default) out of ``sum(sizes)`` (``advance(n)``:
+    ``n`` more done; ``sizes[k]`` is item k's share).
 
     Indexing a shard is a Python loop over its headers: threads would only take turns
     holding the GIL. So the first item runs here, and when the rest would take more
@@ -176,7 +176,7 @@ def each_shard(work: Callable[[_T, Callable[[int], None]], _R], items: Sequence[
         pool = ProcessPoolExecutor(max_workers=min(rest, cores), mp_context=multiprocessing.get_context("fork"))
     try:
         futures = [pool.submit(work, item, _no_progress) for item in items[1:]] if pool is not None else None
-        with progress(what, int(sum(sizes)), "B") as advance:
+        with progress(what, int(sum(sizes)), unit) as advance:
             advance(sizes[0])
             out = [first]
             if futures is None:
@@ -193,7 +193,7 @@ def each_shard(work: Callable[[_T, Callable[[int], None]], _R], items: Sequence[
 
 # Shards go to a process pool when the rest would take longer than this here; below it,
 # starting the processes costs more than it saves.
-POOL_AFTER_S = 2.0
+POOL_AFTER_S = 0.5
 
 
 def _no_progress(n: int) -> None:

@@ -26,6 +26,7 @@ class folder with no files keeps its label number (``ImageFolder`` refuses it).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import os
 import warnings
@@ -35,7 +36,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from gpuio.errors import DataError, FormatError, StorageError
-from gpuio.formats._files import progress
+from gpuio.formats._files import each_shard, progress
 from gpuio.index import Extents, PathTable, SampleIndex
 
 __all__ = ["filetree", "IMAGE_EXTENSIONS"]
@@ -59,6 +60,17 @@ class _Files:
     def __len__(self) -> int:
         return len(self.ends)
 
+    @classmethod
+    def joined(cls, parts: list[_Files]) -> _Files:
+        """The files of ``parts``, one after another."""
+        out = cls()
+        for part in parts:
+            shift = len(out.blob)
+            out.blob += part.blob
+            out.ends.frombytes((np.frombuffer(part.ends, dtype=np.int64) + shift).tobytes())
+            out.sizes.extend(part.sizes)
+        return out
+
     def table(self, root: str) -> PathTable:
         offsets = np.zeros(len(self.ends) + 1, dtype=np.int64)
         offsets[1:] = np.frombuffer(self.ends, dtype=np.int64)
@@ -73,7 +85,16 @@ class _Skipped:
         self.directory_loops: list[str] = []
 
 
-def _walk_class(top: str, rel: str, extensions: tuple[str, ...], root: os.stat_result, out: _Files,
+def _class_files(root: str, extensions: tuple[str, ...], root_id: tuple[int, int], cls: str,
+                 advance: Callable[[int], None]) -> tuple[_Files, _Skipped]:
+    """The files of the class folder ``cls`` and the entries skipped there."""
+    files, skipped = _Files(), _Skipped()
+    _walk_class(os.path.join(root, cls), cls, extensions, root_id, files, skipped)
+    advance(1)
+    return files, skipped
+
+
+def _walk_class(top: str, rel: str, extensions: tuple[str, ...], root_id: tuple[int, int], out: _Files,
                 skipped: _Skipped) -> None:
     """Add the files under the class folder ``top`` (``rel`` from the root) in
     ImageFolder's order. A heap keyed by relative path yields the folders in sorted
@@ -88,7 +109,7 @@ def _walk_class(top: str, rel: str, extensions: tuple[str, ...], root: os.stat_r
         else:
             heapq.heappush(heap, (rel, path, ancestors + (ident,)))
 
-    enter(rel, top, os.stat(top), ((root.st_dev, root.st_ino),))
+    enter(rel, top, os.stat(top), (root_id,))
     while heap:
         rel, path, ancestors = heapq.heappop(heap)
         try:
@@ -128,21 +149,24 @@ def filetree(root: str | os.PathLike[str], extensions: Sequence[str] = IMAGE_EXT
     if not os.path.isdir(root):
         raise DataError("not a directory", path=root)
     exts = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in extensions)
-    files = _Files()
-    with progress(f"indexing files under {root}", None, "file") as advance:
-        if file_list is not None:
+    if file_list is not None:
+        files = _Files()
+        with progress(f"indexing files under {root}", None, "file") as advance:
             labels = _read_file_list(os.fspath(file_list), root, files, advance)
-        else:
-            classes = _class_folders(root)
-            root_st = os.stat(root)
-            skipped = _Skipped()
-            class_counts = []
-            for cls in classes:
-                before = len(files)
-                _walk_class(os.path.join(root, cls), cls, exts, root_st, files, skipped)
-                class_counts.append(len(files) - before)
-                advance(class_counts[-1])
-            labels = np.repeat(np.arange(len(classes), dtype=np.int64), class_counts)
+    else:
+        classes = _class_folders(root)
+        root_st = os.stat(root)
+        # class folders are walked on the shard runner: a stat() per file for its size
+        # costs more than the walk, so large trees use every core
+        parts = each_shard(functools.partial(_class_files, root, exts, (root_st.st_dev, root_st.st_ino)), classes,
+                           f"indexing files under {root}", [1] * len(classes), unit="folder")
+        files = _Files.joined([f for f, _ in parts])
+        skipped = _Skipped()
+        for _, s in parts:
+            skipped.broken_links += s.broken_links
+            skipped.directory_loops += s.directory_loops
+        labels = np.repeat(np.arange(len(classes), dtype=np.int64), [len(f) for f, _ in parts])
+        del parts
     if not len(files):
         where = f"listed in {os.fspath(file_list)}" if file_list is not None else \
             f"with extensions {', '.join(exts)} in class folders"

@@ -148,3 +148,25 @@ def test_progress_bar_only_for_long_indexing(tmp_path, capfd, monkeypatch):
     listed = filetree(tmp_path / "root", file_list=tmp_path / "list.txt")
     assert "indexing files under" in capfd.readouterr().err
     assert len(walked) == 12 and len(listed) == 2
+
+
+def test_class_folders_walked_on_a_process_pool_match_one_process(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    for c in range(5):
+        for sub in ("", "b/", "a b/"):
+            os.makedirs(root / f"c{c}" / sub, exist_ok=True)
+            for k in range(c + 2):
+                (root / f"c{c}" / sub / f"{k}.JPG").write_bytes(b"x" * (k + c))
+    os.symlink(root / "nowhere.jpg", root / "c3" / "dangling.jpg")
+    with pytest.warns(UserWarning, match="broken links"):
+        here = filetree(root)
+    monkeypatch.setattr("gpuio.formats._files.POOL_AFTER_S", 0.0)  # the folders after the first go to processes
+    import threading
+
+    assert threading.active_count() == 1  # else the pool is not used
+    with pytest.warns(UserWarning, match="broken links"):
+        pooled = filetree(root)
+    assert [pooled.files[i] for i in range(len(pooled))] == [here.files[i] for i in range(len(here))]
+    assert pooled.extents["data"].length.tolist() == here.extents["data"].length.tolist()
+    assert pooled.values["label"].tolist() == here.values["label"].tolist()
+    assert pooled.meta == here.meta and here.meta["broken_links"] == 1
