@@ -8,7 +8,7 @@ into the gpuio cache folder with a NeMo manifest. Competitors, measured in one r
 interleaved rounds (each round: one epoch of each; the best round counts):
 
 - gpuio on the CPU (``gpuio.Loader`` over ``formats.manifest``, ``threads`` = cores);
-  on FLAC also with libsndfile decoding instead of ``gpuio/_flac.c`` (gpuio before it);
+  on FLAC also with libsndfile decoding instead of ``ops/_flac.c`` (gpuio before it);
 - DALI's CPU pipeline (``device_id=None``, ``num_threads`` = cores) with the same ops;
 - a torch DataLoader (``num_workers`` = cores) whose dataset reads each file with
   soundfile and computes the same features with NumPy and scipy.fft, one clip at a time;
@@ -44,7 +44,7 @@ import numpy as np
 
 import gpuio
 from gpuio import ops
-from gpuio._bench.common import cache_dir, machine, print_table, write_json
+from gpuio.bench._common import cache_dir, machine, print_table, write_json
 
 RATE = 16000
 NFFT, WINDOW, STEP, MELS, ALIGN = 512, 320, 160, 64, 16
@@ -95,15 +95,11 @@ def gpuio_ops() -> list[Any]:
 @contextlib.contextmanager
 def flac_decoder(libsndfile: bool) -> Iterator[None]:
     """Inside, with ``libsndfile``: FLAC decoded by libsndfile, as where
-    ``gpuio/_flac.c`` is not built (gpuio's figures before it)."""
+    ``ops/_flac.c`` is not built (gpuio's figures before it)."""
     from gpuio.ops import audio as audio_ops
 
-    native = audio_ops._flac
-    audio_ops._flac = None if libsndfile else native
-    try:
+    with audio_ops.flac_by_libsndfile() if libsndfile else contextlib.nullcontext():
         yield
-    finally:
-        audio_ops._flac = native
 
 
 def gpuio_loader(manifest: str, batch: int, device: str, threads: int,
@@ -332,7 +328,7 @@ def agreement(paths: list[str]) -> list[dict[str, Any]]:
 def decode_times(paths: list[str], batch: int, rounds: int) -> list[dict[str, Any]]:
     """CPU ms to decode one batch (the first ``batch`` clips, bytes in memory, float32
     mono out, one thread, ``time.process_time``, best of ``rounds`` interleaved):
-    gpuio's ``decode_audio`` (FLAC through ``gpuio/_flac.c``), the same op with
+    gpuio's ``decode_audio`` (FLAC through ``ops/_flac.c``), the same op with
     libsndfile decoding (as where the extension is not built), and DALI's
     ``decoders.audio`` on the CPU."""
     from gpuio.batch import Batch, sample_seeds

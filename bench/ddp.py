@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import gpuio
-from gpuio._bench.common import write_json
+from gpuio.bench._common import write_json
 from gpuio.batch import Batch, Op
 
 

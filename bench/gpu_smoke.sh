@@ -61,8 +61,8 @@ try:
 except Exception as exc:
     print("torch: unusable:", type(exc).__name__, exc)
 try:
-    from gpuio._posix import native_available
-    print("C read loop (gpuio._native) built:", "yes" if native_available() else "no")
+    from gpuio.storage._posix import native_available
+    print("C read loop (gpuio.storage._readloop) built:", "yes" if native_available() else "no")
 except Exception as exc:
     print("C read loop: unknown:", type(exc).__name__, exc)
 try:  # a real kvikio read; GDS is claimed only where cuFile's driver says it is used

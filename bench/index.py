@@ -48,7 +48,7 @@ from collections.abc import Iterator
 import numpy as np
 
 import gpuio
-from gpuio._bench.common import machine, print_table, write_json
+from gpuio.bench._common import machine, print_table, write_json
 from gpuio.index import Ragged, SampleIndex
 
 CASES = ("filetree-list", "filetree-walk", "filetree-torchvision-loop", "webdataset", "tfrecord", "tfrecord-scan",

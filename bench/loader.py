@@ -50,8 +50,8 @@ from typing import Any
 import numpy as np
 
 import gpuio
-from gpuio._bench.common import cache_dir, machine, print_table, write_json
-from gpuio._order import EpochPlan, epoch_order
+from gpuio.bench._common import cache_dir, machine, print_table, write_json
+from gpuio.pipeline.order import EpochPlan, epoch_order
 
 SIZES = {"full": 20000, "quick": 1000, "tiny": 96}  # samples per dataset (epochs long enough
 JPEGS_MAX = 2000  # that per-epoch start-up is amortized); the JPEG pipeline is slower: fewer

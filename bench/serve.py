@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: argparse.Namespace) -> None:
     import gpuio
     from gpuio import serve
-    from gpuio._bench.common import machine, sample_root
+    from gpuio.bench._common import machine, sample_root
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
 
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> None:
         models["gpuio cuda"] = "gpuio_cuda"
         servers.append(serve.Server(serve.parse_ops(OPS), name="gpuio_cuda", device="cuda",
                                     instances=args.instances))
-    serve._libpython_on_path()
+    serve.libpython_on_path()
     config = TritonConfig(http_address="127.0.0.1", grpc_address="127.0.0.1", metrics_address="127.0.0.1",
                           http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, exit_timeout_secs=5)
     levels = [int(c) for c in args.clients.split(",")]

@@ -29,7 +29,7 @@ import numpy as np
 
 import gpuio
 from gpuio import ops
-from gpuio._bench.common import cache_dir, machine, print_table, write_json
+from gpuio.bench._common import cache_dir, machine, print_table, write_json
 
 SIZES = {"full": (1920, 1080), "quick": (640, 360)}
 FRAMES, RATE, LENGTH, STRIDE, BATCH = 300, 30, 60, 5, 8

@@ -13,6 +13,12 @@ from gpuio.formats.recordio import recordio
 from gpuio.formats.tfrecord import tfrecord
 from gpuio.formats.video import video
 from gpuio.formats.webdataset import webdataset
+from gpuio.formats.recordio import RecordIOParser
+from gpuio.formats.tfrecord import ExampleParser
 from gpuio.index import concat
+
+# The record parsers a saved index may name, by the name it stores (``import gpuio``
+# registers them with ``gpuio.index.register_parser``).
+PARSERS = {"tfrecord.example": ExampleParser, "recordio": RecordIOParser}
 
 __all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "video", "manifest", "concat"]

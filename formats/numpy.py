@@ -3,7 +3,7 @@
 Only the header is read at index time (versions 1.0, 2.0 and 3.0; its ``descr`` read
 by NumPy's own ``descr_to_dtype``, so padded structured dtypes come out as ``np.load``
 makes them). After a read the bytes are viewed as the stored array (the index's field
-decoder ``"array"``, ``gpuio._fielddecode``): on a GPU they land in device memory and
+decoder ``"array"``, ``gpuio.storage._fielddecode``): on a GPU they land in device memory and
 are viewed there, with no copy through the host.
 """
 

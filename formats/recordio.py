@@ -38,7 +38,7 @@ import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError
 from gpuio.formats._files import each_shard, int_table, regular_file_size, shard_paths, size_or_zero
-from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
+from gpuio.index import Extents, Parser, PathTable, SampleIndex
 
 __all__ = ["recordio", "RecordIOParser", "MAGIC"]
 
@@ -191,7 +191,6 @@ def _part(buf: Any, size: int, pos: int, path: str, sample: object, base: int = 
     return lrecord >> 29, n
 
 
-@register_parser("recordio")
 class RecordIOParser(Parser):
     """Checks a record's framing, rejoins its parts and splits off the ``IRHeader``."""
 

@@ -41,7 +41,7 @@ import numpy as np
 from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
 from gpuio.formats._files import each_shard, int_table, open_regular_file, shard_paths, size_or_zero
-from gpuio.index import Extents, Parser, PathTable, SampleIndex, register_parser
+from gpuio.index import Extents, Parser, PathTable, SampleIndex
 
 __all__ = ["tfrecord", "ExampleParser", "bad_records", "masked_crc32c"]
 
@@ -414,7 +414,6 @@ def _feature(buf: memoryview, record: np.ndarray, start: int, end: int, kind: st
     return np.int64(items[0]) if len(items) == 1 else np.asarray(items, dtype=np.int64)
 
 
-@register_parser("tfrecord.example")
 class ExampleParser(Parser):
     """Parses TFRecord payloads as ``tf.train.Example`` and returns ``features``
     (``{name: "bytes" | "int64" | "float"}``); a missing feature or another kind is

@@ -7,13 +7,20 @@
 ``import gpuio`` never imports a CUDA library; GPU packages load when a GPU path runs.
 """
 
-from gpuio import config, errors
+from gpuio import config, errors, formats
 from gpuio.device import Device, cuda_available, gpu_count
 from gpuio.errors import GpuioError
-from gpuio.index import Extent, Extents, PathTable, Ragged, SampleIndex, concat
-from gpuio.loader import Loader
-from gpuio.storage import Reader, read
-from gpuio import formats  # registers the record parsers that saved indexes name
+from gpuio.index import (Extent, Extents, PathTable, Ragged, SampleIndex, concat, register_parser,
+                         register_sample_reader)
+from gpuio.pipeline import Loader
+from gpuio.storage import Reader, read, read_sample
+
+# What a SampleIndex cannot know from below the storage core, said once, here: how
+# index[i] reads, and which record parsers a saved index may name.
+register_sample_reader(read_sample)
+for _name, _parser in formats.PARSERS.items():
+    register_parser(_name, _parser)
+del _name, _parser
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 import gpuio
-from gpuio._bench.common import SAMPLE_COUNT, BenchError, cache_dir, sample_root
+from gpuio.bench._common import SAMPLE_COUNT, BenchError, cache_dir, sample_root
 from gpuio.errors import ConfigError, GpuioError
 from gpuio.sample import make_image_tree
 
@@ -134,7 +134,7 @@ def _cmd_inspect(args: argparse.Namespace) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from gpuio._opfields import image_fields
+    from gpuio.pipeline._opfields import image_fields
 
     if args.format is None and len(args.paths) != 1:
         raise ConfigError(f"check takes one saved index or file tree (or --format FORMAT and its paths), "
@@ -212,7 +212,7 @@ def _where(index: gpuio.SampleIndex, sample: int, err: BaseException) -> str:
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
-    from gpuio._bench import images, storage
+    from gpuio.bench import images, storage
 
     out = args.out or os.path.join(cache_dir(), "results", "bench-storage.json" if args.storage else "bench.json")
     if args.storage:
@@ -245,7 +245,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 def _without_bad_files(index: gpuio.SampleIndex, root: str) -> str:
     """``root``, or where it has files that do not decode, a tree of links to its good
     files (the same bytes on the same disk) in the cache folder, for every competitor."""
-    from gpuio._opfields import image_fields
+    from gpuio.pipeline._opfields import image_fields
 
     ops = [gpuio.ops.decode_image(field=f, out=f"{f}:decoded") for f in image_fields(index)]
     bad = {index.extent(s, "data").file for s, _ in bad_samples(index, ops, 64)}
@@ -316,27 +316,27 @@ def _cmd_info(args: argparse.Namespace) -> None:
         print(f"  {pkg:18s} {'installed' if found else 'not installed'}")
     print("C extensions (a missing one means a slower fallback; rebuild with a C compiler and libjpeg headers):")
     for module, role in _EXTENSIONS.items():
-        print(f"  {module:18s} {'built' if importlib.util.find_spec(module) else 'MISSING'}: {role}")
+        print(f"  {module:24s} {'built' if importlib.util.find_spec(module) else 'MISSING'}: {role}")
     print("settings:")
     for name, value in gpuio.config.settings().items():
         print(f"  {name:16s} {value!r:12}  {gpuio.config.DEFAULTS[name][1]}")
 
 
 _EXTENSIONS = {  # module: what it does, and what runs without it
-    "gpuio._native": "the batched posix read loop (else one Python read per extent)",
-    "gpuio._jpeg": "region and DCT-scaled JPEG decoding (else simplejpeg, whole images)",
-    "gpuio._cpuops": "the CPU resampler and fused crop/resize/normalize (else Pillow and NumPy op by op)",
-    "gpuio._video": "YUV to RGB for CPU video decoding (else swscale through PyAV)",
-    "gpuio._audio": "preemphasis and nonsilent region (else NumPy)",
-    "gpuio._flac": "FLAC decoding (else libsndfile through soundfile)",
+    "gpuio.storage._readloop": "the batched posix read loop (else one Python read per extent)",
+    "gpuio.ops._jpeg": "region and DCT-scaled JPEG decoding (else simplejpeg, whole images)",
+    "gpuio.ops._resample": "the CPU resampler and fused crop/resize/normalize (else Pillow and NumPy op by op)",
+    "gpuio.ops._video": "YUV to RGB for CPU video decoding (else swscale through PyAV)",
+    "gpuio.ops._audio": "preemphasis and nonsilent region (else NumPy)",
+    "gpuio.ops._flac": "FLAC decoding (else libsndfile through soundfile)",
 }
 
 
 def _kvikio_report() -> str:
     """Whether kvikio loads (an installed kvikio may not: libcufile missing ...), and
     whether its reads would use GPUDirect Storage, as the cuFile driver says (GDS only
-    where cuFile really uses it; see ``gpuio._kvikio.gds_status``)."""
-    from gpuio._kvikio import gds_status, kvikio_problem, load
+    where cuFile really uses it; see ``gpuio.storage._kvikio.gds_status``)."""
+    from gpuio.storage._kvikio import gds_status, kvikio_problem, load
 
     problem = kvikio_problem()
     if problem is not None:

@@ -238,18 +238,14 @@ class Parser(Protocol):
 _PARSERS: dict[str, Callable[..., Parser]] = {}
 
 
-def register_parser(name: str) -> Callable[[type], type]:
-    """Class decorator: make a parser loadable from a saved index by ``name``."""
-
-    def deco(cls: type) -> type:
-        _PARSERS[name] = cls
-        return cls
-
-    return deco
+def register_parser(name: str, parser: Callable[..., Parser]) -> None:
+    """Make ``parser`` (a class, called with its saved ``config()``) loadable from a saved
+    index that names it ``name``."""
+    _PARSERS[name] = parser
 
 
 def _parser_from_config(name: str, config: dict[str, Any]) -> Parser:
-    # the built-in parsers are registered by ``import gpuio`` (which imports gpuio.formats)
+    # ``import gpuio`` registers the built-in parsers (``gpuio.formats.PARSERS``)
     if name not in _PARSERS:
         raise ConfigError(f"index needs parser {name!r}, which is not registered (known: {sorted(_PARSERS)}); "
                           f"import the module that defines it before loading the index")
@@ -257,12 +253,11 @@ def _parser_from_config(name: str, config: dict[str, Any]) -> Parser:
 
 
 def _no_sample_reader(index: SampleIndex, i: int) -> dict[str, Any]:
-    raise ConfigError("index[i] reads through gpuio.storage, which registers itself on import: import gpuio")
+    raise ConfigError("index[i] reads through gpuio.storage, which import gpuio registers: import gpuio")
 
 
-# How ``index[i]`` reads a sample. gpuio.storage, above this module on the data path,
-# registers its reader here when it is imported (``import gpuio`` imports it), so that
-# this module never imports the storage core.
+# How ``index[i]`` reads a sample: ``import gpuio`` registers the storage core's reader
+# here, so that this module, below the storage core on the data path, never imports it.
 _sample_reader: Callable[[SampleIndex, int], dict[str, Any]] = _no_sample_reader
 
 
@@ -277,7 +272,7 @@ class SampleIndex:
 
     ``len(index)`` samples; ``index[i]`` reads sample ``i`` synchronously and returns
     its fields as host values (``bytes`` for extent fields, unless the format decodes
-    them: ``gpuio._fielddecode``); ``index.fields`` names
+    them: ``gpuio.storage._fielddecode``); ``index.fields`` names
     them. Batches are read with ``gpuio.read(index, indices, field, device)``.
     """
 
@@ -322,15 +317,16 @@ class SampleIndex:
 
     def extent(self, i: int, field: str = "data") -> Extent:
         """Where sample ``i``'s field lies: ``Extent(path, offset, length)``."""
-        ext = self._extents(field)
+        ext = self.field_extents(field)
         i = self._check_sample(i)
         return Extent(self.files[ext.file[i]], int(ext.offset[i]), int(ext.length[i]))
 
     def nbytes(self, field: str = "data") -> int:
         """Total bytes of an extent field over all samples."""
-        return int(self._extents(field).length.sum())
+        return int(self.field_extents(field).length.sum())
 
-    def _extents(self, field: str) -> Extents:
+    def field_extents(self, field: str) -> Extents:
+        """The extents of byte field ``field`` (a ``ConfigError`` naming the byte fields if it is none)."""
         if field not in self.extents:
             raise ConfigError(f"field {field!r} is not stored as bytes in this index; "
                               f"byte fields: {list(self.extents)}")

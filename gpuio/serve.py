@@ -464,7 +464,7 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _libpython_on_path() -> None:
+def libpython_on_path() -> None:
     """Put this interpreter's ``libpython3.X.so`` folder on ``LD_LIBRARY_PATH``: Triton's
     Python stub (started by the server, inheriting this environment) links against it."""
     libdir = sysconfig.get_config_var("LIBDIR")
@@ -560,7 +560,7 @@ class Server:
         triton, _ = _pytriton()
         from pytriton.utils.workspace import Workspace
 
-        _libpython_on_path()
+        libpython_on_path()
         config = triton.TritonConfig(http_address=self.address, grpc_address=self.address,
                                      metrics_address=self.address, http_port=self.ports["http"],
                                      grpc_port=self.ports["grpc"], metrics_port=self.ports["metrics"],

@@ -4,13 +4,13 @@
 Each op reads and writes ``audio`` by default: per row a waveform ``[T]`` (or
 ``[T, C]`` without downmix), float32, samples in [-1, 1]. The ops compute per
 batch, not per sample: rows lie end to end in one array (``gpuio.ops.ragged``), which
-CuPy works through in one pass and the host in one C call (``gpuio/_audio.c``, the GIL
+CuPy works through in one pass and the host in one C call (``ops/_audio.c``, the GIL
 released; where it was not built, NumPy computes the same numbers); no
 Python loop runs per window or per value.
 
 Decoding is libsndfile's (``soundfile``: WAV, FLAC, OGG/Vorbis, Opus, MP3), on the
 host, from the bytes the storage core read (the file is never opened again by
-path). FLAC files go to gpuio's own decoder (``gpuio/_flac.c``, written from RFC 9639:
+path). FLAC files go to gpuio's own decoder (``ops/_flac.c``, written from RFC 9639:
 every FLAC file of a batch in one C call, the GIL released; 1.9-3.1x libsndfile's speed
 and 1.4-1.8x DALI's in ``bench/audio.py --decode``), which gives the samples libsndfile
 gives, bit for bit, in every dtype; a file it does not take (a frame changing format, a
@@ -30,11 +30,12 @@ dB). Enough for speech features; resample offline with soxr where it is not.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,12 +43,28 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, DependencyError, FormatError
-from gpuio.ops.ragged import _audio, empty, pack, rows_of, segment_max, segment_span, to_host, unpack
+from gpuio.ops.ragged import empty, pack, rows_of, segment_max, segment_span, to_host, unpack
 
 try:
-    from gpuio import _flac
+    from gpuio.ops import _audio
+except ImportError:  # built at install where a C compiler exists; else NumPy computes the same
+    _audio = None
+try:
+    from gpuio.ops import _flac
 except ImportError:  # built where a C compiler exists; else libsndfile decodes FLAC
     _flac = None
+
+
+@contextlib.contextmanager
+def flac_by_libsndfile() -> Iterator[None]:
+    """Inside: FLAC decoded by libsndfile (``soundfile``), as where gpuio's own decoder
+    (``ops/_flac.c``) was not built; for comparing the two."""
+    global _flac
+    native, _flac = _flac, None
+    try:
+        yield
+    finally:
+        _flac = native
 
 __all__ = ["DecodeAudio", "PreemphasisFilter", "NonsilentRegion", "Slice", "decode_audio",
            "preemphasis_filter", "nonsilent_region", "slice", "AUDIO_EXTENSIONS", "audio_dependency"]
@@ -84,7 +101,7 @@ def _wav_shortfall(buf: memoryview) -> tuple[int, int] | None:
 
 
 class _FlacStream:
-    """A FLAC file for ``gpuio._flac``: STREAMINFO's rate (Hz), channels, bits per
+    """A FLAC file for ``gpuio.ops._flac``: STREAMINFO's rate (Hz), channels, bits per
     sample and total samples, and the byte where the first frame starts."""
 
     def __init__(self, data: memoryview, samplerate: int, channels: int, bits: int, frames: int,

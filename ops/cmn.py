@@ -1,7 +1,7 @@
 """``crop_mirror_normalize``: DALI's one-op crop, random mirror, normalize and layout.
 
 It is ``Compose([center_crop, flip, normalize])``, run as one fused op: on a GPU batch
-one kernel launch, on a CPU batch one C call (``gpuio._cpuops``; the ops one after the
+one kernel launch, on a CPU batch one C call (``gpuio.ops._resample``; the ops one after the
 other where it is not built or ``dtype`` is float16), each op drawing its random
 numbers per sample as it does alone.
 """

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuio.buffers import pooled_empty
+from gpuio.storage.buffers import pooled_empty
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError
 

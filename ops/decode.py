@@ -94,7 +94,7 @@ def _exif_orientation(seg: memoryview) -> int:
     return 1
 
 
-def _bytes(buf: Any) -> np.ndarray:
+def byte_view(buf: Any) -> np.ndarray:
     """Encoded bytes (uint8 array, bytes, memoryview) as a contiguous uint8 array."""
     return np.ascontiguousarray(buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8))
 
@@ -107,7 +107,7 @@ def jpeg_info(buf: Any) -> JpegInfo | None:
 
 def _headers(buf: Any) -> tuple[JpegInfo | None, int]:
     """``jpeg_info`` and the byte offset of the first start-of-scan marker (0 if none)."""
-    data = memoryview(_bytes(buf)).cast("B")
+    data = memoryview(byte_view(buf)).cast("B")
     if len(data) < 4 or data[0] != 0xFF or data[1] != 0xD8:
         return None, 0
     pos, components, progressive, orientation, height, width, scan = 2, 0, False, 1, 0, 0, 0
@@ -183,7 +183,7 @@ def image_format(buf: Any) -> str | None:
     """The format of encoded image bytes from their first bytes: ``"jpeg"``, ``"png"``,
     ``"jpeg2000"`` (JP2 file or bare codestream), ``"tiff"`` (and BigTIFF), ``"webp"``,
     ``"bmp"``, ``"gif"``, or None."""
-    head = bytes(_bytes(buf)[:16])
+    head = bytes(byte_view(buf)[:16])
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return "webp"
     return next((name for name, magic in _MAGIC if head.startswith(magic)), None)
@@ -197,7 +197,7 @@ def _eight_bit(im: Image.Image) -> Image.Image:
     return Image.fromarray((np.clip(np.asarray(im), 0, 65535).astype(np.uint32) >> 8).astype(np.uint8), "L")
 
 
-def _gray(color: str, components: int) -> bool:
+def decodes_gray(color: str, components: int) -> bool:
     """Whether a JPEG of ``components`` decodes to one channel for ``color``."""
     return color == "gray" or (color == "unchanged" and components == 1)
 
@@ -214,7 +214,7 @@ def decode_cpu(buf: Any, color: str, sample: int, info: JpegInfo | None = None,
     raise ``FormatError`` naming ``sample``. ``info``: its ``jpeg_info`` where the
     caller has read it already. ``on_warning(message)`` hears of a JPEG decoded despite
     a libjpeg warning (None: not reported)."""
-    buf = _bytes(buf)
+    buf = byte_view(buf)
     info = jpeg_info(buf) if info is None else info
     if info is not None:
         _check_pixels(info.height, info.width, len(buf), sample)
@@ -286,14 +286,20 @@ def _decode_jpeg(buf: np.ndarray, color: str, info: JpegInfo, sample: int,
 
 
 try:
-    from gpuio import _jpeg
+    from gpuio.ops import _jpeg
 except ImportError:  # built at install where libjpeg's headers exist; else whole-image decodes only
     _jpeg = None
 
 
+def native_jpeg() -> Any:
+    """The C JPEG module (``gpuio.ops._jpeg``: headers, region decodes, decode + resample
+    in one call), or ``None`` where it was not built."""
+    return _jpeg
+
+
 def jpeg_facts(bufs: list[np.ndarray]) -> np.ndarray:
     """libjpeg's reading of the headers of encoded images (contiguous uint8 arrays;
-    ``gpuio._jpeg`` must be built), int64 ``[N, 6]``: components, progressive, EXIF
+    ``gpuio.ops._jpeg`` must be built), int64 ``[N, 6]``: components, progressive, EXIF
     orientation, height, width (as stored), complete (ends with EOI); all 0 where
     libjpeg cannot read them (not a JPEG, a broken header)."""
     facts = np.empty((len(bufs), 6), np.int64)
@@ -309,7 +315,7 @@ def facts_info(facts: np.ndarray) -> JpegInfo | None:
 
 
 def region_decodable(facts: np.ndarray) -> np.ndarray:
-    """Which rows of ``jpeg_facts`` the region decoder (``gpuio._jpeg.decode_resample``)
+    """Which rows of ``jpeg_facts`` the region decoder (``gpuio.ops._jpeg.decode_resample``)
     takes: complete 1- or 3-component JPEGs without EXIF rotation, of at most
     ``MAX_PIXELS`` (``decode_cpu`` rejects the larger ones)."""
     components = facts[:, 0]
@@ -325,7 +331,7 @@ def decode_region(data: np.ndarray, components: int, color: str, region: tuple[i
     gives. Rows below the region are not decoded at all, rows above and columns beside
     it are not IDCT'd."""
     y0, x0, y1, x1 = region
-    out = np.empty((y1 - y0, x1 - x0, 1 if _gray(color, components) else 3), np.uint8)
+    out = np.empty((y1 - y0, x1 - x0, 1 if decodes_gray(color, components) else 3), np.uint8)
     try:
         _jpeg.decode_region(data, out.shape[2] == 1, denom, y0, x0, y1, x1, out)
     except ValueError as exc:
@@ -369,8 +375,8 @@ def decode_rows(batch: Batch, bufs: list[Any], rows: list[int], color: str, imag
     what it fails on decode on the CPU (NumPy arrays). Returns the rows rejected (bad
     samples; their images stay None)."""
     if batch.device.is_cuda:
-        gpu_rows = [row for row in rows if gpu_decodable(_bytes(bufs[row]))]
-        decode_gpu(batch, gpu_rows, [_bytes(bufs[r]) for r in gpu_rows], color, images)
+        gpu_rows = [row for row in rows if gpu_decodable(byte_view(bufs[row]))]
+        decode_gpu(batch, gpu_rows, [byte_view(bufs[r]) for r in gpu_rows], color, images)
     bad = []
     for row in rows:
         if images[row] is None:

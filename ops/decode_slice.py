@@ -5,7 +5,7 @@ The window comes per row as a relative ``anchor`` (x, y) and ``shape`` (w, h), b
 0-1, rounded to pixels by ``crop_window``. CPU: JPEGs that ``region_decodable`` takes
 (their headers read in one call per batch) are decoded by libjpeg-turbo only where the
 window is (rows below it are not decoded, columns beside it not IDCT'd;
-``gpuio._jpeg``); other images, and those the region decoder stops on (a libjpeg
+``gpuio.ops._jpeg``); other images, and those the region decoder stops on (a libjpeg
 warning), are decoded whole by ``decode_cpu`` (the one decode policy: see
 ``ops.decode``) and sliced. GPU: nvImageCodec decodes
 the batch in one call, JPEGs without EXIF rotation and JPEG 2000 through its region
@@ -27,7 +27,7 @@ from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 from gpuio.ops import decode
-from gpuio.ops.decode import (COLORS, _bytes, decode_cpu, decode_gpu, decode_region, facts_info, gpu_decodable,
+from gpuio.ops.decode import (COLORS, byte_view, decode_cpu, decode_gpu, decode_region, facts_info, gpu_decodable,
                               image_format, jpeg_facts, jpeg_info, region_decodable, upload)
 
 __all__ = ["DecodeImageSlice", "decode_image_slice", "crop_window", "code_stream", "region_source",
@@ -69,8 +69,8 @@ class DecodeImageSlice(Op):
         if batch.device.is_cuda:
             self._decode_gpu(batch, bufs, anchors, shapes, images)
         rows = [row for row in range(len(bufs)) if images[row] is None]
-        data = [_bytes(bufs[row]) for row in rows]
-        facts = jpeg_facts(data) if decode._jpeg is not None else None
+        data = [byte_view(bufs[row]) for row in rows]
+        facts = jpeg_facts(data) if decode.native_jpeg() is not None else None
         windowed = region_decodable(facts).tolist() if facts is not None else [False] * len(rows)
         for k, row in enumerate(rows):
             try:
@@ -105,7 +105,7 @@ class DecodeImageSlice(Op):
         nvimgcodec = require("nvidia.nvimgcodec")
         rows, sources, whole = [], [], []
         for row, buf in enumerate(bufs):
-            data = _bytes(buf)
+            data = byte_view(buf)
             if not gpu_decodable(data):
                 continue
             if not stored_orientation(data):

@@ -42,7 +42,7 @@ from gpuio.errors import ConfigError, DataError
 from gpuio.ops.decode_slice import crop_window
 from gpuio.ops.color import Normalize
 from gpuio.ops.fused import FusedCropResizeNormalize
-from gpuio.ops.geometry import Flip, Resize, _size2
+from gpuio.ops.geometry import Flip, Resize, size_pair
 from gpuio.ops.ragged import segment_max, to_host
 
 __all__ = ["RandomBBoxCrop", "BBFlip", "Paste", "BBoxPaste", "BoxEncoder", "random_bbox_crop", "bb_flip",
@@ -375,7 +375,7 @@ class Paste(_PasteDraws, Op):
             raise ConfigError(f"min_canvas_size must be >= 0, got {min_canvas_size!r}")
         self.fill = np.atleast_1d(np.asarray(fill_value, np.float64))
         self.min_canvas, self.field, self.masks = float(min_canvas_size), field, masks
-        self.size = None if size is None else _size2(size, "size")
+        self.size = None if size is None else size_pair(size, "size")
         self._resizer = None if size is None else FusedCropResizeNormalize(
             [Resize(self.size, field=field), Normalize(0.0, 1.0, "HWC", "uint8", field=field)])
 

@@ -6,7 +6,7 @@ by one kernel launch per batch on the GPU: it composes the chain's per-sample
 parameters (each op draws its random numbers exactly as when it runs alone) into a
 source box, the source pixels the filter may read, the output size and a flip flag,
 then reads the decoded pixels once and writes the normalized batch once. On a CPU
-batch the same plan runs in C (``gpuio/_cpuops.c``: one call per batch, the GIL
+batch the same plan runs in C (``ops/_resample.c``: one call per batch, the GIL
 released) for the linear, area and nearest filters into float32 or uint8; otherwise
 (or where the C module was not built) the ops run one by one. ``fused_reference`` is
 the kernel's math in NumPy, so that the algorithm is tested without a GPU.
@@ -14,13 +14,13 @@ the kernel's math in NumPy, so that the algorithm is tested without a GPU.
 ``DecodeFused`` puts a ``decode_image`` in front of a fused chain: each image is decoded
 only where the chain's filter reads (the crop's rows and columns). On the CPU libjpeg
 reads the batch's JPEG headers in one C call, the plan's random draws are made, and one
-more C call (``gpuio._jpeg.decode_resample``, the GIL released) decodes each JPEG's
+more C call (``gpuio.ops._jpeg.decode_resample``, the GIL released) decodes each JPEG's
 window with libjpeg-turbo's partial decode, at 1/2, 1/4 or 1/8 scale (libjpeg's DCT
 scaling) when the crop keeps at least the output's size (times 1.5) at that scale, and
 resamples it into the batch output while it is still in the cache; images it does not
 take (CMYK, EXIF-rotated, truncated, not JPEG), or stops on (a libjpeg warning), are
 decoded whole by ``decode_cpu`` (the one decode policy: see ``ops.decode``) and resampled
-by ``gpuio._cpuops``. On the GPU the batch goes through nvImageCodec's region decode in
+by ``gpuio.ops._resample``. On the GPU the batch goes through nvImageCodec's region decode in
 one call (``ops.decode_slice.region_source``), the rest falling back per image as in
 ``decode_image``.
 
@@ -38,20 +38,20 @@ from typing import Any
 import numpy as np
 
 from gpuio.batch import Batch, Op
-from gpuio.buffers import pooled_empty
+from gpuio.storage.buffers import pooled_empty
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 from gpuio.ops.color import Normalize, cast, stack_or_list
 from gpuio.ops import decode as decode_ops
-from gpuio.ops.decode import (DecodeImage, _bytes, _gray, decode_cpu, decode_gpu, decode_rows, facts_info,
+from gpuio.ops.decode import (DecodeImage, byte_view, decodes_gray, decode_cpu, decode_gpu, decode_rows, facts_info,
                               gpu_decodable, jpeg_facts, region_decodable, upload)
 from gpuio.ops.decode_slice import code_stream, region_source, stored_orientation
-from gpuio.ops.geometry import INTERPOLATIONS, CenterCrop, Flip, RandomResizedCrop, Resize, _Crop, _sizes, resample
+from gpuio.ops.geometry import INTERPOLATIONS, CenterCrop, Flip, RandomResizedCrop, Resize, Crop, image_sizes, resample
 
 try:
-    from gpuio import _cpuops
+    from gpuio.ops import _resample
 except ImportError:  # built at install where a C compiler exists; else the CPU ops run one by one
-    _cpuops = None
+    _resample = None
 
 __all__ = ["Compose", "DecodeFused", "FusedCropResizeNormalize", "fused_crop_resize_normalize", "fused_reference"]
 
@@ -100,7 +100,7 @@ class FusedCropResizeNormalize(Op):
         ok = np.ones(n, dtype=bool)
         resampled = False
         for op in self.geometry:
-            if isinstance(op, _Crop):
+            if isinstance(op, Crop):
                 crop, good = op.boxes(batch, size)
                 ok &= good
                 sy, sx = box[:, 2] / np.maximum(size[:, 0], 1), box[:, 3] / np.maximum(size[:, 1], 1)
@@ -121,8 +121,8 @@ class FusedCropResizeNormalize(Op):
         return {"box": box, "clip": clip, "out_hw": size, "flip": flip, "ok": ok}
 
     def runs_in_c(self) -> bool:
-        """Whether a CPU batch runs through ``gpuio._cpuops`` (else op by op)."""
-        return _cpuops is not None and self.interp != "cubic" and self.normalize.dtype != "float16"
+        """Whether a CPU batch runs through ``gpuio.ops._resample`` (else op by op)."""
+        return _resample is not None and self.interp != "cubic" and self.normalize.dtype != "float16"
 
     def __call__(self, batch: Batch) -> Batch:
         images = batch.data[self.field]
@@ -132,7 +132,7 @@ class FusedCropResizeNormalize(Op):
                 batch = op(batch)
                 batch.drop_rejected()
             return batch
-        plan = self.plan(batch, _sizes(images))
+        plan = self.plan(batch, image_sizes(images))
         keep = plan.pop("ok")
         batch.drop_rejected()
         images = [img for img, k in zip(images, keep.tolist()) if k]
@@ -160,7 +160,7 @@ class FusedCropResizeNormalize(Op):
         if not self.runs_in_c():
             return fused_reference(images, plan, mean, inv_std, **args)
         out, offsets = self.c_output(plan["out_hw"], channels)
-        _cpuops.resample(images, *self.c_args(plan, offsets, out, channels))
+        _resample.resample(images, *self.c_args(plan, offsets, out, channels))
         return self.c_result(out, offsets, plan["out_hw"], channels)
 
     def c_output(self, out_hw: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarray]:
@@ -171,8 +171,8 @@ class FusedCropResizeNormalize(Op):
         return pooled_empty((int(sizes.sum()),), self.normalize.dtype), offsets
 
     def c_args(self, plan: dict[str, np.ndarray], offsets: np.ndarray, out: np.ndarray, channels: int) -> tuple:
-        """The batch arguments of ``gpuio._cpuops.resample`` and
-        ``gpuio._jpeg.decode_resample`` after their images."""
+        """The batch arguments of ``gpuio.ops._resample.resample`` and
+        ``gpuio.ops._jpeg.decode_resample`` after their images."""
         mean, inv_std = self.normalize.channel_params(channels)
         return (np.ascontiguousarray(plan["box"], np.float64), np.ascontiguousarray(plan["clip"], np.int64),
                 np.ascontiguousarray(plan["out_hw"], np.int64), np.ascontiguousarray(offsets, np.int64),
@@ -219,7 +219,7 @@ class DecodeFused(Op):
     def __call__(self, batch: Batch) -> Batch:
         if batch.device.is_cuda:
             return self._call_gpu(batch)
-        if not self.fused.runs_in_c() or decode_ops._jpeg is None:
+        if not self.fused.runs_in_c() or decode_ops.native_jpeg() is None:
             batch = self.decode(batch)
             batch.drop_rejected()
             return self.fused(batch)
@@ -228,10 +228,10 @@ class DecodeFused(Op):
     def _call_cpu(self, batch: Batch) -> Batch:
         """libjpeg reads the batch's headers in one call; the JPEGs the region decoder
         takes are decoded where the plan reads and resampled in one more call
-        (``gpuio._jpeg.decode_resample``), the others decoded whole (``decode_cpu``) and
-        resampled by ``gpuio._cpuops``, into the same output."""
+        (``gpuio.ops._jpeg.decode_resample``), the others decoded whole (``decode_cpu``) and
+        resampled by ``gpuio.ops._resample``, into the same output."""
         color = self.decode.color
-        bufs = [_bytes(buf) for buf in batch.data[self.decode.field]]
+        bufs = [byte_view(buf) for buf in batch.data[self.decode.field]]
         facts = jpeg_facts(bufs)
         windowed = region_decodable(facts)
         images: list[Any] = list(bufs)  # encoded where windowed, else decoded here
@@ -250,7 +250,7 @@ class DecodeFused(Op):
             windowed[rows] = False
 
         decode_whole(np.flatnonzero(~windowed))
-        channels = {1 if _gray(color, c) else 3 for c in facts[windowed, 0].tolist()}
+        channels = {1 if decodes_gray(color, c) else 3 for c in facts[windowed, 0].tolist()}
         channels |= {img.shape[2] for row, img in enumerate(images) if not windowed[row] and row not in bad}
         if len(channels) > 1:  # gray and colour images ("unchanged"): decoded whole, NumPy math in run_plan
             decode_whole(np.flatnonzero(windowed))
@@ -270,20 +270,20 @@ class DecodeFused(Op):
     def _resample(self, batch: Batch, images: list[Any], windowed: np.ndarray, plan: dict[str, np.ndarray],
                   channels: int) -> Batch:
         """The chain's output into one buffer: the ``windowed`` rows of ``images``
-        (encoded) decoded and resampled by ``gpuio._jpeg.decode_resample``, the others
-        (decoded, ``channels`` each) by ``gpuio._cpuops.resample``. The rows the first
+        (encoded) decoded and resampled by ``gpuio.ops._jpeg.decode_resample``, the others
+        (decoded, ``channels`` each) by ``gpuio.ops._resample.resample``. The rows the first
         refuses (it stops at libjpeg's first warning) are decoded whole by ``decode_cpu``,
         which decodes or refuses them as ``decode_image`` does, and resampled after."""
         out, offsets = self.fused.c_output(plan["out_hw"], channels)
         rows = np.flatnonzero(windowed)
         part = {k: v[rows] for k, v in plan.items()}
-        failed = decode_ops._jpeg.decode_resample(
+        failed = decode_ops.native_jpeg().decode_resample(
             [images[r] for r in rows], _denoms(part["box"], part["out_hw"]), channels == 1,
             *self.fused.c_args(part, offsets[rows], out, channels))
         rest = np.flatnonzero(~windowed)
         if len(rest):
             part = {k: v[rest] for k, v in plan.items()}
-            _cpuops.resample([images[r] for r in rest], *self.fused.c_args(part, offsets[rest], out, channels))
+            _resample.resample([images[r] for r in rest], *self.fused.c_args(part, offsets[rest], out, channels))
         redo, decoded = [], []
         for k, _ in failed:
             row = int(rows[k])
@@ -302,7 +302,7 @@ class DecodeFused(Op):
             decoded.append(img)
         if redo:
             part = {k: v[redo] for k, v in plan.items()}
-            _cpuops.resample(decoded, *self.fused.c_args(part, offsets[redo], out, channels))
+            _resample.resample(decoded, *self.fused.c_args(part, offsets[redo], out, channels))
         batch.data[self.fused.field] = self.fused.c_result(out, offsets, plan["out_hw"], channels)
         batch.drop_rejected()
         return batch
@@ -314,7 +314,7 @@ class DecodeFused(Op):
         the CPU), and so are those it fails on in the window call. The random draws are
         made on the stored sizes, as the unfused ops make them on the decoded images."""
         color = self.decode.color
-        bufs = [_bytes(buf) for buf in batch.data[self.decode.field]]
+        bufs = [byte_view(buf) for buf in batch.data[self.decode.field]]
         windowed = [gpu_decodable(data) and stored_orientation(data) for data in bufs]
         nvimgcodec = require("nvidia.nvimgcodec") if any(windowed) else None
         streams = [code_stream(nvimgcodec, data) if w else None for data, w in zip(bufs, windowed)]

@@ -33,7 +33,7 @@ from PIL import Image
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, DataError
-from gpuio.ops._streams import Streams
+from gpuio.ops._rng import Streams
 
 __all__ = ["Resize", "CenterCrop", "RandomResizedCrop", "Flip", "resize", "center_crop",
            "random_resized_crop", "flip", "filter_weights", "resample", "INTERPOLATIONS"]
@@ -49,7 +49,8 @@ def _check_interp(interp: str) -> str:
     return interp
 
 
-def _size2(size: int | Sequence[int], what: str) -> tuple[int, int]:
+def size_pair(size: int | Sequence[int], what: str) -> tuple[int, int]:
+    """``(height, width)`` in pixels from an int or a pair; a ``ConfigError`` naming ``what`` else."""
     pair = (size, size) if isinstance(size, (int, np.integer)) else tuple(size)
     if len(pair) != 2 or any(int(s) < 1 for s in pair):
         raise ConfigError(f"{what} must be a positive int or (height, width), got {size!r}")
@@ -183,7 +184,7 @@ class Resize(Op):
                  field: str = "image") -> None:
         if sum(v is not None for v in (size, shorter, longer)) != 1:
             raise ConfigError("give exactly one of size=(h, w), shorter= or longer=")
-        self.size = None if size is None else _size2(size, "size")
+        self.size = None if size is None else size_pair(size, "size")
         for name, v in (("shorter", shorter), ("longer", longer)):
             if v is not None and int(v) < 1:
                 raise ConfigError(f"{name} must be a positive number of pixels, got {v!r}")
@@ -202,7 +203,7 @@ class Resize(Op):
 
     def __call__(self, batch: Batch) -> Batch:
         images = batch.data[self.field]
-        hw = _sizes(images)
+        hw = image_sizes(images)
         out_hw = np.array([self.out_size(h, w) for h, w in hw.tolist()], dtype=np.int64).reshape(-1, 2)
         if batch.device.is_cuda:
             boxes = np.concatenate([np.zeros_like(hw), hw], axis=1).astype(np.float64)
@@ -213,7 +214,7 @@ class Resize(Op):
         return batch
 
 
-class _Crop(Op):
+class Crop(Op):
     """Base for crops: ``box(batch, row, h, w) -> (top, left, height, width)``."""
 
     field = "image"
@@ -240,17 +241,17 @@ class _Crop(Op):
         return out, ok
 
 
-def _sizes(images: Sequence[Any]) -> np.ndarray:
+def image_sizes(images: Sequence[Any]) -> np.ndarray:
     """(height, width) of each HWC image, int64 ``[N, 2]``."""
     return np.array([img.shape[:2] for img in images], dtype=np.int64).reshape(-1, 2)
 
 
-class CenterCrop(_Crop):
+class CenterCrop(Crop):
     """The centered ``size`` (h, w) window of each image, as torchvision places it
     (offsets rounded). An image smaller than ``size`` is a bad sample (resize first)."""
 
     def __init__(self, size: int | Sequence[int], *, field: str = "image") -> None:
-        self.size, self.field = _size2(size, "size"), field
+        self.size, self.field = size_pair(size, "size"), field
 
     def box(self, batch: Batch, row: int, h: int, w: int) -> tuple[int, int, int, int]:
         ch, cw = self.size
@@ -261,13 +262,13 @@ class CenterCrop(_Crop):
 
     def __call__(self, batch: Batch) -> Batch:
         images = batch.data[self.field]
-        boxes, _ = self.boxes(batch, _sizes(images))
+        boxes, _ = self.boxes(batch, image_sizes(images))
         batch.data[self.field] = [img[t:t + h, l:l + w] for img, (t, l, h, w) in zip(images, boxes.tolist())]
         batch.drop_rejected()
         return batch
 
 
-class RandomResizedCrop(_Crop):
+class RandomResizedCrop(Crop):
     """torchvision's RandomResizedCrop: a box of ``scale`` x the image's area and
     aspect ratio (w/h) in ``ratio`` (log-uniform), 10 tries, then the center crop of
     the ratio closest to the image's; the box is resized to ``size`` (h, w)."""
@@ -277,14 +278,14 @@ class RandomResizedCrop(_Crop):
     def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3 / 4, 4 / 3), *, interp: str = "linear", antialias: bool = True,
                  field: str = "image") -> None:
-        self.size = _size2(size, "size")
+        self.size = size_pair(size, "size")
         if not (0 < scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]):
             raise ConfigError(f"scale and ratio must be increasing positive pairs, got {scale!r} and {ratio!r}")
         self.scale, self.ratio = (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1]))
         self.interp, self.antialias, self.field = _check_interp(interp), bool(antialias), field
 
     def boxes(self, batch: Batch, hw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """As ``_Crop.boxes``, drawn for the whole batch at once (``ops._streams``: the
+        """As ``Crop.boxes``, drawn for the whole batch at once (``ops._rng``: the
         numbers of ``batch.rng(row, salt)``). Per row: up to 10 tries of a target area
         and a log-uniform aspect, then the top and left offsets of the first box that
         fits; no fit: the centered box of the ratio closest to the image's."""
@@ -321,7 +322,7 @@ class RandomResizedCrop(_Crop):
 
     def __call__(self, batch: Batch) -> Batch:
         images = batch.data[self.field]
-        boxes, _ = self.boxes(batch, _sizes(images))
+        boxes, _ = self.boxes(batch, image_sizes(images))
         if batch.device.is_cuda:
             out_hw = np.tile(np.array(self.size, dtype=np.int64), (len(images), 1))
             batch.data[self.field] = _resize_gpu(batch, list(images), boxes.astype(np.float64), out_hw,

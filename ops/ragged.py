@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 
 from gpuio.batch import Batch, Op
-from gpuio.buffers import pooled_empty
+from gpuio.storage.buffers import pooled_empty
 from gpuio.device import require
 from gpuio.errors import ConfigError
 
 try:
-    from gpuio import _audio
+    from gpuio.ops import _audio
 except ImportError:  # built at install where a C compiler exists; else NumPy computes the same
     _audio = None
 

@@ -3,7 +3,7 @@
 
 Each reads and writes ``audio`` by default. The batch is computed at once: the
 spectrogram frames every row into one ``[frames, window_length]`` array (on the host one
-C call, ``gpuio/_audio.c``, where it was built; else one strided copy per row; no loop
+C call, ``ops/_audio.c``, where it was built; else one strided copy per row; no loop
 per window) and runs one batched real FFT over it
 (``scipy.fft`` on the CPU, in groups of rows whose buffers stay in cache; CuPy's cuFFT
 on a GPU, the whole batch at once, the frame count rounded up so that batches of
@@ -23,7 +23,12 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError, FormatError
 from gpuio.ops.audio import audio_dependency
-from gpuio.ops.ragged import _audio, empty, groups, pack, ragged_axis, rows_of, segment_max, unpack
+from gpuio.ops.ragged import empty, groups, pack, ragged_axis, rows_of, segment_max, unpack
+
+try:
+    from gpuio.ops import _audio
+except ImportError:  # built at install where a C compiler exists; else NumPy computes the same
+    _audio = None
 
 __all__ = ["Spectrogram", "MelFilterBank", "ToDecibels", "MFCC", "spectrogram", "mel_filter_bank",
            "to_decibels", "mfcc", "hann_window", "mel_filters", "dct_matrix"]

@@ -20,7 +20,7 @@ corrects), in front of the part's first packet; NVDEC gets the same. Packets who
 pictures the clip does not keep are sent with ``skip_frame="NONREF"``, so a
 non-reference picture nobody looks at is not decoded at all; every picture the clip
 keeps, and every reference picture it needs, is decoded as FFmpeg decodes it from the
-start of the file. The kept 4:2:0 pictures are converted to RGB by ``gpuio/_video.c``
+start of the file. The kept 4:2:0 pictures are converted to RGB by ``ops/_video.c``
 straight into the clip's array, with the fixed-point arithmetic of swscale's unscaled
 converter; it is used for a colour setting (pixel format, colour space, range) only
 after it gave the bytes of swscale for every (Y, U, V) triple, once per process. Other
@@ -57,12 +57,12 @@ import numpy as np
 
 from gpuio import _fork, _nal
 from gpuio.batch import Batch, Op
-from gpuio.buffers import pooled_empty
+from gpuio.storage.buffers import pooled_empty
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 
 try:
-    from gpuio import _video
+    from gpuio.ops import _video
 except ImportError:  # built at install where a C compiler exists; else swscale converts every frame
     _video = None
 
@@ -325,7 +325,7 @@ def _round16(x: int) -> int:
 
 def _rgb_coefficients(colorspace: int, full_range: bool) -> tuple[int, ...]:
     """The 16-bit offsets and factors of swscale's unscaled YUV -> RGB (in the order
-    ``gpuio/_video.c`` takes them), derived as FFmpeg derives them."""
+    ``ops/_video.c`` takes them), derived as FFmpeg derives them."""
     crv, cbu, cgu, cgv = _FACTORS.get(colorspace, _BT601)
     cgu, cgv = -cgu, -cgv
     cy, oy = 1 << 16, 0
@@ -343,7 +343,7 @@ def _yuv420_rgb24(picture: Any, out: np.ndarray, coefficients: tuple[int, ...]) 
 
 
 def _direct_rgb(picture: Any) -> tuple[int, ...] | None:
-    """The coefficients with which ``gpuio/_video.c`` converts this picture to the bytes
+    """The coefficients with which ``ops/_video.c`` converts this picture to the bytes
     swscale gives it, or None (no C extension, another pixel format, an odd size, or a
     colour setting where the two differ). Checked once per process and colour setting on
     every (Y, U, V) triple."""

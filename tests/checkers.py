@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 import gpuio
-from gpuio._fielddecode import decoded_fields
+from gpuio.storage._fielddecode import decoded_fields
 from gpuio.errors import GpuioError
 
 MakeLoader = Callable[..., gpuio.Loader]

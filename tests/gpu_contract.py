@@ -371,7 +371,7 @@ def _import_extensions() -> None:
 
 
 def _kvikio() -> None:
-    from gpuio._kvikio import KvikioBackend, compat_mode_active, kvikio_problem
+    from gpuio.storage._kvikio import KvikioBackend, compat_mode_active, kvikio_problem
     from gpuio.errors import StorageError
 
     assert kvikio_problem() is None, kvikio_problem()
@@ -413,11 +413,11 @@ def _failing_pread() -> None:
     import cupy as cp
     import numpy as np
 
-    from gpuio._kvikio import KvikioBackend
-    from gpuio.buffers import BufferPool, Lease, _Storage
+    from gpuio.storage._kvikio import KvikioBackend
+    from gpuio.storage.buffers import BufferPool, Lease, _Storage
     from gpuio.device import Device
     from gpuio.errors import StorageError
-    from gpuio.plan import build_plan
+    from gpuio.storage.plan import build_plan
 
     base = cp.ndarray((1 << 16,), cp.uint8, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(1 << 40, 1 << 16, None, 0), 0))
     storage = object.__new__(_Storage)  # a device buffer at a made-up address, never reached
@@ -518,7 +518,7 @@ def _device_arrays() -> None:
 
     import cupy as cp
 
-    from gpuio import _deferred
+    from gpuio.storage import _deferred
 
     owner = object()
     base = cp.ndarray((4096,), cp.uint8, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(1 << 40, 4096, owner, 0), 0))
@@ -543,7 +543,7 @@ def _lease_array(base: Any) -> None:
     event is recorded first and only then the buffer goes back to the pool."""
     import gc
 
-    from gpuio.buffers import BufferPool, Lease, _Storage
+    from gpuio.storage.buffers import BufferPool, Lease, _Storage
     from gpuio.device import Device
 
     pool = BufferPool(1 << 20)

@@ -116,7 +116,7 @@ def _ready(python: str) -> bool:
             return False
     if gpuio_source(python) != ROOT:
         return False
-    probe = "import gpuio._cpuops, gpuio._native, pytriton.triton, tritonclient.http, tritonclient.grpc"
+    probe = "import gpuio.ops._resample, gpuio.storage._readloop, pytriton.triton, tritonclient.http, tritonclient.grpc"
     with tempfile.TemporaryDirectory() as away:
         return subprocess.run([python, "-I", "-c", probe], capture_output=True, cwd=away).returncode == 0
 

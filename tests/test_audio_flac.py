@@ -1,4 +1,4 @@
-"""gpuio's FLAC decoder (gpuio/_flac.c) against libsndfile: FLACs written in tmp_path by
+"""gpuio's FLAC decoder (ops/_flac.c) against libsndfile: FLACs written in tmp_path by
 libsndfile (through soundfile) and by FFmpeg's encoder (through PyAV) in many settings,
 each decoded bit for bit as soundfile.read decodes it, in every dtype; corrupt and cut
 files are gpuio errors naming the byte of the bad frame."""
@@ -17,7 +17,7 @@ from gpuio.errors import FormatError, PipelineError
 from gpuio.ops import audio as audio_ops
 from tests.test_audio_data import make_batch
 
-pytestmark = pytest.mark.skipif(audio_ops._flac is None, reason="gpuio._flac was not built (no C compiler)")
+pytestmark = pytest.mark.skipif(audio_ops._flac is None, reason="gpuio.ops._flac was not built (no C compiler)")
 
 DTYPES = ("float32", "float64", "int16", "int32")
 
@@ -73,7 +73,7 @@ def ints(x, bits):
 
 
 def c_decode(buf, dtype, downmix, first=0, count=None):
-    """gpuio._flac on one file, asserting that it decoded it itself (no fallback)."""
+    """gpuio.ops._flac on one file, asserting that it decoded it itself (no fallback)."""
     stream = audio_ops._FlacStream.parse(memoryview(buf))
     assert stream is not None
     count = stream.frames - first if count is None else count

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from PIL import Image
 
-from gpuio._bench import storage
-from gpuio._bench.chart import LABEL_W, write_chart
+from gpuio.bench import storage
+from gpuio.bench._chart import LABEL_W, write_chart
 
 
 def test_ceiling_rows_say_what_they_read_and_gpuio_stands_out(tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gpuio
-from gpuio.buffers import BufferPool
+from gpuio.storage.buffers import BufferPool
 from gpuio.errors import BufferBudgetError
 from gpuio.index import Extents, SampleIndex
 

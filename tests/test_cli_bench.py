@@ -13,7 +13,7 @@ from PIL import Image
 
 import gpuio
 import gpuio.sample
-from gpuio._bench import storage
+from gpuio.bench import storage
 from gpuio.cli import main
 
 
@@ -102,7 +102,7 @@ def test_storage_bench_covers_three_datasets(tmp_path):
 
 
 def test_cold_drop_flushes_fresh_files_and_checks_that_it_took(tmp_path):
-    from gpuio._bench.common import drop_cache, resident_fraction
+    from gpuio.bench._common import drop_cache, resident_fraction
 
     path = tmp_path / "fresh.bin"
     path.write_bytes(bytes(range(256)) * 4096)  # 1 MiB of dirty pages, never flushed

@@ -180,7 +180,7 @@ def test_decode_image_slice_equals_whole_decode_then_slice(device, name):
 
 
 def test_slice_follows_random_bbox_crop_through_the_loader(tmp_path):
-    from gpuio._bench.detection import write_coco
+    from gpuio.bench.detection import write_coco
 
     root, ann = write_coco(tmp_path, count=6, size=(96, 128), seed=3)
     index = gpuio.formats.coco(root, ann, box_format="ltrb", normalized=True)

@@ -1,7 +1,7 @@
 """Deferred frees and buffer give-backs re-entered by finalizers (issue 24, defect 5).
 
 A collection can run anywhere, inside ``reap()`` too, and run finalizers that hand more
-memory to ``gpuio._deferred`` (a handed-over array's owner calls ``release_after``).
+memory to ``gpuio.storage._deferred`` (a handed-over array's owner calls ``release_after``).
 Such a re-entry on the same thread must neither hang nor lose an entry. The events here
 are small stand-ins for ``cupy.cuda.Event`` (the module reads only ``done``), so that
 the bookkeeping runs without a GPU; the GPU contract covers the real events. A lease's
@@ -14,8 +14,8 @@ import gc
 import threading
 import weakref
 
-from gpuio import _deferred
-from gpuio.buffers import BufferPool
+from gpuio.storage import _deferred
+from gpuio.storage.buffers import BufferPool
 
 
 class Event:

@@ -9,7 +9,7 @@ import pytest
 
 import gpuio
 from gpuio import ops
-from gpuio._bench.detection import ENCODE, gpuio_ssd, write_coco
+from gpuio.bench.detection import ENCODE, gpuio_ssd, write_coco
 from gpuio.ops import ssd300_anchors
 from tests.checkers import check_deterministic, check_resume, host
 

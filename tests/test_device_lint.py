@@ -68,7 +68,7 @@ KNOWN_OFFENDERS: set[str] = set()
 CPU_ONLY_ENTRIES = {
     # Loader._stages: on a GPU, collate is a GPU stage of its own; on the CPU it is
     # chained after the last stage, the Stage this lint sees.
-    ("gpuio/loader.py", "_collate"),
+    ("gpuio/pipeline/loader.py", "_collate"),
 }
 
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)

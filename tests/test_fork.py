@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import gpuio
-from gpuio import _posix, storage
-from gpuio.buffers import default_pool
+from gpuio.storage import reader as storage
+from gpuio.storage import _posix
+from gpuio.storage.buffers import default_pool
 from gpuio.index import Extents, SampleIndex
 
 from test_storage import read_loop  # noqa: F401  (autouse: every test runs with both read loops)
@@ -41,7 +42,7 @@ def use_gpuio_in_parent(index, blobs):
     """Read as a training script would before its workers fork: gpuio.read and a Loader."""
     got = gpuio.read(index, range(FILES))
     assert [a.tobytes() for a in got] == blobs
-    assert (_posix._native.helpers() > 0) if gpuio.config.get("native") else any(
+    assert (_posix._readloop.helpers() > 0) if gpuio.config.get("native") else any(
         t.name.startswith("gpuio-read") for t in threading.enumerate()), \
         "the parent's reader threads should be running when it forks"
     loader = gpuio.Loader(index, 4, output="numpy")
@@ -193,7 +194,7 @@ def child_reopens(cache, parent_handle, path):
 def test_cached_file_handles_are_reopened_in_the_child(files):
     """The parent's handles are neither used nor closed in the child (a cuFile handle
     must not be deregistered there); the child opens its own on demand."""
-    from gpuio._handles import HandleCache
+    from gpuio.storage._handles import HandleCache
 
     index, blobs = files
     path = index.extent(2).file

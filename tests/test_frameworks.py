@@ -13,10 +13,10 @@ import pytest
 
 import gpuio
 from gpuio.batch import Op
-from gpuio.buffers import pooled_empty
+from gpuio.storage.buffers import pooled_empty
 from gpuio.errors import ConfigError, DependencyError
 from gpuio.formats import numpy as npy_format
-from gpuio._frameworks import convert, load
+from gpuio.pipeline._frameworks import convert, load
 
 FRAMEWORKS = ["torch", "jax", "tensorflow"]
 N = 10

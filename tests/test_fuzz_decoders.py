@@ -1,7 +1,7 @@
 """Seeded regression fuzzing of gpuio's C code that reads untrusted bytes, through the
-public entry points: the FLAC decoder (gpuio/_flac.c, ``ops.decode_audio``), the libjpeg
-region decoder + resampler (gpuio/_jpeg.c, ``decode_image`` fused with a crop/resize
-chain, ``decode_image_slice``) and the POSIX read loop (gpuio/_native.c, ``Reader.read``
+public entry points: the FLAC decoder (ops/_flac.c, ``ops.decode_audio``), the libjpeg
+region decoder + resampler (ops/_jpeg.c, ``decode_image`` fused with a crop/resize
+chain, ``decode_image_slice``) and the POSIX read loop (gpuio/storage/_readloop.c, ``Reader.read``
 of files changed after indexing, cold batches read with O_DIRECT).
 
 Each loop runs in a child Python, so a crash fails its test instead of ending pytest.
@@ -70,7 +70,7 @@ def delete_bytes(rng: np.random.Generator, b: bytearray) -> None:
 GENERIC = (flip_bits, overwrite_bytes, truncate, insert_bytes, delete_bytes)
 
 
-# ---------------------------------------------------------------- FLAC (gpuio/_flac.c)
+# ---------------------------------------------------------------- FLAC (ops/_flac.c)
 
 
 def flac_frames(buf: bytes, start: int) -> list[int]:
@@ -143,7 +143,7 @@ def fuzz_flac(seed: int, count: int) -> None:
     from tests.test_audio_data import make_batch
     from tests.test_audio_flac import written_flac
 
-    assert audio_ops._flac is not None, "gpuio._flac was not built"
+    assert audio_ops._flac is not None, "gpuio.ops._flac was not built"
     rng = np.random.default_rng(seed)
     valid = []
     for bps, channels in [(8, 1), (16, 2), (24, 2), (12, 3), (20, 1)]:  # every coding, written from the spec
@@ -240,7 +240,7 @@ def test_audio_offset_and_duration_that_are_not_finite_are_format_errors(offset,
         ops.decode_audio()(batch)
 
 
-# ---------------------------------------------------------------- JPEG (gpuio/_jpeg.c)
+# ---------------------------------------------------------------- JPEG (ops/_jpeg.c)
 
 
 def jpeg_segments(b: bytearray) -> list[tuple[int, int]]:
@@ -320,7 +320,7 @@ def fuzz_jpeg(seed: int, count: int) -> None:
     from gpuio.batch import Batch, sample_seeds
     from gpuio.ops import decode as decode_ops
 
-    assert decode_ops._jpeg is not None, "gpuio._jpeg was not built"
+    assert decode_ops._jpeg is not None, "gpuio.ops._jpeg was not built"
     rng = np.random.default_rng(seed)
     valid = valid_jpegs(rng)
     counts = {"decoded": 0, "rejected": 0}
@@ -390,7 +390,7 @@ def test_jpeg_declaring_a_huge_size_is_a_gpuio_error():
     assert outcomes(run_child("decode_huge_cut_jpeg"))["rejected"] == 1
 
 
-# ---------------------------------------------------------------- reads (gpuio/_native.c)
+# ---------------------------------------------------------------- reads (gpuio/storage/_readloop.c)
 
 
 def fuzz_reads(seed: int, count: int, root: str) -> None:
@@ -399,11 +399,11 @@ def fuzz_reads(seed: int, count: int, root: str) -> None:
     cache so that long reads take the O_DIRECT path; unaligned extents, some past the
     end. A read that succeeds gives the file's bytes."""
     import gpuio
-    from gpuio import _posix
+    from gpuio.storage import _posix
     from gpuio.index import Extents, SampleIndex
     from gpuio.storage import Reader
 
-    assert _posix._native is not None, "gpuio._native was not built"
+    assert _posix._readloop is not None, "gpuio.storage._readloop was not built"
     rng = np.random.default_rng(seed)
     counts = {"read": 0, "rejected": 0}
     for it in range(count):

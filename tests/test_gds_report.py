@@ -79,7 +79,7 @@ def run(tmp_path, state, script, *, nvfs, driver=True):
     nvfs_path = tmp_path / "nvidia-fs"
     if nvfs:
         nvfs_path.mkdir(exist_ok=True)
-    prelude = f"import gpuio._kvikio\ngpuio._kvikio.NVIDIA_FS = {str(nvfs_path)!r}\n"
+    prelude = f"import gpuio.storage._kvikio\ngpuio.storage._kvikio.NVIDIA_FS = {str(nvfs_path)!r}\n"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
     done = subprocess.run([sys.executable, "-W", "always", "-c", prelude + textwrap.dedent(script)],
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
@@ -109,10 +109,10 @@ def test_info_says_gds_only_when_cufile_uses_it(tmp_path, state, nvfs, driver, w
 READ = """
 import os
 import numpy as np
-from gpuio.buffers import BufferPool
+from gpuio.storage.buffers import BufferPool
 from gpuio.index import Extents, SampleIndex
-from gpuio.plan import build_plan
-from gpuio._kvikio import KvikioBackend
+from gpuio.storage.plan import build_plan
+from gpuio.storage._kvikio import KvikioBackend
 import kvikio
 
 blob = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8)

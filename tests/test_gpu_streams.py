@@ -1,5 +1,5 @@
 """GPU memory shared across CUDA streams is not reused while a stream may still read it
-(``gpuio._deferred``, the buffer pool's release events, the loader's hand-over).
+(``gpuio.storage._deferred``, the buffer pool's release events, the loader's hand-over).
 
 Each test queues slow work on the consumer's stream (``torch.cuda._sleep``) that reads
 memory gpuio produced, lets gpuio produce more (which would overwrite freed memory),
@@ -85,7 +85,7 @@ def test_hand_over_releases_after_the_consumer_stream():
     import cupy as cp
     import torch
 
-    from gpuio import _deferred
+    from gpuio.storage import _deferred
 
     source = cp.arange(1 << 20, dtype=cp.float32)
     stream = torch.cuda.Stream()
@@ -103,7 +103,7 @@ def test_hand_over_releases_after_the_consumer_stream():
 def test_pool_does_not_lend_a_buffer_a_stream_still_reads():
     import cupy as cp
 
-    from gpuio.buffers import BufferPool
+    from gpuio.storage.buffers import BufferPool
 
     pool = BufferPool(1 << 26)
     lease = pool.acquire(1 << 20, "cuda")
@@ -140,7 +140,7 @@ def _spin():
 def test_two_kvikio_readers_share_one_registration(tmp_path):
     """GDS registration belongs to the pool's buffer: readers sharing a pool register it
     once, and closing one reader leaves it registered for the other."""
-    from gpuio.buffers import BufferPool
+    from gpuio.storage.buffers import BufferPool
     from gpuio.index import Extents, SampleIndex
     from gpuio.storage import Reader
 

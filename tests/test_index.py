@@ -13,7 +13,6 @@ from gpuio.errors import ConfigError, FormatError, OutOfRangeError, StorageError
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex, concat, register_parser
 
 
-@register_parser("test-split")
 class SplitParser:
     """Record = one length byte, then a head of that length, then a tail."""
 
@@ -30,6 +29,9 @@ class SplitParser:
         heads = [r[1: 1 + int(r[0])] for r in records]
         tails = [r[1 + int(r[0]):] for r in records]
         return {"head": heads, "tail": tails}
+
+
+register_parser("test-split", SplitParser)
 
 
 def _shard(dir_, name: str, n: int, seed: int, root: bool = True) -> tuple[SampleIndex, list[dict]]:

@@ -257,7 +257,7 @@ def test_loaders_with_stages_or_on_a_gpu_never_read_inline(tree):
         assert sum(len(b["index"]) for b in ld) == N
         assert not ld.stats()["inline"]
     ld.close()
-    from gpuio._executor import Executor, Stage
+    from gpuio.pipeline._executor import Executor, Stage
     from gpuio.device import Device
 
     ex = Executor([Stage("s", lambda x: x, gpu=True)], window=1, device=Device("cpu"))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gpuio
-from gpuio._order import EpochPlan, epoch_order
+from gpuio.pipeline.order import EpochPlan, epoch_order
 from gpuio.batch import Op
 from gpuio.formats import filetree, numpy as npy_format
 

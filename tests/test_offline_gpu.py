@@ -238,7 +238,7 @@ def test_kvikio_that_cannot_load(tmp_path, missing):
         from gpuio.errors import DependencyError
         from gpuio import cli
         from gpuio.storage import Reader
-        from gpuio._kvikio import KvikioBackend
+        from gpuio.storage._kvikio import KvikioBackend
 
         gpuio.device.gpu_count = lambda: 1  # as on a GPU machine: the backend choice is under test
         reader = Reader("cuda", backend="auto")

@@ -19,7 +19,7 @@ from gpuio.batch import Batch, sample_seeds
 from gpuio.device import Device
 from gpuio.errors import FormatError
 from gpuio.ops.fused import FusedCropResizeNormalize, fused_reference
-from gpuio.ops.geometry import _sizes
+from gpuio.ops.geometry import image_sizes
 from gpuio.sample import make_image_tree
 
 MEAN, STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
@@ -75,7 +75,7 @@ def run_other(kind, chain, images):
     if kind == "reference":
         fused = FusedCropResizeNormalize(chain)
         batch = make_batch(images, field="image")
-        plan = fused.plan(batch, _sizes(images))
+        plan = fused.plan(batch, image_sizes(images))
         mean, inv_std = chain[-1].channel_params(3)
         return fused_reference(images, plan, mean, inv_std, interp=fused.interp, antialias=fused.antialias,
                                layout=chain[-1].layout, dtype=chain[-1].dtype)

@@ -1,5 +1,5 @@
-"""The CPU fast paths of gpuio.ops: the C resampler (``gpuio._cpuops``) against the NumPy
-reference, region and DCT-scaled JPEG decoding (``gpuio._jpeg``) against whole-image
+"""The CPU fast paths of gpuio.ops: the C resampler (``gpuio.ops._resample``) against the NumPy
+reference, region and DCT-scaled JPEG decoding (``gpuio.ops._jpeg``) against whole-image
 decoding, and ``DecodeFused`` against decoding then running the chain op by op. Real
 JPEGs written with Pillow."""
 
@@ -21,7 +21,7 @@ from gpuio.errors import FormatError
 from gpuio.ops import decode, fused
 from gpuio.ops.decode import decode_cpu, decode_region, facts_info, jpeg_facts, jpeg_info, region_decodable
 from gpuio.ops.fused import DecodeFused, FusedCropResizeNormalize, fused_reference
-from gpuio.ops.geometry import _sizes
+from gpuio.ops.geometry import image_sizes
 from gpuio.sample import make_image_tree, sample_image
 
 MEAN, STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
@@ -82,36 +82,36 @@ def require_built(module, name, what):
 
 
 @pytest.fixture(scope="module")
-def portable_cpuops(tmp_path_factory):
-    """``gpuio/_cpuops.c`` built with ``GPUIO_PORTABLE``: the plain C resampler (no
+def portable_resample(tmp_path_factory):
+    """``ops/_resample.c`` built with ``GPUIO_PORTABLE``: the plain C resampler (no
     AVX2 path, no run-time clones), which CPUs without AVX2 run. Needs the C compiler
     the install builds the module with."""
     cc = sysconfig.get_config_var("CC").split()[0]
-    path = tmp_path_factory.mktemp("portable") / ("_cpuops" + sysconfig.get_config_var("EXT_SUFFIX"))
-    source = pathlib.Path(fused.__file__).resolve().parents[1] / "gpuio" / "_cpuops.c"
+    path = tmp_path_factory.mktemp("portable") / ("_resample" + sysconfig.get_config_var("EXT_SUFFIX"))
+    source = pathlib.Path(fused.__file__).resolve().parents[1] / "ops" / "_resample.c"
     subprocess.run([cc, "-O3", "-shared", "-fPIC", "-DGPUIO_PORTABLE", f"-I{sysconfig.get_paths()['include']}",
                     "-o", str(path), str(source)], check=True, capture_output=True)
-    spec = importlib.util.spec_from_file_location("_cpuops", path)
+    spec = importlib.util.spec_from_file_location("_resample", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.mark.parametrize("name", list(CHAINS))
-def test_c_resampler_matches_reference(monkeypatch, jpegs, portable_cpuops, name):
+def test_c_resampler_matches_reference(monkeypatch, jpegs, portable_resample, name):
     """The C resampler as built (AVX2 where the CPU has it) and its plain C build
-    (``portable_cpuops``) against the NumPy reference."""
-    require_built(fused._cpuops, "gpuio._cpuops", "is a C compiler installed")
+    (``portable_resample``) against the NumPy reference."""
+    require_built(fused._resample, "gpuio.ops._resample", "is a C compiler installed")
     images = [decode_cpu(b, "rgb", i) for i, b in enumerate(jpegs)]
     images[1] = images[1][::-1, ::2]  # a strided view
     chain = CHAINS[name]()
     op = FusedCropResizeNormalize(chain)
-    plan = op.plan(make_batch(images, field="image"), _sizes(images))
+    plan = op.plan(make_batch(images, field="image"), image_sizes(images))
     mean, inv_std = chain[-1].channel_params(3)
     ref = fused_reference(images, plan, mean, inv_std, interp=op.interp, antialias=op.antialias,
                           layout=chain[-1].layout, dtype=chain[-1].dtype)
-    for module in (fused._cpuops, portable_cpuops):
-        monkeypatch.setattr(fused, "_cpuops", module)
+    for module in (fused._resample, portable_resample):
+        monkeypatch.setattr(fused, "_resample", module)
         out = op(make_batch(images, field="image")).data["image"]
         assert type(out) is type(ref) and len(out) == len(ref)
         for got, want in zip(out, ref):
@@ -123,7 +123,7 @@ def test_c_resampler_matches_reference(monkeypatch, jpegs, portable_cpuops, name
 def test_jpeg_facts_equal_jpeg_info(tree_jpegs, jpegs):
     """libjpeg's header reading (one C call per batch) gives what the Python parser
     gives, on gray, progressive, CMYK and EXIF-rotated JPEGs; zeros for other bytes."""
-    require_built(decode._jpeg, "gpuio._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
+    require_built(decode.native_jpeg(), "gpuio.ops._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
     bufs = tree_jpegs + jpegs
     facts = jpeg_facts(bufs + [np.frombuffer(b"not an image", np.uint8), tree_jpegs[0][:40]])
     assert [facts_info(f) for f in facts[:-2]] == [jpeg_info(b) for b in bufs]
@@ -134,7 +134,7 @@ def test_jpeg_facts_equal_jpeg_info(tree_jpegs, jpegs):
 
 
 def test_region_decode_equals_whole_decode(jpegs):
-    require_built(decode._jpeg, "gpuio._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
+    require_built(decode.native_jpeg(), "gpuio.ops._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
     rng = np.random.default_rng(0)
     facts = jpeg_facts(jpegs)
     assert region_decodable(facts).all()
@@ -157,7 +157,7 @@ def test_region_decode_equals_whole_decode(jpegs):
 def test_dct_scaled_decode_then_resize_is_close_to_full_decode(jpegs):
     """A 1/2, 1/4, 1/8 decode of a large image resized to 1/d of its size or less
     agrees with the full decode resized likewise within 1.5 levels on average."""
-    require_built(decode._jpeg, "gpuio._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
+    require_built(decode.native_jpeg(), "gpuio.ops._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
     data = jpegs[4]  # 333 x 517
     info = jpeg_info(data)
     whole = decode_cpu(data, "rgb", 0)
@@ -200,16 +200,16 @@ def test_decode_fused_matches_decode_then_ops(monkeypatch, tree_jpegs, jpegs, na
         assert levels(s, w, CHAINS[name]()[-1]).mean() < 1.5
 
 
-@pytest.mark.parametrize("missing", [("_cpuops", "_jpeg"), ("_jpeg",)])
+@pytest.mark.parametrize("missing", [("_resample", "_jpeg"), ("_jpeg",)])
 def test_decode_fused_without_c_modules_matches(monkeypatch, tree_jpegs, missing):
     """Where neither C module was built the same pipeline decodes whole images and runs
     the ops one by one (equal results); without the region decoder alone it decodes
     whole images with simplejpeg and resamples in C (within Pillow's 1 level)."""
     want = run(CHAINS["rrc-flip"](), tree_jpegs, fuse=False).data["image"]
     for name in missing:
-        monkeypatch.setattr(fused if name == "_cpuops" else decode, name, None)
+        monkeypatch.setattr(fused if name == "_resample" else decode, name, None)
     got = run(CHAINS["rrc-flip"](), tree_jpegs, fuse=True).data["image"]
-    assert levels(got, want, CHAINS["rrc-flip"]()[-1]).max() <= (0.0 if "_cpuops" in missing else 1.0 + 1e-3)
+    assert levels(got, want, CHAINS["rrc-flip"]()[-1]).max() <= (0.0 if "_resample" in missing else 1.0 + 1e-3)
 
 
 def test_decode_fused_bad_samples(monkeypatch, tree_jpegs):
@@ -253,7 +253,7 @@ def scalar_rrc_box(op, batch, row, h, w):
 @pytest.mark.parametrize("scale, ratio", [((0.08, 1.0), (3 / 4, 4 / 3)), ((0.9, 1.0), (0.2, 5.0)),
                                           ((0.5, 0.5), (1.0, 1.0))])
 def test_batch_draws_equal_per_row_generators(scale, ratio):
-    """The random crops and flips drawn for a whole batch at once (``ops._streams``)
+    """The random crops and flips drawn for a whole batch at once (``ops._rng``)
     equal those of one NumPy generator per row (``batch.rng``), for seeds of one and
     two 32-bit words, crops that fit at once, after retries, never (the centered
     fallback), whole-image crops (no offset drawn) and rows without a size."""
@@ -276,13 +276,13 @@ def test_batch_draws_equal_per_row_generators(scale, ratio):
 def test_decode_resample_checks_its_arguments(jpegs):
     """Arguments that do not fit are a ValueError before any decoding; a window outside
     the image is that image's failure (the others are decoded)."""
-    require_built(decode._jpeg, "gpuio._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
+    require_built(decode.native_jpeg(), "gpuio.ops._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
     data = jpegs[0]  # 120 x 160
 
     def call(denoms, clips, out, interp=1):
         n = len(denoms)
         boxes = np.concatenate([clips[:, :2], clips[:, 2:] - clips[:, :2]], axis=1).astype(np.float64)
-        return decode._jpeg.decode_resample([data] * n, np.array(denoms, np.int64), False, boxes, clips,
+        return decode.native_jpeg().decode_resample([data] * n, np.array(denoms, np.int64), False, boxes, clips,
                                             np.full((n, 2), 8, np.int64), np.arange(n, dtype=np.int64) * 192,
                                             np.zeros(n, np.int64), np.zeros(3, np.float32), np.ones(3, np.float32),
                                             out, interp, True, True, False)

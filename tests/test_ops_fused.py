@@ -12,7 +12,7 @@ from gpuio.batch import Batch, sample_seeds
 from gpuio.device import Device
 from gpuio.ops import fused
 from gpuio.ops.fused import DecodeFused, FusedCropResizeNormalize, fused_reference, to_region
-from gpuio.ops.geometry import _sizes
+from gpuio.ops.geometry import image_sizes
 from gpuio.sample import make_image_tree
 from tests.conftest import to_host
 
@@ -67,7 +67,7 @@ def test_fused_reference_matches_unfused_cpu_ops(decoded, name):
     fused = FusedCropResizeNormalize(chain)
     unfused = ops.Compose(chain, fuse=False)(fresh(decoded)).data["image"]
     batch = fresh(decoded)
-    plan = fused.plan(batch, _sizes(decoded))
+    plan = fused.plan(batch, image_sizes(decoded))
     assert plan["ok"].all()
     mean, inv_std = chain[-1].channel_params(3)
     ref = fused_reference(decoded, plan, mean, inv_std, interp=fused.interp, antialias=fused.antialias,
@@ -116,7 +116,7 @@ def test_fused_plan_rejects_small_images(decoded):
     chain = [ops.center_crop(1000), ops.resize(shorter=10), ops.center_crop(5), ops.normalize()]
     batch = fresh(decoded[:2])
     batch.on_error = "skip"
-    hw = _sizes(decoded[:2])
+    hw = image_sizes(decoded[:2])
     hw[1] = (1200, 1300)
     plan = FusedCropResizeNormalize(chain).plan(batch, hw)
     assert plan["ok"].tolist() == [False, True] and [i for i, _ in batch.errors] == [100]
@@ -131,9 +131,9 @@ def test_window_a_fused_chain_decodes(decoded, name):
     output from the window's pixels as the plan from the whole image, bit for bit."""
     chain = CHAINS[name]()
     op = FusedCropResizeNormalize(chain)
-    plan = op.plan(fresh(decoded), _sizes(decoded))
+    plan = op.plan(fresh(decoded), image_sizes(decoded))
     if name.startswith("rrc"):
-        crops, ok = chain[0].boxes(fresh(decoded), _sizes(decoded))
+        crops, ok = chain[0].boxes(fresh(decoded), image_sizes(decoded))
         assert ok.all()
         want = np.concatenate([crops[:, :2], crops[:, :2] + crops[:, 2:4]], axis=1)
         assert plan["clip"].tolist() == want.tolist()

@@ -14,7 +14,7 @@ from gpuio import ops
 from gpuio.batch import Batch, sample_seeds
 from gpuio.ops._kernels import _NPARAM, SOURCE
 from gpuio.ops.fused import FusedCropResizeNormalize, fused_reference
-from gpuio.ops.geometry import _sizes
+from gpuio.ops.geometry import image_sizes
 from gpuio.sample import sample_image
 
 HARNESS = r"""
@@ -108,7 +108,7 @@ def test_kernel_source_matches_reference(kernels, images, k):
     fused = FusedCropResizeNormalize(chain)
     index = np.arange(len(images))
     batch = Batch({"image": list(images)}, index, sample_seeds(1, 0, index))
-    plan = fused.plan(batch, _sizes(images))
+    plan = fused.plan(batch, image_sizes(images))
     norm = chain[-1]
     mean, inv_std = norm.channel_params(3)
     args = dict(interp=fused.interp, antialias=fused.antialias, layout=norm.layout, dtype=norm.dtype)

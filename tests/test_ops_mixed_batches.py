@@ -21,7 +21,7 @@ from gpuio.device import parse_device
 from gpuio.errors import ConfigError
 from gpuio.ops._kernels import SOURCE, channel_groups, check_images, launch_params, split_output
 from gpuio.ops.fused import FusedCropResizeNormalize
-from gpuio.ops.geometry import _sizes
+from gpuio.ops.geometry import image_sizes
 from gpuio.sample import sample_image
 
 from test_ops_kernel import CXX, HARNESS
@@ -93,7 +93,7 @@ def test_mixed_channel_batch_through_the_kernel_host_side(launch, k):
     images = mixed_images()
     chain = CHAINS[k]()
     fused = FusedCropResizeNormalize(chain)
-    plan = fused.plan(batch_of(images), _sizes(images))
+    plan = fused.plan(batch_of(images), image_sizes(images))
     norm = chain[-1]
     dtype = np.uint8 if norm.dtype == "uint8" else np.float32
     got = host_kernel(launch, images, plan, norm.channel_params, fused.interp, fused.antialias, norm.layout, dtype)

@@ -47,18 +47,35 @@ def test_help_shows_formats_and_ops():
     assert {"formats", "ops"} <= set(submodules)
 
 
+def _package_roots() -> dict[str, Path]:
+    """Each import package of the distribution and its folder, as pyproject.toml maps them."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = project["package-dir"]
+    roots = {}
+    for package in project["packages"]:
+        parent = max((p for p in dirs if package == p or package.startswith(p + ".")), key=len)
+        roots[package] = REPO / dirs[parent] / Path(*package[len(parent):].split(".")[1:])
+    return roots
+
+
 def _gpuio_modules() -> dict[str, Path]:
-    """Every module of the gpuio package, by dotted name, as installed (formats/ and ops/ too)."""
-    roots = {"gpuio": REPO / "gpuio", "gpuio.formats": REPO / "formats", "gpuio.ops": REPO / "ops"}
+    """Every Python module of the gpuio package, by dotted name, as installed (formats/, ops/,
+    bench/ and the sub-packages too)."""
     modules = {}
-    for package, root in roots.items():
-        for path in root.rglob("*.py"):
-            rel = path.relative_to(root).with_suffix("").parts
-            if rel[0] in ("formats", "ops") and package == "gpuio":
-                continue
-            name = ".".join((package, *rel)).removesuffix(".__init__")
-            modules[name] = path
+    for package, root in _package_roots().items():
+        for path in root.glob("*.py"):
+            modules[".".join((package, path.stem)).removesuffix(".__init__")] = path
     return modules
+
+
+def _compiled_modules() -> set[str]:
+    """The C extensions pyproject.toml builds (they import no gpuio module)."""
+    import tomllib
+
+    return {m["name"] for m in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+            ["ext-modules"]}
 
 
 def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
@@ -84,7 +101,7 @@ def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> s
 
 def test_no_import_cycles_among_gpuio_modules():
     modules = _gpuio_modules()
-    compiled = {f"gpuio.{c.stem}" for c in (REPO / "gpuio").glob("*.c")}  # C extensions import no gpuio module
+    compiled = _compiled_modules()
     known = set(modules) | compiled
     graph = {m: _imports(ast.parse(p.read_text()), m, p.name == "__init__.py", known) - {m}
              for m, p in modules.items()}
@@ -107,7 +124,70 @@ def test_no_import_cycles_among_gpuio_modules():
     for m in sorted(graph):
         if m not in state:
             visit(m)
-    assert {"gpuio.index", "gpuio.storage", "gpuio.cli", "gpuio.formats.tfrecord"} <= known
+    assert {"gpuio.index", "gpuio.storage.reader", "gpuio.pipeline.loader", "gpuio.cli", "gpuio.formats.tfrecord",
+            "gpuio.bench.images", "gpuio.ops._jpeg", "gpuio.storage._readloop"} <= known
+
+
+def _private_uses(tree: ast.AST, module: str, modules: set[str]) -> list[str]:
+    """Where ``module`` takes a private name (``_x``) out of another module: ``from m import
+    _x`` of anything but a private module, or ``m._x`` on a module it imported."""
+    imported: dict[str, str] = {}  # local name -> module
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in modules:
+                    imported[a.asname or a.name] = full
+                elif a.name.startswith("_") and node.module != module:
+                    found.append(f"line {node.lineno}: from {node.module} import {a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.name in modules:
+                    imported[a.asname] = a.name
+    own = _defined_private_names(tree)
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        base = node.value.id if isinstance(node.value, ast.Name) else None
+        if base in imported and imported[base] != module:  # another module's private name
+            found.append(f"line {node.lineno}: {base}.{node.attr}")
+        elif base not in imported and base not in ("self", "cls") and node.attr not in own \
+                and node.attr not in _PUBLIC_BY_CONVENTION:  # another class's private attribute
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+# underscore names that are public API of the standard library's objects
+_PUBLIC_BY_CONVENTION = {"_exit", "_fields", "_asdict", "_replace", "_make", "_field_defaults", "_getframe"}
+
+
+def _defined_private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines itself: functions, classes, assignments
+    (``_x = ...``, ``self._x = ...``) and ``__slots__`` entries."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_"):
+            names.add(node.value)  # __slots__ entries, setattr names
+    return {n for n in names if n.startswith("_")}
+
+
+def test_no_module_takes_another_module_s_private_names():
+    """A module may import a private module of the package (``gpuio.storage._posix``), but
+    never a private name out of another module (``from gpuio.ops.decode import _bytes``,
+    ``decode._jpeg``): what is shared has a public name in its one home."""
+    modules = _gpuio_modules()
+    known = set(modules) | _compiled_modules()
+    found = {name: uses for name, path in sorted(modules.items())
+             if (uses := _private_uses(ast.parse(path.read_text()), name, known))}
+    assert not found, "private names taken from other modules: " + "; ".join(
+        f"{name} ({', '.join(uses)})" for name, uses in found.items())
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuio.errors import ConfigError
-from gpuio.plan import build_plan
+from gpuio.storage.plan import build_plan
 
 
 def run_plan(plan, files, file_ids, offsets, lengths):
@@ -149,7 +149,7 @@ def test_given_order_reads_split_into_tasks():
 def test_a_file_per_sample_plans_as_the_general_given_order_path(extents, task_size, streams, rnd):
     """The shortcut for a file tree (every sample in a file of its own, no read to split)
     gives the plan the general path gives."""
-    from gpuio.plan import _given_order_plan
+    from gpuio.storage.plan import _given_order_plan
 
     offset, length = (np.array(c, dtype=np.int64) for c in zip(*extents))
     file = np.array(rnd.sample(range(1000), len(extents)), dtype=np.int64)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import gpuio
-from gpuio.buffers import BufferPool
+from gpuio.storage.buffers import BufferPool
 from gpuio.errors import BufferBudgetError, ConfigError, OutOfRangeError, StorageError
 from gpuio.index import Extents, SampleIndex
-from gpuio._posix import native_available
+from gpuio.storage._posix import native_available
 from gpuio.storage import Reader
 
 from conftest import to_host
@@ -26,7 +26,7 @@ SIZES = [0, 1, 511, 4095, 4096, 4097, 100_000, 3 << 20]
 def read_loop(request):
     """Every test here runs with the C read loop and with the pure-Python one."""
     if request.param == "native" and not native_available():
-        pytest.fail("the C accelerator gpuio._native was not built: is a C compiler installed?")
+        pytest.fail("the C accelerator gpuio.storage._readloop was not built: is a C compiler installed?")
     with gpuio.config.override(native=request.param == "native"):
         yield request.param
 
@@ -193,7 +193,7 @@ def test_no_threads_left_after_close(tmp_path):
 
 
 def test_handle_cache_bounds_open_files_and_never_closes_one_in_use(tmp_path):
-    from gpuio._handles import HandleCache
+    from gpuio.storage._handles import HandleCache
 
     paths, _ = write_files(tmp_path, [10] * 6)
     closed = []
@@ -332,7 +332,7 @@ def test_large_extents_read_as_a_few_streams(tmp_path, o_direct):
 def drop_from_page_cache(paths):
     """Flush and evict the files' pages; the number of their pages still cached after (by
     cachestat), or None where the kernel cannot say."""
-    from gpuio._posix import cached_pages
+    from gpuio.storage._posix import cached_pages
 
     left = 0
     for path in paths:
@@ -352,7 +352,7 @@ def drop_from_page_cache(paths):
 def test_file_pages_by_path_agrees_with_cachestat_on_a_descriptor(tmp_path):
     """The cold check's page count of a file range by path is what ``cached_pages``
     counts on an open descriptor, and None for a file that does not open."""
-    from gpuio._posix import PosixBackend, cached_pages
+    from gpuio.storage._posix import PosixBackend, cached_pages
 
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(10 * 4096 + 5))
@@ -399,7 +399,7 @@ def test_cold_large_reads_go_around_the_page_cache(tmp_path):
     """A batch of long reads that the page cache does not hold is read with O_DIRECT (it
     stays out of the page cache), unaligned extents of odd sizes exactly; once the files
     are cached, the same batch is copied from the page cache."""
-    from gpuio._posix import cached_pages
+    from gpuio.storage._posix import cached_pages
 
     sizes = [(5 << 20) + 4097, (3 << 20) + 1]
     paths, blobs = write_files(tmp_path, sizes)
@@ -408,7 +408,7 @@ def test_cold_large_reads_go_around_the_page_cache(tmp_path):
     expected = [blobs[1][offsets[1]:], blobs[0][offsets[0]:]]
     cold = drop_from_page_cache(paths) == 0  # False where cachestat or the drop is missing (tmpfs)
     with gpuio.config.override(task_size=1 << 20, io_threads=4), Reader("cpu") as reader:
-        plan = gpuio.plan.build_plan(np.arange(2), offsets, np.array(sizes) - offsets, task_size=1 << 20)
+        plan = gpuio.storage.plan.build_plan(np.arange(2), offsets, np.array(sizes) - offsets, task_size=1 << 20)
         assert reader.backend.reads_cold_direct(plan, index.files) == cold
         assert [a.tobytes() for a in reader.read(index, [1, 0])] == expected
         if cold:
@@ -431,7 +431,7 @@ def test_cold_large_reads_go_around_the_page_cache(tmp_path):
 def test_cold_small_files_go_around_the_page_cache_short_records_do_not(tmp_path):
     """Files of 100 KB, odd sizes, cold: read with O_DIRECT (they stay uncached); reads of
     a few KiB (records) stay buffered."""
-    from gpuio._posix import cached_pages
+    from gpuio.storage._posix import cached_pages
 
     sizes = [100_000 + 37 * i for i in range(12)]
     paths, blobs = write_files(tmp_path, sizes)
@@ -446,7 +446,7 @@ def test_cold_small_files_go_around_the_page_cache_short_records_do_not(tmp_path
             left.append(cached_pages(fd, 0, os.path.getsize(p)))
             os.close(fd)
         assert left[5] == left[0] == 0 or not cold
-        short = gpuio.plan.build_plan(np.arange(12), np.zeros(12), np.full(12, 8000))
+        short = gpuio.storage.plan.build_plan(np.arange(12), np.zeros(12), np.full(12, 8000))
         assert not reader.backend.reads_cold_direct(short, index.files)
 
 
@@ -468,7 +468,7 @@ def test_large_extent_of_a_truncated_file_names_path_and_offset(tmp_path, mode):
 def test_o_direct_reads_skip_the_page_cache_pass(tmp_path, read_loop, monkeypatch):
     """Under O_DIRECT a read with RWF_NOWAIT waits for the disk, so the first pass (one
     thread per core, meant for page-cache copies) is skipped: io_threads read it all."""
-    from gpuio._posix import PosixBackend
+    from gpuio.storage._posix import PosixBackend
 
     paths, blobs = write_files(tmp_path, [100_000] * 8)
     phases = []

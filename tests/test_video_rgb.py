@@ -1,4 +1,4 @@
-"""decode_video's YUV 4:2:0 -> RGB24 in C (gpuio/_video.c) against PyAV's swscale.
+"""decode_video's YUV 4:2:0 -> RGB24 in C (ops/_video.c) against PyAV's swscale.
 
 The C conversion writes straight into the clip's array; it is used only where it gives
 the bytes of ``VideoFrame.to_ndarray(format="rgb24")``, which ops.video checks once per
@@ -16,7 +16,7 @@ from test_video import decode, full_decode, write_video
 import gpuio.ops.video as video_ops
 from gpuio.formats import video
 
-pytestmark = pytest.mark.skipif(video_ops._video is None, reason="gpuio._video was not built (no C compiler)")
+pytestmark = pytest.mark.skipif(video_ops._video is None, reason="gpuio.ops._video was not built (no C compiler)")
 
 # (pixel format, AVColorSpace, AVColorRange): unspecified/limited, BT.709 limited, JPEG full, BT.2020 full
 SETTINGS = [("yuv420p", 2, 0), ("yuv420p", 1, 1), ("yuvj420p", 2, 2), ("yuv420p", 9, 2)]

@@ -21,12 +21,12 @@ import numpy as np
 
 from gpuio import config
 from gpuio._fork import RenewedLock
-from gpuio.buffers import BufferPool, Lease, default_pool
+from gpuio.storage.buffers import BufferPool, Lease, default_pool
 from gpuio.device import Device, check_cuda, cuda_available, parse_device, require
 from gpuio.errors import ConfigError, OutOfRangeError
-from gpuio._fielddecode import Rows, decode, decoded_fields
-from gpuio.index import Ragged, SampleIndex, register_sample_reader
-from gpuio.plan import build_plan
+from gpuio.storage._fielddecode import Rows, decode, decoded_fields
+from gpuio.index import Ragged, SampleIndex
+from gpuio.storage.plan import build_plan
 
 __all__ = ["Reader", "read", "read_fields", "read_sample"]
 
@@ -51,7 +51,7 @@ class Reader:
         backend = config.get("backend") if backend is None else backend
         self.fallback: str | None = None  # why "auto" did not pick kvikio for a GPU reader
         if backend == "auto" and self.device.is_cuda:
-            from gpuio._kvikio import kvikio_problem  # imports kvikio: only for GPU readers
+            from gpuio.storage._kvikio import kvikio_problem  # imports kvikio: only for GPU readers
 
             self.fallback = kvikio_problem()
             backend = "posix" if self.fallback else "kvikio"
@@ -59,14 +59,14 @@ class Reader:
             backend = "posix"  # the backend governs device reads only (see the docstring)
         threads = config.get("io_threads") if threads is None else threads
         if backend == "kvikio":
-            from gpuio._kvikio import KvikioBackend
+            from gpuio.storage._kvikio import KvikioBackend
 
             self.backend: Any = KvikioBackend(threads, config.get("task_size"),
                                               config.get("kvikio_compat"), config.get("max_open_files"))
         elif backend == "posix":
-            from gpuio._posix import PosixBackend
+            from gpuio.storage._posix import PosixBackend
 
-            from gpuio._posix import native_available
+            from gpuio.storage._posix import native_available
 
             self.backend = PosixBackend(threads, config.get("o_direct"), thread_name,
                                         native=config.get("native") and native_available())
@@ -90,7 +90,7 @@ class Reader:
         """Read one extent field of ``rows``; returns the buffer and each sample's
         (start, length) in it. The buffer goes back to the pool when no view remains."""
         rows = _check_rows(index, rows)
-        ext = index._extents(field)
+        ext = index.field_extents(field)
         extents = (ext.file[rows], ext.offset[rows], ext.length[rows])
         plan = build_plan(*extents, gap=self.gap, align=self.backend.align, task_size=self.task_size,
                           streams=self.streams)
@@ -166,7 +166,7 @@ def read_fields(index: SampleIndex, rows: Sequence[int] | np.ndarray, fields: Se
                 device: str | Device = "cpu", *, reader: Reader | None = None,
                 stacked: bool = False) -> dict[str, Any]:
     """Several fields of ``rows``: extent fields as lists of uint8 arrays (decoded, as
-    ``index.meta["decode"]`` says, by ``gpuio._fielddecode``), dense value fields as
+    ``index.meta["decode"]`` says, by ``gpuio.storage._fielddecode``), dense value fields as
     arrays with one row per sample, ragged and parsed fields as lists. With ``stacked``,
     a decoded field whose arrays share one shape and dtype is one ``[B, ...]`` array (a
     view of the read buffer) instead of a list of its rows."""
@@ -219,7 +219,6 @@ def _host_value(value: Any, raw: bool = True) -> Any:
     return value
 
 
-register_sample_reader(read_sample)
 
 
 # The readers behind gpuio.read, one per device and settings, the most recent few kept.

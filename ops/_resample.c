@@ -1,7 +1,7 @@
 /* CPU image ops for gpuio.ops, run with the GIL released.
  *
  * resample(): crop -> resize -> flip -> normalize -> layout -> cast for a whole batch
- * of uint8 HWC images in one call (gpuio/_resample.h, which gpuio/_jpeg.c shares).
+ * of uint8 HWC images in one call (ops/_resample.h, which ops/_jpeg.c shares).
  */
 #include "_resample.h"
 
@@ -73,6 +73,6 @@ static PyMethodDef methods[] = {
      "to_uint8): see gpuio.ops.fused"},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._cpuops", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio.ops._resample", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__cpuops(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__resample(void) { return PyModule_Create(&module); }

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuio._deferred import release_after
+from gpuio.storage._deferred import release_after
 from gpuio._fork import renew_after_fork
 from gpuio.device import Device, require
 
@@ -81,7 +81,7 @@ class Stage:
 
     ``holds(payload)``, for a GPU stage, returns what of the payload the stage's kernels
     may read (arrays made on earlier stages' streams): it is kept alive until the
-    stage's stream has passed the stage's work (``gpuio._deferred``), so that no
+    stage's stream has passed the stage's work (``gpuio.storage._deferred``), so that no
     other stream gets that memory while the reads are queued."""
 
     name: str
@@ -130,6 +130,12 @@ class Executor:
         self._name = name
         self.wait_s = 0.0  # time the consumer spent waiting in get()
         renew_after_fork(self)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the executor holds now: items waiting before each stage (and for the
+        consumer) and the most items it keeps in flight."""
+        names = [s.name for s in self.stages]
+        return {"queues": {name: q.qsize() for name, q in zip(names, self._queues)}, "window": self._window}
 
     def _after_fork(self) -> None:
         self._forked = True  # the threads stayed in the parent; locks they held stay held

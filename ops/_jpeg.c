@@ -1,4 +1,4 @@
-/* JPEG decoding for gpuio.ops on the CPU, fused with the resampler of gpuio/_resample.h,
+/* JPEG decoding for gpuio.ops on the CPU, fused with the resampler of ops/_resample.h,
  * run with the GIL released. Built where jpeglib.h and libjpeg exist; elsewhere gpuio
  * decodes whole images with simplejpeg.
  *
@@ -392,7 +392,7 @@ static PyMethodDef methods[] = {
     {"decode_resample", decode_resample, METH_VARARGS,
      "decode_resample(images, denoms, gray, boxes, clips, out_hw, offsets, flips, mean, inv_std, out, interp, "
      "antialias, chw, to_uint8) -> [(row, message)] of the images that failed: each image decoded where its clip "
-     "reads, DCT-scaled by 1/denom (the box and clip in full-image pixels), then resampled as gpuio._cpuops.resample"},
+     "reads, DCT-scaled by 1/denom (the box and clip in full-image pixels), then resampled as gpuio.ops._resample.resample"},
     {"decode_region", decode_region, METH_VARARGS,
      "decode_region(data, gray, denom, y0, x0, y1, x1, out): rows y0..y1, columns x0..x1 of the 1/denom-scaled "
      "image, HWC uint8 into out; ValueError saying why it failed"},
@@ -400,6 +400,6 @@ static PyMethodDef methods[] = {
      "stage_times() -> (decode, resample): CPU seconds decode_resample has spent in each, all threads"},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._jpeg", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio.ops._jpeg", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__jpeg(void) { return PyModule_Create(&module); }

@@ -453,6 +453,6 @@ static PyMethodDef methods[] = {
      "power(spec, out): |spec|**2 of complex64 values into float32 out (as NumPy's squares and sum)"},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._audio", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio.ops._audio", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__audio(void) { return PyModule_Create(&module); }

@@ -34,11 +34,11 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-from gpuio._handles import HandleCache
-from gpuio.buffers import Lease
+from gpuio.storage._handles import HandleCache
+from gpuio.storage.buffers import Lease
 from gpuio.errors import DependencyError, StorageError, open_error, truncated_error
 from gpuio.index import PathTable
-from gpuio.plan import ReadPlan
+from gpuio.storage.plan import ReadPlan
 
 __all__ = ["NVIDIA_FS", "KvikioBackend", "compat_mode_active", "gds_status", "kvikio_problem", "load"]
 
@@ -155,7 +155,7 @@ class KvikioBackend:
         """Fill the device buffer ``lease`` as the plan says."""
         if self.gds and self.unregistered is None:
             try:
-                lease._storage.register_gds(self._kvikio)
+                lease.register_gds(self._kvikio)
             except RuntimeError as exc:  # cuFile reads unregistered memory too: through its staging buffers
                 self.unregistered = f"cuFile cannot register a {lease.nbytes:,}-byte batch buffer: {exc}"
                 warnings.warn(f"{self.unregistered}; reading into unregistered GPU memory from now on (slower)",

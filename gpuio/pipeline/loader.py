@@ -6,11 +6,11 @@
         for batch in loader:            # one pass = one epoch
             images, labels = batch["image"], batch["label"]
 
-Stages (``gpuio._executor``): ``read`` (the batch's extents with ``gpuio.storage.read_fields``),
+Stages (``gpuio.pipeline._executor``): ``read`` (the batch's extents with ``gpuio.storage.read_fields``),
 ``parse`` (when the index has a parser), one stage per op, ``collate`` (its own stage on a
 GPU, part of the last stage on the CPU); they run
 concurrently on threads, several batches in flight, and batch ``k`` is always yielded
-``k``-th. Sample order and sharding follow ``gpuio._order`` (see ``Loader``).
+``k``-th. Sample order and sharding follow ``gpuio.pipeline.order`` (see ``Loader``).
 """
 
 from __future__ import annotations
@@ -25,18 +25,19 @@ from typing import Any
 
 import numpy as np
 
-from gpuio import _frameworks, config
+from gpuio import config
+from gpuio.pipeline import _frameworks
 from gpuio.batch import Batch, sample_seeds
-from gpuio.buffers import BufferPool, pooled_empty
+from gpuio.storage.buffers import BufferPool, pooled_empty
 from gpuio.device import Device, check_cuda, parse_device, require
 from gpuio.errors import BufferBudgetError, ConfigError, DataError, PipelineError
 from gpuio.index import Ragged, SampleIndex
 from gpuio.storage import Reader, read_fields
-from gpuio._deferred import hand_over
-from gpuio._executor import Executor, Stage, StageStats
-from gpuio._fielddecode import Rows, decoded_fields, host_decoded_fields
-from gpuio._opfields import LoaderBatch, check_op_fields, consumed_fields, flat_ops, image_fields
-from gpuio._order import EpochPlan, epoch_order
+from gpuio.storage._deferred import hand_over
+from gpuio.pipeline._executor import Executor, Stage, StageStats
+from gpuio.storage._fielddecode import Rows, decoded_fields, host_decoded_fields
+from gpuio.pipeline._opfields import LoaderBatch, check_op_fields, consumed_fields, flat_ops, image_fields
+from gpuio.pipeline.order import EpochPlan, epoch_order
 
 __all__ = ["Loader"]
 
@@ -94,7 +95,7 @@ class Loader:
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         output: ``"torch"``, ``"jax"`` or ``"tensorflow"`` (that framework's tensors by
             DLPack, over the same memory: no copy) or ``"numpy"`` (NumPy/CuPy arrays as
-            they are); see ``gpuio._frameworks``. The framework is imported here, so a
+            they are); see ``gpuio.pipeline._frameworks``. The framework is imported here, so a
             missing one is reported when the loader is made.
         shuffle, seed: a global permutation of ``len(index)`` per epoch,
             ``np.random.Generator(np.random.PCG64([seed, epoch])).permutation``.
@@ -160,7 +161,7 @@ class Loader:
     On a GPU the consumer's current stream (torch's, or CuPy's for ``output="numpy"``)
     waits on each batch's last CUDA event before the batch is handed over, and a
     batch's GPU memory is reused only after that stream has passed the point where the
-    consumer dropped the batch (``gpuio._deferred``): use a batch on that stream, or
+    consumer dropped the batch (``gpuio.storage._deferred``): use a batch on that stream, or
     order other streams after it (``torch.Tensor.record_stream``).
     """
 
@@ -616,9 +617,9 @@ class Loader:
                 "samples_per_s": self._samples / seconds if seconds else 0.0,
                 "bytes_per_s": self._bytes / seconds if seconds else 0.0,
                 "stages": {name: s.as_dict() for name, s in self._stage_stats.items()},
-                "queues": ({s.name: q.qsize() for s, q in zip(ex.stages, ex._queues)} if ex is not None else {}),
+                "queues": ex.snapshot()["queues"] if ex is not None else {},
                 "consumer_wait_s": round(self._wait_s + (ex.wait_s if ex is not None else 0.0), 6),
-                "window": ex._window if ex is not None else 0,
+                "window": ex.snapshot()["window"] if ex is not None else 0,
                 "inline": ex is not None and ex.inline,
                 "skipped": self._skipped,
                 "errors": list(self._errors),
@@ -745,7 +746,7 @@ def _columns(w: _Work) -> list[Any]:
 
 def _hand_over(v: Any, stream: int, device: int, cp: Any) -> Any:
     """``v`` (a CuPy array, or a list of values) for the consumer on ``stream``; see
-    ``gpuio._deferred.hand_over``."""
+    ``gpuio.storage._deferred.hand_over``."""
     if isinstance(v, cp.ndarray):
         return hand_over(v, stream, device)
     if isinstance(v, list):

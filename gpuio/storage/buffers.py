@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from gpuio import _fork, config
-from gpuio._deferred import reap
+from gpuio.storage._deferred import reap
 from gpuio.device import Device, parse_device, require
 from gpuio.errors import BufferBudgetError
 
@@ -55,7 +55,7 @@ class _Storage:
     budget counts what is really held, freeing one gives the memory back, cuFile
     registers exactly this allocation, and CuPy's pool never hands it to a stream.
     A device buffer given back is reused only once ``events`` (recorded on the
-    releasing threads' streams) have passed; see ``gpuio._deferred``.
+    releasing threads' streams) have passed; see ``gpuio.storage._deferred``.
     """
 
     def __init__(self, capacity: int, device: Device, pinned: bool) -> None:
@@ -154,6 +154,10 @@ class Lease:
     @property
     def __array_interface__(self) -> dict[str, Any]:
         return self._storage.array[: self.nbytes].__array_interface__
+
+    def register_gds(self, kvikio: Any) -> None:
+        """Register the whole pooled buffer behind this lease with cuFile (once per buffer)."""
+        self._storage.register_gds(kvikio)
 
     @property
     def array(self) -> Any:

@@ -299,10 +299,10 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._native",
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio.storage._readloop",
                                     "Batched preads with the GIL released.", -1, methods};
 
-PyMODINIT_FUNC PyInit__native(void) {
+PyMODINIT_FUNC PyInit__readloop(void) {
     if (!pool_forksafe && pthread_atfork(NULL, NULL, pool_after_fork) == 0) pool_forksafe = 1;
     return PyModule_Create(&module);
 }

@@ -8,7 +8,7 @@ serves, and page-cache copies still run on several cores. A cold batch of reads 
 and more (``cold_direct``, decided by ``reads_cold_direct`` before the plan is made) is
 read with O_DIRECT, around the page cache.
 
-Where the C accelerator (``_native.c``) was built, the task loop runs in C with the GIL
+Where the C accelerator (``_readloop.c``) was built, the task loop runs in C with the GIL
 released for the whole batch, on the calling thread and helper threads of a C pool
 that need no GIL to start or finish (so a Loader's consumer, running Python meanwhile,
 does not hold a batch's copy back). Otherwise the loop runs in
@@ -34,15 +34,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from gpuio._fork import renew_after_fork
-from gpuio.buffers import Lease
+from gpuio.storage.buffers import Lease
 from gpuio.errors import ConfigError, StorageError, open_error, truncated_error
 
 try:
-    from gpuio import _native
+    from gpuio.storage import _readloop
 except ImportError:  # built at install where a C compiler exists; Python reads otherwise
-    _native = None
+    _readloop = None
 from gpuio.index import PathTable
-from gpuio.plan import ReadPlan
+from gpuio.storage.plan import ReadPlan
 
 
 _PARALLEL_COPY = 64 << 10  # mean read size from which cached copies run on several cores
@@ -80,7 +80,7 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
 
 def native_available() -> bool:
     """Whether the C accelerator was built at install."""
-    return _native is not None
+    return _readloop is not None
 
 
 class PosixBackend:
@@ -91,9 +91,9 @@ class PosixBackend:
     def __init__(self, threads: int = 16, o_direct: bool = False, thread_name: str = "gpuio-read",
                  native: bool | None = None) -> None:
         self.threads = max(1, threads)
-        self.native = _native is not None if native is None else native
-        if self.native and _native is None:
-            raise ConfigError("the C accelerator gpuio._native was not built (no C compiler at install?)")
+        self.native = _readloop is not None if native is None else native
+        if self.native and _readloop is None:
+            raise ConfigError("the C accelerator gpuio.storage._readloop was not built (no C compiler at install?)")
         self.thread_name = thread_name
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self._flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -169,7 +169,7 @@ class PosixBackend:
             self._read_python(plan, paths, lease)
 
     def _read_native(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
-        """The C task loop with the GIL released (``_native.c``), on this thread and C
+        """The C task loop with the GIL released (``_readloop.c``), on this thread and C
         helper threads: first one thread per core copies what the page cache holds, then ``io_threads``
         threads read the rest from the disk. Under O_DIRECT, ``io_threads`` threads read
         everything: there ``RWF_NOWAIT`` does not stop at the page cache, the read waits
@@ -214,7 +214,7 @@ class PosixBackend:
 
     def _run_phase(self, common: tuple, stop: np.ndarray, todo: np.ndarray, tail: tuple, *, nowait: bool,
                    workers: int) -> list[tuple[int, int, int, int]]:
-        return _native.run(*common, np.zeros(1, dtype=np.int64), stop, todo, *tail, int(nowait), workers)
+        return _readloop.run(*common, np.zeros(1, dtype=np.int64), stop, todo, *tail, int(nowait), workers)
 
     def _read_python(self, plan: ReadPlan, paths: PathTable, lease: Lease) -> None:
         """The same in Python, where the C accelerator was not built.

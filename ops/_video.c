@@ -129,11 +129,11 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"yuv420_rgb24", yuv420_rgb24, METH_VARARGS, "YUV 4:2:0 planes -> RGB24 into out (see gpuio/_video.c)."},
+    {"yuv420_rgb24", yuv420_rgb24, METH_VARARGS, "YUV 4:2:0 planes -> RGB24 into out (see ops/_video.c)."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_video", NULL, -1, methods, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio.ops._video", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__video(void) {
 #ifdef HAVE_X86

@@ -23,7 +23,7 @@
 enum { OK = 0, CORRUPT = 1, UNSUPPORTED = 2 };
 
 /* The hot functions are inlined into decode_file, which x86-64 builds compile twice
- * (target_clones, as gpuio/_resample.h): for any x86-64, and for x86-64-v3 (BMI2's
+ * (target_clones, as ops/_resample.h): for any x86-64, and for x86-64-v3 (BMI2's
  * shifts by a register and LZCNT: the Rice loop is a chain of them), picked at load. */
 #define HOT static inline __attribute__((always_inline))
 #if defined(__x86_64__)
@@ -555,7 +555,7 @@ static PyMethodDef methods[] = {
      "1 corrupt (byte: the frame's offset), 2 unsupported (decode the file another way)"},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio._flac", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio.ops._flac", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__flac(void) {
     make_tables();

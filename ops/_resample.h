@@ -1,5 +1,5 @@
-/* The fused CPU resampler of gpuio.ops, shared by gpuio/_cpuops.c (decoded images) and
- * gpuio/_jpeg.c (decode + resample per image in one call); runs without the GIL.
+/* The fused CPU resampler of gpuio.ops, shared by ops/_resample.c (decoded images) and
+ * ops/_jpeg.c (decode + resample per image in one call); runs without the GIL.
  *
  * resample_one(): crop -> resize -> flip -> normalize -> layout -> cast of one uint8
  * HWC image, the math of gpuio.ops.fused.fused_reference (the windows and weights of
