@@ -26,26 +26,26 @@ from typing import Any
 import numpy as np
 
 from gpuio import config
-from gpuio.pipeline import _frameworks
 from gpuio.batch import Batch, sample_seeds
-from gpuio.storage.buffers import BufferPool, pooled_empty
 from gpuio.device import Device, check_cuda, parse_device, require
 from gpuio.errors import BufferBudgetError, ConfigError, DataError, PipelineError
-from gpuio.index import Ragged, SampleIndex
-from gpuio.storage import Reader, read_fields
-from gpuio.storage._deferred import hand_over
+from gpuio.index import SampleIndex
+from gpuio.pipeline import _frameworks
+from gpuio.pipeline._collate import Collate
 from gpuio.pipeline._executor import Executor, Stage, StageStats
-from gpuio.storage._fielddecode import Rows, decoded_fields, host_decoded_fields
-from gpuio.pipeline._opfields import LoaderBatch, check_op_fields, consumed_fields, flat_ops, image_fields
+from gpuio.pipeline._opfields import check_op_fields, consumed_fields, flat_ops, image_fields
 from gpuio.pipeline.order import EpochPlan, epoch_order
+from gpuio.storage import Reader, read_fields
+from gpuio.storage._fielddecode import host_decoded_fields
+from gpuio.storage.buffers import BufferPool
 
 __all__ = ["Loader"]
 
 _MAX_ERRORS = 10  # first skipped-sample errors kept for stats()
 # A read-only CPU pass whose consumer spent less than this share of the last pass on its
 # own work (between batches) runs on the consumer's thread: reading ahead could hide at
-# most that share, and handing each batch between threads cost 10-20% of a pass on a
-# 2-core machine (bench/loader.py; bench/RESULTS.md).
+# most that share, and handing each batch between threads costs more than that where
+# cores are few (bench/loader.py measures both).
 _INLINE_BELOW = 0.1
 
 
@@ -106,8 +106,7 @@ class Loader:
             stages' workers (``threads`` per CPU stage, one per GPU stage, one reader)
             batches are in flight, and the next batch is under way while the consumer
             holds one. With none, a stage waits for the consumer to take a batch before it
-            gets the next (a thread round trip per batch: 6% of a read-only loader's time
-            on a 2-core machine); more absorbs a consumer whose time per batch jumps, at
+            gets the next (a thread round trip per batch); more absorbs a consumer whose time per batch jumps, at
             the cost of a batch of buffers each. A loader that only reads (no ``ops``, no
             parsed fields) on the CPU reads a pass on the consumer's thread instead, with
             no read-ahead, when its consumer spent under 10% of the last complete pass
@@ -220,7 +219,8 @@ class Loader:
         self._host_fields = tuple(f for f in read if f not in self._dev_fields)
         self._pool = BufferPool(config.get("buffer_budget"))  # the setting in force here and now
         self._max_in_flight = self._batches_that_fit() - 1  # the consumer holds one more
-        self._raw_fields = set(index.extents) - set(decoded_fields(index))  # bytes, not decoded values
+        # the last stage (it holds no reference to the loader: the stage threads must not keep it alive)
+        self._collate = Collate(index, self._source, self._notes, self.device, output, self._framework)
         names = [getattr(op, "name", None) or _op_name(op) for op in self.ops]
         self._op_names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
         self._epoch = 0
@@ -326,7 +326,7 @@ class Loader:
                     raise self._pipeline_error(item.stage or "?", item.payload, item.error) from item.error
                 (out, real), event = item.payload, item.event
                 del item  # while the next batch is awaited, the consumer's hold is the only one
-                batch = self._handoff(out, event)
+                batch = self._collate.hand_off(out, event)
                 del out, event
                 self._pos += 1
                 with self._lock:
@@ -395,10 +395,10 @@ class Loader:
             stages.append(Stage(name, functools.partial(_weak(self._run_op), op, name), workers=cpu_workers,
                                 gpu=self.device.is_cuda, holds=_columns))
         if self.device.is_cuda:  # its own stream: the hand-off waits on its event
-            stages.append(Stage("collate", _weak(self._collate), workers=1, gpu=True, holds=_columns))
+            stages.append(Stage("collate", self._collate, workers=1, gpu=True, holds=_columns))
         else:  # on the CPU, collating in the last stage's worker saves a queue hop
             last = stages[-1]
-            stages[-1] = Stage(last.name, _then(last.fn, _weak(self._collate)), last.workers)
+            stages[-1] = Stage(last.name, _then(last.fn, self._collate), last.workers)
         return stages
 
     def _read_rows(self, src: np.ndarray) -> dict[str, Any]:
@@ -412,22 +412,7 @@ class Loader:
         return out
 
     def _read(self, w: _Work) -> _Work:
-        try:
-            w.data = self._read_rows(w.src)
-        except DataError:
-            if self.on_error != "skip":
-                raise
-            bad = []
-            for j in range(len(w.src)):  # find the bad samples one by one
-                try:
-                    self._read_rows(w.src[j: j + 1])
-                except DataError as one:
-                    bad.append(j)
-                    self._skip(int(w.src[j]), "read", one)
-            if not bad:  # the batch failed but no single sample does: not a sample's fault
-                raise
-            w.keep(np.delete(np.arange(len(w.src)), bad))
-            w.data = self._read_rows(w.src)
+        w.data = self._without_bad_samples(w, "read", lambda rows: self._read_rows(w.src[rows]))
         w.nbytes = sum(int(self.index.extents[f].length[w.src].sum()) for f in self._host_fields + self._dev_fields
                        if f in self.index.extents)
         with self._lock:
@@ -446,24 +431,32 @@ class Loader:
             paths = self.index.files.many(ext.file[src])
             return parser.parse(records, src, paths, ext.offset[src])
 
+        values = self._without_bad_samples(w, "parse", parse)
+        w.data.update({f: values[f] for f in self._parsed})
+        self._make_batch(w)
+        return w
+
+    def _without_bad_samples(self, w: _Work, stage: str, attempt: Any) -> Any:
+        """``attempt(rows)`` on every row of ``w``. Under ``on_error="skip"``, when it raises
+        a ``DataError``, each row is tried alone: the rows that fail are skipped (counted,
+        named in ``stats()``) and dropped from ``w``, and the rest tried again together."""
         rows = np.arange(len(w.src))
         try:
-            values = parse(rows)
+            return attempt(rows)
         except DataError:
             if self.on_error != "skip":
                 raise
             bad = []
-            for j in rows.tolist():
+            for j in rows.tolist():  # find the bad samples one by one
                 try:
-                    parse(rows[j: j + 1])
+                    attempt(rows[j: j + 1])
                 except DataError as one:
                     bad.append(j)
-                    self._skip(int(w.src[j]), "parse", one)
+                    self._skip(int(w.src[j]), stage, one)
+            if not bad:  # the batch failed but no single sample does: not a sample's fault
+                raise
             w.keep(np.delete(rows, bad))
-            values = parse(np.arange(len(w.src)))
-        w.data.update({f: values[f] for f in self._parsed})
-        self._make_batch(w)
-        return w
+            return attempt(np.arange(len(w.src)))
 
     def _make_batch(self, w: _Work) -> None:
         data = {f: w.data[src] for f, src in self._source.items()}
@@ -496,56 +489,6 @@ class Loader:
         b.drop_rejected()
         w.batch = b
         return w
-
-    def _collate(self, w: _Work) -> tuple[dict[str, Any], int]:
-        b = w.batch
-        xp = b.xp
-        out = {name: self._column(name, col, xp) for name, col in b.data.items() if name not in self._notes}
-        index = np.asarray(b.index, dtype=np.int64)
-        out["index"] = xp.asarray(index) if self.device.is_cuda else index
-        return out, int((index >= 0).sum())
-
-    def _column(self, name: str, col: Any, xp: Any) -> Any:
-        cuda = self.device.is_cuda
-        if isinstance(col, np.ndarray):
-            return xp.asarray(col) if cuda else col
-        if not isinstance(col, list) or not col:
-            return col
-        first = col[0]
-        if isinstance(first, np.generic):  # parsed scalars (labels): one array
-            if all(type(a) is type(first) for a in col):
-                col = np.asarray(col, dtype=first.dtype)
-                return xp.asarray(col) if cuda else col
-            return col
-        if not _is_array(first):
-            return col
-        src = self._source.get(name, name)
-        if isinstance(self.index.values.get(src), Ragged) or (
-                src in self._raw_fields and first.ndim == 1 and first.dtype == np.uint8):
-            return col  # ragged by nature (boxes, raw bytes): a list, even when a batch's rows agree
-        stacked = _stack(col, xp)
-        if stacked is None:
-            return col
-        return xp.asarray(stacked) if cuda else stacked
-
-    # ---- hand-off -----------------------------------------------------------------------
-    def _handoff(self, out: dict[str, Any], event: Any) -> dict[str, Any]:
-        torch = self._framework if self.output == "torch" else None
-        if event is not None:  # the consumer's stream waits for the batch's kernels
-            cp = require("cupy")
-            device = self.device.index
-            with cp.cuda.Device(device):
-                if torch is not None:
-                    consumer = torch.cuda.current_stream(device).cuda_stream
-                else:
-                    consumer = cp.cuda.get_current_stream().ptr
-                cp.cuda.runtime.streamWaitEvent(consumer, event.ptr)
-            if self.output in ("jax", "tensorflow"):  # no handle on their streams: the batch is done first
-                event.synchronize()
-            # the memory goes back only after the consumer's stream is done with it
-            out = {name: _hand_over(v, consumer, device, cp) for name, v in out.items()}
-        out = {name: _frameworks.convert(v, self.output, self._framework) for name, v in out.items()}
-        return LoaderBatch(out, self._notes)
 
     # ---- errors and stats ------------------------------------------------------------
     def _skip(self, sample: int, stage: str, err: BaseException, fields: Sequence[str] = ()) -> None:
@@ -678,10 +621,6 @@ def _close_readers(readers: dict[str, Reader]) -> None:
     readers.clear()
 
 
-def _is_array(a: Any) -> bool:
-    return isinstance(a, np.ndarray) or hasattr(a, "__cuda_array_interface__")
-
-
 def _batch_bytes_bound(length: np.ndarray, batch_size: int, gap: int, align: int) -> int:
     """The most bytes a read plan of ``batch_size`` of these extents can span: the
     largest extents, plus per read the merge gap and the alignment padding."""
@@ -690,32 +629,6 @@ def _batch_bytes_bound(length: np.ndarray, batch_size: int, gap: int, align: int
         return 0
     largest = np.partition(np.asarray(length, dtype=np.int64), len(length) - n)[len(length) - n:]
     return int(largest.sum()) + n * (gap + 2 * (align - 1))
-
-
-def _stack(rows: list[Any], xp: Any) -> Any:
-    """``rows`` (arrays) as one ``[B, ...]`` array on their device, or ``None`` where they
-    differ in shape, dtype or array type. No copy where they are the rows of one array:
-    a ``Rows`` that the ops left as it was read and decoded (no check per row), or arrays
-    back to back in one buffer in row order (one view of it). Else a copy; on the host
-    into a pooled, page-aligned buffer (JAX takes only 64-byte aligned memory without a
-    copy)."""
-    whole = rows.stacked() if isinstance(rows, Rows) else None
-    if whole is not None:
-        return whole
-    first = rows[0]
-    kind, shape, dtype = type(first), first.shape, first.dtype
-    if any(type(a) is not kind or a.shape != shape or a.dtype != dtype for a in rows):
-        return None
-    xp = np if isinstance(first, np.ndarray) else xp  # host rows of a GPU batch stack on the host
-    if first.flags.c_contiguous and first.nbytes:
-        ptr = (lambda a: a.__array_interface__["data"][0]) if xp is np else (lambda a: a.data.ptr)
-        base, step = ptr(first), first.nbytes
-        if all(a.flags.c_contiguous and ptr(a) == base + i * step for i, a in enumerate(rows)):
-            return xp.lib.stride_tricks.as_strided(first, shape=(len(rows), *first.shape),
-                                                   strides=(step, *first.strides))
-    if xp is np:
-        return np.stack(rows, out=pooled_empty((len(rows), *first.shape), first.dtype))
-    return xp.stack(rows)
 
 
 def _locate(index: SampleIndex, src: np.ndarray, fields: Sequence[str], err: BaseException) -> int | None:
@@ -742,16 +655,6 @@ def _locate(index: SampleIndex, src: np.ndarray, fields: Sequence[str], err: Bas
 def _columns(w: _Work) -> list[Any]:
     """A GPU stage's input: the batch's columns as they are before it runs (lists copied)."""
     return [list(col) if isinstance(col, list) else col for col in w.batch.data.values()]
-
-
-def _hand_over(v: Any, stream: int, device: int, cp: Any) -> Any:
-    """``v`` (a CuPy array, or a list of values) for the consumer on ``stream``; see
-    ``gpuio.storage._deferred.hand_over``."""
-    if isinstance(v, cp.ndarray):
-        return hand_over(v, stream, device)
-    if isinstance(v, list):
-        return [hand_over(a, stream, device) if isinstance(a, cp.ndarray) else a for a in v]
-    return v
 
 
 def _op_name(op: Any) -> str:
