@@ -18,14 +18,14 @@ parameters and defaults and read and write ``audio``: ``decode_audio`` ->
 
 from gpuio.ops.audio import (DecodeAudio, NonsilentRegion, PreemphasisFilter, Slice, decode_audio,
                              nonsilent_region, preemphasis_filter, slice)
-from gpuio.ops.cmn import crop_mirror_normalize
 from gpuio.ops.custom import PythonFunction, python_function
 from gpuio.ops.color import ColorJitter, Normalize, color_jitter, normalize
 from gpuio.ops.decode import DecodeImage, decode_image
 from gpuio.ops.decode_slice import DecodeImageSlice, decode_image_slice
 from gpuio.ops.detection import (BBFlip, BBoxPaste, BoxEncoder, Paste, RandomBBoxCrop, bb_flip, bbox_paste,
                                  box_encoder, paste, random_bbox_crop, ssd300_anchors)
-from gpuio.ops.fused import Compose, FusedCropResizeNormalize, fused_crop_resize_normalize, fused_reference
+from gpuio.ops.fused import (Compose, FusedCropResizeNormalize, crop_mirror_normalize, fused_crop_resize_normalize,
+                             fused_reference)
 from gpuio.ops.geometry import (CenterCrop, Flip, RandomResizedCrop, Resize, center_crop, flip,
                                 random_resized_crop, resize)
 from gpuio.ops.ragged import NormalizeAxes, Pad, normalize_axes, pad
