@@ -198,6 +198,7 @@ def test_built_wheel_installs_formats_and_ops(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "gpuio/formats/__init__.py" in names and "gpuio/ops/__init__.py" in names
     assert not any(n.startswith(("formats/", "ops/", "tests/", "bench/")) for n in names)
+    assert {"gpuio/ops/_jpeg.pyi", "gpuio/storage/_readloop.pyi"} <= set(names)  # the C modules' stubs ship
     # A fresh venv that sees this environment's packages (numpy, simplejpeg ...) through a
     # .pth file, whichever interpreter runs the tests (a venv's or the system's): the
     # venv's own site-packages, holding only the installed wheel, comes first.

@@ -1,0 +1,59 @@
+"""libjpeg decoding for ``gpuio.ops`` on the CPU, fused with the resampler of
+``ops/_resample.h`` (``ops/_jpeg.c``).
+
+Optional: built at install where libjpeg's headers exist; else whole images are decoded
+by simplejpeg. Callers: ``gpuio.ops.decode`` (``jpeg_facts``, ``decode_region``, reached
+through ``native_jpeg()``) and ``gpuio.ops.fused`` (``decode_resample``).
+"""
+from _typeshed import ReadableBuffer, WriteableBuffer
+
+def headers(images: list[ReadableBuffer], out: WriteableBuffer, /) -> None:
+    """libjpeg's reading of the headers of N encoded images into ``out``, int64
+    ``[N, 6]``: components, progressive (0/1), EXIF orientation (1-8; 1 when absent or
+    malformed), height, width (in pixels, as stored), complete (1 when the data ends with
+    the EOI marker). A row is all 0 where libjpeg cannot read the headers (not a JPEG, a
+    broken header): such images take the whole-image decoder. The GIL is released while
+    the headers are read.
+
+    Raises TypeError when ``images`` is not a list of buffers; ValueError when ``out``
+    holds fewer than ``N * 6 * 8`` bytes.
+    """
+
+def decode_region(data: ReadableBuffer, gray: bool, denom: int, y0: int, x0: int, y1: int, x1: int,
+                  out: WriteableBuffer, /) -> None:
+    """Rows ``y0:y1`` and columns ``x0:x1`` of the 1/``denom``-scaled image of one JPEG
+    (pixels of the scaled image, which has ``ceil(size / denom)`` pixels per side), uint8
+    HWC with 1 channel (``gray``) or 3 (RGB) into the first
+    ``(y1 - y0) * (x1 - x0) * channels`` bytes of ``out``. Rows below the region are not
+    decoded. The GIL is released while it decodes.
+
+    Raises ValueError when ``denom`` is not 1, 2, 4 or 8, the region is empty or does
+    not fit in ``out``, it ends outside the image, or libjpeg cannot decode the data
+    (the message is libjpeg's).
+    """
+
+def decode_resample(images: list[ReadableBuffer], denoms: ReadableBuffer, gray: bool, boxes: ReadableBuffer,
+                    clips: ReadableBuffer, out_hw: ReadableBuffer, offsets: ReadableBuffer, flips: ReadableBuffer,
+                    mean: ReadableBuffer, inv_std: ReadableBuffer, out: WriteableBuffer, interp: int,
+                    antialias: int, chw: int, to_uint8: bool, /) -> list[tuple[int, str]]:
+    """Decode and resample a batch of N JPEGs in one call, the GIL released for the whole
+    batch: per image, only the rows and iMCU columns its clip reads are decoded, at
+    1/``denoms[i]`` DCT scale (``denoms``: int64 ``[N]``, each 1, 2, 4 or 8), 1 channel
+    (``gray``) or 3, then cropped, resized, flipped, normalized and cast into ``out`` as
+    ``gpuio.ops._resample.resample`` does. ``boxes`` and ``clips`` are in full-image
+    pixels; the other arguments are those of ``resample``.
+
+    Returns ``[(row, message)]`` for the images that failed to decode (their outputs are
+    left unwritten; the caller decodes them another way or rejects them); ``[]`` when all
+    succeeded.
+
+    Raises TypeError when ``images`` is not a list of buffers; ValueError when
+    ``denoms`` or another argument buffer is too short, ``interp`` is not 0, 1 or 3, or
+    an image's denom is not 1, 2, 4 or 8 or its output does not fit in ``out`` (the
+    message names the image's row); MemoryError.
+    """
+
+def stage_times() -> tuple[float, float]:
+    """(decode, resample): CPU seconds that ``decode_resample`` has spent decoding and
+    resampling since the module was loaded, summed over all threads (the two stages run
+    in one call, so a profiler cannot tell them apart otherwise)."""
