@@ -5,7 +5,7 @@ packed in one file. For each, warm and cold page cache, it times gpuio, a naive 
 loop (``open().read()`` per file or ``seek``/``read`` per record) and ``np.fromfile``,
 and measures the ceiling in the same run: the fastest of one sequential ``readinto`` of
 the same bytes laid out in one file, those bytes read by ``io_threads`` threads at once,
-4 MiB per read, and those bytes read with O_DIRECT in ``read_streams`` parallel reads (as
+4 MiB per read, and those bytes read with O_DIRECT in ``read_parts`` parallel reads (as
 gpuio reads a cold batch). With a GPU it adds gpuio into GPU memory, per-file kvikio reads,
 ``torch.from_numpy(np.fromfile(...)).cuda()`` and the pinned host-to-device bandwidth.
 
@@ -166,8 +166,8 @@ def concat_files(paths: list[str], out: str) -> str:
 
 
 # The ceiling of a dataset is the fastest of these reads of its bytes laid out in one file.
-SEQUENTIAL, PARALLEL, STREAMS = "sequential readinto", "parallel 4 MiB reads", "read_streams reads"
-DIRECT, DIRECT_DEEP = "O_DIRECT, read_streams reads", "O_DIRECT 1 MiB reads"  # deep: io_threads in flight
+SEQUENTIAL, PARALLEL, PARTS = "sequential readinto", "parallel 4 MiB reads", "read_parts reads"
+DIRECT, DIRECT_DEEP = "O_DIRECT, read_parts reads", "O_DIRECT 1 MiB reads"  # deep: io_threads in flight
 # A cold row counts as failed when it beats its ceiling by more than this: the best rounds
 # of two methods come from different minutes of a disk whose speed drifts, while a read
 # from memory would be several times faster.
@@ -251,7 +251,7 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
     if hasattr(mmap, "MADV_HUGEPAGE"):
         seq_mem.madvise(mmap.MADV_HUGEPAGE)
     seq_buf = np.frombuffer(seq_mem, dtype=np.uint8)
-    bounds = ((SEQUENTIAL, PARALLEL, STREAMS) + ((DIRECT, DIRECT_DEEP) if _takes_direct(ceiling_paths[0]) else ())
+    bounds = ((SEQUENTIAL, PARALLEL, PARTS) + ((DIRECT, DIRECT_DEEP) if _takes_direct(ceiling_paths[0]) else ())
               if ceiling_paths else ())
     all_files = list(dict.fromkeys(paths + ceiling_paths))
     rows: list[dict[str, Any]] = []
@@ -266,10 +266,10 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
         if bounds:
             methods[SEQUENTIAL] = lambda: _sequential(ceiling_paths, seq_buf)
             methods[PARALLEL] = lambda: _parallel(ceiling_paths, seq_buf, pool)
-            streams_chunk = _padded(-(-len(seq_buf) // gpuio.config.get("read_streams")), True)
-            methods[STREAMS] = lambda: _parallel(ceiling_paths, seq_buf, pool, streams_chunk)
+            parts_chunk = _padded(-(-len(seq_buf) // gpuio.config.get("read_parts")), True)
+            methods[PARTS] = lambda: _parallel(ceiling_paths, seq_buf, pool, parts_chunk)
         if DIRECT in bounds:
-            methods[DIRECT] = lambda: _parallel(ceiling_paths, seq_buf, pool, streams_chunk, direct=True)
+            methods[DIRECT] = lambda: _parallel(ceiling_paths, seq_buf, pool, parts_chunk, direct=True)
             methods[DIRECT_DEEP] = lambda: _parallel(ceiling_paths, seq_buf, pool, 1 << 20, direct=True)
         if gpuio.cuda_available():
             methods.update(_gpu_methods(index, batches, paths))
@@ -319,7 +319,7 @@ def _failure(cache: str, resident: float, t: float, t_ceiling: float | None, is_
                 f"dropping them, so this cold run read from memory")
     if t_ceiling is not None and not is_ceiling and t * DRIFT < t_ceiling:
         return (f"faster than its own ceiling ({t:.3f} s against {t_ceiling:.3f} s for the same bytes in one "
-                f"file, read sequentially, in parallel 4 MiB reads, in read_streams parts or with O_DIRECT), "
+                f"file, read sequentially, in parallel 4 MiB reads, in read_parts parts or with O_DIRECT), "
                 f"so some of its reads did not come from the disk")
     return None
 
@@ -358,12 +358,12 @@ def report(title: str, rows: list[dict[str, Any]], out: str | None, extra: dict[
 
 def _ceiling_words() -> dict[str, str]:
     """The chart's label of each ceiling row: what it reads, in plain words."""
-    same, streams, threads = "ceiling: the same bytes in one file,", gpuio.config.get("read_streams"), \
+    same, parts, threads = "ceiling: the same bytes in one file,", gpuio.config.get("read_parts"), \
         gpuio.config.get("io_threads")
     return {SEQUENTIAL: f"{same} one sequential read",
             PARALLEL: f"{same} 4 MiB reads, {threads} at once",
-            STREAMS: f"{same} {streams} parallel sequential reads",
-            DIRECT: f"{same} {streams} parallel O_DIRECT reads",
+            PARTS: f"{same} {parts} parallel sequential reads",
+            DIRECT: f"{same} {parts} parallel O_DIRECT reads",
             DIRECT_DEEP: f"{same} O_DIRECT 1 MiB reads, {threads} at once"}
 
 

@@ -34,8 +34,8 @@ GiB = 1 << 30
 DEFAULTS: dict[str, tuple[Any, str]] = {
     "io_threads": (16, "threads issuing reads; queue depth matters more than cores"),
     "task_size": (4 * MiB, "long reads are split into parallel tasks, each a multiple of this size"),
-    "read_streams": (4, "a batch's reads longer than task_size make about this many tasks in all, "
-                        "each one sequential stream for the kernel's readahead"),
+    "read_parts": (4, "a batch's reads longer than task_size make about this many tasks in all, "
+                      "each one sequential run for the kernel's readahead"),
     "merge_gap": (4 * KiB, "extents this close in one file are merged into one read"),
     "o_direct": (False, "bypass the page cache (O_DIRECT), where the filesystem allows"),
     "cold_direct": (True, "read a batch of reads of 64 KiB and more on average with O_DIRECT when "
@@ -50,25 +50,29 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "cache_dir": ("", "where sample datasets and indexes go; default ~/.cache/gpuio"),
 }
 
+# Environment variables still read under a former name (when the new one is not set):
+# setting -> the old variable. Code (get, override) knows only the new names.
+ENV_ALIASES: dict[str, str] = {"read_parts": "GPUIO_READ_STREAMS"}
+
 _overrides: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
     "gpuio_config_overrides", default={}
 )
 
 
-def _parse(name: str, raw: str, default: Any) -> Any:
+def _parse(name: str, raw: str, default: Any, var: str) -> Any:
     if isinstance(default, bool):
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True
         if low in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"GPUIO_{name.upper()}={raw!r}: expected true or false")
+        raise ConfigError(f"{var}={raw!r}: expected true or false")
     if isinstance(default, int):
         try:
             return _parse_size(raw)
         except ValueError:
             raise ConfigError(
-                f"GPUIO_{name.upper()}={raw!r}: expected an integer, optionally with "
+                f"{var}={raw!r}: expected an integer, optionally with "
                 "a KiB/MiB/GiB suffix"
             ) from None
     return raw
@@ -82,12 +86,12 @@ def _parse_size(raw: str) -> int:
     return int(text)
 
 
-def _check(name: str, value: Any) -> Any:
+def _check(name: str, value: Any, var: str = "") -> Any:
     if name not in DEFAULTS:
         raise ConfigError(f"unknown setting {name!r}; settings are: {', '.join(sorted(DEFAULTS))}")
     default = DEFAULTS[name][0]
     if isinstance(value, str) and not isinstance(default, str):
-        value = _parse(name, value, default)
+        value = _parse(name, value, default, var or f"GPUIO_{name.upper()}")
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"setting {name!r} must be True or False, got {value!r}")
@@ -107,15 +111,19 @@ def _check(name: str, value: Any) -> Any:
 
 
 def get(name: str) -> Any:
-    """The value of setting ``name``: override, else ``GPUIO_<NAME>``, else default."""
+    """The value of setting ``name``: override, else ``GPUIO_<NAME>`` (else its former
+    name, ``ENV_ALIASES``), else default."""
     over = _overrides.get()
     if name in over:
         return over[name]
     if name not in DEFAULTS:
         _check(name, None)
-    raw = os.environ.get(f"GPUIO_{name.upper()}")
+    var = f"GPUIO_{name.upper()}"
+    if var not in os.environ and name in ENV_ALIASES:
+        var = ENV_ALIASES[name]
+    raw = os.environ.get(var)
     if raw is not None:
-        return _check(name, raw)
+        return _check(name, raw, var)
     return DEFAULTS[name][0]
 
 

@@ -10,7 +10,7 @@ from gpuio.bench._chart import LABEL_W, write_chart
 
 
 def test_ceiling_rows_say_what_they_read_and_gpuio_stands_out(tmp_path):
-    methods = ["gpuio", "naive loop", "np.fromfile", storage.SEQUENTIAL, storage.PARALLEL, storage.STREAMS,
+    methods = ["gpuio", "naive loop", "np.fromfile", storage.SEQUENTIAL, storage.PARALLEL, storage.PARTS,
                storage.DIRECT, storage.DIRECT_DEEP]
     rows = [{"dataset": "d", "cache": "warm", "method": m, "GB/s": 1.0 + i, "ceiling GB/s": 8.0}
             for i, m in enumerate(methods)]
@@ -19,7 +19,7 @@ def test_ceiling_rows_say_what_they_read_and_gpuio_stands_out(tmp_path):
     assert labels[:3] == ["gpuio", "naive loop", "np.fromfile"] and group.ours == {"gpuio"}
     assert set(labels[3:]) == group.ceilings and len(group.ceilings) == 5
     assert all(label.startswith("ceiling: the same bytes in one file, ") for label in labels[3:]), labels
-    assert labels[5].endswith("parallel sequential reads"), labels  # read_streams' parts of the file at once
+    assert labels[5].endswith("parallel sequential reads"), labels  # read_parts' parts of the file at once
     png = write_chart(str(tmp_path / "c.png"), "t", "GB/s", [group])
     with Image.open(png) as im:
         rgb = im.convert("RGB")

@@ -236,6 +236,21 @@ def test_config_defaults_env_and_override(monkeypatch):
     assert set(config.settings()) == set(config.DEFAULTS)
 
 
+def test_read_parts_also_reads_its_former_environment_variable(monkeypatch):
+    monkeypatch.delenv("GPUIO_READ_PARTS", raising=False)
+    monkeypatch.setenv("GPUIO_READ_STREAMS", "7")
+    assert config.get("read_parts") == 7
+    monkeypatch.setenv("GPUIO_READ_PARTS", "5")
+    assert config.get("read_parts") == 5  # the current name wins over the former one
+    monkeypatch.delenv("GPUIO_READ_PARTS")
+    monkeypatch.setenv("GPUIO_READ_STREAMS", "many")
+    with pytest.raises(ConfigError, match="GPUIO_READ_STREAMS='many'"):
+        config.get("read_parts")
+    with pytest.raises(ConfigError, match="unknown setting 'read_streams'"):  # code uses the current name only
+        with config.override(read_streams=2):
+            pass
+
+
 def test_config_errors_name_the_setting(monkeypatch):
     with pytest.raises(ConfigError, match="unknown setting 'io_thread'.*io_threads"):
         config.get("io_thread")

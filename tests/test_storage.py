@@ -316,14 +316,14 @@ def test_gpuio_read_keeps_few_readers_alive(tmp_path):
 
 
 @pytest.mark.parametrize("o_direct", [False, True])
-def test_large_extents_read_as_a_few_streams(tmp_path, o_direct):
-    """Long unaligned extents of odd sizes, split into about read_streams tasks of a
+def test_large_extents_read_as_a_few_parts(tmp_path, o_direct):
+    """Long unaligned extents of odd sizes, split into about read_parts tasks of a
     multiple of task_size, read exactly, with and without O_DIRECT."""
     sizes = [(5 << 20) + 4097, (3 << 20) + 1, 777]
     paths, blobs = write_files(tmp_path, sizes)
     offsets = np.array([1000, 4095, 3])
     index = SampleIndex(paths, {"data": Extents(np.arange(3), offsets, np.array(sizes) - offsets)})
-    with gpuio.config.override(o_direct=o_direct, task_size=1 << 20, read_streams=3, io_threads=4):
+    with gpuio.config.override(o_direct=o_direct, task_size=1 << 20, read_parts=3, io_threads=4):
         with Reader("cpu") as reader:
             out = reader.read(index, [1, 0, 2])
     assert [a.tobytes() for a in out] == [blobs[i][offsets[i]:] for i in (1, 0, 2)]
@@ -452,14 +452,14 @@ def test_cold_small_files_go_around_the_page_cache_short_records_do_not(tmp_path
 
 @pytest.mark.parametrize("mode", ["buffered", "o_direct", "cold"])
 def test_large_extent_of_a_truncated_file_names_path_and_offset(tmp_path, mode):
-    """A file shorter than the index says, read as several streams: the error names the
+    """A file shorter than the index says, read in several parts: the error names the
     file and the byte where it ends."""
     paths, _ = write_files(tmp_path, [6 << 20])
     index = file_index(paths, [6 << 20])
     os.truncate(paths[0], (3 << 20) + 123)
     if mode == "cold":
         drop_from_page_cache(paths)
-    with gpuio.config.override(o_direct=mode == "o_direct", task_size=1 << 20, read_streams=3):
+    with gpuio.config.override(o_direct=mode == "o_direct", task_size=1 << 20, read_parts=3):
         with Reader("cpu") as reader, pytest.raises(StorageError, match="file ends before") as info:
             reader.read(index, [0])
     assert info.value.path == paths[0] and info.value.offset == (3 << 20) + 123

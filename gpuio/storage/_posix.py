@@ -3,7 +3,7 @@
 Small files are latency-bound, so what matters is how many reads are in flight, not
 how many cores there are: ``io_threads`` (16 by default) reader threads each take the
 next task from a shared counter. The plan splits a batch's large reads into a few long
-tasks (``read_streams``): each is one sequential stream that the kernel's readahead
+tasks (``read_parts``): each is one sequential run that the kernel's readahead
 serves, and page-cache copies still run on several cores. A cold batch of reads of 64 KiB
 and more (``cold_direct``, decided by ``reads_cold_direct`` before the plan is made) is
 read with O_DIRECT, around the page cache.

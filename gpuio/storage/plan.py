@@ -3,10 +3,10 @@
 ``build_plan`` is pure NumPy (no Python loop per sample): it sorts the extents by file
 and offset, merges those that overlap, touch or lie within ``gap`` bytes of each other
 into one read, widens reads to ``align`` bytes for O_DIRECT, splits the reads longer than
-``task_size`` into about ``streams`` long tasks in all that run in parallel, and records
+``task_size`` into about ``parts`` long tasks in all that run in parallel, and records
 where every sample's bytes land in the batch buffer.
 
-Few long tasks, not many short ones: each task is one sequential stream for the kernel's
+Few long tasks, not many short ones: each task is one sequential run for the kernel's
 readahead. A cold 128 MiB file read as 32 tasks of 4 MiB by 16 threads ran at 0.7-0.9x
 one sequential read on the development disk; as 4 tasks of 32 MiB, at 1.1-1.3x (bench/RESULTS.md).
 
@@ -56,13 +56,13 @@ class ReadPlan:
 
 
 def build_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, *, gap: int = 4096,
-               align: int = 1, task_size: int = 4 << 20, streams: int = 4) -> ReadPlan:
+               align: int = 1, task_size: int = 4 << 20, parts: int = 4) -> ReadPlan:
     """Plan the reads for extents ``(file[i], offset[i], length[i])``.
 
     ``align`` must be a power of two; with ``align > 1`` every read starts and ends on
     a multiple of it, and so does its place in the buffer (O_DIRECT's rule). Reads
     longer than ``task_size`` bytes are split into tasks of a common size, a multiple
-    of ``task_size`` chosen so that they make about ``streams`` tasks together.
+    of ``task_size`` chosen so that they make about ``parts`` tasks together.
     """
     file = np.asarray(file, dtype=np.int64)
     offset = np.asarray(offset, dtype=np.int64)
@@ -73,13 +73,13 @@ def build_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, *, gap:
         return ReadPlan(z, z, z, z, z, z, z, 0, align)
     if align < 1 or align & (align - 1):
         raise ConfigError(f"align must be a power of two, got {align}")
-    if streams < 1:
-        raise ConfigError(f"streams must be at least 1, got {streams}")
+    if parts < 1:
+        raise ConfigError(f"parts must be at least 1, got {parts}")
     task_size = max(task_size, align) // align * align
     if align == 1:
         sorted_file = np.sort(file)
         if (sorted_file[1:] != sorted_file[:-1]).all():  # a file per sample (a file tree): nothing merges
-            return _given_order_plan(file, offset, length, np.zeros(n, dtype=bool), task_size, streams)
+            return _given_order_plan(file, offset, length, np.zeros(n, dtype=bool), task_size, parts)
 
     order = np.lexsort((offset, file))
     f, start = file[order], offset[order]
@@ -101,7 +101,7 @@ def build_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, *, gap:
     follows = np.zeros(n, dtype=bool)
     follows[1:] = (file[1:] == file[:-1]) & (offset[1:] == offset[:-1] + length[:-1])
     if align == 1 and n - int(follows.sum()) <= len(first):
-        return _given_order_plan(file, offset, length, follows, task_size, streams)
+        return _given_order_plan(file, offset, length, follows, task_size, parts)
 
     g_file = f[first]
     g_start = a_start[first]
@@ -114,11 +114,11 @@ def build_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, *, gap:
 
     sample_dest = np.empty(n, dtype=np.int64)
     sample_dest[order] = g_dest[group] + (start - g_start[group])
-    return _split(g_file, g_start, g_len, g_need, g_dest, sample_dest, length, align, task_size, streams)
+    return _split(g_file, g_start, g_len, g_need, g_dest, sample_dest, length, align, task_size, parts)
 
 
 def _given_order_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, follows: np.ndarray,
-                      task_size: int, streams: int) -> ReadPlan:
+                      task_size: int, parts: int) -> ReadPlan:
     """Samples back to back in the buffer in the order given; one read per run of
     samples that follow each other in the file, issued in file order."""
     sample_dest = np.zeros(len(file), dtype=np.int64)
@@ -128,17 +128,17 @@ def _given_order_plan(file: np.ndarray, offset: np.ndarray, length: np.ndarray, 
     by_file = np.lexsort((offset[first], file[first]))
     first, run_len = first[by_file], run_len[by_file]
     return _split(file[first], offset[first], run_len, run_len, sample_dest[first], sample_dest, length, 1,
-                  task_size, streams)
+                  task_size, parts)
 
 
 def _split(g_file: np.ndarray, g_start: np.ndarray, g_len: np.ndarray, g_need: np.ndarray, g_dest: np.ndarray,
-           sample_dest: np.ndarray, length: np.ndarray, align: int, task_size: int, streams: int) -> ReadPlan:
+           sample_dest: np.ndarray, length: np.ndarray, align: int, task_size: int, parts: int) -> ReadPlan:
     """The plan of reads ``g_*``: those longer than ``task_size`` split into tasks of one
-    size, a multiple of ``task_size`` (so of ``align``), about ``streams`` of them in all."""
+    size, a multiple of ``task_size`` (so of ``align``), about ``parts`` of them in all."""
     long_bytes = int(g_len[g_len > task_size].sum())
     t_file, t_start, t_len, t_dest, t_need = g_file, g_start, g_len, g_dest, g_need  # a task per read
     if long_bytes:
-        task_size *= max(1, -(-long_bytes // (streams * task_size)))
+        task_size *= max(1, -(-long_bytes // (parts * task_size)))
         pieces = np.maximum(1, -(-g_len // task_size))
         g_of = np.repeat(np.arange(len(g_len)), pieces)
         t_rel = (np.arange(len(g_of)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * task_size

@@ -77,7 +77,7 @@ class Reader:
         self.pool = pool if pool is not None else default_pool()
         self.gap = config.get("merge_gap")
         self.task_size = config.get("task_size")
-        self.streams = config.get("read_streams")
+        self.parts = config.get("read_parts")
         self.cold_direct = config.get("cold_direct")
 
     @property
@@ -93,9 +93,9 @@ class Reader:
         ext = index.field_extents(field)
         extents = (ext.file[rows], ext.offset[rows], ext.length[rows])
         plan = build_plan(*extents, gap=self.gap, align=self.backend.align, task_size=self.task_size,
-                          streams=self.streams)
+                          parts=self.parts)
         if self.cold_direct and not self.lands_on_device and self.backend.reads_cold_direct(plan, index.files):
-            aligned = build_plan(*extents, gap=self.gap, align=4096, task_size=self.task_size, streams=self.streams)
+            aligned = build_plan(*extents, gap=self.gap, align=4096, task_size=self.task_size, parts=self.parts)
             # within the buffer a Loader reserved per batch: the extents plus a merge gap each
             if self.pool.charge(aligned.nbytes) <= self.pool.charge(int(extents[2].sum()) + len(rows) * self.gap):
                 plan = aligned
@@ -230,7 +230,7 @@ _READERS_KEPT = 4
 
 
 # the settings a Reader takes when it is made: one kept Reader per combination in use
-_READER_SETTINGS = ("backend", "io_threads", "o_direct", "merge_gap", "task_size", "read_streams", "cold_direct",
+_READER_SETTINGS = ("backend", "io_threads", "o_direct", "merge_gap", "task_size", "read_parts", "cold_direct",
                     "native")
 
 
