@@ -241,13 +241,13 @@ def profile_stages(root: str, pipeline: str, count: int = 512, batch: int = 64) 
     bufs = [np.fromfile(p, np.uint8) for p in list(index.files)[:count]]
     # what a stage is made of: builtin (C) functions by name, Python functions by file
     stages = {"op by op": [("decode (simplejpeg, Pillow)", ("decode_jpeg", "'decode'", "decode.py")),
-                           ("crop + resize (Pillow)", ("'resize'", "geometry.py", "_streams.py")),
+                           ("crop + resize (Pillow)", ("'resize'", "geometry.py", "_rng.py")),
                            ("normalize (NumPy)", ("color.py",))],
               "fused": [("window decode (libjpeg, C)", ()),
                         ("resample + normalize (C)", ("_resample.resample",)),
                         ("JPEG headers (libjpeg, C)", ("_jpeg.headers",)),
                         ("whole decode, other images (simplejpeg, Pillow)", ("decode_jpeg", "'decode'")),
-                        ("random draws, crop plan (Python)", ("geometry.py", "_streams.py"))]}
+                        ("random draws, crop plan (Python)", ("geometry.py", "_rng.py"))]}
     rows = []
     n = len(bufs) // batch * batch
     for mode, parts in stages.items():
