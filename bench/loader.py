@@ -19,7 +19,8 @@ shared machine. The loader's overhead over the raw read is given twice: best epo
 against best epoch, and the median over rounds of the ratio of their two epochs within
 the round (mirrored, so that drift during the round cancels out). The target is judged
 on the second: the best of 16 epochs is one lucky epoch, and on a shared VM one
-competitor's luck swings that figure by +-10% between runs of the same code.
+competitor's luck swings that figure between runs of the same code by as much as the
+target allows.
 
 - ``raw read``: ``gpuio.Reader.read`` over the loader's own batches (its k-th epoch
   reads the loader's k-th epoch, in its order), one after another on the main thread:

@@ -245,8 +245,9 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
     order = np.random.default_rng(1).permutation(n) if packed else np.arange(n)
     batches = _batches(n, batch, order)
     offsets, lengths = ext.offset[order].tolist(), ext.length[order].tolist()
-    # page-aligned for O_DIRECT and huge-page backed as gpuio's buffers are (pinning 4 KiB
-    # pages for O_DIRECT held the ceiling's direct reads at 60% of gpuio's)
+    # page-aligned for O_DIRECT and huge-page backed as gpuio's buffers are (with 4 KiB
+    # pages, the kernel pins many more pages per O_DIRECT read, which would hold the
+    # ceiling's direct reads below gpuio's own)
     seq_mem = mmap.mmap(-1, max(4096, sum(_padded(os.path.getsize(p), True) for p in ceiling_paths)))
     if hasattr(mmap, "MADV_HUGEPAGE"):
         seq_mem.madvise(mmap.MADV_HUGEPAGE)

@@ -1,7 +1,8 @@
-"""The random streams of a whole batch at once: row ``r``'s numbers equal those of
+"""The random numbers of a whole batch at once: row ``r``'s numbers equal those of
 ``batch.rng(r, salt)`` (NumPy's ``Generator(PCG64(SeedSequence([seed, salt])))``), made
-with array arithmetic over the rows instead of one generator object per row (about
-25 us each, twice per image in a train pipeline).
+with array arithmetic over the rows instead of one generator object per row (building
+one costs more than the few draws a row makes, and a train pipeline would build two per
+image).
 
 NumPy documents these algorithms and keeps their streams stable: ``SeedSequence``
 hashes the entropy words (the seed's 32-bit words, low first, then the salt's) into a

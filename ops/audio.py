@@ -11,8 +11,9 @@ Python loop runs per window or per value.
 Decoding is libsndfile's (``soundfile``: WAV, FLAC, OGG/Vorbis, Opus, MP3), on the
 host, from the bytes the storage core read (the file is never opened again by
 path). FLAC files go to gpuio's own decoder (``ops/_flac.c``, written from RFC 9639:
-every FLAC file of a batch in one C call, the GIL released; 1.9-3.1x libsndfile's speed
-and 1.4-1.8x DALI's in ``bench/audio.py --decode``), which gives the samples libsndfile
+every FLAC file of a batch in one C call, the GIL released, so that a batch costs one
+call and other threads run meanwhile; ``bench/audio.py --decode`` compares it with
+libsndfile and DALI), which gives the samples libsndfile
 gives, bit for bit, in every dtype; a file it does not take (a frame changing format, a
 32-bit stereo-decorrelated stream, no sample count in STREAMINFO), or every FLAC file
 where the extension was not built, libsndfile decodes. A corrupt FLAC frame (CRC,

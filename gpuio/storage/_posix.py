@@ -46,10 +46,10 @@ from gpuio.storage.plan import ReadPlan
 
 
 _PARALLEL_COPY = 64 << 10  # mean read size from which cached copies run on several cores
-# A cold batch of reads of 64 KiB and more goes around the page cache (O_DIRECT): on the
-# development disk, best against best, a cold 128 MiB .npy read at 1.3x one sequential
-# readinto that way (0.9x through the page cache), 3,000 files of 100 KB at 2.9x the naive
-# open().read() loop (2.3x); see bench/RESULTS.md. Packed small records stay buffered.
+# A cold batch of reads of 64 KiB and more goes around the page cache (O_DIRECT): data the
+# cache does not hold gains nothing from it, and a direct read skips the copy out of it and
+# the cache's own memory work (bench/storage.py's cold rows compare the two). Packed small
+# records stay buffered: O_DIRECT would widen each to 4 KiB alignment and lose readahead.
 _DIRECT_MEAN_READ = 64 << 10  # the mean read size from which a batch may go around the cache
 _DIRECT_SAMPLE = 8  # reads of the batch whose pages are looked up
 _DIRECT_CACHED = 0.125  # the largest fraction of those pages the page cache may hold

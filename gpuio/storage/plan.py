@@ -6,9 +6,10 @@ into one read, widens reads to ``align`` bytes for O_DIRECT, splits the reads lo
 ``task_size`` into about ``parts`` long tasks in all that run in parallel, and records
 where every sample's bytes land in the batch buffer.
 
-Few long tasks, not many short ones: each task is one sequential run for the kernel's
-readahead. A cold 128 MiB file read as 32 tasks of 4 MiB by 16 threads ran at 0.7-0.9x
-one sequential read on the development disk; as 4 tasks of 32 MiB, at 1.1-1.3x (bench/RESULTS.md).
+Few long tasks, not many short ones: each task is one sequential run, which the kernel's
+readahead serves with ever larger reads; many short tasks of one file, taken by many
+threads at once, reach the disk as scattered short reads, each restarting readahead. A
+few parts still keep several reads in flight (bench/storage.py measures both).
 
 Where bytes land is independent of the order reads are issued in. Without alignment,
 when reading each run of samples that follow each other in the file *in the order
