@@ -9,8 +9,8 @@ the same bytes laid out in one file, those bytes read by ``io_threads`` threads 
 gpuio reads a cold batch). With a GPU it adds gpuio into GPU memory, per-file kvikio reads,
 ``torch.from_numpy(np.fromfile(...)).cuda()`` and the pinned host-to-device bandwidth.
 
-``--npy`` times issue 16's case instead: large ``.npy`` files (128 MiB in ``full``), one
-``gpuio.read`` call per file, against one sequential ``readinto`` of each file.
+``--npy`` times a NumPy dataset of large arrays instead: ``.npy`` files of 128 MiB (in
+``full``), one ``gpuio.read`` call per file, against one sequential ``readinto`` of each.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def make_npy(root: str, size: str = "full") -> SampleIndex:
 
 def run_npy(root: str | None = None, size: str = "full", repeat: int = 3,
             caches: tuple[str, ...] = ("warm", "cold"), out: str | None = None) -> dict[str, Any]:
-    """Large ``.npy`` files, one ``gpuio.read`` call per file (issue 16's case); baseline:
-    one sequential ``readinto`` of each file."""
+    """Large ``.npy`` files, one ``gpuio.read`` call per file (a NumPy dataset of large
+    arrays); baseline: one sequential ``readinto`` of each file."""
     index = make_npy(root or cache_dir(), size)
     paths = index.files.many(np.arange(len(index.files)))
     rows = measure("large .npy, one call per file", index, paths, batch=1, repeat=repeat, caches=caches,
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--warm-only", action="store_true")
     parser.add_argument("--npy", action="store_true",
-                        help="only large .npy files, one gpuio.read call per file (issue 16's case)")
+                        help="only large .npy files, one gpuio.read call per file")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The storage backend setting governs reads into GPU memory only (issue 24, defect 2).
+"""The storage backend setting governs reads into GPU memory only.
 
 ``GPUIO_BACKEND=kvikio`` asks for cuFile reads into the device; a pipeline on the GPU
 still reads encoded images and records into host memory to decode or parse them there,

@@ -1,4 +1,4 @@
-"""Images as they come from the wild (issue 25): orientation applied once on every
+"""Images as they come from the wild: orientation applied once on every
 container, 8-bit lossless JPEGs, JPEGs libjpeg only warns about, truncated JPEGs, and
 what ``Loader.stats()`` says of skipped and warned-of samples. Every file is written by a
 real encoder (Pillow, libjpeg-turbo through imagecodecs) and, for the damaged JPEGs,

@@ -1,4 +1,4 @@
-"""Deferred frees and buffer give-backs re-entered by finalizers (issue 24, defect 5).
+"""Deferred frees and buffer give-backs re-entered by finalizers.
 
 A collection can run anywhere, inside ``reap()`` too, and run finalizers that hand more
 memory to ``gpuio.storage._deferred`` (a handed-over array's owner calls ``release_after``).

@@ -1,4 +1,4 @@
-"""CuPy work on worker threads happens inside the GPU it is for (issue 24, defect 3).
+"""CuPy work on worker threads happens inside the GPU it is for.
 
 CuPy allocates, copies and launches on the *current* device, which is per thread and is
 GPU 0 on any thread that has not entered another. A stage or pool thread of a loader on

@@ -167,7 +167,7 @@ def test_header_versions_and_layouts(tmp_path):
 
 
 def test_fortran_order_comes_back_as_np_load_gives_it(tmp_path):
-    """Issue 10.1: the sample is the Fortran-order array, not its bytes read in C order."""
+    """The sample is the Fortran-order array, not its bytes read in C order."""
     want = np.asfortranarray(np.random.default_rng(3).standard_normal((5, 7)))
     np.save(tmp_path / "fortran_f64.npy", want)
     got = npy_format(tmp_path / "fortran_f64.npy")[0]["data"]
@@ -177,7 +177,7 @@ def test_fortran_order_comes_back_as_np_load_gives_it(tmp_path):
 
 
 def test_structured_dtype_with_padding(tmp_path):
-    """Issue 10.2: the header's ('', '|V3') padding entry is padding, not a field f1."""
+    """The header's ('', '|V3') padding entry is padding, not a field f1."""
     dtype = np.dtype({"names": ["a", "b", "c"], "formats": ["<i4", "u1", "<f8"],
                       "offsets": [0, 4, 8], "itemsize": 16})
     want = np.zeros(4, dtype=dtype)
@@ -194,7 +194,7 @@ def test_structured_dtype_with_padding(tmp_path):
 
 
 def test_loader_stacks_arrays_and_keeps_ragged_lists(tmp_path, device):
-    """Issue 11.4: one [B, ...] array per batch when shapes and dtypes agree, on the
+    """One [B, ...] array per batch when shapes and dtypes agree, on the
     loader's device (on a GPU the bytes land there and are viewed there); lists of
     arrays otherwise."""
     from conftest import to_host

@@ -175,7 +175,7 @@ def _write_payloads(path, payloads):
 
 
 def test_feature_with_no_kind_is_empty(tmp_path):
-    """Issue 10.3: tf.train.Feature() (no kind set) parses as an empty list, as
+    """tf.train.Feature() (no kind set) parses as an empty list, as
     TensorFlow's parser and DALI's variable-length reader read it."""
     from tfrecord import example_pb2
 
@@ -210,7 +210,7 @@ def test_feature_with_no_kind_is_empty(tmp_path):
 
 @pytest.mark.parametrize("compression", ["gzip", "zlib"])
 def test_compressed_files(tmp_path, compression, monkeypatch):
-    """Issue 10.4: TFRecordOptions GZIP/ZLIB files are one gzip/zlib stream of the
+    """TFRecordOptions GZIP/ZLIB files are one gzip/zlib stream of the
     plain file; without compression= they are refused with a message that says so."""
     import gzip
     import zlib
@@ -250,7 +250,7 @@ def test_compressed_files(tmp_path, compression, monkeypatch):
 
 
 def test_index_file_must_cover_the_data_file(dataset, tmp_path):
-    """Issue 10.12: an index file that does not cover its data file (empty, cut in
+    """An index file that does not cover its data file (empty, cut in
     half, or with a gap) is an error, not a shorter dataset."""
     path, idx = dataset
     size = path.stat().st_size

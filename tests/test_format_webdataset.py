@@ -103,7 +103,7 @@ DECODED = ("jpg", "cls", "cls2", "index", "txt", "json", "npy", "seq.npy", "seg.
 
 
 def test_decoded_fields_match_the_webdataset_package(tmp_path):
-    """Issue 11.5: the common extensions decode as webdataset's default decoders
+    """The common extensions decode as webdataset's default decoders
     decode them; undeclared extensions stay bytes."""
     import webdataset as wds  # the reference reader (test extra)
     tar = _write_tar(tmp_path / "d.tar", _decodable_samples(7))
@@ -270,7 +270,7 @@ def test_truncated_and_bad_headers(tmp_path):
 
 
 def test_cut_at_a_header_boundary_is_reported(tmp_path):
-    """Issue 10.12: a tar cut exactly where a member's header starts lacks its
+    """A tar cut exactly where a member's header starts lacks its
     end-of-archive blocks; that is an error, not a shorter dataset (tarfile itself
     reads such a file silently as 9 of 16 samples)."""
     tar = _write_tar(tmp_path / "a.tar", _samples(16))
@@ -393,7 +393,7 @@ def test_directory_and_fifo_name_the_path(tmp_path):
     assert err.value.path == str(tmp_path / "fifo.tar")
 
 
-# ---- the header walk against tarfile (issue 31) ---------------------------------------------
+# ---- the header walk against tarfile ------------------------------------------------------
 
 def _expected(paths, fields, skip):
     """What the module docstring says, computed from tarfile's own member list:

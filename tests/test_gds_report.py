@@ -1,5 +1,5 @@
 """GDS is reported only where cuFile really uses it, and a buffer cuFile will not
-register is read unregistered instead of failing every read (issue 24, defect 6).
+register is read unregistered instead of failing every read.
 
 No GPU and no cuFile here: a stand-in ``kvikio`` package (the module names and calls
 of kvikio 26.10: ``defaults.is_compat_mode_preferred``, ``cufile_driver.get``,

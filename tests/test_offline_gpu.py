@@ -158,8 +158,9 @@ def test_gpu_host_gets_the_contract_pins():
     assert not [r for r in fetched if "==" not in r and r in pinned], fetched
 
 
-# Files that still pick CuPy's current stream outside ``with cp.cuda.Device(...)``
-# (issue 9, defect 9); each must still have such a call, so that the list only shrinks.
+# Files that still pick CuPy's current stream outside ``with cp.cuda.Device(...)`` (the
+# stream of whichever GPU the thread last entered); each must still have such a call, so
+# that the list only shrinks.
 STREAM_BEFORE_DEVICE: set[str] = set()
 
 

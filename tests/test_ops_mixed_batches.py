@@ -1,4 +1,4 @@
-"""Batches the CPU path takes must go through the GPU path too (issue 24, defect 4):
+"""Batches the CPU path takes must go through the GPU path too:
 grey and colour images in one batch (``decode_image(color="unchanged")`` on ImageNet)
 and images that are not uint8.
 

@@ -1,6 +1,6 @@
 """A decoder that ``decode_video`` starts inside a video knows what a decoder that read
-the file from its start knows (issue 25, item 2), and NVDEC's pictures convert through
-DLPack (issue 24, defect 1; where the pool threads allocate is tests/test_device_lint.py's).
+the file from its start knows, and NVDEC's pictures convert through DLPack (where the
+pool threads allocate is tests/test_device_lint.py's).
 
 The old-x264 stream is real encoder output: libx264 writes a lossless 4:4:4 stream
 (High 4:4:4 Predictive, 8x8 intra prediction) with IDR pictures every 30 frames, and
@@ -162,7 +162,7 @@ def test_an_index_without_stream_state_is_refused_clearly(old_x264):
         codec_header(text.replace(b'"state":[', b'"state":[99999,') + b"\n" + rest)
 
 
-# ---- NVDEC host side (issue 24) ---------------------------------------------------------------
+# ---- NVDEC host side ---------------------------------------------------------------------------
 
 class DLPackOnly:
     """A decoded picture as PyNvVideoCodec 2.2.4's DecodedFrame exposes it: DLPack only,
