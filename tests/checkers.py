@@ -7,6 +7,10 @@ device can be checked the same way:
   ranks each sample is a real row exactly once per epoch (at most once for ``"drop"``);
 - ``check_resume``: ``state_dict()`` at every batch position (including the end of an
   epoch and the step into the next) resumes with exactly the remaining batches;
+- ``check_elastic_resume``: states saved by every rank of one job shape resume on
+  another (world size, batch size, last batch): the rest of the epoch holds every
+  sample not yet seen exactly once, with the data each sample has in an uninterrupted
+  run, and the next epoch is a fresh loader's;
 - ``check_deterministic``: the batches do not depend on the number of threads or the
   prefetch depth.
 
@@ -132,6 +136,81 @@ def check_resume(make: MakeLoader, epochs: int = 2) -> None:
     assert len(first) + len(rest) == len(whole)
     for j, (x, y) in enumerate(zip(first + rest, whole)):
         assert_same_batch(x, y, f"mid-iteration state, batch {j}")
+
+
+def check_elastic_resume(make: MakeLoader, n: int, saved: dict[str, Any], resumed: dict[str, Any],
+                         steps: int, epochs: int = 2) -> None:
+    """Every rank of a job made with ``saved`` (``world_size``, ``batch_size``,
+    ``last_batch``) hands out ``steps`` batches and saves its state; the states agree
+    (but for ``rank`` and ``skipped``), and a job made with ``resumed`` that loads them
+    (even ranks the list of all states, odd ranks one state) yields, with equal batch
+    counts per rank, every sample the first job had not yet consumed exactly once (at
+    most once for ``"drop"``), each row equal to that sample's row in an uninterrupted
+    one-rank run; its next epochs equal a fresh job's."""
+    w, w2 = saved["world_size"], resumed["world_size"]
+    epoch = 1  # not epoch 0: the epoch must come from the state
+    old = [make(rank=r, **saved) for r in range(w)]
+    seen, states = [], []
+    for ld in old:
+        ld.set_epoch(epoch)
+        it = iter(ld)
+        seen += [host(next(it))["index"] for _ in range(steps)]
+        states.append(ld.state_dict())
+        del it
+        ld.close()
+    for s in states[1:]:
+        assert {k: v for k, v in s.items() if k not in ("rank", "skipped")} == \
+            {k: v for k, v in states[0].items() if k not in ("rank", "skipped")}, (states[0], s)
+    consumed = states[0]["consumed"]
+    seen_real = np.concatenate(seen + [np.zeros(0, np.int64)])
+    seen_real = seen_real[seen_real >= 0]
+    if steps < len(old[0]):
+        assert consumed == len(seen_real) == steps * w * saved["batch_size"], (consumed, len(seen_real))
+    else:
+        assert consumed == n
+    reference = make(rank=0, world_size=1, batch_size=max(n, 1), last_batch="partial")
+    reference.set_epoch(epoch)
+    by_sample = {}
+    for b in run_epoch(reference):
+        for row, i in enumerate(b["index"].tolist()):
+            if i >= 0:
+                by_sample[i] = {k: (v[row] if k != "index" else i) for k, v in b.items()}
+    new = [make(rank=r, **resumed) for r in range(w2)]
+    rest = []
+    for r, ld in enumerate(new):
+        ld.load_state_dict(states if r % 2 == 0 else states[r % w])
+        assert ld.epoch == epoch
+        length = len(ld)
+        batches = run_epoch(ld)
+        assert len(batches) == length, f"rank {r} yielded {len(batches)} batches, len() said {length}"
+        assert ld.epoch == epoch + 1
+        for b in batches:
+            idx = b["index"]
+            for row, i in enumerate(idx.tolist()):
+                if i >= 0:
+                    want = by_sample[i]
+                    for key, v in b.items():
+                        np.testing.assert_array_equal(np.asarray(v[row] if key != "index" else i),
+                                                      np.asarray(want[key]), err_msg=f"sample {i} field {key}")
+            rest.append(idx[idx >= 0])
+    assert len({len(ld) for ld in new}) == 1
+    rest_real = np.concatenate(rest + [np.zeros(0, np.int64)])
+    both = np.concatenate([seen_real, rest_real])
+    assert len(np.unique(both)) == len(both), "a sample was seen twice across the resume"
+    left = n - consumed
+    step2 = w2 * resumed["batch_size"]
+    want = left // step2 * step2 if resumed["last_batch"] == "drop" else left
+    assert len(rest_real) == want, f"{len(rest_real)} samples after the resume, want {want}"
+    if want == left:
+        assert len(both) == n or steps == len(old[0])
+    for e in range(epoch + 1, epoch + epochs):
+        fresh = [make(rank=r, **resumed) for r in range(w2)]
+        for ld, f in zip(new, fresh):
+            f.set_epoch(e)
+            got, ref = run_epoch(ld), run_epoch(f)
+            assert len(got) == len(ref)
+            for j, (x, y) in enumerate(zip(got, ref)):
+                assert_same_batch(x, y, f"epoch {e} after the resume, rank {ld.rank} batch {j}")
 
 
 def check_deterministic(make: MakeLoader, settings: list[dict[str, Any]], epochs: int = 2) -> None:

@@ -34,7 +34,7 @@ from gpuio.pipeline import _frameworks
 from gpuio.pipeline._collate import Collate
 from gpuio.pipeline._executor import Executor, Stage, StageStats
 from gpuio.pipeline._opfields import check_op_fields, consumed_fields, flat_ops, image_fields
-from gpuio.pipeline.order import EpochPlan, epoch_order
+from gpuio.pipeline.order import ORDER_VERSION, EpochOrder, EpochPlan, epoch_order
 from gpuio.storage import Reader, read_fields
 from gpuio.storage._fielddecode import host_decoded_fields
 from gpuio.storage.buffers import BufferPool
@@ -97,8 +97,9 @@ class Loader:
             DLPack, over the same memory: no copy) or ``"numpy"`` (NumPy/CuPy arrays as
             they are); see ``gpuio.pipeline._frameworks``. The framework is imported here, so a
             missing one is reported when the loader is made.
-        shuffle, seed: a global permutation of ``len(index)`` per epoch,
-            ``np.random.Generator(np.random.PCG64([seed, epoch])).permutation``.
+        shuffle, seed: a global permutation of ``len(index)`` per epoch keyed by
+            ``(seed, epoch)``, evaluated per position (``gpuio.pipeline.order``): each
+            rank computes only the positions it reads.
         rank, world_size: this process's shard (see below).
         last_batch: ``"partial"``, ``"drop"`` or ``"pad"`` (see below).
         prefetch: finished batches that may wait for the consumer beyond one per stage
@@ -150,6 +151,20 @@ class Loader:
     the next ``for`` yield exactly the remaining batches of that epoch (the same rows,
     the same random draws: ops draw from ``batch.rng(row, salt)``, seeded by
     ``(seed, epoch, sample)``), after which the epoch advances as usual.
+
+    Elastic resume: a state records the epoch's consumed part as a prefix of its global
+    order: ``k*G`` positions after ``k`` full steps, all ``N`` once the epoch's last
+    step is out (the partial last step, and under ``"drop"`` the samples it leaves
+    out, count as consumed; padding rows consume nothing). A loader with another
+    ``world_size``, ``batch_size`` or ``last_batch`` (same index, ``shuffle`` and
+    ``seed``) resumes from it: the rest of the epoch, positions ``consumed .. N-1``,
+    is cut by the rule above with the new ``B`` and ``W`` (``N - consumed`` in place of
+    ``N``), so every sample not yet seen is a real row exactly once across the new
+    ranks, each rank yielding the same number of batches, with the random draws each
+    sample would have had; later epochs run as usual. Every rank saves the same
+    position at the same step (only ``rank`` and ``skipped`` differ); a list of states
+    that disagree, a state whose numbers do not add up, or one saved under gpuio's
+    older order (no ``order_version``) is a ``ConfigError``.
 
     Threads: the stage threads and the storage readers' I/O threads start with the
     first pass and are kept from one completed pass to the next (no start-up per
@@ -224,9 +239,9 @@ class Loader:
         names = [getattr(op, "name", None) or _op_name(op) for op in self.ops]
         self._op_names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
         self._epoch = 0
-        self._pos = 0  # batches of the current epoch handed to the consumer
-        self._resume = 0  # where the next pass starts (set by load_state_dict)
-        self._pass_start = 0  # where the running pass started
+        self._plan = self.plan  # the plan of the epoch's running (or last) pass
+        self._pos = 0  # batches of self._plan handed to the consumer
+        self._resume: EpochPlan | None = None  # the next pass's plan, set by load_state_dict
         self._executor: Executor | None = None  # kept across completed passes
         self._passing = False  # a pass is between its first and last batch
         self._inline = False  # the next pass reads on the consumer's thread (see _INLINE_BELOW)
@@ -245,9 +260,11 @@ class Loader:
     # ---- epochs and state ---------------------------------------------------------------
     def __len__(self) -> int:
         """Batches the running pass yields in all, or else the next one: an epoch's
-        batches on this rank (the same on every rank), less those already handed out
-        before a resume (``load_state_dict``), so that a progress bar counts right."""
-        return len(self.plan) - (self._pass_start if self._passing else self._resume)
+        batches on this rank (the same on every rank), or after ``load_state_dict`` the
+        batches left of the resumed epoch, so that a progress bar counts right."""
+        if self._passing:
+            return len(self._plan)
+        return len(self.plan if self._resume is None else self._resume)
 
     @property
     def epoch(self) -> int:
@@ -256,26 +273,74 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next pass (its order and random draws), from batch 0."""
-        self._epoch, self._pos, self._resume = int(epoch), 0, 0
+        self._epoch, self._plan, self._pos, self._resume = int(epoch), self.plan, 0, None
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loader stands: the epoch and the batches of it already handed out."""
-        return {"epoch": self._epoch, "batch": self._pos, "samples": len(self.index),
-                "batch_size": self.batch_size, "world_size": self.world_size,
-                "last_batch": self.last_batch, "shuffle": self.shuffle, "seed": self.seed}
+        """Where the loader stands: the epoch and its consumed prefix of the global
+        order (``gpuio.pipeline.order``), the same on every rank at the same step, plus
+        this rank's ``rank`` and ``skipped`` count."""
+        plan, k = (self._resume, 0) if self._resume is not None else (self._plan, self._pos)
+        with self._lock:
+            skipped = self._skipped
+        return {"order_version": ORDER_VERSION, "epoch": self._epoch, "consumed": plan.consumed(k),
+                "samples": len(self.index), "shuffle": self.shuffle, "seed": self.seed,
+                "start": plan.start, "batch": k, "batch_size": self.batch_size,
+                "world_size": self.world_size, "last_batch": self.last_batch,
+                "rank": self.rank, "skipped": skipped}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``: the next pass yields that epoch's remaining batches."""
-        mine = self.state_dict()
-        for key in ("samples", "batch_size", "world_size", "last_batch", "shuffle", "seed"):
-            if key in state and state[key] != mine[key]:
-                raise ConfigError(f"state was saved with {key}={state[key]!r}, this loader has "
-                                  f"{key}={mine[key]!r}; the order would differ")
-        batch = int(state["batch"])
-        if not 0 <= batch <= len(self):
-            raise ConfigError(f"state batch {batch} out of range 0..{len(self)}")
+    def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
+        """Resume from ``state_dict()`` of this loader, of a loader with other
+        ``world_size``, ``batch_size`` or ``last_batch``, or from the list of every
+        rank's states: the next pass yields this rank's share of the epoch's samples not
+        yet consumed, each a real row exactly once across the new ranks. The states of a
+        list must describe one position. This rank's ``skipped`` count goes on from the
+        counts of the saved ranks ``q`` with ``q % world_size == rank``."""
+        states = [state] if isinstance(state, dict) else list(state)
+        if not states or not all(isinstance(s, dict) for s in states):
+            raise ConfigError("load_state_dict takes a state_dict() or a non-empty list of them")
+        for s in states:
+            if "order_version" not in s:
+                raise ConfigError(
+                    "this state was saved under gpuio's older epoch order (no 'order_version' key: a full "
+                    f"PCG64 permutation per epoch); the current order is version {ORDER_VERSION}, so the "
+                    "state's position names other samples and cannot be resumed; restart its epoch with "
+                    "set_epoch(state['epoch'])")
+            if s["order_version"] != ORDER_VERSION:
+                raise ConfigError(f"state has order_version={s['order_version']!r}; this gpuio resumes "
+                                  f"order version {ORDER_VERSION} only")
+        first = states[0]
+        position = [k for k in first if k not in ("rank", "skipped")]
+        for s in states[1:]:
+            for key in position:
+                if s.get(key) != first[key]:
+                    raise ConfigError(
+                        f"the states do not describe one position: rank {first.get('rank')} saved "
+                        f"{key}={first[key]!r}, rank {s.get('rank')} saved {key}={s.get(key)!r}; "
+                        "give the states every rank saved at the same step")
+        mine = {"samples": len(self.index), "shuffle": self.shuffle, "seed": self.seed}
+        for key, value in mine.items():
+            if first.get(key) != value:
+                raise ConfigError(f"state was saved with {key}={first.get(key)!r}, this loader has "
+                                  f"{key}={value!r}; the epoch's order would differ")
+        try:
+            saved = EpochPlan(len(self.index), first["batch_size"], first["world_size"], 0,
+                              first["last_batch"], first["start"])
+            consumed = saved.consumed(int(first["batch"]))
+        except KeyError as missing:
+            raise ConfigError(f"state lacks {missing}; pass a Loader's state_dict()") from None
+        if first["consumed"] != consumed:
+            raise ConfigError(
+                f"inconsistent state: {first['batch']} batches of {first['batch_size']} on "
+                f"{first['world_size']} ranks from position {first['start']} consume {consumed} samples, "
+                f"the state says consumed={first['consumed']!r}")
+        skipped = sum(int(s.get("skipped", 0)) for s in states
+                      if int(s.get("rank", 0)) % self.world_size == self.rank)
         self.close()
-        self._epoch, self._pos, self._resume = int(state["epoch"]), batch, batch
+        self._epoch, self._plan, self._pos = int(first["epoch"]), self.plan, 0
+        self._resume = EpochPlan(len(self.index), self.batch_size, self.world_size, self.rank,
+                                 self.last_batch, consumed)
+        with self._lock:
+            self._skipped = skipped
 
     def _batches_that_fit(self) -> int:
         """How many batches' read buffers the loader's buffer budget holds at once; at
@@ -301,22 +366,22 @@ class Loader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._passing:  # one pass at a time: stop one left running
             self.close()
-        epoch, start = self._epoch, self._resume
-        self._resume, self._pos, self._pass_start = 0, start, start
-        return self._run(epoch, start)
+        plan = self.plan if self._resume is None else self._resume
+        self._plan, self._pos, self._resume = plan, 0, None
+        return self._run(self._epoch, plan)
 
-    def _run(self, epoch: int, start: int) -> Iterator[dict[str, Any]]:
+    def _run(self, epoch: int, plan: EpochPlan) -> Iterator[dict[str, Any]]:
         ex = self._executor
         if ex is None or not ex.reusable:
             ex = self._start()
         order = epoch_order(len(self.index), self.shuffle, self.seed, epoch)
-        ex.feed(_works(self.plan, order, epoch, start), inline=self._inline)  # no reference to the loader
+        ex.feed(_works(plan, order, epoch), inline=self._inline)  # no reference to the loader
         self._passing = True
         completed = False
         t0 = time.perf_counter()
         busy = 0.0  # the consumer's own time, between batches
         try:
-            for _ in range(start, len(self.plan)):
+            for _ in range(len(plan)):
                 item = ex.get()
                 if item is None:  # closed by close()
                     return
@@ -344,8 +409,8 @@ class Loader:
                 self._passing = False
                 if not completed:
                     self.close()
-            if completed and self._epoch == epoch:
-                self._epoch, self._pos = epoch + 1, 0
+            if completed and self._epoch == epoch and self._plan is plan:
+                self._epoch, self._plan, self._pos = epoch + 1, self.plan, 0
             if completed:
                 self._inline = (not self.device.is_cuda and len(ex.stages) == 1
                                 and busy < _INLINE_BELOW * seconds)
@@ -593,9 +658,9 @@ def _field_sources(index: SampleIndex, fields: Sequence[str] | dict[str, str] | 
     return sources
 
 
-def _works(plan: EpochPlan, order: np.ndarray, epoch: int, start: int) -> Iterator[_Work]:
-    """The batches of one pass, from batch ``start``."""
-    for k in range(start, len(plan)):
+def _works(plan: EpochPlan, order: EpochOrder, epoch: int) -> Iterator[_Work]:
+    """The batches of one pass, each evaluating only its own positions of the order."""
+    for k in range(len(plan)):
         yield _Work(k, epoch, *plan.rows(order, k))
 
 

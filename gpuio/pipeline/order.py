@@ -1,19 +1,30 @@
-"""Sample order for one epoch: a seeded global permutation cut into per-rank batches.
+"""Sample order for one epoch: one seeded global order cut into per-rank batches.
 
-The rule (``EpochPlan``), with ``N`` samples, batch size ``B``, ``W`` ranks and
-``G = W * B`` samples per global step:
+The rule (order version 2, ``ORDER_VERSION``), with ``N`` samples, batch size ``B``,
+``W`` ranks and ``G = W * B`` samples per global step:
 
-1. The epoch's order is ``arange(N)``, or with ``shuffle`` the permutation
-   ``np.random.Generator(np.random.PCG64([seed, epoch])).permutation(N)``: the same on
-   every rank, so ranks agree without talking to each other.
-2. Full global steps: step ``k < N // G`` gives rank ``r`` the contiguous slice
-   ``order[k*G + r*B : k*G + (r+1)*B]``.
-3. The ``M = N % G`` samples left over (when ``M > 0``) are split into ``W`` contiguous
-   shares in rank order, the first ``M % W`` ranks taking one more (``np.array_split``
-   sizes), and what happens to them depends on ``last_batch``:
+1. The epoch's order is ``arange(N)``, or with ``shuffle`` a permutation of ``[0, N)``
+   keyed by ``(seed, epoch)`` that is evaluated position by position
+   (``EpochOrder``): a Feistel network on ``[0, 2**k)``, ``2**k`` the smallest power of
+   two ``>= max(N, 2)``, with cycle-walking (a value ``>= N`` is put through the network
+   again until it falls below ``N``). The ``k`` bits are a left half of ``k // 2`` bits
+   and a right half of the rest; each of ``ROUNDS`` rounds maps ``(L, R)`` to
+   ``(R, L ^ (mix(R ^ key[i]) mod 2**len(L)))``, the halves trading widths, where
+   ``mix`` is the splitmix64 finalizer and the round keys are
+   ``np.random.SeedSequence([seed, epoch]).generate_state(ROUNDS, np.uint64)`` (seed
+   and epoch taken modulo ``2**64``). The order is the same on every rank, so ranks
+   agree without talking to each other, and a rank evaluates only the positions it
+   reads: time and memory grow with its share, ``N / W``, not with ``N``.
+2. An epoch's plan covers the positions ``[start, N)`` of that order (``start`` is 0,
+   or where a resumed epoch goes on, see ``consumed``). Full global steps: step
+   ``k < (N - start) // G`` gives rank ``r`` the positions
+   ``start + k*G + r*B .. start + k*G + (r+1)*B - 1``.
+3. The ``M = (N - start) % G`` positions left over (when ``M > 0``) are split into
+   ``W`` contiguous shares in rank order, the first ``M % W`` ranks taking one more
+   (``np.array_split`` sizes), and what happens to them depends on ``last_batch``:
 
-   - ``"drop"``: they are dropped, ``N // G`` batches per rank; every sample is seen at
-     most once per epoch, and ``M < G`` samples are not seen.
+   - ``"drop"``: they are dropped, ``(N - start) // G`` batches per rank; every sample
+     is seen at most once per epoch, and ``M < G`` samples are not seen.
    - ``"partial"``: one more batch per rank holding its share (``M // W`` or
      ``M // W + 1`` rows); a rank whose share is empty (only when ``M < W``) gets one
      padding row, so that every rank yields the same number of batches.
@@ -22,31 +33,113 @@ The rule (``EpochPlan``), with ``N`` samples, batch size ``B``, ``W`` ranks and
    Padding rows have ``index == -1`` and carry the data (and random augmentation draws)
    of the epoch's first samples: padding row ``i`` of a batch reads ``order[i % N]``.
 
+Consumed positions: after every rank has handed out ``k`` batches of a plan, the
+epoch's consumed part is the prefix ``[0, start + k*G)`` of its order while ``k`` is
+at most the number of full steps, and all of ``[0, N)`` once the plan's last batch is
+out (``k == len(plan)``): the last step (a partial one, or the samples ``"drop"``
+leaves out) counts as wholly consumed, and padding rows consume nothing. A resumed
+epoch is the plan from ``start = consumed`` with the resuming loader's own ``B``,
+``W`` and ``last_batch``, so its remaining samples are each a real row exactly once
+across the new ranks.
+
 Every rank yields the same number of batches, and across ranks every sample is a real
 row exactly once per epoch for ``"partial"`` and ``"pad"``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from gpuio.errors import ConfigError
 
+__all__ = ["LAST_BATCH", "ORDER_VERSION", "ROUNDS", "EpochOrder", "EpochPlan", "epoch_order"]
+
 LAST_BATCH = ("partial", "drop", "pad")
+# Version 1 (no version key in a state) was a full PCG64 permutation per epoch; states
+# saved under it name positions of another order and cannot be resumed.
+ORDER_VERSION = 2
+ROUNDS = 6  # Feistel rounds: four already make a keyed strong pseudorandom permutation
+_MASK64 = (1 << 64) - 1
 
 
-def epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
-    """The epoch's sample order: ``arange(n)`` or a permutation seeded by (seed, epoch)."""
-    if not shuffle:
-        return np.arange(n, dtype=np.int64)
-    rng = np.random.Generator(np.random.PCG64([seed & 0xFFFFFFFFFFFFFFFF, epoch & 0xFFFFFFFFFFFFFFFF]))
-    return rng.permutation(n).astype(np.int64, copy=False)
+def _mix(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer on uint64 ``x``, in place (arithmetic wraps modulo 2**64)."""
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+class EpochOrder:
+    """The order of one epoch (rule 1 of the module docstring): ``order[p]`` is the
+    sample at position ``p``, for an int, a slice or an array of positions, computed for
+    those positions only. ``np.asarray(order)`` evaluates all ``N`` of them."""
+
+    def __init__(self, n: int, shuffle: bool, seed: int, epoch: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ConfigError(f"the number of samples must be an integer >= 0, got {n!r}")
+        self.n, self.shuffle = int(n), bool(shuffle)
+        self.bits = max(1, (self.n - 1).bit_length())
+        seq = np.random.SeedSequence([int(seed) & _MASK64, int(epoch) & _MASK64])
+        self.keys = seq.generate_state(ROUNDS, np.uint64)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self[np.arange(self.n, dtype=np.int64)]
+        return out if dtype is None else out.astype(dtype)
+
+    def __getitem__(self, positions: Any) -> Any:
+        if isinstance(positions, slice):
+            positions = np.arange(*positions.indices(self.n), dtype=np.int64)
+        scalar = np.ndim(positions) == 0
+        p = np.atleast_1d(np.asarray(positions, dtype=np.int64))
+        if p.size and (p.min() < 0 or p.max() >= self.n):
+            raise ConfigError(f"order position out of range 0..{self.n - 1}: "
+                              f"{int(p.min()) if p.min() < 0 else int(p.max())}")
+        out = self._permute(p) if self.shuffle else p.copy()
+        return int(out[0]) if scalar else out
+
+    def _permute(self, p: np.ndarray) -> np.ndarray:
+        x = self._feistel(p.astype(np.uint64))
+        outside = np.flatnonzero(x >= np.uint64(self.n))
+        while outside.size:  # cycle-walking: each value's cycle comes back below n
+            x[outside] = self._feistel(x[outside])
+            outside = outside[x[outside] >= np.uint64(self.n)]
+        return x.astype(np.int64)
+
+    def _feistel(self, x: np.ndarray) -> np.ndarray:
+        """The network on ``[0, 2**bits)``: ``(L, R)`` -> ``(R, L ^ F(R))``, widths swapping."""
+        a = self.bits // 2  # the left half's width
+        b = self.bits - a
+        left, right = x >> np.uint64(b), x & np.uint64((1 << b) - 1)
+        for key in self.keys:
+            f = _mix(right ^ key)
+            f &= np.uint64((1 << a) - 1)
+            f ^= left
+            left, right = right, f
+            a, b = b, a
+        left <<= np.uint64(b)
+        left |= right
+        return left
+
+
+def epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> EpochOrder:
+    """The epoch's sample order: ``arange(n)``, or the permutation keyed by (seed, epoch)."""
+    return EpochOrder(n, shuffle, seed, epoch)
 
 
 class EpochPlan:
-    """Which samples rank ``rank`` reads in each batch of an epoch (module docstring)."""
+    """Which samples rank ``rank`` reads in each batch of an epoch, from order position
+    ``start`` on (module docstring)."""
 
-    def __init__(self, n: int, batch_size: int, world_size: int, rank: int, last_batch: str) -> None:
+    def __init__(self, n: int, batch_size: int, world_size: int, rank: int, last_batch: str,
+                 start: int = 0) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -55,33 +148,41 @@ class EpochPlan:
             raise ConfigError(f"rank must be an integer in 0..{world_size - 1}, got {rank!r}")
         if last_batch not in LAST_BATCH:
             raise ConfigError(f"last_batch={last_batch!r}; choose one of {', '.join(LAST_BATCH)}")
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= n:
+            raise ConfigError(f"start must be an order position in 0..{n}, got {start!r}")
         self.n, self.batch_size, self.world_size, self.rank = n, batch_size, world_size, rank
-        self.last_batch = last_batch
-        step = batch_size * world_size
-        self.full, rest = divmod(n, step)
-        self.rest = rest
-        self.num_batches = self.full + (1 if rest and last_batch != "drop" else 0)
+        self.last_batch, self.start = last_batch, start
+        self.step = batch_size * world_size
+        self.full, self.rest = divmod(n - start, self.step)
+        self.num_batches = self.full + (1 if self.rest and last_batch != "drop" else 0)
 
     def __len__(self) -> int:
         return self.num_batches
 
-    def rows(self, order: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def consumed(self, k: int) -> int:
+        """The length of the epoch's consumed prefix once every rank has handed out
+        ``k`` batches of this plan (module docstring, "Consumed positions")."""
+        if not 0 <= k <= self.num_batches:
+            raise ConfigError(f"batch {k} out of range 0..{self.num_batches} for this epoch's plan")
+        return self.n if k == self.num_batches else self.start + k * self.step
+
+    def rows(self, order: EpochOrder | np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Batch ``k``: ``(src, index)``, the samples to read and the dataset position
         of each row (-1 for padding rows, whose ``src`` is the sample they copy)."""
         b, w, r = self.batch_size, self.world_size, self.rank
         if not 0 <= k < self.num_batches:
             raise ConfigError(f"batch {k} out of range for an epoch of {self.num_batches} batches")
         if k < self.full:
-            start = k * b * w + r * b
-            src = order[start: start + b]
+            begin = self.start + k * self.step + r * b
+            src = np.asarray(order[begin: begin + b], dtype=np.int64)
             return src, src.copy()
         q, extra = divmod(self.rest, w)
-        start = self.full * b * w + r * q + min(r, extra)
-        real = order[start: start + q + (r < extra)]
+        begin = self.start + self.full * self.step + r * q + min(r, extra)
+        real = np.asarray(order[begin: begin + q + (r < extra)], dtype=np.int64)
         pads = b - len(real) if self.last_batch == "pad" else (0 if len(real) else 1)
         if not pads:
             return real, real.copy()
-        pad_src = order[np.arange(pads) % self.n]
+        pad_src = np.asarray(order[np.arange(pads) % self.n], dtype=np.int64)
         src = np.concatenate([real, pad_src])
         index = np.concatenate([real, np.full(pads, -1, dtype=np.int64)])
         return src, index
