@@ -10,6 +10,7 @@ after that stream is done with it (``gpuio.storage._deferred.hand_over``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -41,10 +42,15 @@ class Collate:
         """``work.batch``'s columns and ``index`` as the consumer gets them, and its real rows."""
         b = work.batch
         xp = b.xp
-        out = {name: self.column(name, col, xp) for name, col in b.data.items() if name not in self.notes}
-        index = np.asarray(b.index, dtype=np.int64)
-        out["index"] = xp.asarray(index) if self.device.is_cuda else index
+        with self._on_device():  # a worker thread's current device is GPU 0 until it says otherwise
+            out = {name: self.column(name, col, xp) for name, col in b.data.items() if name not in self.notes}
+            index = np.asarray(b.index, dtype=np.int64)
+            out["index"] = xp.asarray(index) if self.device.is_cuda else index
         return out, int((index >= 0).sum())
+
+    def _on_device(self) -> Any:
+        """The batch's GPU as CuPy's current device, or a null context on the CPU."""
+        return require("cupy").cuda.Device(self.device.index) if self.device.is_cuda else contextlib.nullcontext()
 
     def column(self, name: str, col: Any, xp: Any) -> Any:
         """One column: an array as it is (on the batch's device), scalars and same-shape
