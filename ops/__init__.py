@@ -16,6 +16,8 @@ parameters and defaults and read and write ``audio``: ``decode_audio`` ->
 ``mel_filter_bank`` -> ``to_decibels`` (or ``mfcc``) -> ``normalize_axes`` -> ``pad``.
 """
 
+from gpuio.ops.augment import (BrightnessContrast, ColorTwist, GaussianBlur, Hsv, RandomErasing, RandomGrayscale,
+                               brightness_contrast, color_twist, gaussian_blur, hsv, random_erasing, random_grayscale)
 from gpuio.ops.audio import (DecodeAudio, NonsilentRegion, PreemphasisFilter, Slice, decode_audio,
                              nonsilent_region, preemphasis_filter, slice)
 from gpuio.ops.custom import PythonFunction, python_function
@@ -28,12 +30,29 @@ from gpuio.ops.fused import (Compose, FusedCropResizeNormalize, crop_mirror_norm
                              fused_reference)
 from gpuio.ops.geometry import (CenterCrop, Flip, RandomResizedCrop, Resize, center_crop, flip,
                                 random_resized_crop, resize)
+from gpuio.ops.mix import CutMix, MixUp, cutmix, mixup
 from gpuio.ops.ragged import NormalizeAxes, Pad, normalize_axes, pad
 from gpuio.ops.spectral import (MFCC, MelFilterBank, Spectrogram, ToDecibels, mel_filter_bank, mfcc,
                                 spectrogram, to_decibels)
 from gpuio.ops.video import DecodeVideo, decode_video
 
 __all__ = [
+    "BrightnessContrast",
+    "ColorTwist",
+    "CutMix",
+    "GaussianBlur",
+    "Hsv",
+    "MixUp",
+    "RandomErasing",
+    "RandomGrayscale",
+    "brightness_contrast",
+    "color_twist",
+    "cutmix",
+    "gaussian_blur",
+    "hsv",
+    "mixup",
+    "random_erasing",
+    "random_grayscale",
     "BBFlip",
     "DecodeImageSlice",
     "PythonFunction",

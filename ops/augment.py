@@ -1,0 +1,516 @@
+"""Training augmentations with DALI's names, arguments and defaults: colour
+(``brightness_contrast``, ``hsv``, ``color_twist``, ``random_grayscale``), ``gaussian_blur``
+and ``random_erasing`` (torchvision's RandomErasing).
+
+Images are HWC uint8 per row (a list, sizes may differ, or one array ``[N, H, W, C]``);
+an op returns the same kind of container with new uint8 images (rounded half up,
+saturated to 0-255). Every numeric argument is a constant or a ``(low, high)`` range:
+a range draws one uniform number per sample from the numbers of ``batch.rng(row, salt)``
+(keyed by seed, epoch and sample, so the draws of a sample do not depend on the batch it
+is in), the ranged arguments in the order of the signature.
+
+The colour ops are one 3x3 matrix and offset per sample applied to the RGB channels
+(channels past the third pass through): on the CPU one batched matrix product over the
+images that share a shape, on the GPU one elementwise kernel launch per shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from gpuio.batch import Batch, Op
+from gpuio.device import require
+from gpuio.errors import ConfigError, DataError
+from gpuio.ops._rng import Streams
+
+__all__ = ["BrightnessContrast", "Hsv", "ColorTwist", "RandomGrayscale", "GaussianBlur", "RandomErasing",
+           "brightness_contrast", "hsv", "color_twist", "random_grayscale", "gaussian_blur", "random_erasing",
+           "Range", "param_range", "draw", "yiq_matrix"]
+
+Range = float | tuple[float, float]
+
+# DALI's RGB <-> YIQ matrices (color_twist.h): hue rotates I and Q, saturation scales them
+_RGB2YIQ = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.321], [0.211, -0.523, 0.311]])
+_YIQ2RGB = np.array([[1.0, 0.956, 0.621], [1.0, -0.272, -0.647], [1.0, -1.107, 1.705]])
+_LUMA = np.array([0.299, 0.587, 0.114])
+
+
+def param_range(value: Range, name: str, low: float = -math.inf, high: float = math.inf) -> tuple[float, float]:
+    """``(low, high)`` of a constant or a range argument, each end in ``[low, high]``;
+    a ``ConfigError`` naming ``name`` and the valid range else."""
+    pair = (value, value) if isinstance(value, (int, float, np.number)) else tuple(value)
+    if len(pair) != 2 or not all(isinstance(v, (int, float, np.number)) and math.isfinite(v) for v in pair):
+        raise ConfigError(f"{name} is a number or a (low, high) range, got {value!r}")
+    lo, hi = float(pair[0]), float(pair[1])
+    if not (low <= lo <= hi <= high):
+        raise ConfigError(f"{name}={value!r}: each value must be in [{low}, {high}] and low <= high")
+    return lo, hi
+
+
+def draw(batch: Batch, salt: int, ranges: Sequence[tuple[float, float]]) -> np.ndarray:
+    """Per row one value of each range, float64 ``[N, len(ranges)]``: a constant as is, a
+    range uniform from ``batch.rng(row, salt)`` (in the order given, constants drawing
+    nothing)."""
+    streams = Streams(batch.seeds, salt)
+    out = np.empty((len(batch), len(ranges)))
+    for k, (lo, hi) in enumerate(ranges):
+        out[:, k] = lo if lo == hi else streams.uniform(lo, hi)
+    return out
+
+
+def yiq_matrix(hue: float, saturation: float, value: float) -> np.ndarray:
+    """DALI's hsv transform of RGB values, float64 ``[3, 3]``: to YIQ, rotate I/Q by
+    ``hue`` degrees, scale I/Q by ``saturation``, scale all by ``value``, back to RGB."""
+    h = math.radians(hue)
+    rot = np.array([[1.0, 0.0, 0.0], [0.0, math.cos(h), math.sin(h)], [0.0, -math.sin(h), math.cos(h)]])
+    sat = np.diag([1.0, saturation, saturation])
+    return _YIQ2RGB @ rot @ sat @ (value * _RGB2YIQ)
+
+
+def _rows(images: Any) -> list[Any]:
+    return list(images)
+
+
+def _groups(images: list[Any]) -> dict[tuple[int, ...], list[int]]:
+    """The rows of each image shape, in row order."""
+    out: dict[tuple[int, ...], list[int]] = {}
+    for row, img in enumerate(images):
+        out.setdefault(tuple(img.shape), []).append(row)
+    return out
+
+
+def _container(images: Any, rows: list[Any], xp: Any) -> Any:
+    """``rows`` as the kind of container ``images`` was (one array or a list)."""
+    return xp.stack(rows) if not isinstance(images, list) and rows else rows
+
+
+def _to_uint8(xp: Any, v: Any) -> Any:
+    return xp.clip(xp.floor(v + 0.5), 0, 255).astype(xp.uint8)
+
+
+_COLOR_SOURCE = r"""
+const long long p = i / c;            /* pixel index over the stacked batch */
+const int ch = (int)(i % c);
+const int s = (int)(p / hw);          /* sample */
+float v;
+if (c >= 3 && ch < 3) {
+    const long long b = p * c;
+    v = m[s * 12 + ch * 3] * src[b] + m[s * 12 + ch * 3 + 1] * src[b + 1] + m[s * 12 + ch * 3 + 2] * src[b + 2]
+        + m[s * 12 + 9 + ch];
+} else if (c < 3) {
+    v = m[s * 12] * src[i] + m[s * 12 + 9];
+} else {
+    v = src[i];
+}
+dst = (unsigned char)fminf(fmaxf(floorf(v + 0.5f), 0.0f), 255.0f);
+"""
+_BLUR_SOURCE = r"""
+const int ch = (int)(i % c);
+const long long p = i / c;
+const int x = (int)(p % wd), y = (int)(p / wd);
+float acc = 0.0f;
+for (int k = -radius; k <= radius; ++k) {
+    int yy = axis == 0 ? reflect101(y + k, h) : y;
+    int xx = axis == 0 ? x : reflect101(x + k, wd);
+    acc += w[k + radius] * (float)src[((long long)yy * wd + xx) * c + ch];
+}
+dst = acc;
+"""
+_REFLECT101 = r"""
+__device__ __forceinline__ int reflect101(int j, int n) {
+    if (n == 1) return 0;
+    while (j < 0 || j >= n) { j = j < 0 ? -j : 2 * n - 2 - j; }
+    return j;
+}
+"""
+_kernels: dict[str, Any] = {}
+
+
+def _kernel(cp: Any, name: str) -> Any:
+    """The op's elementwise kernel, made once per process (CuPy caches the build)."""
+    if name not in _kernels:
+        if name == "color":
+            _kernels[name] = cp.ElementwiseKernel("raw uint8 src, raw float32 m, int64 hw, int64 c", "uint8 dst",
+                                                  _COLOR_SOURCE, "gpuio_color_matrix")
+        else:
+            _kernels[name] = cp.ElementwiseKernel(
+                "raw T src, raw float32 w, int32 h, int32 wd, int64 c, int32 radius, int32 axis", "float32 dst",
+                _BLUR_SOURCE, "gpuio_blur_pass", preamble=_REFLECT101)
+    return _kernels[name]
+
+
+def apply_color(batch: Batch, field: str, matrices: np.ndarray, offsets: np.ndarray) -> None:
+    """``out = M @ rgb + offset`` per pixel of each row (``matrices`` ``[N, 3, 3]``,
+    ``offsets`` ``[N, 3]``; 1-2 channel images take ``M[0, 0] * v + offset[0]``, channels
+    past the third pass through), rounded half up to uint8, into ``batch.data[field]``."""
+    images = batch.data[field]
+    rows = _rows(images)
+    table = np.zeros((len(rows), 12), np.float32)
+    table[:, :9] = np.asarray(matrices).reshape(-1, 9)
+    table[:, 9:] = offsets
+    out: list[Any] = [None] * len(rows)
+    if batch.device.is_cuda:
+        cp = require("cupy")
+        with cp.cuda.Device(batch.device.index):
+            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+            with stream:
+                for shape, idx in _groups(rows).items():
+                    src = cp.ascontiguousarray(cp.stack([rows[r] for r in idx]))
+                    dst = cp.empty(src.shape, cp.uint8)
+                    _kernel(cp, "color")(src, cp.asarray(table[idx]), shape[0] * shape[1], shape[2], dst)
+                    out = _place(out, idx, dst)
+                batch.data[field] = _container(images, out, cp)
+        return
+    for shape, idx in _groups(rows).items():
+        src = np.stack([rows[r] for r in idx]).astype(np.float32)
+        c = shape[2]
+        if c >= 3:
+            rgb = np.matmul(src[..., :3].reshape(len(idx), -1, 3), table[idx, :9].reshape(-1, 3, 3).transpose(0, 2, 1))
+            src[..., :3] = rgb.reshape(src[..., :3].shape) + table[idx, 9:][:, None, None, :]
+        else:
+            src = src * table[idx, 0][:, None, None, None] + table[idx, 9][:, None, None, None]
+        out = _place(out, idx, _to_uint8(np, src))
+    batch.data[field] = _container(images, out, np)
+
+
+def _place(out: list[Any], idx: list[int], stacked: Any) -> list[Any]:
+    for k, r in enumerate(idx):
+        out[r] = stacked[k]
+    return out
+
+
+def _need_rgb(batch: Batch, field: str, op: str) -> None:
+    for row, img in enumerate(batch.data[field]):
+        if img.ndim != 3 or img.shape[2] < 3 or img.dtype != np.uint8:
+            batch.reject(row, DataError(f"{op} takes uint8 HWC images of 3 or more channels (RGB first); "
+                                        f"row {row} is {img.dtype} of shape {tuple(img.shape)}",
+                                        sample=int(batch.index[row])))
+    batch.drop_rejected()
+
+
+class BrightnessContrast(Op):
+    """DALI's brightness_contrast on uint8 HWC images: ``out = brightness_shift * 255 +
+    brightness * (contrast_center + contrast * (in - contrast_center))`` per channel,
+    rounded half up and saturated to 0-255. ``contrast_center`` defaults to 128 (half of
+    uint8's range, as DALI). Each of ``brightness``, ``brightness_shift``, ``contrast``
+    and ``contrast_center`` is a constant or a ``(low, high)`` range drawn per sample.
+    ``brightness=(0.6, 1.4), contrast=(0.6, 1.4)`` is torchvision's brightness/contrast
+    jitter of 0.4 with a fixed centre instead of the image's mean grey."""
+
+    salt = 0x42434E54
+
+    def __init__(self, brightness: Range = 1.0, contrast: Range = 1.0, contrast_center: Range | None = None,
+                 brightness_shift: Range = 0.0, *, field: str = "image") -> None:
+        self.ranges = (param_range(brightness, "brightness"), param_range(brightness_shift, "brightness_shift", -1, 1),
+                       param_range(contrast, "contrast", 0.0),
+                       param_range(128.0 if contrast_center is None else contrast_center, "contrast_center", 0, 255))
+        self.field = field
+
+    def params(self, batch: Batch) -> np.ndarray:
+        """Per row (brightness, brightness_shift, contrast, contrast_center), float64 ``[N, 4]``."""
+        return draw(batch, self.salt, self.ranges)
+
+    def __call__(self, batch: Batch) -> Batch:
+        if len(batch) == 0:
+            return batch
+        b, shift, c, center = self.params(batch).T
+        scale = b * c
+        offset = shift * 255.0 + b * center * (1.0 - c)
+        apply_color(batch, self.field, scale[:, None, None] * np.eye(3), np.repeat(offset[:, None], 3, axis=1))
+        return batch
+
+
+class Hsv(Op):
+    """DALI's hsv on uint8 RGB(A) HWC images, a linear transform in YIQ space: ``hue``
+    rotates the chroma (degrees, default 0), ``saturation`` scales it (default 1; 0 gives
+    grey), ``value`` scales all three (default 1). DALI's YIQ matrices are rounded to 3
+    digits, so ``hue=0, saturation=1, value=1`` moves some pixels by 1 level, as in DALI.
+    Each argument is a constant or a ``(low, high)`` range drawn per sample."""
+
+    salt = 0x48535631
+
+    def __init__(self, hue: Range = 0.0, saturation: Range = 1.0, value: Range = 1.0, *,
+                 field: str = "image") -> None:
+        self.ranges = (param_range(hue, "hue", -360, 360), param_range(saturation, "saturation", 0.0),
+                       param_range(value, "value", 0.0))
+        self.field = field
+
+    def params(self, batch: Batch) -> np.ndarray:
+        """Per row (hue, saturation, value), float64 ``[N, 3]``."""
+        return draw(batch, self.salt, self.ranges)
+
+    def __call__(self, batch: Batch) -> Batch:
+        _need_rgb(batch, self.field, "hsv")
+        if len(batch) == 0:
+            return batch
+        m = np.stack([yiq_matrix(h, s, v) for h, s, v in self.params(batch).tolist()])
+        apply_color(batch, self.field, m, np.zeros((len(m), 3)))
+        return batch
+
+
+class ColorTwist(Op):
+    """DALI's color_twist on uint8 RGB(A) HWC images: hsv's ``hue`` (degrees) and
+    ``saturation`` in YIQ space, then ``brightness * (128 + contrast * (v - 128))``
+    (DALI's composition, contrast about half of uint8's range). Defaults leave the image
+    as hsv's identity does. Each argument is a constant or a ``(low, high)`` range drawn
+    per sample, in the order brightness, contrast, hue, saturation."""
+
+    salt = 0x43545749
+
+    def __init__(self, brightness: Range = 1.0, contrast: Range = 1.0, hue: Range = 0.0,
+                 saturation: Range = 1.0, *, field: str = "image") -> None:
+        self.ranges = (param_range(brightness, "brightness", 0.0), param_range(contrast, "contrast", 0.0),
+                       param_range(hue, "hue", -360, 360), param_range(saturation, "saturation", 0.0))
+        self.field = field
+
+    def params(self, batch: Batch) -> np.ndarray:
+        """Per row (brightness, contrast, hue, saturation), float64 ``[N, 4]``."""
+        return draw(batch, self.salt, self.ranges)
+
+    def __call__(self, batch: Batch) -> Batch:
+        _need_rgb(batch, self.field, "color_twist")
+        if len(batch) == 0:
+            return batch
+        p = self.params(batch)
+        m = np.stack([b * c * yiq_matrix(h, s, 1.0) for b, c, h, s in p.tolist()])
+        offset = (128.0 - 128.0 * p[:, 1]) * p[:, 0]
+        apply_color(batch, self.field, m, np.repeat(offset[:, None], 3, axis=1))
+        return batch
+
+
+class RandomGrayscale(Op):
+    """torchvision's RandomGrayscale: with probability ``p`` (default 0.1) an RGB(A) image
+    becomes grey in all three colour channels, ``0.299 R + 0.587 G + 0.114 B`` (ITU-R
+    601-2 luma, as Pillow's ``convert("L")``), rounded half up; alpha passes through.
+    1-2 channel images are already grey and stay as they are."""
+
+    salt = 0x47524159
+
+    def __init__(self, p: float = 0.1, *, field: str = "image") -> None:
+        self.p = param_range(p, "p", 0.0, 1.0)[0]
+        self.field = field
+
+    def chosen(self, batch: Batch) -> np.ndarray:
+        """Per row whether it turns grey, bool ``[N]``."""
+        return Streams(batch.seeds, self.salt).random() < self.p
+
+    def __call__(self, batch: Batch) -> Batch:
+        if len(batch) == 0:
+            return batch
+        grey = self.chosen(batch) & np.array([img.shape[2] >= 3 for img in batch.data[self.field]], bool)
+        m = np.where(grey[:, None, None], np.tile(_LUMA, (3, 1))[None], np.eye(3)[None])
+        apply_color(batch, self.field, m, np.zeros((len(batch), 3)))
+        return batch
+
+
+def gaussian_weights(sigma: float, window: int) -> np.ndarray:
+    """The normalized 1-D Gaussian of ``window`` taps (odd), float32."""
+    x = np.arange(window) - window // 2
+    w = np.exp(-(x * x) / (2.0 * sigma * sigma))
+    return (w / w.sum()).astype(np.float32)
+
+
+def _reflect101(n: int, radius: int) -> np.ndarray:
+    """Source index of each padded position ``-radius .. n + radius - 1`` (mirror
+    without repeating the edge pixel: ``dcb|abcd|cba``)."""
+    j = np.arange(-radius, n + radius)
+    if n == 1:
+        return np.zeros_like(j)
+    period = 2 * n - 2
+    j = np.abs(j) % period
+    return np.where(j >= n, period - j, j)
+
+
+class GaussianBlur(Op):
+    """DALI's gaussian_blur on HWC uint8 images: a separable Gaussian of ``sigma``
+    pixels and ``window_size`` taps, borders mirrored without repeating the edge pixel
+    (``dcb|abcd|cba``, OpenCV's BORDER_REFLECT_101). Give either or both: only ``sigma``
+    gives ``window_size = 2 * ceil(3 * sigma) + 1``; only ``window_size`` gives ``sigma
+    = ((window_size - 1) / 2 - 1) * 0.3 + 0.8``. Both may be a ``(height, width)`` pair
+    (``sigma`` with ``per_axis=True``); ``sigma`` may also be a ``(low, high)`` range drawn
+    per sample (then the window follows each drawn sigma unless given). Rows are filtered
+    horizontally then vertically in float32 and rounded half up once."""
+
+    salt = 0x47424C52
+
+    def __init__(self, sigma: Range | None = None, window_size: int | Sequence[int] | None = None, *,
+                 per_axis: bool = False, field: str = "image") -> None:
+        if sigma is None and window_size is None:
+            raise ConfigError("gaussian_blur needs sigma= (pixels, > 0) or window_size= (odd taps >= 1), or both")
+        self.windows: tuple[int, int] | None = None
+        if window_size is not None:
+            pair = (window_size, window_size) if isinstance(window_size, (int, np.integer)) else tuple(window_size)
+            if len(pair) != 2 or any(int(w) != w or int(w) < 1 or int(w) % 2 == 0 for w in pair):
+                raise ConfigError(f"window_size must be an odd number of taps >= 1 (or a (height, width) "
+                                  f"pair of them), got {window_size!r}")
+            self.windows = (int(pair[0]), int(pair[1]))
+        if sigma is None:  # DALI: radius = (window - 1) / 2, sigma = (radius - 1) * 0.3 + 0.8
+            s_y, s_x = (((w - 1) / 2 - 1) * 0.3 + 0.8 for w in self.windows)
+            self.sigmas, self.shared = ((s_y, s_y), (s_x, s_x)), False
+        elif per_axis:
+            if isinstance(sigma, (int, float)) or len(sigma) != 2:
+                raise ConfigError(f"sigma with per_axis=True is (height, width), got {sigma!r}")
+            self.sigmas, self.shared = tuple(param_range(s, "sigma", 1e-3, 1e3) for s in sigma), False
+        else:
+            self.sigmas, self.shared = (param_range(sigma, "sigma", 1e-3, 1e3),) * 2, True
+        self.field = field
+
+    def params(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        """Per row (sigma_y, sigma_x) float64 ``[N, 2]`` and (window_y, window_x) int64
+        ``[N, 2]``; one draw per row serves both axes unless ``per_axis``."""
+        drawn = draw(batch, self.salt, self.sigmas[:1] if self.shared else self.sigmas)
+        sigmas = np.repeat(drawn, 2, axis=1) if self.shared else drawn
+        if self.windows is not None:
+            windows = np.tile(np.array(self.windows, np.int64), (len(batch), 1))
+        else:
+            windows = 2 * np.ceil(3 * sigmas).astype(np.int64) + 1
+        return sigmas, windows
+
+    def __call__(self, batch: Batch) -> Batch:
+        images = batch.data[self.field]
+        rows = _rows(images)
+        sigmas, windows = self.params(batch)
+        gpu = batch.device.is_cuda
+        out = []
+        for img, (sy, sx), (wy, wx) in zip(rows, sigmas.tolist(), windows.tolist()):
+            ky, kx = gaussian_weights(sy, wy), gaussian_weights(sx, wx)
+            out.append(self._blur_gpu(batch, img, ky, kx) if gpu else self._blur_cpu(img, ky, kx))
+        batch.data[self.field] = _container(images, out, batch.xp) if gpu else _container(images, out, np)
+        return batch
+
+    @staticmethod
+    def _blur_cpu(img: np.ndarray, ky: np.ndarray, kx: np.ndarray) -> np.ndarray:
+        h, w = img.shape[:2]
+        ry, rx = len(ky) // 2, len(kx) // 2
+        v = img.astype(np.float32)[:, _reflect101(w, rx)]
+        acc = np.zeros(img.shape, np.float32)
+        for k, weight in enumerate(kx.tolist()):
+            acc += np.float32(weight) * v[:, k:k + w]
+        v = acc[_reflect101(h, ry)]
+        acc = np.zeros(img.shape, np.float32)
+        for k, weight in enumerate(ky.tolist()):
+            acc += np.float32(weight) * v[k:k + h]
+        return _to_uint8(np, acc) if img.dtype == np.uint8 else acc.astype(img.dtype)
+
+    @staticmethod
+    def _blur_gpu(batch: Batch, img: Any, ky: np.ndarray, kx: np.ndarray) -> Any:
+        cp = require("cupy")
+        with cp.cuda.Device(batch.device.index):
+            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+            with stream:
+                src = cp.ascontiguousarray(img)
+                h, w, c = src.shape
+                rows = cp.empty(src.shape, cp.float32)
+                _kernel(cp, "blur")(src, cp.asarray(kx), np.int32(h), np.int32(w), c, np.int32(len(kx) // 2),
+                                    np.int32(1), rows)
+                cols = cp.empty(src.shape, cp.float32)
+                _kernel(cp, "blur")(rows, cp.asarray(ky), np.int32(h), np.int32(w), c, np.int32(len(ky) // 2),
+                                    np.int32(0), cols)
+                return _to_uint8(cp, cols) if img.dtype == np.uint8 else cols.astype(img.dtype)
+
+
+class RandomErasing(Op):
+    """torchvision's RandomErasing: with probability ``p`` erase one box of each image
+    (HWC), of ``scale`` x the image's area and aspect ratio (h/w) log-uniform in
+    ``ratio``, up to 10 tries for a box smaller than the image (none fits: the image
+    stays), filled with ``value`` (one number, or one per channel). The box's top and
+    left are uniform over the positions where it fits."""
+
+    salt = 0x45524153
+
+    def __init__(self, p: float = 0.5, scale: Sequence[float] = (0.02, 0.33), ratio: Sequence[float] = (0.3, 3.3),
+                 value: float | Sequence[float] = 0, *, field: str = "image") -> None:
+        self.p = param_range(p, "p", 0.0, 1.0)[0]
+        self.scale = param_range(tuple(scale), "scale", 0.0, 1.0)
+        self.ratio = param_range(tuple(ratio), "ratio", 1e-6)
+        self.value = np.atleast_1d(np.asarray(value, np.float64))
+        if self.value.ndim != 1 or not np.all((self.value >= 0) & (self.value <= 255)):
+            raise ConfigError(f"value is one level in [0, 255] or one per channel, got {value!r}")
+        self.field = field
+
+    def boxes(self, batch: Batch, hw: np.ndarray) -> np.ndarray:
+        """Per row (top, left, height, width), int64 ``[N, 4]``; height 0 where nothing
+        is erased."""
+        hw = np.asarray(hw, np.int64).reshape(-1, 2)
+        h, w = hw[:, 0], hw[:, 1]
+        streams = Streams(batch.seeds, self.salt)
+        trying = streams.random() < self.p
+        out = np.zeros((len(hw), 4), np.int64)
+        area = (h * w).astype(np.float64)
+        log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        for _ in range(10):
+            if not trying.any():
+                break
+            target = area * streams.uniform(self.scale[0], self.scale[1], trying)
+            aspect = np.array([math.exp(v) for v in streams.uniform(log_lo, log_hi, trying).tolist()])
+            eh = np.round(np.sqrt(target * aspect)).astype(np.int64)
+            ew = np.round(np.sqrt(target / aspect)).astype(np.int64)
+            fits = trying & (eh < h) & (ew < w) & (eh > 0) & (ew > 0)
+            top = streams.integers(np.where(fits, h - eh + 1, 1), fits)
+            left = streams.integers(np.where(fits, w - ew + 1, 1), fits)
+            out[fits] = np.stack([top, left, eh, ew], axis=1)[fits]
+            trying &= ~fits
+        return out
+
+    def __call__(self, batch: Batch) -> Batch:
+        images = batch.data[self.field]
+        rows = _rows(images)
+        boxes = self.boxes(batch, np.array([img.shape[:2] for img in rows], np.int64).reshape(-1, 2))
+        if batch.device.is_cuda:
+            cp = require("cupy")
+            with cp.cuda.Device(batch.device.index):
+                stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+                with stream:
+                    batch.data[self.field] = _container(images, self._erase(cp, rows, boxes), cp)
+        else:
+            batch.data[self.field] = _container(images, self._erase(np, rows, boxes), np)
+        return batch
+
+    def _erase(self, xp: Any, rows: list[Any], boxes: np.ndarray) -> list[Any]:
+        out = []
+        for img, (t, l, h, w) in zip(rows, boxes.tolist()):
+            if h:
+                if len(self.value) not in (1, img.shape[2]):
+                    raise ConfigError(f"value has {len(self.value)} levels for an image of {img.shape[2]} channels")
+                img = img.copy()
+                img[t:t + h, l:l + w] = xp.asarray(np.floor(self.value + 0.5).astype(img.dtype))
+            out.append(img)
+        return out
+
+
+def brightness_contrast(brightness: Range = 1.0, contrast: Range = 1.0, contrast_center: Range | None = None,
+                        brightness_shift: Range = 0.0, *, field: str = "image") -> BrightnessContrast:
+    """See ``BrightnessContrast``."""
+    return BrightnessContrast(brightness, contrast, contrast_center, brightness_shift, field=field)
+
+
+def hsv(hue: Range = 0.0, saturation: Range = 1.0, value: Range = 1.0, *, field: str = "image") -> Hsv:
+    """See ``Hsv``."""
+    return Hsv(hue, saturation, value, field=field)
+
+
+def color_twist(brightness: Range = 1.0, contrast: Range = 1.0, hue: Range = 0.0, saturation: Range = 1.0, *,
+                field: str = "image") -> ColorTwist:
+    """See ``ColorTwist``."""
+    return ColorTwist(brightness, contrast, hue, saturation, field=field)
+
+
+def random_grayscale(p: float = 0.1, *, field: str = "image") -> RandomGrayscale:
+    """See ``RandomGrayscale``."""
+    return RandomGrayscale(p, field=field)
+
+
+def gaussian_blur(sigma: Range | None = None, window_size: int | Sequence[int] | None = None, *,
+                  per_axis: bool = False, field: str = "image") -> GaussianBlur:
+    """See ``GaussianBlur``."""
+    return GaussianBlur(sigma, window_size, per_axis=per_axis, field=field)
+
+
+def random_erasing(p: float = 0.5, scale: Sequence[float] = (0.02, 0.33), ratio: Sequence[float] = (0.3, 3.3),
+                   value: float | Sequence[float] = 0, *, field: str = "image") -> RandomErasing:
+    """See ``RandomErasing``."""
+    return RandomErasing(p, scale, ratio, value, field=field)

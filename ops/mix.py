@@ -1,0 +1,166 @@
+"""Batch mixing: ``mixup`` and ``cutmix`` of images and labels, as torchvision v2's
+MixUp and CutMix define them, with one mixing weight per sample.
+
+Each row ``r`` is mixed with the row before it in the batch (row 0 with the last row,
+torchvision's ``roll(1)``), taken from the batch as it came in. Its weight ``lam`` is
+drawn from ``Beta(alpha, alpha)`` with ``batch.rng(row, salt)``, so a sample's draws
+depend on (seed, epoch, sample) only and a resumed epoch mixes the same way. Images are
+HWC of one shape (a list or one array ``[N, H, W, C]``); the result is one array of the
+input dtype (uint8 rounded half up). Labels (``label_field``) are class indices ``[N]``
+(made one-hot with ``num_classes``) or soft labels ``[N, K]``; they come out float32
+``[N, K]``. The same array code runs on NumPy and CuPy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gpuio.batch import Batch, Op
+from gpuio.device import require
+from gpuio.errors import ConfigError, DataError
+
+__all__ = ["MixUp", "CutMix", "mixup", "cutmix"]
+
+
+class _Mix(Op):
+    """Shared by MixUp and CutMix: arguments, the weights and the labels."""
+
+    def __init__(self, alpha: float, num_classes: int | None, field: str, label_field: str) -> None:
+        if not (isinstance(alpha, (int, float)) and alpha > 0):
+            raise ConfigError(f"alpha is the Beta distribution's parameter, a number > 0, got {alpha!r}")
+        if num_classes is not None and not (isinstance(num_classes, (int, np.integer)) and num_classes >= 1):
+            raise ConfigError(f"num_classes must be an int >= 1 (or None for soft labels [N, K]), "
+                              f"got {num_classes!r}")
+        self.alpha, self.num_classes = float(alpha), num_classes
+        self.field, self.label_field = field, label_field
+
+    def weights(self, batch: Batch) -> np.ndarray:
+        """Per row ``lam ~ Beta(alpha, alpha)``, float64 ``[N]``."""
+        return np.array([batch.rng(row, self.salt).beta(self.alpha, self.alpha) for row in range(len(batch))])
+
+    def _stacked(self, xp: Any, batch: Batch) -> Any:
+        images = batch.data[self.field]
+        if isinstance(images, list):
+            shapes = {tuple(img.shape) for img in images}
+            if len(shapes) > 1:
+                raise DataError(f"{type(self).__name__.lower()} mixes images of one shape; this batch has "
+                                f"{sorted(shapes)} (resize or crop first)", sample=int(batch.index[0]))
+            images = xp.stack(images)
+        return images
+
+    def _labels(self, xp: Any, batch: Batch, lam: np.ndarray) -> Any:
+        labels = xp.asarray(batch.data[self.label_field])
+        if labels.ndim == 1:
+            if self.num_classes is None:
+                raise ConfigError(f"{self.label_field!r} holds class indices: give num_classes= to make them one-hot")
+            host = np.asarray(labels.get() if hasattr(labels, "get") else labels)
+            bad = np.flatnonzero((host < 0) | (host >= self.num_classes))
+            if len(bad):
+                raise DataError(f"label {host[bad[0]]} is not in [0, {self.num_classes})",
+                                sample=int(batch.index[bad[0]]))
+            labels = xp.eye(self.num_classes, dtype=xp.float32)[labels.astype(xp.int64)]
+        elif labels.ndim != 2:
+            raise ConfigError(f"{self.label_field!r} must be class indices [N] or soft labels [N, K], "
+                              f"got shape {tuple(labels.shape)}")
+        labels = labels.astype(xp.float32)
+        w = xp.asarray(lam.astype(np.float32))[:, None]
+        return w * labels + (1 - w) * xp.roll(labels, 1, axis=0)
+
+    def __call__(self, batch: Batch) -> Batch:
+        if len(batch) == 0:
+            return batch
+        lam = self.weights(batch)
+        if batch.device.is_cuda:
+            cp = require("cupy")
+            with cp.cuda.Device(batch.device.index):
+                stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+                with stream:
+                    self._mix(cp, batch, lam)
+        else:
+            self._mix(np, batch, lam)
+        return batch
+
+    def _mix(self, xp: Any, batch: Batch, lam: np.ndarray) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def _like(xp: Any, v: Any, dtype: Any) -> Any:
+    """Float values ``v`` as ``dtype``: uint8 rounded half up and saturated."""
+    if np.dtype(dtype) == np.uint8:
+        return xp.clip(xp.floor(v + 0.5), 0, 255).astype(xp.uint8)
+    return v.astype(dtype)
+
+
+class MixUp(_Mix):
+    """torchvision's MixUp with a weight per sample: ``image = lam * image + (1 - lam) *
+    previous image`` and the same for the labels, ``lam ~ Beta(alpha, alpha)`` (``alpha``
+    default 1.0, as torchvision). See the module ``gpuio.ops.mix`` for the rows, labels
+    and draws."""
+
+    salt = 0x4D495855
+
+    def __init__(self, alpha: float = 1.0, num_classes: int | None = None, *, field: str = "image",
+                 label_field: str = "label") -> None:
+        super().__init__(alpha, num_classes, field, label_field)
+
+    def _mix(self, xp: Any, batch: Batch, lam: np.ndarray) -> None:
+        images = self._stacked(xp, batch)
+        w = xp.asarray(lam.astype(np.float32)).reshape((-1,) + (1,) * (images.ndim - 1))
+        mixed = w * images.astype(xp.float32) + (1 - w) * xp.roll(images, 1, axis=0).astype(xp.float32)
+        batch.data[self.label_field] = self._labels(xp, batch, lam)
+        batch.data[self.field] = _like(xp, mixed, images.dtype)
+
+
+class CutMix(_Mix):
+    """torchvision's CutMix with a weight per sample: a box of the previous image is
+    pasted into each image, centred at a uniform random pixel ``(cy, cx)`` with half
+    sizes ``int(H * sqrt(1 - lam) / 2)`` and ``int(W * sqrt(1 - lam) / 2)``, clipped to
+    the image, ``lam ~ Beta(alpha, alpha)`` (``alpha`` default 1.0); the labels mix with
+    ``1 - box area / image area`` (the area actually pasted). See the module
+    ``gpuio.ops.mix`` for the rows, labels and draws."""
+
+    salt = 0x4355544D
+
+    def __init__(self, alpha: float = 1.0, num_classes: int | None = None, *, field: str = "image",
+                 label_field: str = "label") -> None:
+        super().__init__(alpha, num_classes, field, label_field)
+
+    def boxes(self, batch: Batch, lam: np.ndarray, h: int, w: int) -> np.ndarray:
+        """Per row the pasted box (y0, x0, y1, x1), int64 ``[N, 4]``: after ``lam``, the
+        row's generator draws the centre's x then y."""
+        out = np.zeros((len(batch), 4), np.int64)
+        for row in range(len(batch)):
+            rng = batch.rng(row, self.salt)
+            rng.beta(self.alpha, self.alpha)  # lam, drawn by weights()
+            cx, cy = int(rng.integers(0, w)), int(rng.integers(0, h))
+            r = 0.5 * np.sqrt(1.0 - lam[row])
+            rh, rw = int(r * h), int(r * w)
+            out[row] = (max(cy - rh, 0), max(cx - rw, 0), min(cy + rh, h), min(cx + rw, w))
+        return out
+
+    def _mix(self, xp: Any, batch: Batch, lam: np.ndarray) -> None:
+        images = self._stacked(xp, batch)
+        n, h, w = images.shape[:3]
+        box = self.boxes(batch, lam, h, w)
+        area = (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
+        kept = 1.0 - area / float(h * w)
+        b = xp.asarray(box)
+        ys, xs = xp.arange(h)[None, :, None], xp.arange(w)[None, None, :]
+        inside = ((ys >= b[:, 0, None, None]) & (ys < b[:, 2, None, None])
+                  & (xs >= b[:, 1, None, None]) & (xs < b[:, 3, None, None]))
+        batch.data[self.label_field] = self._labels(xp, batch, kept)
+        batch.data[self.field] = xp.where(inside[..., None], xp.roll(images, 1, axis=0), images)
+
+
+def mixup(alpha: float = 1.0, num_classes: int | None = None, *, field: str = "image",
+          label_field: str = "label") -> MixUp:
+    """See ``MixUp``."""
+    return MixUp(alpha, num_classes, field=field, label_field=label_field)
+
+
+def cutmix(alpha: float = 1.0, num_classes: int | None = None, *, field: str = "image",
+           label_field: str = "label") -> CutMix:
+    """See ``CutMix``."""
+    return CutMix(alpha, num_classes, field=field, label_field=label_field)

@@ -1,0 +1,342 @@
+"""The training augmentations (gpuio.ops.augment, gpuio.ops.mix) against references
+computed apart from them: Pillow's ImageEnhance and convert("L"), OpenCV's GaussianBlur,
+per-pixel formulas in plain NumPy written from DALI's and torchvision's definitions;
+draws that follow the sample, not the batch; argument errors; CPU/GPU agreement (the
+``device`` fixture's cuda twin)."""
+
+from __future__ import annotations
+
+import math
+
+import cv2
+import numpy as np
+import pytest
+from PIL import Image, ImageEnhance, ImageStat
+
+from gpuio import ops
+from gpuio.batch import Batch, sample_seeds
+from gpuio.device import Device
+from gpuio.errors import ConfigError, DataError
+from gpuio.sample import sample_image
+
+
+def make_batch(images, index=None, device="cpu", seed=3, **fields):
+    index = np.arange(len(images)) if index is None else np.asarray(index)
+    if device != "cpu":
+        import cupy
+
+        images = [cupy.asarray(img) for img in images]
+    return Batch({"image": list(images), **fields}, index, sample_seeds(seed, 0, index), device=Device(device))
+
+
+def host(v):
+    if isinstance(v, list):
+        return [host(x) for x in v]
+    if hasattr(v, "__cuda_array_interface__"):
+        import cupy
+
+        return cupy.asnumpy(v)
+    return np.asarray(v)
+
+
+def run(op, images, device="cpu", index=None, **fields):
+    batch = op(make_batch(images, index, device, **fields))
+    return host(batch.data["image"]), {k: host(batch.data[k]) for k in fields}
+
+
+@pytest.fixture(scope="module")
+def images():
+    rng = np.random.default_rng(7)
+    return [sample_image(rng, 48, 64), sample_image(rng, 40, 40), sample_image(rng, 48, 64), sample_image(rng, 33, 57)]
+
+
+def close(a, b, max_diff=1, mean_diff=0.25):
+    d = np.abs(np.asarray(a, np.int64) - np.asarray(b, np.int64))
+    assert d.max() <= max_diff and d.mean() <= mean_diff, (d.max(), d.mean())
+
+
+def round_u8(v):
+    return np.clip(np.floor(np.asarray(v, np.float64) + 0.5), 0, 255).astype(np.uint8)
+
+
+# ---------------------------------------------------------------- colour
+
+
+def test_brightness_matches_pillow_enhance(images):
+    out, _ = run(ops.brightness_contrast(brightness=1.3), images)
+    for img, got in zip(images, out):
+        pil = np.asarray(ImageEnhance.Brightness(Image.fromarray(img)).enhance(1.3)).astype(np.int64)
+        # the same product; Pillow's blend truncates it where gpuio (and DALI) round
+        assert np.array_equal(pil, np.clip(np.floor(img * np.float32(1.3)), 0, 255))
+        assert set(np.unique(got - pil).tolist()) <= {0, 1}
+
+
+def test_contrast_about_the_mean_grey_matches_pillow_enhance(images):
+    img = images[0]
+    # Pillow blends with the image's mean grey; DALI's contrast_center is that level here
+    mean = int(ImageStat.Stat(Image.fromarray(img).convert("L")).mean[0] + 0.5)
+    (got,), _ = run(ops.brightness_contrast(contrast=0.6, contrast_center=mean), [img])
+    pil = np.asarray(ImageEnhance.Contrast(Image.fromarray(img)).enhance(0.6)).astype(np.int64)
+    assert set(np.unique(got - pil).tolist()) <= {0, 1}  # Pillow truncates, gpuio rounds
+
+
+def test_brightness_contrast_formula_with_shift_default_center_and_grey(images):
+    grey = images[1][..., :1].copy()
+    out, _ = run(ops.brightness_contrast(brightness=0.9, contrast=1.5, brightness_shift=0.1), [images[0], grey])
+    for img, got in zip([images[0], grey], out):
+        ref = 0.1 * 255 + 0.9 * (128 + 1.5 * (img.astype(np.float64) - 128))
+        assert got.shape == img.shape and got.dtype == np.uint8
+        close(got, round_u8(ref), max_diff=1, mean_diff=0.01)
+
+
+def yiq_reference(img, hue, sat, value):
+    """DALI's hsv per pixel, written out: Y, I, Q from RGB; (I, Q) rotated by the hue
+    angle and scaled by the saturation; all scaled by the value; back to RGB."""
+    r, g, b = (img[..., k].astype(np.float64) for k in range(3))
+    y = 0.299 * r + 0.587 * g + 0.114 * b
+    i = 0.596 * r - 0.274 * g - 0.321 * b
+    q = 0.211 * r - 0.523 * g + 0.311 * b
+    h = math.radians(hue)
+    i, q = sat * (math.cos(h) * i + math.sin(h) * q), sat * (-math.sin(h) * i + math.cos(h) * q)
+    y, i, q = value * y, value * i, value * q
+    return np.stack([y + 0.956 * i + 0.621 * q, y - 0.272 * i - 0.647 * q, y - 1.107 * i + 1.705 * q], axis=-1)
+
+
+@pytest.mark.parametrize("hue,sat,value", [(0, 1, 1), (40, 1, 1), (-90, 0.5, 1.2), (180, 1.5, 0.8)])
+def test_hsv_matches_the_yiq_formula(images, hue, sat, value):
+    out, _ = run(ops.hsv(hue=hue, saturation=sat, value=value), images)
+    for img, got in zip(images, out):
+        close(got, round_u8(yiq_reference(img, hue, sat, value)), max_diff=1, mean_diff=0.01)
+        if (hue, sat, value) == (0, 1, 1):  # DALI's 3-digit YIQ matrices: within a level of the input
+            close(got, img, max_diff=1, mean_diff=0.5)
+
+
+def test_hsv_saturation_zero_is_pillow_grey_and_alpha_passes(images):
+    rgba = np.concatenate([images[0], np.full(images[0].shape[:2] + (1,), 77, np.uint8)], axis=2)
+    (got,), _ = run(ops.hsv(saturation=0), [rgba])
+    grey = np.asarray(Image.fromarray(images[0]).convert("L"))
+    for k in range(3):
+        close(got[..., k], grey, max_diff=1, mean_diff=0.3)
+    assert np.array_equal(got[..., 3], rgba[..., 3])
+
+
+def test_color_twist_is_hsv_then_brightness_contrast(images):
+    out, _ = run(ops.color_twist(brightness=1.1, contrast=0.7, hue=25, saturation=1.3), images)
+    for img, got in zip(images, out):
+        ref = 1.1 * (128 + 0.7 * (yiq_reference(img, 25, 1.3, 1.0) - 128))
+        close(got, round_u8(ref), max_diff=1, mean_diff=0.01)
+
+
+def test_random_grayscale_is_pillow_luma_for_the_chosen_rows(images):
+    op = ops.random_grayscale(p=0.5)
+    index = np.arange(40)
+    imgs = [images[k % 4] for k in index]
+    out, _ = run(op, imgs, index=index)
+    batch = make_batch(imgs, index)
+    chosen = [batch.rng(row, op.salt).random() < 0.5 for row in range(len(index))]
+    assert 5 < sum(chosen) < 35
+    for img, got, grey in zip(imgs, out, chosen):
+        if grey:
+            ref = np.asarray(Image.fromarray(img).convert("L"))
+            for k in range(3):
+                close(got[..., k], ref, max_diff=1, mean_diff=0.3)
+        else:
+            assert np.array_equal(got, img)
+    one = images[0][..., :1].copy()
+    assert np.array_equal(run(ops.random_grayscale(p=1.0), [one])[0][0], one)
+
+
+def test_colour_ops_need_rgb(images):
+    grey = images[0][..., :1].copy()
+    with pytest.raises(DataError, match="3 or more channels"):
+        ops.hsv(hue=10)(make_batch([grey]))
+    with pytest.raises(DataError, match="color_twist"):
+        ops.color_twist(hue=10)(make_batch([grey]))
+
+
+# ---------------------------------------------------------------- blur and erasing
+
+
+@pytest.mark.parametrize("kw,cv", [({"sigma": 1.0}, ((7, 7), 1.0, 1.0)), ({"sigma": 2.3}, ((15, 15), 2.3, 2.3)),
+                                   ({"window_size": 5}, ((5, 5), 1.1, 1.1)),
+                                   ({"window_size": 11}, ((11, 11), 0, 0)),
+                                   ({"sigma": 1.5, "window_size": 3}, ((3, 3), 1.5, 1.5)),
+                                   ({"sigma": (0.8, 2.0), "window_size": (5, 9), "per_axis": True},
+                                    ((9, 5), 2.0, 0.8))])
+def test_gaussian_blur_matches_opencv(images, kw, cv):
+    (ksize, sx, sy) = cv
+    out, _ = run(ops.gaussian_blur(**kw), images)
+    for img, got in zip(images, out):
+        # OpenCV computes the sigma of a window alone with DALI's formula (above 7 taps;
+        # below it takes fixed binomial kernels, so 1.1 is given for 5 taps); both mirror
+        # borders without repeating the edge (BORDER_REFLECT_101); OpenCV's uint8 path
+        # is fixed point, hence a level at most
+        ref = cv2.GaussianBlur(img, ksize, sigmaX=sx, sigmaY=sy, borderType=cv2.BORDER_REFLECT_101)
+        close(got, ref, max_diff=1, mean_diff=0.1)
+
+
+def test_gaussian_blur_tiny_image_and_sigma_range(images):
+    tiny = images[0][:2, :3].copy()
+    (got,), _ = run(ops.gaussian_blur(sigma=2.0), [tiny])
+    close(got, cv2.GaussianBlur(tiny, (13, 13), 2.0, borderType=cv2.BORDER_REFLECT_101), max_diff=1, mean_diff=0.5)
+    op = ops.gaussian_blur(sigma=(0.5, 3.0))
+    sigmas, windows = op.params(make_batch(images))
+    assert len(set(sigmas[:, 0].tolist())) == 4 and np.array_equal(sigmas[:, 0], sigmas[:, 1])
+    assert np.array_equal(windows, 2 * np.ceil(3 * sigmas).astype(int) + 1)
+
+
+def erasing_reference(rng, h, w, p, scale, ratio):
+    """torchvision's RandomErasing.get_params with NumPy's generator."""
+    if not rng.random() < p:
+        return None
+    for _ in range(10):
+        area = h * w * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
+        eh, ew = int(round(math.sqrt(area * aspect))), int(round(math.sqrt(area / aspect)))
+        if not (eh < h and ew < w):
+            continue
+        return int(rng.integers(0, h - eh + 1)), int(rng.integers(0, w - ew + 1)), eh, ew
+    return None
+
+
+def test_random_erasing_follows_torchvision(images):
+    op = ops.random_erasing(p=0.7, scale=(0.02, 0.6), value=(10, 20, 30))
+    index = np.arange(30)
+    imgs = [images[k % 4] for k in index]
+    out, _ = run(op, imgs, index=index)
+    batch = make_batch(imgs, index)
+    erased = 0
+    for row, (img, got) in enumerate(zip(imgs, out)):
+        box = erasing_reference(batch.rng(row, op.salt), *img.shape[:2], 0.7, (0.02, 0.6), (0.3, 3.3))
+        ref = img.copy()
+        if box:
+            t, l, h, w = box
+            ref[t:t + h, l:l + w] = (10, 20, 30)
+            erased += 1
+        assert np.array_equal(got, ref), row
+    assert 10 < erased < 30
+
+
+# ---------------------------------------------------------------- mixing
+
+
+def test_mixup_images_and_one_hot_labels(images):
+    imgs = [images[0], images[2], np.flipud(images[0]).copy()]
+    labels = np.array([2, 0, 4])
+    op = ops.mixup(alpha=0.4, num_classes=5)
+    out, got = run(op, imgs, label=labels)
+    batch = make_batch(imgs)
+    lam = [batch.rng(row, op.salt).beta(0.4, 0.4) for row in range(3)]
+    eye = np.eye(5)
+    for row in range(3):
+        prev = (row - 1) % 3
+        ref = lam[row] * imgs[row].astype(np.float64) + (1 - lam[row]) * imgs[prev]
+        close(out[row], round_u8(ref), max_diff=1, mean_diff=0.01)
+        np.testing.assert_allclose(got["label"][row], lam[row] * eye[labels[row]] + (1 - lam[row]) * eye[labels[prev]],
+                                   atol=1e-6)
+    assert out.dtype == np.uint8 and got["label"].dtype == np.float32
+
+
+def test_cutmix_pastes_torchvision_boxes_and_soft_labels(images):
+    imgs = [images[0], images[2], 255 - images[0]]
+    soft = np.array([[0.9, 0.1], [0.2, 0.8], [0.5, 0.5]], np.float32)
+    op = ops.cutmix(alpha=1.0)
+    out, got = run(op, imgs, label=soft)
+    batch = make_batch(imgs)
+    h, w = imgs[0].shape[:2]
+    for row in range(3):
+        rng = batch.rng(row, op.salt)
+        lam = rng.beta(1.0, 1.0)
+        cx, cy = rng.integers(0, w), rng.integers(0, h)
+        r = 0.5 * math.sqrt(1 - lam)
+        y0, x0 = max(cy - int(r * h), 0), max(cx - int(r * w), 0)
+        y1, x1 = min(cy + int(r * h), h), min(cx + int(r * w), w)
+        ref = imgs[row].copy()
+        ref[y0:y1, x0:x1] = imgs[(row - 1) % 3][y0:y1, x0:x1]
+        assert np.array_equal(out[row], ref)
+        kept = 1 - (y1 - y0) * (x1 - x0) / (h * w)
+        np.testing.assert_allclose(got["label"][row], kept * soft[row] + (1 - kept) * soft[(row - 1) % 3], atol=1e-6)
+
+
+def test_mixing_errors(images):
+    with pytest.raises(DataError, match="one shape"):
+        ops.mixup(num_classes=3)(make_batch([images[0], images[1]], label=np.array([0, 1])))
+    with pytest.raises(ConfigError, match="num_classes"):
+        ops.cutmix()(make_batch([images[0], images[2]], label=np.array([0, 1])))
+    with pytest.raises(DataError, match=r"label 7 is not in \[0, 3\)"):
+        ops.mixup(num_classes=3)(make_batch([images[0], images[2]], label=np.array([0, 7])))
+
+
+# ---------------------------------------------------------------- draws, arguments, devices
+
+RANDOM_OPS = {
+    "brightness_contrast": lambda: ops.brightness_contrast(brightness=(0.5, 1.5), contrast=(0.5, 1.5)),
+    "hsv": lambda: ops.hsv(hue=(-30, 30), saturation=(0.5, 1.5), value=(0.8, 1.2)),
+    "color_twist": lambda: ops.color_twist(brightness=(0.8, 1.2), contrast=(0.8, 1.2), hue=(-20, 20),
+                                           saturation=(0.5, 1.5)),
+    "random_grayscale": lambda: ops.random_grayscale(p=0.5),
+    "gaussian_blur": lambda: ops.gaussian_blur(sigma=(0.3, 2.0)),
+    "random_erasing": lambda: ops.random_erasing(p=0.9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_OPS))
+def test_a_sample_gets_the_same_draws_in_any_batch(images, name):
+    imgs = [images[k % 4] for k in range(8)]
+    whole, _ = run(RANDOM_OPS[name](), imgs, index=np.arange(8))
+    part, _ = run(RANDOM_OPS[name](), [imgs[6], imgs[1], imgs[3]], index=[6, 1, 3])
+    for got, row in zip(part, [6, 1, 3]):
+        assert np.array_equal(got, whole[row])
+    assert any(not np.array_equal(a, b) for a, b in zip(whole, imgs))
+
+
+@pytest.mark.parametrize("op", [ops.MixUp(0.5, 4), ops.CutMix(0.5, 4)])
+def test_mixing_weights_follow_the_sample(images, op):
+    assert np.array_equal(op.weights(make_batch([images[0]] * 3, index=[4, 9, 2]))[[0, 1]],
+                          op.weights(make_batch([images[0]] * 2, index=[4, 9])))
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: ops.brightness_contrast(contrast=-1), r"contrast=-1: each value must be in \[0.0, inf\]"),
+    (lambda: ops.brightness_contrast(contrast_center=300), r"contrast_center=300.*\[0, 255\]"),
+    (lambda: ops.brightness_contrast(brightness=(1.5, 0.5)), r"brightness=.*low <= high"),
+    (lambda: ops.hsv(saturation="x"), "saturation is a number or a"),
+    (lambda: ops.hsv(hue=500), r"hue=500.*\[-360, 360\]"),
+    (lambda: ops.color_twist(brightness=-0.1), r"brightness=-0.1.*\[0.0, inf\]"),
+    (lambda: ops.random_grayscale(p=1.5), r"p=1.5.*\[0.0, 1.0\]"),
+    (lambda: ops.gaussian_blur(), "sigma= .* or window_size="),
+    (lambda: ops.gaussian_blur(window_size=4), "window_size must be an odd"),
+    (lambda: ops.gaussian_blur(sigma=0), r"sigma=0.*\[0.001, 1000.0\]"),
+    (lambda: ops.random_erasing(scale=(0.5, 0.1)), "scale=.*low <= high"),
+    (lambda: ops.random_erasing(value=300), r"value is one level in \[0, 255\]"),
+    (lambda: ops.mixup(alpha=0), "alpha .* > 0"),
+    (lambda: ops.cutmix(num_classes=0), "num_classes must be an int >= 1"),
+])
+def test_arguments_are_checked_when_made(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+AGREEMENT_OPS = {
+    "brightness_contrast": lambda: ops.brightness_contrast(brightness=(0.5, 1.5), contrast=(0.5, 1.5)),
+    "hsv": lambda: ops.hsv(hue=(-30, 30), saturation=(0.5, 1.5), value=(0.8, 1.2)),
+    "color_twist": lambda: ops.color_twist(brightness=1.1, contrast=0.8, hue=15, saturation=1.2),
+    "random_grayscale": lambda: ops.random_grayscale(p=0.5),
+    "gaussian_blur": lambda: ops.gaussian_blur(sigma=(0.3, 2.0)),
+    "random_erasing": lambda: ops.random_erasing(p=0.9, value=(1, 2, 3)),
+    "mixup": lambda: ops.mixup(0.4, num_classes=3),
+    "cutmix": lambda: ops.cutmix(1.0, num_classes=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AGREEMENT_OPS))
+def test_cpu_and_device_agree(images, device, name):
+    imgs = [images[0], images[2], 255 - images[0], images[2][::-1].copy()]
+    labels = np.array([0, 1, 2, 1])
+    cpu, cpu_labels = run(AGREEMENT_OPS[name](), imgs, label=labels)
+    got, got_labels = run(AGREEMENT_OPS[name](), imgs, device, label=labels)
+    for a, b in zip(cpu, got):
+        # float32 sums in another order on the GPU: a level where a value lies at .5
+        close(a, b, max_diff=1, mean_diff=0.01)
+    np.testing.assert_allclose(np.asarray(cpu_labels["label"], np.float64), np.asarray(got_labels["label"], np.float64),
+                               rtol=1e-6)
