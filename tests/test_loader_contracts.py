@@ -81,6 +81,8 @@ def test_plan_rule(n, world_size, last_batch):
             if last_batch != "partial":
                 assert len(index) == b
             real.append(index[~pad])
+        mine = [index[index >= 0] for index in (p.rows(order, k)[1] for k in range(len(p)))]
+        np.testing.assert_array_equal(p.samples(order), np.concatenate(mine) if mine else np.zeros(0, np.int64))
     seen = np.concatenate(real) if real else np.zeros(0, np.int64)
     assert len(np.unique(seen)) == len(seen)
     if last_batch == "drop":

@@ -62,6 +62,7 @@ LAST_BATCH = ("partial", "drop", "pad")
 ORDER_VERSION = 2
 ROUNDS = 6  # Feistel rounds: four already make a keyed strong pseudorandom permutation
 _MASK64 = (1 << 64) - 1
+_CHUNK = 1 << 18  # positions evaluated at once: the network's temporaries stay a few MB
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -102,7 +103,12 @@ class EpochOrder:
         if p.size and (p.min() < 0 or p.max() >= self.n):
             raise ConfigError(f"order position out of range 0..{self.n - 1}: "
                               f"{int(p.min()) if p.min() < 0 else int(p.max())}")
-        out = self._permute(p) if self.shuffle else p.copy()
+        if not self.shuffle:
+            out = p.copy()
+        else:
+            out = np.empty(p.shape, dtype=np.int64)
+            for lo in range(0, p.size, _CHUNK):
+                out[lo: lo + _CHUNK] = self._permute(p[lo: lo + _CHUNK])
         return int(out[0]) if scalar else out
 
     def _permute(self, p: np.ndarray) -> np.ndarray:
@@ -165,6 +171,18 @@ class EpochPlan:
         if not 0 <= k <= self.num_batches:
             raise ConfigError(f"batch {k} out of range 0..{self.num_batches} for this epoch's plan")
         return self.n if k == self.num_batches else self.start + k * self.step
+
+    def samples(self, order: EpochOrder | np.ndarray) -> np.ndarray:
+        """Every sample this rank reads as a real row in this plan, batch after batch
+        (the real rows of ``rows(order, k)`` for each ``k``), evaluated at once."""
+        b = self.batch_size
+        steps = np.arange(self.full, dtype=np.int64)[:, None] * self.step
+        positions = [(self.start + self.rank * b + steps + np.arange(b, dtype=np.int64)).ravel()]
+        if self.num_batches > self.full:
+            q, extra = divmod(self.rest, self.world_size)
+            begin = self.start + self.full * self.step + self.rank * q + min(self.rank, extra)
+            positions.append(np.arange(begin, begin + q + (self.rank < extra), dtype=np.int64))
+        return np.asarray(order[np.concatenate(positions)], dtype=np.int64)
 
     def rows(self, order: EpochOrder | np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Batch ``k``: ``(src, index)``, the samples to read and the dataset position
