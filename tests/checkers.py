@@ -301,3 +301,42 @@ def check_directory_and_fifo_name_the_path(open_index: Callable[[Any, Any], Any]
         with pytest.raises(DataError, match="a text index file must be a regular file") as err:
             open_index(data, bad)
         assert err.value.path == bad
+
+
+_POOLED_CHILD = """
+import json, sys, warnings
+import gpuio
+from gpuio import formats
+from gpuio.formats import _files
+_files.POOL_AFTER_S = 0.0  # every shard after the first goes to the process pool
+pools = []
+class Counted(_files.ProcessPoolExecutor):
+    def __init__(self, *args, **kwargs):
+        pools.append(1)
+        super().__init__(*args, **kwargs)
+_files.ProcessPoolExecutor = Counted
+warnings.simplefilter("ignore")
+try:
+    eval(sys.argv[1]).save(sys.argv[2])
+    print(json.dumps({"pool": bool(pools)}))
+except gpuio.errors.DataError as exc:
+    print(json.dumps({"pool": bool(pools), "error": str(exc), "path": exc.path}))
+"""
+
+
+def index_on_a_process_pool(tmp_path: Any, call: str) -> tuple[Any, dict[str, Any]]:
+    """``(index, report)``: the index that ``call`` (an expression over ``formats``) makes
+    in a new interpreter, where no other thread keeps the shard pool from forking and every
+    shard after the first is indexed in a pool process; ``report["pool"]`` says a pool
+    ran, ``report["error"]``/``["path"]`` give the gpuio error it raised instead (index
+    ``None``)."""
+    import json
+    import subprocess
+    import sys
+
+    out = os.path.join(tmp_path, "pooled.idx")
+    done = subprocess.run([sys.executable, "-c", _POOLED_CHILD, call, out], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return (None if "error" in report else gpuio.SampleIndex.load(out)), report

@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 
+from checkers import index_on_a_process_pool
 import gpuio
 from gpuio.formats import filetree
 from gpuio.formats.filetree import IMAGE_EXTENSIONS
@@ -160,12 +161,8 @@ def test_class_folders_walked_on_a_process_pool_match_one_process(tmp_path, monk
     os.symlink(root / "nowhere.jpg", root / "c3" / "dangling.jpg")
     with pytest.warns(UserWarning, match="broken links"):
         here = filetree(root)
-    monkeypatch.setattr("gpuio.formats._files.POOL_AFTER_S", 0.0)  # the folders after the first go to processes
-    import threading
-
-    assert threading.active_count() == 1  # else the pool is not used
-    with pytest.warns(UserWarning, match="broken links"):
-        pooled = filetree(root)
+    pooled, report = index_on_a_process_pool(tmp_path, f"formats.filetree({str(root)!r})")
+    assert report["pool"]  # the folders after the first went to processes
     assert [pooled.files[i] for i in range(len(pooled))] == [here.files[i] for i in range(len(here))]
     assert pooled.extents["data"].length.tolist() == here.extents["data"].length.tolist()
     assert pooled.values["label"].tolist() == here.values["label"].tolist()

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpuio
-from checkers import assert_gpu_read_matches_cpu, check_directory_and_fifo_name_the_path, check_index_or_gpuio_error
+from checkers import (assert_gpu_read_matches_cpu, check_directory_and_fifo_name_the_path, check_index_or_gpuio_error,
+                      index_on_a_process_pool)
 from gpuio.errors import ConfigError, FormatError, StorageError
 from gpuio.formats import recordio
 from gpuio.formats.recordio import MAGIC, RecordIOParser
@@ -344,15 +345,16 @@ def test_files_scanned_on_a_process_pool_match_one_process(tmp_path, monkeypatch
         paths.append(tmp_path / f"{k}.rec")
     here = recordio(paths)
     assert capfd.readouterr().err == ""  # quick: no progress bar
-    monkeypatch.setattr("gpuio.formats._files.POOL_AFTER_S", 0.0)  # the files after the first go to processes
     monkeypatch.setattr("gpuio.formats._files.PROGRESS_DELAY_S", 0.0)
-    pooled = recordio(paths)
-    assert "indexing .rec files" in capfd.readouterr().err
+    recordio(paths)
+    assert "indexing .rec files" in capfd.readouterr().err  # past the delay: a progress bar
+    pooled, report = index_on_a_process_pool(tmp_path, f"formats.recordio({[os.fspath(p) for p in paths]!r})")
+    assert report["pool"]  # the files after the first went to processes
     for part in ("file", "offset", "length"):
         assert np.array_equal(getattr(here.extents["record"], part), getattr(pooled.extents["record"], part))
     assert pooled.values["key"].tolist() == here.values["key"].tolist()
     with open(paths[3], "r+b") as f:
         f.write(b"\0\0\0\0")  # the first record's magic
-    with pytest.raises(FormatError, match="bad magic") as err:
-        recordio(paths)
-    assert err.value.path == os.fspath(paths[3])
+    _, report = index_on_a_process_pool(tmp_path, f"formats.recordio({[os.fspath(p) for p in paths]!r})")
+    assert report["pool"] and "bad magic" in report["error"]  # raised in a pool process, naming the file
+    assert report["path"] == os.fspath(paths[3])

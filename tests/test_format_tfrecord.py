@@ -14,7 +14,8 @@ from tfrecord.reader import tfrecord_loader
 from tfrecord.tools.tfrecord2idx import create_index
 
 import gpuio
-from checkers import assert_gpu_read_matches_cpu, check_directory_and_fifo_name_the_path, check_index_or_gpuio_error
+from checkers import (assert_gpu_read_matches_cpu, check_directory_and_fifo_name_the_path, check_index_or_gpuio_error,
+                      index_on_a_process_pool)
 from gpuio.errors import ConfigError, DataError, FormatError
 from gpuio.formats import tfrecord
 from gpuio.formats.tfrecord import ExampleParser
@@ -404,15 +405,16 @@ def test_a_missing_feature_names_the_features_the_record_has(dataset):
 def test_files_scanned_on_a_process_pool_match_one_process(tmp_path, monkeypatch):
     paths = [_write(tmp_path / f"{k}.tfrecord", _examples(6, seed=k)) for k in range(4)]
     here = tfrecord(paths, features=FEATURES)
-    monkeypatch.setattr("gpuio.formats._files.POOL_AFTER_S", 0.0)  # the files after the first go to processes
-    pooled = tfrecord(paths, features=FEATURES)
+    pooled, report = index_on_a_process_pool(tmp_path, f"formats.tfrecord({[str(p) for p in paths]!r}, "
+                                                       f"features={FEATURES!r})")
+    assert report["pool"]  # the files after the first went to processes
     for part in ("file", "offset", "length"):
         assert np.array_equal(getattr(here.extents["record"], part), getattr(pooled.extents["record"], part))
     assert pooled.values["record_number"].tolist() == here.values["record_number"].tolist()
     _flip(paths[2], 3)  # the length CRC of the first record
-    with pytest.raises(FormatError, match="length CRC mismatch") as err:  # raised in a process, naming the file
-        tfrecord(paths)
-    assert err.value.path == os.fspath(paths[2])
+    _, report = index_on_a_process_pool(tmp_path, f"formats.tfrecord({[str(p) for p in paths]!r})")
+    assert report["pool"] and "length CRC mismatch" in report["error"]  # raised in a process, naming the file
+    assert report["path"] == os.fspath(paths[2])
 
 
 def test_progress_bar_only_for_long_scans(tmp_path, capfd, monkeypatch):

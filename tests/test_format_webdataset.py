@@ -17,7 +17,7 @@ import gpuio
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
 from gpuio.formats import webdataset
 
-from checkers import check_index_or_gpuio_error
+from checkers import check_index_or_gpuio_error, index_on_a_process_pool
 
 
 def _write_tar(path, members, fmt=tarfile.GNU_FORMAT):
@@ -478,20 +478,19 @@ def test_index_matches_tarfile_for_every_writer(tmp_path, writer):
 def test_shards_on_a_process_pool_match_one_process(tmp_path, monkeypatch):
     paths = [_write_tar(tmp_path / f"{s}.tar", _samples(30, start=30 * s), tarfile.USTAR_FORMAT) for s in range(4)]
     here = webdataset(paths, fields=("jpg", "seg.png"))
-    monkeypatch.setattr("gpuio.formats._files.POOL_AFTER_S", 0.0)  # the rest of the shards go to processes
-    import threading
-
-    assert threading.active_count() == 1  # else the pool is not used: an index made here leaves no thread
-    pooled = webdataset(paths, fields=("jpg", "seg.png"))
+    pooled, report = index_on_a_process_pool(tmp_path, f"formats.webdataset({[str(p) for p in paths]!r}, "
+                                                       f"fields=('jpg', 'seg.png'))")
+    assert report["pool"]
     for field in ("jpg", "seg.png"):
         for part in ("file", "offset", "length"):
             assert np.array_equal(getattr(here.extents[field], part), getattr(pooled.extents[field], part))
     assert [pooled[i]["__key__"] for i in range(len(pooled))] == [here[i]["__key__"] for i in range(len(here))]
     bad = tmp_path / "bad.tar"
     bad.write_bytes(open(paths[1], "rb").read()[:5000])
-    with pytest.raises(FormatError, match="truncated") as err:  # raised in a pool process, names its tar
-        webdataset([paths[0], bad, paths[2]], fields=("jpg",))
-    assert err.value.path == str(bad)
+    _, report = index_on_a_process_pool(tmp_path, f"formats.webdataset({[str(paths[0]), str(bad), str(paths[2])]!r}, "
+                                                  f"fields=('jpg',))")
+    assert report["pool"] and "truncated" in report["error"]  # raised in a pool process, names its tar
+    assert report["path"] == str(bad)
 
 
 def test_progress_bar_only_for_long_indexing(tmp_path, capfd, monkeypatch):
