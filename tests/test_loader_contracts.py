@@ -331,3 +331,30 @@ def test_elastic_resume_carries_skip_counts(npy_index):
         rows = np.concatenate([b["index"] for b in ld])
         assert not set(rows.tolist()) & set(bad)
     assert sum(ld.stats()["skipped"] for ld in new) == 6
+
+
+def test_resume_of_a_resumed_epoch(npy_index):
+    """A job resumed on another shape saves again mid-epoch and is resumed on a third:
+    the position stays a prefix of the one order, every sample exactly once."""
+    def job(world, batch, last):
+        return [gpuio.Loader(npy_index, batch, shuffle=True, seed=6, rank=r, world_size=world, last_batch=last,
+                             threads=1, output="numpy") for r in range(world)]
+
+    seen, states = [], None
+    for (world, batch, last), steps in [((4, 2, "pad"), 1), ((3, 3, "drop"), 2), ((2, 5, "partial"), None)]:
+        saved = []
+        for ld in job(world, batch, last):
+            if states is not None:
+                ld.load_state_dict(states)
+            it = iter(ld)
+            for _ in range(len(ld) if steps is None else steps):
+                idx = next(it)["index"]
+                seen.append(idx[idx >= 0])
+            saved.append(ld.state_dict())
+            del it
+        states = saved
+    assert [s["consumed"] for s in states] == [N] * 2
+    seen = np.concatenate(seen)
+    np.testing.assert_array_equal(np.sort(seen), np.arange(N))
+    order = np.asarray(epoch_order(N, True, 6, 0))
+    np.testing.assert_array_equal(np.sort(seen[:8 + 18]), np.sort(order[:8 + 18]))  # the consumed prefix

@@ -366,11 +366,12 @@ class Loader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._passing:  # one pass at a time: stop one left running
             self.close()
+        return self._run(self._epoch)
+
+    def _run(self, epoch: int) -> Iterator[dict[str, Any]]:
+        # the plan is taken when the pass starts: until then len() and state_dict() see it unstarted
         plan = self.plan if self._resume is None else self._resume
         self._plan, self._pos, self._resume = plan, 0, None
-        return self._run(self._epoch, plan)
-
-    def _run(self, epoch: int, plan: EpochPlan) -> Iterator[dict[str, Any]]:
         ex = self._executor
         if ex is None or not ex.reusable:
             ex = self._start()
