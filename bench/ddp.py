@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"samples/s per rank: {', '.join(f'{r:,.0f}' for r in rates)}; total {sum(rates):,.0f}")
         print(f"exactly-once across ranks: {'OK' if ok else 'FAILED'}")
         write_json(args.out, json.loads(json.dumps(result, default=str)))
+    loader.close()  # its threads end before the process group and the interpreter do
     dist.barrier()
     dist.destroy_process_group()
     if tmp is not None:
