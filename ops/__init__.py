@@ -35,6 +35,7 @@ from gpuio.ops.ragged import NormalizeAxes, Pad, normalize_axes, pad
 from gpuio.ops.spectral import (MFCC, MelFilterBank, Spectrogram, ToDecibels, mel_filter_bank, mfcc,
                                 spectrogram, to_decibels)
 from gpuio.ops.video import DecodeVideo, decode_video
+from gpuio.ops.warp import Rotate, WarpAffine, rotate, warp_affine
 
 __all__ = [
     "BrightnessContrast",
@@ -53,6 +54,10 @@ __all__ = [
     "mixup",
     "random_erasing",
     "random_grayscale",
+    "Rotate",
+    "WarpAffine",
+    "rotate",
+    "warp_affine",
     "BBFlip",
     "DecodeImageSlice",
     "PythonFunction",

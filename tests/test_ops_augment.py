@@ -277,6 +277,8 @@ RANDOM_OPS = {
     "random_grayscale": lambda: ops.random_grayscale(p=0.5),
     "gaussian_blur": lambda: ops.gaussian_blur(sigma=(0.3, 2.0)),
     "random_erasing": lambda: ops.random_erasing(p=0.9),
+    "rotate": lambda: ops.rotate((-40, 40), keep_size=True),
+    "warp_affine": lambda: ops.warp_affine(angle=(-20, 20), scale=(0.8, 1.2), fill_value=0),
 }
 
 
@@ -311,6 +313,13 @@ def test_mixing_weights_follow_the_sample(images, op):
     (lambda: ops.random_erasing(value=300), r"value is one level in \[0, 255\]"),
     (lambda: ops.mixup(alpha=0), "alpha .* > 0"),
     (lambda: ops.cutmix(num_classes=0), "num_classes must be an int >= 1"),
+    (lambda: ops.rotate(10, fill_value=-1), r"fill_value is one level in \[0, 255\]"),
+    (lambda: ops.rotate(10, interp_type="cubic"), "interp_type 'cubic'; choose one of linear, nearest"),
+    (lambda: ops.rotate((10, 5)), "angle=.*low <= high"),
+    (lambda: ops.warp_affine([1, 0, 0, 1]), r"matrix is 2x3 \(6 finite values"),
+    (lambda: ops.warp_affine([0, 0, 0, 0, 0, 0], inverse_map=False), "cannot be inverted"),
+    (lambda: ops.warp_affine(size=(0, 4)), r"size is the output \(height, width\)"),
+    (lambda: ops.warp_affine(scale=0), r"scale=0.*\[0.001, 1000.0\]"),
 ])
 def test_arguments_are_checked_when_made(make, message):
     with pytest.raises(ConfigError, match=message):
@@ -326,6 +335,9 @@ AGREEMENT_OPS = {
     "random_erasing": lambda: ops.random_erasing(p=0.9, value=(1, 2, 3)),
     "mixup": lambda: ops.mixup(0.4, num_classes=3),
     "cutmix": lambda: ops.cutmix(1.0, num_classes=3),
+    "rotate": lambda: ops.rotate((-40, 40), fill_value=(9, 8, 7)),
+    "rotate_nearest": lambda: ops.rotate(33.0, interp_type="nearest"),
+    "warp_affine": lambda: ops.warp_affine(angle=(-20, 20), shear=(-5, 5), scale=(0.8, 1.2)),
 }
 
 
@@ -340,3 +352,71 @@ def test_cpu_and_device_agree(images, device, name):
         close(a, b, max_diff=1, mean_diff=0.01)
     np.testing.assert_allclose(np.asarray(cpu_labels["label"], np.float64), np.asarray(got_labels["label"], np.float64),
                                rtol=1e-6)
+
+
+# ---------------------------------------------------------------- geometry
+
+
+@pytest.mark.parametrize("interp", ["linear", "nearest"])
+def test_rotate_by_quarter_turns_is_exact(images, interp):
+    for img in images:
+        out = [run(ops.rotate(a, interp_type=interp), [img])[0][0] for a in (90, 180, 270, -90)]
+        # counter-clockwise on screen (y down), as np.rot90
+        for got, ref in zip(out, [np.rot90(img), img[::-1, ::-1], np.rot90(img, -1), np.rot90(img, -1)]):
+            assert np.array_equal(got, ref)
+
+
+def test_rotated_size_is_the_bounding_box_with_the_input_parity():
+    from gpuio.ops.warp import rotated_size
+
+    assert rotated_size(48, 64, 0) == (48, 64) and rotated_size(48, 64, 90) == (64, 48)
+    assert rotated_size(48, 64, 45) == (80, 80)  # ceil(0.7071 * 112 - 0.01) = 80, even as 48 and 64
+    assert rotated_size(33, 57, 10) == (43, 63)  # 62.2 -> 63 (57 is odd), 42.4 -> 43 (33 is odd)
+    assert rotated_size(33, 57, 80) == (63, 43)  # the sides swap their parity sources past 45 degrees
+
+
+def opencv_warp(img, m, out_hw, fill):
+    """OpenCV's warpAffine with gpuio's destination-to-source matrix ``m`` (pixel centres
+    at +0.5) moved to OpenCV's integer centres: src = A (dst + 0.5) + t - 0.5."""
+    a, t = m[:, :2], m[:, 2]
+    cv_m = np.concatenate([a, (a @ [0.5, 0.5] + t - 0.5)[:, None]], axis=1)
+    border = (dict(borderMode=cv2.BORDER_REPLICATE) if fill is None
+              else dict(borderMode=cv2.BORDER_CONSTANT, borderValue=(fill,) * 4))
+    return cv2.warpAffine(img, cv_m, (out_hw[1], out_hw[0]), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP, **border)
+
+
+@pytest.mark.parametrize("angle,fill,keep", [(30, 0, False), (-17.5, None, True), (135, 200, False)])
+def test_rotate_matches_opencv(images, angle, fill, keep):
+    from gpuio.ops.warp import rotated_size, rotation_matrix
+
+    for img in images:
+        (got,), _ = run(ops.rotate(angle, fill_value=fill, keep_size=keep), [img])
+        out_hw = img.shape[:2] if keep else rotated_size(*img.shape[:2], angle)
+        assert got.shape == (*out_hw, 3)
+        ref = opencv_warp(img, rotation_matrix(angle, img.shape[:2], out_hw), out_hw, fill)
+        # OpenCV rounds source coordinates to 1/32 pixel and weights to fixed point
+        close(got, ref, max_diff=2, mean_diff=0.05)
+
+
+def test_warp_affine_matrix_translation_fill_and_inverse(images):
+    img = images[0]
+    (got,), _ = run(ops.warp_affine([1, 0, 5, 0, 1, -3], fill_value=(1, 2, 3)), [img])
+    ref = np.empty_like(img)
+    ref[...] = (1, 2, 3)
+    ref[3:, :-5] = img[:-3, 5:]
+    assert np.array_equal(got, ref)
+    (back,), _ = run(ops.warp_affine([1, 0, -5, 0, 1, 3], fill_value=(1, 2, 3), inverse_map=False), [img])
+    assert np.array_equal(back, ref)
+    (small,), _ = run(ops.warp_affine([2, 0, 0, 0, 2, 0], size=(24, 32)), [img])
+    # every output pixel lies between 4 source pixels: OpenCV rounds the .25/.5/.75 ties its own way
+    close(small, opencv_warp(img, np.array([[2.0, 0, 0], [0, 2, 0]]), (24, 32), None), max_diff=1, mean_diff=0.3)
+
+
+def test_warp_affine_random_rotation_is_rotate_with_keep_size(images):
+    a, _ = run(ops.warp_affine(angle=25.0, fill_value=0), images)
+    b, _ = run(ops.rotate(25.0, fill_value=0, keep_size=True), images)
+    for x, y in zip(a, b):
+        close(x, y, max_diff=1, mean_diff=0.01)
+    c, _ = run(ops.warp_affine(angle=(-30, 30), scale=(0.8, 1.2), shear=(-10, 10), translate_x=(-4, 4)), images)
+    assert [x.shape for x in c] == [x.shape for x in images]
+    assert all(not np.array_equal(x, y) for x, y in zip(c, images))
