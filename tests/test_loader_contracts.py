@@ -236,6 +236,8 @@ def test_state_dict_checks_settings(npy_index):
         a.load_state_dict({**state, "batch": len(a) + 1})
     with pytest.raises(ConfigError, match="inconsistent state: 2 batches of 4 on 1 ranks .* consume 8 samples"):
         a.load_state_dict({**state, "batch": 2, "consumed": 4})
+    with pytest.raises(ConfigError, match="state lacks 'consumed'"):
+        a.load_state_dict({k: v for k, v in state.items() if k != "consumed"})
     gpuio.Loader(npy_index, 5, shuffle=True, seed=1, world_size=3, rank=2).load_state_dict(state)  # elastic
 
 

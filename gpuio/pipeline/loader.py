@@ -164,7 +164,9 @@ class Loader:
     sample would have had; later epochs run as usual. Every rank saves the same
     position at the same step (only ``rank`` and ``skipped`` differ); a list of states
     that disagree, a state whose numbers do not add up, or one saved under gpuio's
-    older order (no ``order_version``) is a ``ConfigError``.
+    older order (no ``order_version``) is a ``ConfigError``. Given every rank's state,
+    new rank ``r`` goes on counting ``skipped`` samples from the counts of the saved
+    ranks ``q`` with ``q % world_size == r``.
 
     Threads: the stage threads and the storage readers' I/O threads start with the
     first pass and are kept from one completed pass to the next (no start-up per
@@ -326,13 +328,14 @@ class Loader:
             saved = EpochPlan(len(self.index), first["batch_size"], first["world_size"], 0,
                               first["last_batch"], first["start"])
             consumed = saved.consumed(int(first["batch"]))
+            recorded = first["consumed"]
         except KeyError as missing:
             raise ConfigError(f"state lacks {missing}; pass a Loader's state_dict()") from None
-        if first["consumed"] != consumed:
+        if recorded != consumed:
             raise ConfigError(
                 f"inconsistent state: {first['batch']} batches of {first['batch_size']} on "
                 f"{first['world_size']} ranks from position {first['start']} consume {consumed} samples, "
-                f"the state says consumed={first['consumed']!r}")
+                f"the state says consumed={recorded!r}")
         skipped = sum(int(s.get("skipped", 0)) for s in states
                       if int(s.get("rank", 0)) % self.world_size == self.rank)
         self.close()
