@@ -328,7 +328,7 @@ class Loader:
             saved = EpochPlan(len(self.index), first["batch_size"], first["world_size"], 0,
                               first["last_batch"], first["start"])
             consumed = saved.consumed(int(first["batch"]))
-            recorded = first["consumed"]
+            recorded, epoch = first["consumed"], int(first["epoch"])
         except KeyError as missing:
             raise ConfigError(f"state lacks {missing}; pass a Loader's state_dict()") from None
         if recorded != consumed:
@@ -339,7 +339,7 @@ class Loader:
         skipped = sum(int(s.get("skipped", 0)) for s in states
                       if int(s.get("rank", 0)) % self.world_size == self.rank)
         self.close()
-        self._epoch, self._plan, self._pos = int(first["epoch"]), self.plan, 0
+        self._epoch, self._plan, self._pos = epoch, self.plan, 0
         self._resume = EpochPlan(len(self.index), self.batch_size, self.world_size, self.rank,
                                  self.last_batch, consumed)
         with self._lock:
