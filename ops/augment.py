@@ -11,7 +11,9 @@ is in), the ranged arguments in the order of the signature.
 
 The colour ops are one 3x3 matrix and offset per sample applied to the RGB channels
 (channels past the third pass through): on the CPU one batched matrix product over the
-images that share a shape, on the GPU one elementwise kernel launch per shape.
+images that share a shape (a 256-entry lookup table per image where the transform is the
+same ``a * v + b`` on every channel, as brightness_contrast's), on the GPU one elementwise
+kernel launch per shape.
 """
 
 from __future__ import annotations
@@ -165,7 +167,11 @@ def apply_color(batch: Batch, field: str, matrices: np.ndarray, offsets: np.ndar
                     out = _place(out, idx, dst)
                 batch.data[field] = _container(images, out, cp)
         return
+    levels = np.arange(256, dtype=np.float32)
     for shape, idx in _groups(rows).items():
+        if shape[2] <= 3 and all(_is_scalar(table[r]) for r in idx):  # a * v + b: a 256-entry table per image
+            out = _place(out, idx, [_to_uint8(np, table[r, 0] * levels + table[r, 9])[rows[r]] for r in idx])
+            continue
         src = np.stack([rows[r] for r in idx]).astype(np.float32)
         c = shape[2]
         if c >= 3:
@@ -175,6 +181,12 @@ def apply_color(batch: Batch, field: str, matrices: np.ndarray, offsets: np.ndar
             src = src * table[idx, 0][:, None, None, None] + table[idx, 9][:, None, None, None]
         out = _place(out, idx, _to_uint8(np, src))
     batch.data[field] = _container(images, out, np)
+
+
+def _is_scalar(params: np.ndarray) -> bool:
+    """A colour table row (3x3 matrix, 3 offsets) that is ``a * v + b`` on every channel."""
+    m, off = params[:9].reshape(3, 3), params[9:]
+    return bool(np.all(m == m[0, 0] * np.eye(3, dtype=np.float32)) and np.all(off == off[0]))
 
 
 def _place(out: list[Any], idx: list[int], stacked: Any) -> list[Any]:

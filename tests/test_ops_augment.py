@@ -82,8 +82,10 @@ def test_contrast_about_the_mean_grey_matches_pillow_enhance(images):
 
 def test_brightness_contrast_formula_with_shift_default_center_and_grey(images):
     grey = images[1][..., :1].copy()
-    out, _ = run(ops.brightness_contrast(brightness=0.9, contrast=1.5, brightness_shift=0.1), [images[0], grey])
-    for img, got in zip([images[0], grey], out):
+    rgba = np.concatenate([images[2], np.full(images[2].shape[:2] + (1,), 77, np.uint8)], axis=2)
+    out, _ = run(ops.brightness_contrast(brightness=0.9, contrast=1.5, brightness_shift=0.1), [images[0], grey, rgba])
+    assert np.array_equal(out[2][..., 3], rgba[..., 3])  # alpha passes through
+    for img, got in zip([images[0], grey, rgba[..., :3]], [out[0], out[1], out[2][..., :3]]):
         ref = 0.1 * 255 + 0.9 * (128 + 1.5 * (img.astype(np.float64) - 128))
         assert got.shape == img.shape and got.dtype == np.uint8
         close(got, round_u8(ref), max_diff=1, mean_diff=0.01)
