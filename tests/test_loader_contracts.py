@@ -61,7 +61,7 @@ def tree_index(tmp_path_factory):
     return filetree(str(root))
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 9, 16, 17, 37])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 9, 16, 17, 37, 1000])  # 1000: batches() crosses blocks
 @pytest.mark.parametrize("world_size", range(1, 9))
 @pytest.mark.parametrize("last_batch", ["partial", "drop", "pad"])
 def test_plan_rule(n, world_size, last_batch):
@@ -81,6 +81,12 @@ def test_plan_rule(n, world_size, last_batch):
             if last_batch != "partial":
                 assert len(index) == b
             real.append(index[~pad])
+        batches = list(p.batches(order))
+        assert len(batches) == len(p)
+        for k, (src, index) in enumerate(batches):
+            want_src, want_index = p.rows(order, k)
+            np.testing.assert_array_equal(src, want_src)
+            np.testing.assert_array_equal(index, want_index)
         mine = [index[index >= 0] for index in (p.rows(order, k)[1] for k in range(len(p)))]
         np.testing.assert_array_equal(p.samples(order), np.concatenate(mine) if mine else np.zeros(0, np.int64))
     seen = np.concatenate(real) if real else np.zeros(0, np.int64)

@@ -663,9 +663,9 @@ def _field_sources(index: SampleIndex, fields: Sequence[str] | dict[str, str] | 
 
 
 def _works(plan: EpochPlan, order: EpochOrder, epoch: int) -> Iterator[_Work]:
-    """The batches of one pass, each evaluating only its own positions of the order."""
-    for k in range(len(plan)):
-        yield _Work(k, epoch, *plan.rows(order, k))
+    """The batches of one pass; the order is evaluated at this rank's positions only."""
+    for k, (src, index) in enumerate(plan.batches(order)):
+        yield _Work(k, epoch, src, index)
 
 
 def _weak(method: Any) -> Any:

@@ -48,6 +48,7 @@ row exactly once per epoch for ``"partial"`` and ``"pad"``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,9 @@ ORDER_VERSION = 2
 ROUNDS = 6  # Feistel rounds: four already make a keyed strong pseudorandom permutation
 _MASK64 = (1 << 64) - 1
 _CHUNK = 1 << 18  # positions evaluated at once: the network's temporaries stay a few MB
+# full batches whose positions ``EpochPlan.batches`` evaluates in one call: NumPy's cost per
+# call, paid once per round and cycle-walking pass, is shared by as many rows
+_BLOCK = 64
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -183,6 +187,19 @@ class EpochPlan:
             begin = self.start + self.full * self.step + self.rank * q + min(self.rank, extra)
             positions.append(np.arange(begin, begin + q + (self.rank < extra), dtype=np.int64))
         return np.asarray(order[np.concatenate(positions)], dtype=np.int64)
+
+    def batches(self, order: EpochOrder | np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``rows(order, k)`` for every batch ``k`` in turn, the order evaluated for
+        several full batches at a time."""
+        b = self.batch_size
+        for lo in range(0, self.full, _BLOCK):
+            hi = min(lo + _BLOCK, self.full)
+            steps = np.arange(lo, hi, dtype=np.int64)[:, None] * self.step
+            block = np.asarray(order[(self.start + self.rank * b + steps + np.arange(b)).ravel()], dtype=np.int64)
+            for src in block.reshape(hi - lo, b):
+                yield src.copy(), src.copy()
+        for k in range(self.full, self.num_batches):
+            yield self.rows(order, k)
 
     def rows(self, order: EpochOrder | np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Batch ``k``: ``(src, index)``, the samples to read and the dataset position
