@@ -3,7 +3,9 @@ the integer tables that are their sidecar index files."""
 
 from __future__ import annotations
 
+import fnmatch
 import glob
+import io
 import multiprocessing
 import os
 import re
@@ -20,6 +22,8 @@ from typing import BinaryIO, TypeVar
 import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
+from gpuio.storage.remote import RemoteFile, is_url
+from gpuio.storage.remote import client as remote_client
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -31,7 +35,12 @@ def open_regular_file(path: str, what: str) -> tuple[BinaryIO, int]:
     """``(binary file open for reading, size in bytes)`` of ``path`` (a ``what``, e.g.
     ``".rec file"``), checked to be a regular file: a ``StorageError`` when it cannot
     be opened (missing, permission), a ``DataError`` when it is a directory, FIFO,
-    device or socket. Both name the path."""
+    device or socket. Both name the path. A URL (``s3://``, ``http(s)://``) opens a
+    ``gpuio.storage.remote.RemoteFile``: ``read``/``seek``/``pread`` by ranged GETs, no
+    ``fileno``."""
+    if is_url(path):
+        remote = RemoteFile(path)
+        return remote, remote.size  # type: ignore[return-value]
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not wait
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
@@ -47,6 +56,8 @@ def open_regular_file(path: str, what: str) -> tuple[BinaryIO, int]:
 def size_or_zero(path: str) -> int:
     """A file's size in bytes for a progress bar; 0 when it cannot be stat'ed (the
     format reports that when it opens the file)."""
+    if is_url(path):
+        return 0  # no request for a progress bar
     try:
         return os.stat(path).st_size
     except (OSError, ValueError):
@@ -65,6 +76,9 @@ def int_table(path: str, columns: int) -> np.ndarray:
     file), as an ``(n, columns)`` int64 array (NumPy's C parser; no Python loop per
     line). Checked as ``open_regular_file`` does first."""
     f, size = open_regular_file(path, "text index file")
+    if is_url(path):  # a small file: read whole, then parsed as a local one
+        with f:
+            f = io.BytesIO(f.read())
     with f:
         if size == 0:
             return np.zeros((0, columns), dtype=np.int64)
@@ -120,7 +134,12 @@ def shard_paths(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
     out: list[str] = []
     for p in given:
         for one in _braces(os.fspath(p)):
-            if _GLOB.search(one) and not os.path.exists(one):
+            if is_url(one) and _GLOB.search(one):
+                found = _matching_objects(one)
+                if not found:
+                    raise DataError(f"no {what} matches this pattern", path=one)
+                out.extend(found)
+            elif _GLOB.search(one) and not os.path.exists(one):
                 found = sorted(glob.glob(one))
                 if not found:
                     raise DataError(f"no {what} matches this pattern", path=one)
@@ -128,6 +147,24 @@ def shard_paths(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
             else:
                 out.append(one)
     return out
+
+
+def _matching_objects(pattern: str) -> list[str]:
+    """The objects whose URLs match a glob ``pattern`` (``s3://b/shards/*.tar``), sorted:
+    one listing of the prefix before the first wildcard."""
+    head = pattern[:_GLOB.search(pattern).start()]
+    return sorted(info.url for info in remote_client().list(head) if fnmatch.fnmatchcase(info.url, pattern))
+
+
+def has_pattern(path: str) -> bool:
+    """Whether ``path`` holds a glob wildcard (``*``, ``?``, ``[``)."""
+    return _GLOB.search(path) is not None
+
+
+def full_path(path: str | os.PathLike[str]) -> str:
+    """``path`` made absolute; a URL as it is."""
+    path = os.fspath(path)
+    return path if is_url(path) else os.path.abspath(path)
 
 
 # An indexing shows its bar only once it has run this long, so small datasets stay silent.

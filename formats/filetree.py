@@ -26,18 +26,22 @@ class folder with no files keeps its label number (``ImageFolder`` refuses it).
 
 from __future__ import annotations
 
+import errno
 import functools
 import heapq
 import os
 import warnings
 from array import array
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from gpuio.errors import DataError, FormatError, StorageError
 from gpuio.formats._files import each_shard, progress
 from gpuio.index import Extents, PathTable, SampleIndex
+from gpuio.storage.remote import RemoteFile, is_url
+from gpuio.storage.remote import client as remote_client
 
 __all__ = ["filetree", "IMAGE_EXTENSIONS"]
 
@@ -145,10 +149,12 @@ def filetree(root: str | os.PathLike[str], extensions: Sequence[str] = IMAGE_EXT
     ``file_list``: a text file of ``relative/path label`` lines; it replaces the walk
     and its order and labels are kept as written.
     """
+    if is_url(os.fspath(root)):
+        return _remote_tree(os.fspath(root).rstrip("/"), _extensions(extensions), file_list)
     root = os.path.abspath(os.fspath(root))
     if not os.path.isdir(root):
         raise DataError("not a directory", path=root)
-    exts = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in extensions)
+    exts = _extensions(extensions)
     if file_list is not None:
         files = _Files()
         with progress(f"indexing files under {root}", None, "file") as advance:
@@ -184,6 +190,49 @@ def filetree(root: str | os.PathLike[str], extensions: Sequence[str] = IMAGE_EXT
     return SampleIndex(files.table(root), {"data": extents}, {"label": labels}, meta=meta)
 
 
+def _extensions(extensions: Sequence[str]) -> tuple[str, ...]:
+    return tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in extensions)
+
+
+def _remote_tree(root: str, exts: tuple[str, ...], file_list: str | os.PathLike[str] | None) -> SampleIndex:
+    """``filetree`` of an ``s3://`` prefix: one listing, then ImageFolder's order (class
+    by class; folder by folder in the sorted order of their paths; files by name).
+    A class folder is the first part of the keys below the root that have one."""
+    objects = {info.url[len(root) + 1:]: info for info in remote_client().list(root + "/")}
+    files = _Files()
+    if file_list is not None:
+        with progress(f"indexing files under {root}", None, "file") as advance:
+            labels = _read_file_list(os.fspath(file_list), root, files, advance, sizes=objects)
+        classes = None
+    else:
+        classes = sorted({rel.split("/", 1)[0] for rel in objects if "/" in rel})
+        keyed = []
+        for rel, info in objects.items():
+            if "/" not in rel or rel.endswith("/") or not rel.lower().endswith(exts):
+                continue  # a top-level object, a folder marker, another kind of file
+            folder, _, name = rel.rpartition("/")
+            keyed.append((rel.split("/", 1)[0], folder, name, info.size))
+        keyed.sort()
+        label_of = {c: k for k, c in enumerate(classes)}
+        labels = np.array([label_of[c] for c, *_ in keyed], dtype=np.int64)
+        for _, folder, name, size in keyed:
+            files.add(f"{folder}/{name}", size)
+    if not len(files):
+        raise DataError(f"no samples: found no objects with extensions {', '.join(exts)} in class folders",
+                        path=root)
+    n = len(files)
+    table = files.table(root)
+    urls = table.many(np.arange(n))
+    meta: dict[str, object] = {"format": "filetree", "root": root,
+                               "remote": {"etags": [objects[u[len(root) + 1:]].etag for u in urls],
+                                          "sizes": np.frombuffer(files.sizes, dtype=np.int64).tolist()}}
+    if classes is not None:
+        meta.update(classes=classes, broken_links=0, directory_loops=0)
+    extents = Extents(np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int64),
+                      np.frombuffer(files.sizes, dtype=np.int64))
+    return SampleIndex(table, {"data": extents}, {"label": labels}, meta=meta)
+
+
 def _class_folders(root: str) -> list[str]:
     """Sorted names of the folders (or links to folders) in ``root``."""
     classes = []
@@ -200,11 +249,14 @@ def _class_folders(root: str) -> list[str]:
     return sorted(classes)
 
 
-def _read_file_list(path: str, root: str, out: _Files, advance: Callable[[int], None]) -> np.ndarray:
+def _read_file_list(path: str, root: str, out: _Files, advance: Callable[[int], None],
+                    sizes: dict[str, Any] | None = None) -> np.ndarray:
+    """Paths and labels of a file list; ``sizes``: the objects of a remote root by
+    relative key (their sizes are looked up there instead of stat'ed)."""
     labels = array("q")
     offset = 0  # byte offset of the line, for error messages
     try:
-        with open(path, "rb") as f:
+        with (RemoteFile(path) if is_url(path) else open(path, "rb")) as f:
             for lineno, raw in enumerate(f, 1):
                 line = raw.decode("utf-8").rstrip("\r\n")
                 parts = line.rsplit(None, 1)
@@ -214,7 +266,12 @@ def _read_file_list(path: str, root: str, out: _Files, advance: Callable[[int], 
                                           sample=f"line {lineno}", offset=offset)
                     full = os.path.join(root, parts[0])
                     try:
-                        size = os.stat(full).st_size
+                        if sizes is not None:
+                            if parts[0] not in sizes:
+                                raise FileNotFoundError(errno.ENOENT, "no such object")
+                            size = sizes[parts[0]].size
+                        else:
+                            size = os.stat(full).st_size
                     except OSError as exc:
                         raise StorageError(f"file named on line {lineno} of {path} cannot be read: "
                                            f"{exc.strerror or exc}", path=full) from exc

@@ -23,6 +23,7 @@ import numpy as np
 
 from gpuio.errors import DataError, FormatError
 from gpuio.formats._files import progress, regular_file_size
+from gpuio.storage.remote import refuse_url
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["lmdb"]
@@ -37,6 +38,7 @@ def lmdb(path: str | os.PathLike[str]) -> SampleIndex:
     without the lock file and closed before returning. Paths that are not UTF-8 work
     (LMDB gets the path's bytes).
     """
+    refuse_url(os.fspath(path), "LMDB opens its data.mdb as a memory map, which needs a local file")
     import lmdb as _lmdb
 
     path = os.path.abspath(os.fspath(path))

@@ -17,7 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpuio.errors import DataError, FormatError, StorageError
-from gpuio.formats._files import open_regular_file, shard_paths
+from gpuio.formats._files import has_pattern, open_regular_file, shard_paths
+from gpuio.storage.remote import client as remote_client
+from gpuio.storage.remote import is_url, object_versions
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["numpy", "parse_npy_header"]
@@ -70,7 +72,11 @@ def numpy(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
     """
     if isinstance(root_or_files, (str, os.PathLike)):
         root = os.fspath(root_or_files)
-        if os.path.isdir(root):
+        if is_url(root) and not root.endswith(".npy") and not has_pattern(root):  # a prefix: one listing
+            paths = sorted(i.url for i in remote_client().list(root.rstrip("/") + "/") if i.url.endswith(".npy"))
+            if not paths:
+                raise DataError("no samples: found no .npy objects under this prefix", path=root)
+        elif os.path.isdir(root):
             paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".npy"))
             if not paths:
                 raise DataError("no samples: found no .npy files", path=root)
@@ -117,4 +123,4 @@ def numpy(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
     values = {"shape": Ragged.from_list(shapes, dtype=np.int64), "dtype": Ragged.from_list(dtypes, kind="str"),
               "fortran_order": np.asarray(fortran_order, dtype=bool)}
     return SampleIndex(PathTable.from_paths(paths), {"data": extents}, values,
-                       meta={"format": "numpy", "decode": {"data": "array"}})
+                       meta={"format": "numpy", "decode": {"data": "array"}, **object_versions(paths)})

@@ -40,7 +40,8 @@ import numpy as np
 
 from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
-from gpuio.formats._files import each_shard, int_table, open_regular_file, shard_paths, size_or_zero
+from gpuio.formats._files import each_shard, full_path, int_table, open_regular_file, shard_paths, size_or_zero
+from gpuio.storage.remote import is_url, object_versions, refuse_url
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
 
 __all__ = ["tfrecord", "ExampleParser", "bad_records", "masked_crc32c"]
@@ -100,6 +101,7 @@ def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         raise ConfigError(f"compression={compression!r}; choose None, 'gzip' or 'zlib'")
     meta: dict[str, Any] = {"format": "tfrecord", "verified": bool(verify)}
     if compression is not None:
+        refuse_url(paths[0], "a compressed TFRecord is decompressed into a local copy first")
         meta["decompressed_from"] = [os.path.abspath(p) for p in paths]
         paths = [_decompressed(p, compression) for p in paths]
     parser = ExampleParser(dict(features)) if features is not None else None
@@ -115,7 +117,9 @@ def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         numbers.append(np.arange(len(off), dtype=np.int64))
     extents = Extents(np.concatenate(files), np.concatenate(offsets), np.concatenate(lengths))
     field = "data" if parser is None else "record"
-    return SampleIndex(PathTable.from_paths([os.path.abspath(p) for p in paths]), {field: extents},
+    paths = [full_path(p) for p in paths]
+    meta.update(object_versions(paths))
+    return SampleIndex(PathTable.from_paths(paths), {field: extents},
                        {"record_number": np.concatenate(numbers)}, parser, meta=meta)
 
 
@@ -125,11 +129,11 @@ def _records(verify: bool, paths: tuple[str, str | None], advance: Callable[[int
     its index file or ``None``), in bytes; ``advance(n)``: ``n`` more bytes done."""
     path, index_path = paths
     f, size = open_regular_file(path, "TFRecord file")
-    try:
+    if is_url(path):  # no memory map of an object: its bytes, all of them only where they are all read
         with f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-    except OSError as exc:
-        raise StorageError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc
+            mm = f.pread(size if index_path is None or verify else _HEADER, 0)
+    else:
+        mm = _map(f, size, path)
     try:
         _refuse_compressed(mm, size, path)
         if index_path is None:
@@ -148,6 +152,15 @@ def _records(verify: bool, paths: tuple[str, str | None], advance: Callable[[int
     finally:
         if isinstance(mm, mmap.mmap):
             mm.close()
+
+
+def _map(f: Any, size: int, path: str) -> Any:
+    """A read-only memory map of the open file ``f`` (``b""`` when it is empty)."""
+    try:
+        with f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    except OSError as exc:
+        raise StorageError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc
 
 
 def bad_records(path: str | os.PathLike[str]) -> Iterator[FormatError]:

@@ -60,6 +60,7 @@ from gpuio import _nal
 from gpuio.device import require
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
 from gpuio.formats._files import regular_file_size
+from gpuio.storage.remote import refuse_url
 from gpuio.formats.filetree import filetree
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
@@ -87,6 +88,8 @@ def video(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     step = sequence_length if step is None else int(step)
+    for p in [root_or_files] if isinstance(root_or_files, (str, os.PathLike)) else root_or_files:
+        refuse_url(os.fspath(p), "video demuxing (FFmpeg) seeks in a local file")
     if isinstance(root_or_files, (str, os.PathLike)):
         tree = filetree(root_or_files, extensions, file_list)
         files, labels, meta = tree.files, tree.values["label"], dict(tree.meta)

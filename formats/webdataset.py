@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
-from gpuio.formats._files import each_shard, open_regular_file, shard_paths, size_or_zero
+from gpuio.formats._files import each_shard, full_path, open_regular_file, shard_paths, size_or_zero
+from gpuio.storage.remote import is_url, object_versions
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["webdataset"]
@@ -66,7 +67,7 @@ def webdataset(tar_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[st
         raise ConfigError(f"fields {fields!r}: give distinct member extensions such as ('jpg', 'cls')")
     if missing not in ("error", "skip"):
         raise ConfigError(f"missing {missing!r}; choose 'error' or 'skip'")
-    paths = [os.path.abspath(p) for p in shard_paths(tar_paths, "tar file")]
+    paths = [full_path(p) for p in shard_paths(tar_paths, "tar file")]
     if not paths:
         raise DataError("no samples: an empty list of tar files was given")
 
@@ -93,7 +94,8 @@ def webdataset(tar_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[st
     values = {"__key__": Ragged(keys, key_offsets, "str")}
     decoders = {f: _DECODERS[f.rsplit(".", 1)[-1]] for f in fields if decode and f.rsplit(".", 1)[-1] in _DECODERS}
     return SampleIndex(PathTable.from_paths(paths), extents, values,
-                       meta={"format": "webdataset", "fields": list(fields), "decode": decoders})
+                       meta={"format": "webdataset", "fields": list(fields), "decode": decoders,
+                             **object_versions(paths)})
 
 
 def _join(parts: list[np.ndarray]) -> np.ndarray:
@@ -144,7 +146,8 @@ def _index_shard(wanted: dict[str, int], skip: bool, path: str, advance: Callabl
     else (and for every error, so that messages name the exact header) the full parser."""
     f, size = open_regular_file(path, "tar file")
     with f:
-        if size >= 2 * _BLOCK and not f.read(6).startswith(tuple(_COMPRESSED)):
+        # an object in S3 or on HTTP has no memory map: its headers are walked by ranged GETs (_scan)
+        if not is_url(path) and size >= 2 * _BLOCK and not f.read(6).startswith(tuple(_COMPRESSED)):
             try:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except OSError as exc:
@@ -375,7 +378,7 @@ def _scan(path: str, wanted: dict[str, int], skip: bool, shard: _Shard) -> None:
             keys.extend(key)
             key_lengths.append(len(key))
 
-        members = _members(f.fileno(), path, size)
+        members = _members(f.pread if is_url(path) else functools.partial(os.pread, f.fileno()), path, size)
         try:
             for at, data_at, length, name in members:
                 slash = name.rfind("/")
@@ -415,7 +418,7 @@ def _number(field: bytes, path: str, at: int, what: str) -> int:
                           path=path, offset=at) from None
 
 
-def _members(fd: int, path: str, size: int) -> Iterator[tuple[int, int, int, str]]:
+def _members(pread: Callable[[int, int], bytes], path: str, size: int) -> Iterator[tuple[int, int, int, str]]:
     """``(header offset, data offset, size, name)`` of each regular-file member.
 
     Parses ustar, GNU (long names) and pax (``path``/``size`` records) headers directly,
@@ -434,7 +437,7 @@ def _members(fd: int, path: str, size: int) -> Iterator[tuple[int, int, int, str
                               f"end-of-archive blocks should be (the file is cut short, or was written "
                               f"without its end-of-archive blocks)", path=path, offset=pos)
         if not win_at <= pos <= win_at + len(win) - _BLOCK:
-            win_at, win = pos, os.pread(fd, _WINDOW, pos)
+            win_at, win = pos, pread(_WINDOW, pos)
         block = win[pos - win_at: pos - win_at + _BLOCK]
         if block == _ZERO:
             break
@@ -451,7 +454,7 @@ def _members(fd: int, path: str, size: int) -> Iterator[tuple[int, int, int, str
         if typeflag in (b"x", b"L"):
             if length > 1 << 20 or data_at + length > size:
                 raise FormatError(f"bad tar header: extended header of {length} bytes", path=path, offset=pos)
-            data = os.pread(fd, length, data_at)
+            data = pread(length, data_at)
             if typeflag == b"x":
                 pax = _pax_records(data, path, data_at)
             else:

@@ -48,6 +48,15 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "max_open_files": (256, "kvikio CuFile handles kept open across batches"),
     "kvikio_compat": ("auto", "kvikio compat mode: auto, on (POSIX bounce) or off (GDS)"),
     "cache_dir": ("", "where sample datasets and indexes go; default ~/.cache/gpuio"),
+    "remote_cache": (True, "keep the bytes of s3:// and http(s):// data in the node-local cache tier"),
+    "remote_cache_dir": ("", "the node-local cache of remote data; default <cache_dir>/remote"),
+    "remote_cache_budget": (64 * GiB, "bytes the remote cache may hold; least recently used blocks go first"),
+    "remote_block": (8 * MiB, "remote objects are cached whole up to this size, larger ones in blocks of it"),
+    "remote_requests": (32, "ranged GETs in flight per reader"),
+    "remote_gap": (1 * MiB, "uncached remote extents this close in one object are one GET"),
+    "remote_part": (16 * MiB, "uncached remote reads longer than this are split into GETs of this size"),
+    "remote_retries": (5, "tries of a GET after a 5xx, a 429 or a dropped connection, with backoff"),
+    "remote_timeout": (30, "seconds a remote connection or read may stall before it counts as dropped"),
 }
 
 # Environment variables still read under a former name (when the new one is not set):

@@ -6,6 +6,8 @@ buffer.
 - ``reader``: the ``Reader`` that executes plans, ``read``/``read_fields``/``read_sample``;
 - ``_posix`` (with its C read loop ``_readloop.c``): parallel ``preadv`` into host memory;
 - ``_kvikio``: kvikio/cuFile reads into GPU memory (GPUDirect Storage where present);
+- ``remote``: objects in S3 and on HTTP(S) (``s3://``, ``http(s)://``), read by ranged GETs;
+- ``cache``: the node-local cache tier of remote data, read back through posix;
 - ``_handles``: cached file handles; ``buffers``: the byte-budgeted buffer pool;
 - ``_deferred``: GPU memory kept until the streams that read it have passed;
 - ``_fielddecode``: value fields decoded as their format says (ints, JSON, ``.npy``).

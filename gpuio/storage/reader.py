@@ -27,6 +27,7 @@ from gpuio.errors import ConfigError, OutOfRangeError
 from gpuio.storage._fielddecode import Rows, decode, decoded_fields
 from gpuio.index import Ragged, SampleIndex
 from gpuio.storage.plan import build_plan
+from gpuio.storage.remote import SETTINGS as REMOTE_SETTINGS, is_remote
 
 __all__ = ["Reader", "read", "read_fields", "read_sample"]
 
@@ -79,6 +80,8 @@ class Reader:
         self.task_size = config.get("task_size")
         self.parts = config.get("read_parts")
         self.cold_direct = config.get("cold_direct")
+        self._remote: Any = None  # the backend of s3:// and http(s):// files, made on first use
+        self._remote_settings = {name: config.get(name) for name in REMOTE_SETTINGS}  # ... with these
 
     @property
     def lands_on_device(self) -> bool:
@@ -92,6 +95,8 @@ class Reader:
         rows = _check_rows(index, rows)
         ext = index.field_extents(field)
         extents = (ext.file[rows], ext.offset[rows], ext.length[rows])
+        if is_remote(index.files):
+            return self._read_remote(index, extents)
         plan = build_plan(*extents, gap=self.gap, align=self.backend.align, task_size=self.task_size,
                           parts=self.parts)
         if self.cold_direct and not self.lands_on_device and self.backend.reads_cold_direct(plan, index.files):
@@ -107,6 +112,21 @@ class Reader:
             self.backend.read(plan, index.files, lease)
             if self.device.is_cuda:
                 lease = self._upload(lease, plan.nbytes)
+        return lease, plan.sample_dest, plan.sample_length
+
+    def _read_remote(self, index: SampleIndex, extents: tuple[np.ndarray, ...]) -> tuple[Lease, np.ndarray, np.ndarray]:
+        """``read_batch`` for objects in S3 or on HTTP(S): ranged GETs, through the
+        node-local cache tier (``gpuio.storage.remote``, ``gpuio.storage.cache``)."""
+        if self._remote is None:
+            from gpuio.storage.remote import RemoteBackend
+
+            with config.override(**self._remote_settings):
+                self._remote = RemoteBackend()
+        plan = self._remote.plan(*extents)
+        lease = self.pool.acquire(plan.nbytes, "cpu", pinned=self.pinned)
+        self._remote.read(plan, index.files, lease, index.meta.get("remote"))
+        if self.device.is_cuda:
+            lease = self._upload(lease, plan.nbytes)
         return lease, plan.sample_dest, plan.sample_length
 
     def _upload(self, host: Lease, nbytes: int) -> Lease:
@@ -139,6 +159,8 @@ class Reader:
     def close(self) -> None:
         """End the backend's reader threads and close its files."""
         self.backend.close()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> Reader:
         return self
@@ -231,7 +253,7 @@ _READERS_KEPT = 4
 
 # the settings a Reader takes when it is made: one kept Reader per combination in use
 _READER_SETTINGS = ("backend", "io_threads", "o_direct", "merge_gap", "task_size", "read_parts", "cold_direct",
-                    "native")
+                    "native", *REMOTE_SETTINGS)
 
 
 def _default_reader(device: str | Device) -> Reader:

@@ -1,0 +1,485 @@
+"""Objects in S3 (and S3-compatible stores) and on HTTP(S) servers, read by byte range.
+
+A dataset path may be a URL: ``s3://bucket/key-or-prefix``, ``http://host/path`` or
+``https://...``. This module holds everything that talks to such a store:
+
+- ``is_url``/``is_remote``: whether a path or an index's file table is remote;
+- ``client()``: the process's client (made anew in a forked child). S3 endpoint,
+  region and credentials come from botocore, the AWS SDK for Python, so they are read
+  exactly as the AWS SDKs read them (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+  ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_PROFILE`` and
+  the config/credentials files). Object bytes are fetched with plain ranged GETs on a
+  pool of urllib3 connections, on presigned URLs (botocore signs; urllib3 reads
+  straight into the batch buffer). bench/remote.py measured this against obstore and
+  boto3's ``get_object`` (bench/RESULTS.md);
+- ``RemoteBackend``: executes a read plan on remote objects: through the node-local
+  cache tier (``gpuio.storage.cache``, on by default) or with coalesced ranged GETs
+  straight into the batch buffer;
+- ``RemoteFile``: an object opened for the formats' indexing (headers, index files).
+
+Every GET is retried on HTTP 5xx, 429, a dropped connection or a short body, with
+exponential backoff, ``remote_retries`` tries in all; the final error is a
+``StorageError`` naming the URL, the byte range and the HTTP status. Each GET names the
+ETag the index recorded (``If-Match``) and checks the one it gets: an object replaced
+after indexing is an error naming it, never mixed bytes.
+
+botocore and urllib3 are the ``gpuio[remote]`` extra, imported only when a URL is used.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from gpuio import config
+from gpuio._fork import RenewedLock, renew_after_fork
+from gpuio.errors import ConfigError, DataError, DependencyError, StorageError
+from gpuio.index import PathTable
+from gpuio.storage.buffers import Lease
+from gpuio.storage.plan import ReadPlan, build_plan
+
+__all__ = ["SCHEMES", "SETTINGS", "ObjectInfo", "RemoteBackend", "RemoteFile", "client", "is_remote", "is_url",
+           "object_versions", "refuse_url", "reset_client"]
+
+SCHEMES = ("s3://", "http://", "https://")
+# the settings of remote reads (gpuio.config); a Reader takes them when it is made
+SETTINGS = ("remote_cache", "remote_cache_dir", "remote_cache_budget", "remote_block", "remote_requests",
+            "remote_gap", "remote_part", "remote_retries", "remote_timeout", "cache_dir")
+_PRESIGN_S = 3600  # lifetime of a presigned URL
+_RESIGN_S = 1800  # a presigned URL older than this is signed again before use
+_BACKOFF_S = 0.05  # the first retry waits this long, each next one twice as long
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` names a remote object or prefix (``s3://``, ``http(s)://``)."""
+    return isinstance(path, str) and path.startswith(SCHEMES)
+
+
+def is_remote(paths: PathTable) -> bool:
+    """Whether an index's files are remote objects."""
+    if paths.root:
+        return paths.root.startswith(tuple(s.encode() for s in SCHEMES))
+    return len(paths) > 0 and is_url(paths[0])
+
+
+def refuse_url(path: object, why: str) -> None:
+    """Raise ``DataError`` when ``path`` is a URL that a format cannot read in place
+    (``why``: what it needs, e.g. a memory map of a local file)."""
+    if is_url(path):
+        raise DataError(f"this format cannot read object storage: {why}; copy the data to a local disk "
+                        f"(e.g. aws s3 sync) and index the copy", path=str(path))
+
+
+class ObjectInfo(NamedTuple):
+    """One remote object: its URL, size in bytes and ETag (quotes kept)."""
+
+    url: str
+    size: int
+    etag: str
+
+
+def _split_s3(url: str) -> tuple[str, str]:
+    bucket, _, key = url[len("s3://"):].partition("/")
+    if not bucket:
+        raise ConfigError(f"{url!r}: an s3 URL names a bucket, s3://bucket/key")
+    return bucket, key
+
+
+class Client:
+    """Metadata calls (HEAD, listing) and ranged GETs for one process."""
+
+    def __init__(self) -> None:
+        try:
+            import botocore.session
+            import urllib3
+        except ImportError as exc:
+            raise DependencyError(f"reading s3:// and http(s):// URLs needs the gpuio[remote] extra "
+                                  f"(pip install 'gpuio[remote]'): {exc}") from exc
+        self._urllib3 = urllib3
+        self.retries = max(1, config.get("remote_retries"))
+        timeout = max(1, config.get("remote_timeout"))
+        self.timeout = urllib3.Timeout(connect=timeout, read=timeout)
+        conns = max(4, config.get("remote_requests"))
+        self.http = urllib3.PoolManager(num_pools=64, maxsize=conns, retries=False, timeout=self.timeout)
+        self._session = botocore.session.Session()
+        self._s3: Any = None
+        self._lock = threading.Lock()
+        self._signed: dict[str, tuple[str, float]] = {}  # s3 URL -> (presigned URL, when signed)
+        self.seen: dict[str, ObjectInfo] = {}  # objects listed, opened or read by this process
+
+    def s3(self) -> Any:
+        """The botocore S3 client (endpoint, region and credentials as the AWS SDKs find them)."""
+        with self._lock:
+            if self._s3 is None:
+                from botocore.config import Config
+
+                timeout = self.timeout.connect_timeout
+                settings = dict(connect_timeout=timeout, read_timeout=timeout,
+                                retries={"max_attempts": self.retries, "mode": "standard"})
+                s3 = self._session.create_client("s3", config=Config(**settings))
+                if "amazonaws.com" not in s3.meta.endpoint_url:
+                    # a custom endpoint (AWS_ENDPOINT_URL: an S3-compatible store) is often an
+                    # IP address or a host without per-bucket DNS names
+                    s3 = self._session.create_client("s3", config=Config(**settings,
+                                                                         s3={"addressing_style": "path"}))
+                self._s3 = s3
+            return self._s3
+
+    def http_url(self, url: str) -> str:
+        """The URL a GET goes to: presigned for ``s3://``, as given for ``http(s)://``."""
+        if not url.startswith("s3://"):
+            return url
+        now = time.monotonic()
+        got = self._signed.get(url)
+        if got is not None and now - got[1] < _RESIGN_S:
+            return got[0]
+        bucket, key = _split_s3(url)
+        try:
+            signed = self.s3().generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key},
+                                                      ExpiresIn=_PRESIGN_S)
+        except Exception as exc:  # botocore's errors (no credentials, bad config) have no common base
+            raise StorageError(f"cannot sign a request: {exc}", path=url) from exc
+        self._signed[url] = (signed, now)
+        return signed
+
+    def head(self, url: str) -> ObjectInfo:
+        """Size and ETag of the object ``url``."""
+        known = self.seen.get(url)
+        if known is not None:
+            return known
+        info = self._head(url)
+        self.seen[url] = info
+        return info
+
+    def _head(self, url: str) -> ObjectInfo:
+        # one-byte GET instead of HEAD: the same signed URL, and Content-Range gives the size
+        buf = bytearray(1)
+        try:
+            etag, total = self.get_into(url, 0, memoryview(buf), None)
+        except StorageError as exc:
+            if "HTTP 416" not in str(exc):
+                raise
+            return ObjectInfo(url, 0, self._empty_etag(url))  # an empty object has no byte 0
+        return ObjectInfo(url, total, etag)
+
+    def _empty_etag(self, url: str) -> str:
+        resp = self._request("GET", url, {}, 0, 0)
+        try:
+            resp.read()
+            return resp.headers.get("ETag", "")
+        finally:
+            resp.release_conn()
+
+    def list(self, url: str) -> list[ObjectInfo]:
+        """The objects under the prefix ``url`` (``s3://`` only), in key order."""
+        if not url.startswith("s3://"):
+            raise DataError("an http(s) URL names one object and has no listing; use s3:// for a prefix, "
+                            "or give the objects one by one", path=url)
+        bucket, prefix = _split_s3(url)
+        out: list[ObjectInfo] = []
+        try:
+            pages = self.s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    info = ObjectInfo(f"s3://{bucket}/{obj['Key']}", int(obj["Size"]), obj.get("ETag", ""))
+                    self.seen[info.url] = info
+                    out.append(info)
+        except Exception as exc:  # botocore's ClientError, EndpointConnectionError, NoCredentialsError ...
+            raise StorageError(f"cannot list objects: {_botocore_reason(exc)}", path=url) from exc
+        return out
+
+    def _request(self, method: str, url: str, headers: dict[str, str], start: int, end: int) -> Any:
+        """One request with retries on 5xx, 429 and dropped connections; the response
+        (body not read) of the first try that is none of those."""
+        errors = self._urllib3.exceptions
+        last = ""
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(_BACKOFF_S * (1 << (attempt - 1)))
+            try:
+                resp = self.http.request(method, self.http_url(url), headers=headers, preload_content=False,
+                                         redirect=True, timeout=self.timeout)
+            except errors.HTTPError as exc:
+                last = f"connection failed ({type(exc).__name__}: {exc})"
+                continue
+            if resp.status == 429 or resp.status >= 500:
+                last = f"HTTP {resp.status} {resp.reason or ''}".rstrip()
+                resp.drain_conn()
+                resp.release_conn()
+                continue
+            return resp
+        raise StorageError(f"GET bytes {start}-{end}: {last} after {self.retries} tries", path=url, offset=start)
+
+    def get_into(self, url: str, start: int, out: memoryview, etag: str | None) -> tuple[str, int]:
+        """Fill ``out`` with the object's bytes from ``start``; returns the object's
+        (ETag, size). ``etag``: the version the index recorded, or None."""
+        n = len(out)
+        end = start + n - 1
+        headers = {"Range": f"bytes={start}-{end}"}
+        if etag:
+            headers["If-Match"] = etag
+        errors = self._urllib3.exceptions
+        last = ""
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(_BACKOFF_S * (1 << (attempt - 1)))
+            resp = self._request("GET", url, headers, start, end)
+            status, got = resp.status, -1
+            try:
+                if status not in (200, 206):
+                    resp.drain_conn()
+                    raise _status_error(url, start, end, status, resp.reason, etag)
+                got_etag = resp.headers.get("ETag", "")
+                if etag and got_etag and got_etag != etag:
+                    raise _replaced(url, etag, got_etag)
+                total = _total_size(resp, status)
+                if status == 200 and start != 0:
+                    raise StorageError(f"GET bytes {start}-{end}: the server ignored the Range header (HTTP 200)",
+                                       path=url, offset=start)
+                got = 0
+                try:
+                    while got < n:
+                        k = resp.readinto(out[got:])
+                        if not k:
+                            break
+                        got += k
+                except (errors.HTTPError, OSError) as exc:
+                    last = f"connection dropped after {got} of {n} bytes ({type(exc).__name__})"
+                    continue
+                if got < n:
+                    if total is not None and start + n > total:
+                        raise StorageError(f"GET bytes {start}-{end}: the object has {total} bytes "
+                                           f"(shorter than indexed: replaced after indexing?)", path=url, offset=start)
+                    last = f"body ended after {got} of {n} bytes (HTTP {status})"
+                    continue
+                return got_etag, total if total is not None else start + n
+            finally:
+                resp.release_conn() if status in (200, 206) and got >= n else resp.close()
+        raise StorageError(f"GET bytes {start}-{end}: {last} after {self.retries} tries", path=url, offset=start)
+
+
+def _total_size(resp: Any, status: int) -> int | None:
+    if status == 200:
+        length = resp.headers.get("Content-Length")
+        return int(length) if length and length.isdigit() else None
+    rng = resp.headers.get("Content-Range", "")
+    tail = rng.rpartition("/")[2]
+    return int(tail) if tail.isdigit() else None
+
+
+def _replaced(url: str, etag: str, now: str) -> StorageError:
+    return StorageError(f"object replaced after indexing: ETag was {etag}, is now {now}; index it again",
+                        path=url)
+
+
+def _status_error(url: str, start: int, end: int, status: int, reason: str | None, etag: str | None
+                  ) -> StorageError:
+    what = {403: "access denied (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE)",
+            404: "object not found (moved or deleted after indexing?)",
+            416: "the object ends before this range (truncated or replaced after indexing?)"}.get(status, "")
+    if status == 412 and etag:
+        return _replaced(url, etag, "another")
+    msg = f"GET bytes {start}-{end}: HTTP {status} {reason or ''}".rstrip()
+    return StorageError(f"{msg}: {what}" if what else msg, path=url, offset=start)
+
+
+def _botocore_reason(exc: Exception) -> str:
+    resp = getattr(exc, "response", None)
+    if isinstance(resp, dict):
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = resp.get("Error", {}).get("Code", "")
+        return f"HTTP {status} {code}".strip()
+    return f"{type(exc).__name__}: {exc}"
+
+
+_client: Client | None = None
+_client_lock = RenewedLock()
+
+
+def reset_client() -> None:
+    """Forget this process's client, so that the next URL read makes a new one: after
+    the endpoint or the credentials in the environment changed."""
+    global _client
+    _client = None
+
+
+class _ForkHook:
+    def _after_fork(self) -> None:
+        reset_client()  # a parent's connections and locks are not this child's
+
+
+_fork_hook = _ForkHook()
+renew_after_fork(_fork_hook)
+
+
+def client() -> Client:
+    """This process's client (botocore and urllib3 are imported here, on first use)."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            _client = Client()
+        return _client
+
+
+def object_versions(paths: Sequence[str]) -> dict[str, Any]:
+    """``{"remote": {"etags": [...], "sizes": [...]}}`` for an index's meta when
+    ``paths`` are URLs (their versions as seen at indexing), else ``{}``."""
+    if not paths or not is_url(paths[0]):
+        return {}
+    c = client()
+    infos = [c.head(p) for p in paths]
+    return {"remote": {"etags": [i.etag for i in infos], "sizes": [i.size for i in infos]}}
+
+
+class RemoteFile:
+    """A remote object opened for indexing: ``pread``/``read``/``seek`` by ranged GETs
+    through a read-ahead window of ``window`` bytes. ``size`` and ``etag`` are the
+    object's."""
+
+    def __init__(self, url: str, window: int = 1 << 20) -> None:
+        self.url = url
+        self._client = client()
+        info = self._client.head(url)
+        self.size, self.etag = info.size, info.etag
+        self._window = window
+        self._at, self._buf = 0, b""
+        self._pos = 0
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to ``n`` bytes from byte ``offset`` (fewer at the end of the object)."""
+        n = max(0, min(n, self.size - offset))
+        if not n:
+            return b""
+        if not (self._at <= offset and offset + n <= self._at + len(self._buf)):
+            length = min(max(n, self._window), self.size - offset)
+            buf = bytearray(length)
+            self._client.get_into(self.url, offset, memoryview(buf), self.etag)
+            self._at, self._buf = offset, bytes(buf)
+        return self._buf[offset - self._at: offset - self._at + n]
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self._pos if n < 0 else n
+        data = self.pread(n, self._pos)
+        self._pos += len(data)
+        return data
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else (self._pos + pos if whence == 1 else self.size + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def __iter__(self) -> Iterator[bytes]:
+        """The lines from the current position (the rest is read whole: for small files)."""
+        return iter(io.BytesIO(self.read()))
+
+    def close(self) -> None:
+        self._buf = b""
+
+    def __enter__(self) -> RemoteFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RemoteBackend:
+    """Executes read plans on remote objects into host buffers.
+
+    With the cache tier on (``remote_cache``), each task's blocks are made present in
+    the node-local cache (downloaded once per node, many in flight) and the plan is
+    then read from the cache files by the posix backend. Without it, each task is one
+    ranged GET straight into the buffer; the Reader plans those with ``remote_gap``
+    (near extents merged) and ``remote_part`` (long reads split).
+    """
+
+    name = "remote"
+    align = 1
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = max(1, config.get("remote_requests") if threads is None else threads)
+        self.use_cache = config.get("remote_cache")
+        self._cache: Any = None
+        if self.use_cache:
+            from gpuio.storage.cache import BlockCache
+
+            self._cache = BlockCache(lambda *args: client().get_into(*args))
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._posix: Any = None
+        renew_after_fork(self)
+
+    def _after_fork(self) -> None:
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gpuio-remote")
+            return self._pool
+
+    def plan(self, file: np.ndarray, offset: np.ndarray, length: np.ndarray) -> ReadPlan:
+        """The plan of one batch's extents: through the cache, as for local files (the
+        reads are local); without it, extents within ``remote_gap`` of each other are
+        one GET and GETs longer than ``remote_part`` are split into parts of that size."""
+        if self.use_cache:
+            return build_plan(file, offset, length, gap=config.get("merge_gap"), task_size=config.get("task_size"),
+                              parts=config.get("read_parts"))
+        part = max(1, config.get("remote_part"))
+        return build_plan(file, offset, length, gap=config.get("remote_gap"), task_size=part,
+                          parts=int(length.sum()) // part + 1)
+
+    def read(self, plan: ReadPlan, paths: PathTable, lease: Lease, versions: dict[str, Any] | None) -> None:
+        """Fill the host buffer ``lease`` as the plan says; ``versions``: the index's
+        ``meta["remote"]`` (ETags and sizes at indexing), or None."""
+        if len(plan) == 0:
+            return
+        unique, inverse = np.unique(plan.task_file, return_inverse=True)
+        urls = paths.many(unique)
+        infos = [self._info(urls[k], int(unique[k]), versions) for k in range(len(unique))]
+        if self._cache is not None:
+            self._cache.read(plan, infos, inverse, lease, self._executor())
+            return
+        view = memoryview(lease.array)
+        c = client()
+        files, offsets = inverse.tolist(), plan.task_offset.tolist()
+        lengths, dests, needs = plan.task_length.tolist(), plan.task_dest.tolist(), plan.task_need.tolist()
+
+        def get(k: int) -> None:
+            info = infos[files[k]]
+            n = min(lengths[k], max(needs[k], info.size - offsets[k]))  # merge gaps never run past the end
+            c.get_into(info.url, offsets[k], view[dests[k]: dests[k] + n], info.etag)
+
+        futures = [self._executor().submit(get, k) for k in range(len(plan))]
+        _first_error(futures)
+
+    @staticmethod
+    def _info(url: str, file_id: int, versions: dict[str, Any] | None) -> ObjectInfo:
+        if versions is not None and file_id < len(versions.get("etags", ())):
+            return ObjectInfo(url, int(versions["sizes"][file_id]), versions["etags"][file_id])
+        return client().head(url)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+def _first_error(futures: list[Any]) -> None:
+    """Wait for every future; raise the first one's error, in submission order."""
+    first: BaseException | None = None
+    for fut in futures:
+        exc = fut.exception()
+        if exc is not None and first is None:
+            first = exc
+    if first is not None:
+        raise first

