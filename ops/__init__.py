@@ -16,6 +16,7 @@ parameters and defaults and read and write ``audio``: ``decode_audio`` ->
 ``mel_filter_bank`` -> ``to_decibels`` (or ``mfcc``) -> ``normalize_axes`` -> ``pad``.
 """
 
+from gpuio.ops.auto_aug import RandAugment, TrivialAugmentWide, rand_augment, trivial_augment_wide
 from gpuio.ops.augment import (BrightnessContrast, ColorTwist, GaussianBlur, Hsv, RandomErasing, RandomGrayscale,
                                brightness_contrast, color_twist, gaussian_blur, hsv, random_erasing, random_grayscale)
 from gpuio.ops.audio import (DecodeAudio, NonsilentRegion, PreemphasisFilter, Slice, decode_audio,
@@ -56,6 +57,10 @@ __all__ = [
     "random_grayscale",
     "Rotate",
     "WarpAffine",
+    "RandAugment",
+    "TrivialAugmentWide",
+    "rand_augment",
+    "trivial_augment_wide",
     "rotate",
     "warp_affine",
     "BBFlip",

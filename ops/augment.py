@@ -31,14 +31,14 @@ from gpuio.ops._rng import Streams
 
 __all__ = ["BrightnessContrast", "Hsv", "ColorTwist", "RandomGrayscale", "GaussianBlur", "RandomErasing",
            "brightness_contrast", "hsv", "color_twist", "random_grayscale", "gaussian_blur", "random_erasing",
-           "Range", "param_range", "draw", "yiq_matrix"]
+           "Range", "param_range", "draw", "yiq_matrix", "apply_color", "reflect101_index", "LUMA"]
 
 Range = float | tuple[float, float]
 
 # DALI's RGB <-> YIQ matrices (color_twist.h): hue rotates I and Q, saturation scales them
 _RGB2YIQ = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.321], [0.211, -0.523, 0.311]])
 _YIQ2RGB = np.array([[1.0, 0.956, 0.621], [1.0, -0.272, -0.647], [1.0, -1.107, 1.705]])
-_LUMA = np.array([0.299, 0.587, 0.114])
+LUMA = np.array([0.299, 0.587, 0.114])
 
 
 def param_range(value: Range, name: str, low: float = -math.inf, high: float = math.inf) -> tuple[float, float]:
@@ -314,7 +314,7 @@ class RandomGrayscale(Op):
         if len(batch) == 0:
             return batch
         grey = self.chosen(batch) & np.array([img.shape[2] >= 3 for img in batch.data[self.field]], bool)
-        m = np.where(grey[:, None, None], np.tile(_LUMA, (3, 1))[None], np.eye(3)[None])
+        m = np.where(grey[:, None, None], np.tile(LUMA, (3, 1))[None], np.eye(3)[None])
         apply_color(batch, self.field, m, np.zeros((len(batch), 3)))
         return batch
 
@@ -326,7 +326,7 @@ def gaussian_weights(sigma: float, window: int) -> np.ndarray:
     return (w / w.sum()).astype(np.float32)
 
 
-def _reflect101(n: int, radius: int) -> np.ndarray:
+def reflect101_index(n: int, radius: int) -> np.ndarray:
     """Source index of each padded position ``-radius .. n + radius - 1`` (mirror
     without repeating the edge pixel: ``dcb|abcd|cba``)."""
     j = np.arange(-radius, n + radius)
@@ -398,11 +398,11 @@ class GaussianBlur(Op):
     def _blur_cpu(img: np.ndarray, ky: np.ndarray, kx: np.ndarray) -> np.ndarray:
         h, w = img.shape[:2]
         ry, rx = len(ky) // 2, len(kx) // 2
-        v = img.astype(np.float32)[:, _reflect101(w, rx)]
+        v = img.astype(np.float32)[:, reflect101_index(w, rx)]
         acc = np.zeros(img.shape, np.float32)
         for k, weight in enumerate(kx.tolist()):
             acc += np.float32(weight) * v[:, k:k + w]
-        v = acc[_reflect101(h, ry)]
+        v = acc[reflect101_index(h, ry)]
         acc = np.zeros(img.shape, np.float32)
         for k, weight in enumerate(ky.tolist()):
             acc += np.float32(weight) * v[k:k + h]

@@ -1,0 +1,336 @@
+"""Automatic augmentation policies as DALI's ``nvidia.dali.auto_aug`` defines them:
+``trivial_augment_wide`` (TrivialAugment, the wide suite) and ``rand_augment``
+(RandAugment(n, m)), on uint8 HWC RGB images.
+
+A suite is a list of augmentations, each with a magnitude range ``(low, high)`` split into
+``num_magnitude_bins`` bins (``linspace(low, high, bins)[bin]``), negated with probability
+1/2 where the augmentation says so, then mapped to the op's parameter (DALI's suites, in
+DALI's order, with the translations bounded in pixels: DALI's default without ``shape``):
+
+- geometry (``fill_value`` 128, bilinear, through ``ops.warp``): ``translate_x``/``_y``
+  (pixels), ``shear_x``/``_y`` (shear factor, about the top-left corner), ``rotate``
+  (degrees, counter-clockwise, size kept);
+- ``brightness``, ``contrast`` (about the image's mean luma, as Pillow), ``color``
+  (saturation in YIQ space, DALI's ``saturation``): factor ``1 + magnitude``;
+- ``sharpness``: a 3x3 filter ``-m * [[1,1,1],[1,5,1],[1,1,1]] / 13 + (1 + m) * identity``,
+  borders mirrored (``dcb|abcd``); ``posterize``: keep the top ``round(magnitude)`` bits
+  (1-8); ``solarize``: levels at or above the threshold inverted; ``equalize``: OpenCV's
+  per-channel histogram equalization; ``auto_contrast``: each channel stretched to 0-255;
+  ``identity``.
+
+Per sample, from ``batch.rng(row, salt)``: TrivialAugment draws the augmentation, the bin
+(uniform over all bins) and the sign; RandAugment draws, for each of its ``n`` steps, the
+augmentation and the sign (the bin is ``m``). The draws depend on (seed, epoch, sample)
+only. Each step runs each augmentation once over the rows that drew it (the colour
+augmentations as one batched matrix call, the geometric ones as one warp call).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpuio.batch import Batch, Op
+from gpuio.device import require
+from gpuio.errors import ConfigError, DataError
+from gpuio.ops.augment import LUMA, apply_color, reflect101_index, yiq_matrix
+from gpuio.ops.warp import rotation_matrix, warp
+
+__all__ = ["Augmentation", "TrivialAugmentWide", "RandAugment", "trivial_augment_wide", "rand_augment",
+           "trivial_augment_wide_suite", "rand_augment_suite"]
+
+
+@dataclass(frozen=True)
+class Augmentation:
+    """One augmentation of a suite: its name, magnitude range and whether the magnitude is
+    negated with probability 1/2."""
+
+    name: str
+    low: float = 0.0
+    high: float = 0.0
+    randomly_negate: bool = False
+
+    def magnitude(self, magnitude_bin: int, bins: int, negative: bool) -> float:
+        """The signed magnitude of ``magnitude_bin`` of ``bins``."""
+        value = float(np.linspace(self.low, self.high, bins)[magnitude_bin]) if bins > 1 else float(self.low)
+        return -value if self.randomly_negate and negative else value
+
+
+def _suite(translate: float, shear: float, angle: float, enhance: tuple[float, float],
+           posterize: tuple[float, float]) -> list[Augmentation]:
+    return [Augmentation("translate_x", 0, translate, True), Augmentation("translate_y", 0, translate, True),
+            Augmentation("shear_x", 0, shear, True), Augmentation("shear_y", 0, shear, True),
+            Augmentation("rotate", 0, angle, True), Augmentation("brightness", *enhance, True),
+            Augmentation("contrast", *enhance, True), Augmentation("color", *enhance, True),
+            Augmentation("sharpness", *enhance, True), Augmentation("posterize", *posterize),
+            Augmentation("solarize", 256, 0), Augmentation("equalize"), Augmentation("auto_contrast"),
+            Augmentation("identity")]
+
+
+def trivial_augment_wide_suite(max_translate_abs: float = 32) -> list[Augmentation]:
+    """DALI's TrivialAugment wide suite (14 augmentations)."""
+    return _suite(max_translate_abs, 0.99, 135, (0.01, 0.99), (8, 2))
+
+
+def rand_augment_suite(max_translate_abs: float = 100) -> list[Augmentation]:
+    """DALI's RandAugment suite (monotonic magnitudes, 14 augmentations)."""
+    return _suite(max_translate_abs, 0.3, 30, (0.0, 0.9), (8, 4))
+
+
+def _select(suite: list[Augmentation], excluded: Sequence[str] | None) -> list[Augmentation]:
+    names = [a.name for a in suite]
+    unknown = sorted(set(excluded or ()) - set(names))
+    if unknown:
+        raise ConfigError(f"excluded names {unknown} are not in the suite; its augmentations are {', '.join(names)}")
+    chosen = [a for a in suite if a.name not in set(excluded or ())]
+    if not chosen:
+        raise ConfigError("excluded leaves no augmentation in the suite")
+    return chosen
+
+
+def _sub_batch(batch: Batch, rows: list[int], images: list[Any]) -> Batch:
+    return Batch({"image": images}, batch.index[rows], batch.seeds[rows], device=batch.device, stream=batch.stream)
+
+
+def _geometry(batch: Batch, rows: list[int], images: list[Any], name: str, mags: list[float], fill: np.ndarray,
+              interp: int) -> list[Any]:
+    """The warp of each image (forward transforms, inverted to destination -> source)."""
+    hw = np.array([img.shape[:2] for img in images], np.int64).reshape(-1, 2)
+    m = np.zeros((len(images), 2, 3))
+    for k, (mag, (h, w)) in enumerate(zip(mags, hw.tolist())):
+        if name == "rotate":
+            m[k] = rotation_matrix(mag, (h, w), (h, w))
+            continue
+        fwd = np.eye(3)
+        if name == "translate_x":
+            fwd[0, 2] = mag
+        elif name == "translate_y":
+            fwd[1, 2] = mag
+        elif name == "shear_x":
+            fwd[0, 1] = mag
+        else:
+            fwd[1, 0] = mag
+        m[k] = np.linalg.inv(fwd)[:2]
+    sub = _sub_batch(batch, rows, images)
+    warp(sub, "image", m, hw, fill, interp)
+    return list(sub.data["image"])
+
+
+def _colour(batch: Batch, rows: list[int], images: list[Any], name: str, mags: list[float]) -> list[Any]:
+    """brightness, contrast, color and auto_contrast as one matrix per image."""
+    n = len(images)
+    factors = 1.0 + np.asarray(mags, np.float64)
+    offsets = np.zeros((n, 3))
+    if name == "brightness":
+        matrices = factors[:, None, None] * np.eye(3)
+    elif name == "color":
+        matrices = np.stack([yiq_matrix(0.0, f, 1.0) for f in factors])
+    elif name == "contrast":  # Pillow's centre: the mean luma of the image
+        centre = np.array([float((_channel_means(batch, img)[:3] * LUMA).sum()) for img in images])
+        matrices = factors[:, None, None] * np.eye(3)
+        offsets[:] = (centre * (1.0 - factors))[:, None]
+    else:  # auto_contrast: each channel's range stretched to 0-255
+        matrices = np.zeros((n, 3, 3))
+        for k, img in enumerate(images):
+            lo, hi = _channel_extremes(batch, img)
+            scale = np.where(hi > lo, 255.0 / np.maximum(hi - lo, 1), 1.0)
+            matrices[k] = np.diag(scale)
+            offsets[k] = np.where(hi > lo, -lo * scale, 0.0)
+    sub = _sub_batch(batch, rows, images)
+    apply_color(sub, "image", matrices, offsets)
+    return list(sub.data["image"])
+
+
+def _channel_means(batch: Batch, img: Any) -> np.ndarray:
+    xp = batch.xp
+    if xp is np:
+        return img.reshape(-1, img.shape[2]).mean(axis=0)
+    with xp.cuda.Device(batch.device.index):
+        return xp.asnumpy(img.reshape(-1, img.shape[2]).mean(axis=0))
+
+
+def _channel_extremes(batch: Batch, img: Any) -> tuple[np.ndarray, np.ndarray]:
+    xp = batch.xp
+    flat = img[..., :3].reshape(-1, 3)
+    if xp is np:
+        return flat.min(axis=0).astype(np.float64), flat.max(axis=0).astype(np.float64)
+    with xp.cuda.Device(batch.device.index):
+        return xp.asnumpy(flat.min(axis=0)).astype(np.float64), xp.asnumpy(flat.max(axis=0)).astype(np.float64)
+
+
+def _pixels(xp: Any, img: Any, name: str, mag: float) -> Any:
+    """The per-pixel augmentations of one image (array code for NumPy and CuPy)."""
+    if name == "posterize":
+        bits = min(max(int(np.round(mag)), 1), 8)
+        return xp.bitwise_and(img, np.uint8((0xFF << (8 - bits)) & 0xFF))
+    if name == "solarize":
+        return xp.where(img < mag, img, 255 - img).astype(xp.uint8)
+    if name == "equalize":
+        return xp.stack([_equalize_channel(xp, img[..., c]) for c in range(img.shape[2])], axis=-1)
+    if name == "sharpness":
+        blur = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13
+        kernel = np.float32(-mag) * blur
+        kernel[1, 1] += np.float32(1 + mag)
+        h, w = img.shape[:2]
+        padded = img.astype(xp.float32)[xp.asarray(reflect101_index(h, 1))][:, xp.asarray(reflect101_index(w, 1))]
+        acc = xp.zeros(img.shape, xp.float32)
+        for dy in range(3):
+            for dx in range(3):
+                acc += np.float32(kernel[dy, dx]) * padded[dy:dy + h, dx:dx + w]
+        return xp.clip(xp.floor(acc + 0.5), 0, 255).astype(xp.uint8)
+    return img  # identity
+
+
+def _equalize_channel(xp: Any, channel: Any) -> Any:
+    """OpenCV's equalizeHist: levels below the first used one map to 0, then the
+    cumulative count times ``255 / (pixels - count of the first level)``, rounded."""
+    hist = xp.bincount(channel.ravel(), minlength=256).astype(xp.float64)
+    total = channel.size
+    first = int(xp.argmax(hist > 0))
+    lead = float(hist[first])
+    if lead == total:
+        return channel.copy()
+    cdf = (xp.cumsum(hist) - lead).astype(xp.float32)  # float32 products, as OpenCV
+    lut = xp.clip(xp.rint(cdf * np.float32(255.0 / (total - lead))), 0, 255).astype(xp.uint8)
+    return lut[channel]
+
+
+_GEOMETRY = {"translate_x", "translate_y", "shear_x", "shear_y", "rotate"}
+_COLOUR = {"brightness", "contrast", "color", "auto_contrast"}
+
+
+class _Policy(Op):
+    """Shared by the policies: arguments, one step over the batch."""
+
+    def __init__(self, suite: list[Augmentation], num_magnitude_bins: int, fill_value: float | None,
+                 interp_type: str, field: str) -> None:
+        from gpuio.ops.warp import INTERP_TYPES
+
+        if not (isinstance(num_magnitude_bins, int) and num_magnitude_bins >= 1):
+            raise ConfigError(f"num_magnitude_bins must be an int >= 1, got {num_magnitude_bins!r}")
+        if interp_type not in INTERP_TYPES:
+            raise ConfigError(f"interp_type {interp_type!r}; choose one of {', '.join(INTERP_TYPES)}")
+        if fill_value is not None and not 0 <= fill_value <= 255:
+            raise ConfigError(f"fill_value is a level in [0, 255] (or None: clamp), got {fill_value!r}")
+        self.suite, self.bins = suite, num_magnitude_bins
+        self.fill = None if fill_value is None else np.array([float(fill_value)])
+        self.interp, self.field = INTERP_TYPES.index(interp_type), field
+
+    def step(self, batch: Batch, images: list[Any], ops: np.ndarray, mags: np.ndarray) -> list[Any]:
+        """Apply augmentation ``ops[row]`` with magnitude ``mags[row]`` to each image."""
+        out = list(images)
+        for k in np.unique(ops).tolist():
+            rows = np.flatnonzero(ops == k).tolist()
+            name = self.suite[k].name
+            group, m = [images[r] for r in rows], mags[rows].tolist()
+            if name in _GEOMETRY:
+                done = _geometry(batch, rows, group, name, m, self.fill, self.interp)
+            elif name in _COLOUR:
+                done = _colour(batch, rows, group, name, m)
+            elif batch.device.is_cuda:
+                cp = require("cupy")
+                with cp.cuda.Device(batch.device.index):
+                    stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+                    with stream:
+                        done = [_pixels(cp, img, name, mag) for img, mag in zip(group, m)]
+            else:
+                done = [_pixels(np, img, name, mag) for img, mag in zip(group, m)]
+            for r, img in zip(rows, done):
+                out[r] = img
+        return out
+
+    def run(self, batch: Batch, plan: list[tuple[np.ndarray, np.ndarray]]) -> Batch:
+        images = list(batch.data[self.field])
+        for row, img in enumerate(images):
+            if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+                raise DataError(f"{type(self).__name__} takes uint8 HWC RGB images; row {row} is {img.dtype} "
+                                f"of shape {tuple(img.shape)}", sample=int(batch.index[row]))
+        for ops, mags in plan:
+            images = self.step(batch, images, ops, mags)
+        batch.data[self.field] = images
+        return batch
+
+
+class TrivialAugmentWide(_Policy):
+    """DALI's ``trivial_augment_wide``: each image gets one augmentation of the wide suite
+    (``trivial_augment_wide_suite``: translations up to ``max_translate_abs`` = 32 pixels,
+    shears up to 0.99, rotations up to 135 degrees, enhancements 1 +- 0.01..0.99,
+    posterize 8..2 bits, solarize 256..0, equalize, auto_contrast, identity), chosen
+    uniformly, at a magnitude bin uniform over ``num_magnitude_bins`` (31), negated with
+    probability 1/2 where the augmentation allows. ``fill_value`` (128; None clamps) and
+    ``interp_type`` serve the geometric ones; ``excluded`` names augmentations to leave
+    out. See ``gpuio.ops.auto_aug`` for each augmentation's definition."""
+
+    salt = 0x54415744
+
+    def __init__(self, num_magnitude_bins: int = 31, fill_value: float | None = 128, interp_type: str = "linear",
+                 max_translate_abs: float = 32, excluded: Sequence[str] | None = None, *,
+                 field: str = "image") -> None:
+        super().__init__(_select(trivial_augment_wide_suite(max_translate_abs), excluded), num_magnitude_bins,
+                         fill_value, interp_type, field)
+
+    def plan(self, batch: Batch) -> list[tuple[np.ndarray, np.ndarray]]:
+        """One step: per row the augmentation's index in the suite and its signed magnitude."""
+        ops, mags = np.zeros(len(batch), np.int64), np.zeros(len(batch))
+        for row in range(len(batch)):
+            rng = batch.rng(row, self.salt)
+            k, b, sign = int(rng.integers(len(self.suite))), int(rng.integers(self.bins)), bool(rng.integers(2))
+            ops[row], mags[row] = k, self.suite[k].magnitude(b, self.bins, sign)
+        return [(ops, mags)]
+
+    def __call__(self, batch: Batch) -> Batch:
+        return self.run(batch, self.plan(batch))
+
+
+class RandAugment(_Policy):
+    """DALI's ``rand_augment(n, m)``: each image gets ``n`` augmentations in a row, each
+    chosen uniformly (with replacement) from the RandAugment suite (``rand_augment_suite``:
+    translations up to ``max_translate_abs`` = 100 pixels, shears up to 0.3, rotations up
+    to 30 degrees, enhancements 1 +- 0..0.9, posterize 8..4 bits, solarize 256..0,
+    equalize, auto_contrast, identity), all at magnitude bin ``m`` of
+    ``num_magnitude_bins`` (31), each negated with probability 1/2 where the augmentation
+    allows. ``fill_value``, ``interp_type`` and ``excluded`` as ``trivial_augment_wide``."""
+
+    salt = 0x52414E44
+
+    def __init__(self, n: int, m: int, num_magnitude_bins: int = 31, fill_value: float | None = 128,
+                 interp_type: str = "linear", max_translate_abs: float = 100, excluded: Sequence[str] | None = None,
+                 *, field: str = "image") -> None:
+        super().__init__(_select(rand_augment_suite(max_translate_abs), excluded), num_magnitude_bins, fill_value,
+                         interp_type, field)
+        if not (isinstance(n, int) and n >= 0):
+            raise ConfigError(f"n (augmentations per image) must be an int >= 0, got {n!r}")
+        if not (isinstance(m, int) and 0 <= m < num_magnitude_bins):
+            raise ConfigError(f"m (the magnitude bin) must be an int in [0, {num_magnitude_bins - 1}], got {m!r}")
+        self.n, self.m = n, m
+
+    def plan(self, batch: Batch) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``n`` steps: per row the augmentation's index and its signed magnitude."""
+        ops, mags = np.zeros((self.n, len(batch)), np.int64), np.zeros((self.n, len(batch)))
+        for row in range(len(batch)):
+            rng = batch.rng(row, self.salt)
+            for level in range(self.n):
+                k, sign = int(rng.integers(len(self.suite))), bool(rng.integers(2))
+                ops[level, row], mags[level, row] = k, self.suite[k].magnitude(self.m, self.bins, sign)
+        return list(zip(ops, mags))
+
+    def __call__(self, batch: Batch) -> Batch:
+        return self.run(batch, self.plan(batch))
+
+
+def trivial_augment_wide(num_magnitude_bins: int = 31, fill_value: float | None = 128, interp_type: str = "linear",
+                         max_translate_abs: float = 32, excluded: Sequence[str] | None = None, *,
+                         field: str = "image") -> TrivialAugmentWide:
+    """See ``TrivialAugmentWide``."""
+    return TrivialAugmentWide(num_magnitude_bins, fill_value, interp_type, max_translate_abs, excluded, field=field)
+
+
+def rand_augment(n: int, m: int, num_magnitude_bins: int = 31, fill_value: float | None = 128,
+                 interp_type: str = "linear", max_translate_abs: float = 100, excluded: Sequence[str] | None = None,
+                 *, field: str = "image") -> RandAugment:
+    """See ``RandAugment``."""
+    return RandAugment(n, m, num_magnitude_bins, fill_value, interp_type, max_translate_abs, excluded, field=field)
