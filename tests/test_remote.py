@@ -237,7 +237,7 @@ def test_second_epoch_reads_the_cache_only(s3, tmp_path, request, monkeypatch):
     first = gpuio.read(index, [0])[0].tobytes()
     blocks = [f for _, _, fs in os.walk(cache_folder()) for f in fs]
     assert len(blocks) == -(-(300_000 + 128) // 65536)  # header block included: aligned blocks
-    assert not [b for b in blocks if b.endswith((".tmp", ".lock"))]
+    assert not [b for b in blocks if b.endswith(".part")]
     # the server goes away: the cache answers
     _aws_env(monkeypatch, "http://127.0.0.1:9")
     again = gpuio.Reader("cpu")
@@ -323,7 +323,7 @@ def test_processes_racing_on_one_block_download_it_once(s3, s3server, tmp_path, 
         # 4 processes x (1-byte probe + header window) for indexing, then one GET of the block
         gets_for_data = proxy.requests - 4 * 2
         assert gets_for_data == 1, proxy.requests
-        assert not [f for _, _, fs in os.walk(cache) for f in fs if f.endswith((".tmp", ".lock"))]
+        assert not [f for _, _, fs in os.walk(cache) for f in fs if f.endswith(".part")]
     finally:
         proxy.close()
 

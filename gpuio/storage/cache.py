@@ -7,11 +7,12 @@ URL, ETag and size, so a replaced object never maps to the old bytes.
 
 Rules:
 
-- a block is written to a temporary file and renamed into place: a reader sees a
-  whole block or none;
-- one download per block on the node: the process that creates ``<block>.lock``
-  (``O_EXCL``) downloads, the others wait for the block (a lock whose process is gone,
-  or that is older than the stall limit, is taken over);
+- a block is written to a temporary file (``.part``) and renamed into place: a reader
+  sees a whole block or none;
+- one download per block on the node: the process that creates ``<block>.part``
+  (``O_EXCL``) downloads into it, the others wait for the block (a ``.part`` older than
+  the stall limit, ``remote_timeout`` x (``remote_retries`` + 1) seconds, is left by a
+  dead or hung process and is taken over);
 - a block is used only when its size is the one expected; a block of another size
   (cut short, overwritten) is downloaded again;
 - the cache holds at most ``remote_cache_budget`` bytes: past it, the least recently
@@ -70,7 +71,7 @@ class BlockCache:
         self.root = cache_folder()
         self.block = max(4096, config.get("remote_block"))
         self.budget = config.get("remote_cache_budget")
-        # a lock held longer than every try of a download may take is left by a stuck process
+        # a download running longer than every try of it may take is left by a dead or hung process
         self.stale_s = max(1, config.get("remote_timeout")) * (max(1, config.get("remote_retries")) + 1)
         self._posix = PosixBackend(config.get("io_threads"), False, "gpuio-cache-read",
                                    native=config.get("native") and native_available())
@@ -104,46 +105,58 @@ class BlockCache:
         p_end = np.minimum(end[task], (block + 1) * B)
         obj = inverse[task].astype(np.int64)
         keys, which = np.unique(np.stack([obj, block]), axis=1, return_inverse=True)
+        which = which.reshape(-1).astype(np.int64)
         wanted = [(infos[int(o)], int(b)) for o, b in keys.T.tolist()]
         paths = [self.path(info, b) for info, b in wanted]
-        local = ReadPlan(task_file=which.reshape(-1).astype(np.int64), task_offset=p_start - block * B,
-                         task_length=p_end - p_start, task_dest=plan.task_dest[task] + (p_start - start[task]),
-                         task_need=p_end - p_start, sample_dest=plan.sample_dest, sample_length=plan.sample_length,
-                         nbytes=plan.nbytes, align=1)
-        table = PathTable.from_paths(paths)
+        p_off, p_len = p_start - block * B, p_end - p_start
+        p_dest = plan.task_dest[task] + (p_start - start[task])
+        view = lease.array
         for attempt in range(2):
             futures = [pool.submit(self.ensure, info, b, path) for (info, b), path in zip(wanted, paths)]
+            fresh: list[Any] = []
             first_error = None
             for fut in futures:
                 exc = fut.exception()
                 if exc is not None and first_error is None:
                     first_error = exc
+                fresh.append(None if exc is not None else fut.result())
             if first_error is not None:
                 raise first_error
+            # blocks downloaded just now are copied from memory; the others read from their files
+            now = np.array([f is not None for f in fresh], dtype=bool)[which]
+            for k in np.flatnonzero(now).tolist():
+                src, off, n, dest = fresh[which[k]], int(p_off[k]), int(p_len[k]), int(p_dest[k])
+                view[dest: dest + n] = np.frombuffer(src, dtype=np.uint8, count=n, offset=off)
+            old = ~now
+            local = ReadPlan(task_file=which[old], task_offset=p_off[old], task_length=p_len[old],
+                             task_dest=p_dest[old], task_need=p_len[old], sample_dest=plan.sample_dest,
+                             sample_length=plan.sample_length, nbytes=plan.nbytes, align=1)
             try:
-                self._posix.read(local, table, lease)
+                self._posix.read(local, PathTable.from_paths(paths), lease)
                 break
             except StorageError:
                 if attempt:  # evicted by another process in between, twice: not a race any more
                     raise
         self._maybe_evict(set(paths))
 
-    def ensure(self, info: Any, block: int, path: str) -> None:
-        """Make block ``block`` of ``info`` present at ``path``: use it, or download it
-        once per node (others wait), written whole or not at all."""
+    def ensure(self, info: Any, block: int, path: str) -> bytearray | None:
+        """Make block ``block`` of ``info`` present at ``path``: use it (None), or
+        download it once per node (its bytes), written whole or not at all. The
+        download goes to ``<path>.part``, created with ``O_EXCL``: the one process that
+        creates it downloads, the others wait for ``path``."""
         want = min(self.block, info.size - block * self.block)
         if self._present(path, want):
-            return
-        lock = path + ".lock"
+            return None
+        part = path + ".part"
         os.makedirs(os.path.dirname(path), exist_ok=True)
         wait, since = _POLL_S, time.monotonic()
         while True:
             try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd = os.open(part, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 if self._present(path, want):
-                    return
-                self._break_stale(lock)
+                    return None
+                self._break_stale(part)
                 if time.monotonic() - since > 2 * self.stale_s:
                     raise StorageError(f"waited {time.monotonic() - since:.0f} s for another process to "
                                        f"download block {block} of {info.url} into the cache", path=path) from None
@@ -153,37 +166,36 @@ class BlockCache:
             except OSError as exc:
                 raise _cache_error(path, exc) from exc
             break
+        done = False
         try:
-            os.write(fd, str(os.getpid()).encode())
-            os.close(fd)
             if self._present(path, want):  # written by another process while we took the lock
-                return
-            self._download(info, block, path, want)
-        finally:
+                return None
+            buf = self._download(info, block, want)
             try:
-                os.unlink(lock)
-            except FileNotFoundError:
-                pass
+                with os.fdopen(fd, "wb", closefd=False) as f:
+                    f.write(buf)
+                os.replace(part, path)
+            except OSError as exc:
+                raise _cache_error(path, exc) from exc
+            done = True
+            with self._lock:
+                self._added += want
+            return buf
+        finally:
+            os.close(fd)
+            if not done:
+                try:
+                    os.unlink(part)
+                except FileNotFoundError:
+                    pass
 
-    def _download(self, info: Any, block: int, path: str, want: int) -> None:
+    def _download(self, info: Any, block: int, want: int) -> bytearray:
         if self.fetch is None:
             raise StorageError(f"block {block} of {info.url} is not in the cache, and this cache has no "
-                               f"fetch to download it", path=path)
+                               f"fetch to download it", path=self.path(info, block))
         buf = bytearray(want)
         self.fetch(info.url, block * self.block, memoryview(buf), info.etag)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(buf)
-            os.replace(tmp, path)
-        except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise _cache_error(path, exc) from exc
-        with self._lock:
-            self._added += want
+        return buf
 
     @staticmethod
     def _present(path: str, want: int) -> bool:
@@ -205,25 +217,16 @@ class BlockCache:
             return False
         return True
 
-    def _break_stale(self, lock: str) -> None:
-        """Remove a lock whose process is gone or that is older than the stall limit."""
+    def _break_stale(self, part: str) -> None:
+        """Remove a download in progress that has not finished within the stall limit
+        (its process died or hangs); its block is then downloaded again."""
         try:
-            with open(lock, "rb") as f:
-                text = f.read().strip()
-            age = time.time() - os.stat(lock).st_mtime
+            age = time.time() - os.stat(part).st_mtime
         except FileNotFoundError:
             return
-        dead = False
-        if text.isdigit():
+        if age > self.stale_s:
             try:
-                os.kill(int(text), 0)
-            except ProcessLookupError:
-                dead = True
-            except PermissionError:  # another user's live process
-                pass
-        if dead or age > self.stale_s:
-            try:
-                os.unlink(lock)
+                os.unlink(part)
             except FileNotFoundError:
                 pass
 
@@ -248,7 +251,7 @@ class BlockCache:
                 continue
             for entry in os.scandir(folder.path):
                 name = entry.name
-                if name.endswith((".lock", ".tmp")):
+                if name.endswith(".part"):
                     continue
                 try:
                     st = entry.stat()

