@@ -10,7 +10,11 @@ CPU, DALI's CPU pipeline (``device_id=None``, ``external_source`` -> the op,
 ``num_threads`` = cores). Printed per op: the mean and largest absolute difference in
 uint8 levels and the share of values that differ, then each one's best time per batch
 (``--repeat`` runs; DALI's pipeline runs synchronously, and its time includes handing the
-batch to the pipeline). DALI comes
+batch to the pipeline). A second table compares each augmentation of DALI's auto_aug
+policies (the TrivialAugment wide suite; the ImageNet AutoAugment policy's own ones) at
+magnitude bin ``--bin`` with a positive sign, DALI's against gpuio's; a third times the
+whole policies (auto_augment, rand_augment(n=2, m=9), trivial_augment_wide; their random
+draws differ, so only the time is compared).. DALI comes
 with the ``bench`` extra (``pip install nvidia-dali-cuda120``); without it the command
 says so and stops.
 """
@@ -71,11 +75,81 @@ def dali_pipeline(images: list[np.ndarray], op_name: str, kwargs: dict[str, Any]
     return p
 
 
+def policy_rows(images: list[np.ndarray], magnitude_bin: int) -> list[dict[str, Any]]:
+    """Each augmentation of DALI's TrivialAugment wide suite and of its AutoAugment
+    ImageNet policy at ``magnitude_bin`` (positive sign) in DALI and in gpuio, compared."""
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.auto_aug import auto_augment as dali_aa, trivial_augment as dali_ta
+    from nvidia.dali.auto_aug.core import signed_bin
+
+    geometric = {"translate_x", "translate_y", "shear_x", "shear_y", "rotate"}
+    index = np.arange(len(images))
+    rows = []
+    ta, aa = ops.trivial_augment_wide(), ops.auto_augment()
+    dali_policy = dali_aa.get_image_net_policy()
+    suites = [("TA", dali_ta.get_trivial_augment_wide_suite(), ta, 31),
+              ("AA", [dali_policy.augmentations[k] for k in sorted(dali_policy.augmentations)], aa, 11)]
+    for tag, dali_suite, ours, bins in suites:
+        names = [a.name for a in ours.suite]
+        for aug in dali_suite:
+            if tag == "AA" and aug.name not in ("color", "solarize_add", "invert", "posterize", "solarize"):
+                continue  # the others are the TA rows' ops with other ranges
+            b = min(magnitude_bin, bins - 1)
+
+            @pipeline_def(batch_size=len(images), num_threads=os.cpu_count() or 1, device_id=None, exec_async=False,
+                          exec_pipelined=False)
+            def pipe(aug: Any = aug, b: int = b, bins: int = bins) -> Any:
+                data = fn.external_source(source=lambda: images, batch=True, layout="HWC")
+                signed = signed_bin(b, random_sign=fn.random.uniform(values=[0], dtype=types.INT32))
+                extra = {"fill_value": 128} if aug.name in geometric else {}
+                return aug(data, magnitude_bin=signed, num_magnitude_bins=bins, **extra)
+
+            p = pipe()
+            p.build()
+            theirs = [np.asarray(p.run()[0].at(i)) for i in range(len(images))]
+            k = names.index(aug.name)
+            batch = Batch({"image": list(images)}, index, sample_seeds(0, 0, index))
+            param = ours.suite[k].param(b, bins, False)
+            mine = ours.step(batch, list(images), np.full(len(images), k), np.full(len(images), param))
+            diff = np.concatenate([np.abs(a.astype(np.int64) - t).ravel() for a, t in zip(mine, theirs)])
+            rows.append(dict(op=f"{tag} {aug.name} (bin {b})", mean=float(diff.mean()), max=int(diff.max()),
+                             share=float((diff > 0).mean())))
+    return rows
+
+
+def policy_times(images: list[np.ndarray], repeat: int) -> list[dict[str, Any]]:
+    """Best time per batch of each whole policy (random draws differ: time only)."""
+    from nvidia.dali import fn, pipeline_def
+    from nvidia.dali.auto_aug import auto_augment as dali_aa, rand_augment as dali_ra, trivial_augment as dali_ta
+
+    index = np.arange(len(images))
+    cases = [("auto_augment (ImageNet)", ops.auto_augment(), lambda d: dali_aa.auto_augment(d, seed=1)),
+             ("rand_augment(n=2, m=9)", ops.rand_augment(2, 9), lambda d: dali_ra.rand_augment(d, n=2, m=9, seed=1)),
+             ("trivial_augment_wide", ops.trivial_augment_wide(), lambda d: dali_ta.trivial_augment_wide(d, seed=1))]
+    rows = []
+    for name, op, dali_fn in cases:
+        @pipeline_def(batch_size=len(images), num_threads=os.cpu_count() or 1, device_id=None, exec_async=False,
+                      exec_pipelined=False, enable_conditionals=True)
+        def pipe(dali_fn: Any = dali_fn) -> Any:
+            return dali_fn(fn.external_source(source=lambda: images, batch=True, layout="HWC"))
+
+        p = pipe()
+        p.build()
+        epoch = iter(range(1 << 30))
+
+        def ours(op: Any = op) -> None:  # a new epoch each run: new draws, as in training
+            op(Batch({"image": list(images)}, index, sample_seeds(0, next(epoch), index)))
+
+        rows.append(dict(op=name, gpuio_ms=1e3 * best_time(ours, repeat), dali_ms=1e3 * best_time(p.run, repeat)))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--count", type=int, default=32)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--bin", type=int, default=20, help="magnitude bin of the policy rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     try:
@@ -110,7 +184,17 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows, [("op", "op", ""), ("mean", "mean |diff|", ".3f"), ("max", "max", "d"),
                        ("share", "differing", ".2%"), ("gpuio_ms", "gpuio CPU ms/batch", ".1f"),
                        ("dali_ms", "DALI CPU ms/batch", ".1f"), ("note", "", "")])
-    write_json(args.out, dict(machine=info, dali=dali.__version__, count=len(images), size=args.size, rows=rows))
+    policy = policy_rows(images, args.bin)
+    print(f"\nthe augmentations of DALI's auto_aug policies at magnitude bin {args.bin}, positive sign "
+          f"(TA: trivial_augment_wide's suite, AA: auto_augment's ImageNet policy):")
+    print_table(policy, [("op", "augmentation", ""), ("mean", "mean |diff|", ".3f"), ("max", "max", "d"),
+                         ("share", "differing", ".2%")])
+    times = policy_times(images, args.repeat)
+    print("\nwhole policies, best time per batch:")
+    print_table(times, [("op", "policy", ""), ("gpuio_ms", "gpuio CPU ms/batch", ".1f"),
+                        ("dali_ms", "DALI CPU ms/batch", ".1f")])
+    write_json(args.out, dict(machine=info, dali=dali.__version__, count=len(images), size=args.size, rows=rows,
+                              policy_rows=policy, policy_times=times))
 
 
 if __name__ == "__main__":

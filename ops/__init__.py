@@ -16,7 +16,8 @@ parameters and defaults and read and write ``audio``: ``decode_audio`` ->
 ``mel_filter_bank`` -> ``to_decibels`` (or ``mfcc``) -> ``normalize_axes`` -> ``pad``.
 """
 
-from gpuio.ops.auto_aug import RandAugment, TrivialAugmentWide, rand_augment, trivial_augment_wide
+from gpuio.ops.auto_aug import (AutoAugment, RandAugment, TrivialAugmentWide, auto_augment, rand_augment,
+                                trivial_augment_wide)
 from gpuio.ops.augment import (BrightnessContrast, ColorTwist, GaussianBlur, Hsv, RandomErasing, RandomGrayscale,
                                brightness_contrast, color_twist, gaussian_blur, hsv, random_erasing, random_grayscale)
 from gpuio.ops.audio import (DecodeAudio, NonsilentRegion, PreemphasisFilter, Slice, decode_audio,
@@ -57,8 +58,10 @@ __all__ = [
     "random_grayscale",
     "Rotate",
     "WarpAffine",
+    "AutoAugment",
     "RandAugment",
     "TrivialAugmentWide",
+    "auto_augment",
     "rand_augment",
     "trivial_augment_wide",
     "rotate",

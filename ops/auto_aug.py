@@ -1,6 +1,7 @@
 """Automatic augmentation policies as DALI's ``nvidia.dali.auto_aug`` defines them:
-``trivial_augment_wide`` (TrivialAugment, the wide suite) and ``rand_augment``
-(RandAugment(n, m)), on uint8 HWC RGB images.
+``auto_augment`` (AutoAugment, the ImageNet policy), ``trivial_augment_wide``
+(TrivialAugment, the wide suite) and ``rand_augment`` (RandAugment(n, m)), on uint8 HWC
+RGB images.
 
 A suite is a list of augmentations, each with a magnitude range ``(low, high)`` split into
 ``num_magnitude_bins`` bins (``linspace(low, high, bins)[bin]``), negated with probability
@@ -11,10 +12,12 @@ DALI's order, with the translations bounded in pixels: DALI's default without ``
   (pixels), ``shear_x``/``_y`` (shear factor, about the top-left corner), ``rotate``
   (degrees, counter-clockwise, size kept);
 - ``brightness``, ``contrast`` (about the image's mean luma, as Pillow), ``color``
-  (saturation in YIQ space, DALI's ``saturation``): factor ``1 + magnitude``;
+  (saturation in YIQ space, DALI's ``saturation``): factor ``1 + magnitude`` in the
+  TrivialAugment and RandAugment suites, the magnitude itself in AutoAugment's policy;
 - ``sharpness``: a 3x3 filter ``-m * [[1,1,1],[1,5,1],[1,1,1]] / 13 + (1 + m) * identity``,
   borders mirrored (``dcb|abcd``); ``posterize``: keep the top ``round(magnitude)`` bits
-  (1-8); ``solarize``: levels at or above the threshold inverted; ``equalize``: OpenCV's
+  (1-8); ``solarize``: levels at or above the threshold inverted; ``solarize_add``: levels
+  below 128 raised by the magnitude; ``invert``; ``equalize``: OpenCV's
   per-channel histogram equalization; ``auto_contrast``: each channel stretched to 0-255;
   ``identity``.
 
@@ -40,8 +43,9 @@ from gpuio.errors import ConfigError, DataError
 from gpuio.ops.augment import LUMA, apply_color, reflect101_index, yiq_matrix
 from gpuio.ops.warp import rotation_matrix, warp
 
-__all__ = ["Augmentation", "TrivialAugmentWide", "RandAugment", "trivial_augment_wide", "rand_augment",
-           "trivial_augment_wide_suite", "rand_augment_suite"]
+__all__ = ["Augmentation", "AutoAugment", "TrivialAugmentWide", "RandAugment", "auto_augment",
+           "trivial_augment_wide", "rand_augment", "trivial_augment_wide_suite", "rand_augment_suite",
+           "image_net_policy"]
 
 
 @dataclass(frozen=True)
@@ -53,20 +57,22 @@ class Augmentation:
     low: float = 0.0
     high: float = 0.0
     randomly_negate: bool = False
+    shift: float = 0.0  # added to the signed magnitude: 1 for the enhancements' factors 1 +- m
 
-    def magnitude(self, magnitude_bin: int, bins: int, negative: bool) -> float:
-        """The signed magnitude of ``magnitude_bin`` of ``bins``."""
+    def param(self, magnitude_bin: int, bins: int, negative: bool) -> float:
+        """The op's parameter at ``magnitude_bin`` of ``bins``: the bin's magnitude, negated
+        when ``negative`` and the augmentation allows it, plus ``shift``."""
         value = float(np.linspace(self.low, self.high, bins)[magnitude_bin]) if bins > 1 else float(self.low)
-        return -value if self.randomly_negate and negative else value
+        return (-value if self.randomly_negate and negative else value) + self.shift
 
 
 def _suite(translate: float, shear: float, angle: float, enhance: tuple[float, float],
            posterize: tuple[float, float]) -> list[Augmentation]:
     return [Augmentation("translate_x", 0, translate, True), Augmentation("translate_y", 0, translate, True),
             Augmentation("shear_x", 0, shear, True), Augmentation("shear_y", 0, shear, True),
-            Augmentation("rotate", 0, angle, True), Augmentation("brightness", *enhance, True),
-            Augmentation("contrast", *enhance, True), Augmentation("color", *enhance, True),
-            Augmentation("sharpness", *enhance, True), Augmentation("posterize", *posterize),
+            Augmentation("rotate", 0, angle, True), Augmentation("brightness", *enhance, True, 1.0),
+            Augmentation("contrast", *enhance, True, 1.0), Augmentation("color", *enhance, True, 1.0),
+            Augmentation("sharpness", *enhance, True, 1.0), Augmentation("posterize", *posterize),
             Augmentation("solarize", 256, 0), Augmentation("equalize"), Augmentation("auto_contrast"),
             Augmentation("identity")]
 
@@ -79,6 +85,27 @@ def trivial_augment_wide_suite(max_translate_abs: float = 32) -> list[Augmentati
 def rand_augment_suite(max_translate_abs: float = 100) -> list[Augmentation]:
     """DALI's RandAugment suite (monotonic magnitudes, 14 augmentations)."""
     return _suite(max_translate_abs, 0.3, 30, (0.0, 0.9), (8, 4))
+
+
+def image_net_policy(max_translate_abs: float = 250) -> tuple[list[Augmentation], list[list[tuple[int, float, int]]]]:
+    """DALI's AutoAugment ImageNet policy (11 magnitude bins): its augmentations (identity
+    last) and 25 sub-policies of (augmentation index, probability, magnitude bin) stages."""
+    augs = [Augmentation("equalize"), Augmentation("shear_y", 0, 0.3, True), Augmentation("color", 0.1, 1.9),
+            Augmentation("rotate", 0, 30, True), Augmentation("solarize", 0, 256),
+            Augmentation("solarize_add", 0, 110), Augmentation("shear_x", 0, 0.3, True), Augmentation("invert"),
+            Augmentation("posterize", 0, 4), Augmentation("auto_contrast"),
+            Augmentation("translate_y", 0, max_translate_abs, True), Augmentation("identity")]
+    eq, shy, col, rot, sol, sola, shx, inv, post, ac, ty = range(11)
+    subs = [[(eq, 0.8, 0), (shy, 0.8, 4)], [(col, 0.4, 9), (eq, 0.6, 0)], [(col, 0.4, 1), (rot, 0.6, 8)],
+            [(sol, 0.8, 3), (eq, 0.4, 0)], [(sol, 0.4, 2), (sol, 0.6, 2)], [(col, 0.2, 0), (eq, 0.8, 0)],
+            [(eq, 0.4, 0), (sola, 0.8, 3)], [(shx, 0.2, 9), (rot, 0.6, 8)], [(col, 0.6, 1), (eq, 1.0, 0)],
+            [(inv, 0.4, 0), (rot, 0.6, 0)], [(eq, 1.0, 0), (shy, 0.6, 3)], [(col, 0.4, 7), (eq, 0.6, 0)],
+            [(post, 0.4, 6), (ac, 0.4, 0)], [(sol, 0.6, 8), (col, 0.6, 9)], [(sol, 0.2, 4), (rot, 0.8, 9)],
+            [(rot, 1.0, 7), (ty, 0.8, 9)], [(sol, 0.8, 4)], [(shy, 0.8, 0), (col, 0.6, 4)],
+            [(col, 1.0, 0), (rot, 0.6, 2)], [(eq, 0.8, 0)], [(eq, 1.0, 0), (ac, 0.6, 0)],
+            [(shy, 0.4, 7), (sola, 0.6, 7)], [(post, 0.8, 2), (sol, 0.6, 10)], [(sol, 0.6, 8), (eq, 0.6, 0)],
+            [(col, 0.8, 6), (rot, 0.4, 5)]]
+    return augs, subs
 
 
 def _select(suite: list[Augmentation], excluded: Sequence[str] | None) -> list[Augmentation]:
@@ -123,7 +150,7 @@ def _geometry(batch: Batch, rows: list[int], images: list[Any], name: str, mags:
 def _colour(batch: Batch, rows: list[int], images: list[Any], name: str, mags: list[float]) -> list[Any]:
     """brightness, contrast, color and auto_contrast as one matrix per image."""
     n = len(images)
-    factors = 1.0 + np.asarray(mags, np.float64)
+    factors = np.asarray(mags, np.float64)
     offsets = np.zeros((n, 3))
     if name == "brightness":
         matrices = factors[:, None, None] * np.eye(3)
@@ -169,12 +196,16 @@ def _pixels(xp: Any, img: Any, name: str, mag: float) -> Any:
         return xp.bitwise_and(img, np.uint8((0xFF << (8 - bits)) & 0xFF))
     if name == "solarize":
         return xp.where(img < mag, img, 255 - img).astype(xp.uint8)
+    if name == "solarize_add":  # levels below 128 raised by the magnitude, truncated to a level
+        return xp.where(img < 128, img + np.uint8(int(mag)), img).astype(xp.uint8)
+    if name == "invert":
+        return (255 - img).astype(xp.uint8)
     if name == "equalize":
         return xp.stack([_equalize_channel(xp, img[..., c]) for c in range(img.shape[2])], axis=-1)
     if name == "sharpness":
         blur = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13
-        kernel = np.float32(-mag) * blur
-        kernel[1, 1] += np.float32(1 + mag)
+        kernel = np.float32(1 - mag) * blur  # the factor mag: mag * image + (1 - mag) * smoothed
+        kernel[1, 1] += np.float32(mag)
         h, w = img.shape[:2]
         padded = img.astype(xp.float32)[xp.asarray(reflect101_index(h, 1))][:, xp.asarray(reflect101_index(w, 1))]
         acc = xp.zeros(img.shape, xp.float32)
@@ -279,7 +310,7 @@ class TrivialAugmentWide(_Policy):
         for row in range(len(batch)):
             rng = batch.rng(row, self.salt)
             k, b, sign = int(rng.integers(len(self.suite))), int(rng.integers(self.bins)), bool(rng.integers(2))
-            ops[row], mags[row] = k, self.suite[k].magnitude(b, self.bins, sign)
+            ops[row], mags[row] = k, self.suite[k].param(b, self.bins, sign)
         return [(ops, mags)]
 
     def __call__(self, batch: Batch) -> Batch:
@@ -315,11 +346,56 @@ class RandAugment(_Policy):
             rng = batch.rng(row, self.salt)
             for level in range(self.n):
                 k, sign = int(rng.integers(len(self.suite))), bool(rng.integers(2))
-                ops[level, row], mags[level, row] = k, self.suite[k].magnitude(self.m, self.bins, sign)
+                ops[level, row], mags[level, row] = k, self.suite[k].param(self.m, self.bins, sign)
         return list(zip(ops, mags))
 
     def __call__(self, batch: Batch) -> Batch:
         return self.run(batch, self.plan(batch))
+
+
+class AutoAugment(_Policy):
+    """DALI's ``auto_augment`` with ``policy_name="image_net"`` (the only policy here): each
+    image gets one of the 25 sub-policies of AutoAugment's ImageNet policy
+    (``image_net_policy``), chosen uniformly; each of its (at most 2) stages runs with its
+    probability at its magnitude bin of 11, negated with probability 1/2 where the
+    augmentation allows (shears up to 0.3, rotation up to 30 degrees, translate_y up to
+    ``max_translate_abs`` = 250 pixels, color factor 0.1..1.9, posterize 0..4 bits kept
+    (at least 1), solarize threshold 0..256, solarize_add 0..110, invert, equalize,
+    auto_contrast). ``fill_value`` (128; None clamps) and ``interp_type`` serve the
+    geometric ones. Per sample, ``batch.rng(row, salt)`` draws the sub-policy, then per
+    stage a uniform number (run when below the probability) and the sign."""
+
+    salt = 0x41554155
+
+    def __init__(self, policy_name: str = "image_net", fill_value: float | None = 128, interp_type: str = "linear",
+                 max_translate_abs: float = 250, *, field: str = "image") -> None:
+        if policy_name != "image_net":
+            raise ConfigError(f"policy_name {policy_name!r}; the policy here is 'image_net'")
+        augs, self.sub_policies = image_net_policy(max_translate_abs)
+        super().__init__(augs, 11, fill_value, interp_type, field)
+
+    def plan(self, batch: Batch) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Two steps: per row the augmentation's index (identity where the stage does not
+        run) and its parameter."""
+        identity = len(self.suite) - 1
+        ops, mags = np.full((2, len(batch)), identity, np.int64), np.zeros((2, len(batch)))
+        for row in range(len(batch)):
+            rng = batch.rng(row, self.salt)
+            stages = self.sub_policies[int(rng.integers(len(self.sub_policies)))]
+            for level, (k, prob, magnitude_bin) in enumerate(stages):
+                run, sign = rng.random() < prob, bool(rng.integers(2))
+                if run:
+                    ops[level, row], mags[level, row] = k, self.suite[k].param(magnitude_bin, self.bins, sign)
+        return list(zip(ops, mags))
+
+    def __call__(self, batch: Batch) -> Batch:
+        return self.run(batch, self.plan(batch))
+
+
+def auto_augment(policy_name: str = "image_net", fill_value: float | None = 128, interp_type: str = "linear",
+                 max_translate_abs: float = 250, *, field: str = "image") -> AutoAugment:
+    """See ``AutoAugment``."""
+    return AutoAugment(policy_name, fill_value, interp_type, max_translate_abs, field=field)
 
 
 def trivial_augment_wide(num_magnitude_bins: int = 31, fill_value: float | None = 128, interp_type: str = "linear",

@@ -44,8 +44,8 @@ def images():
 
 
 def apply(name, magnitude, images, device="cpu"):
-    """The augmentation ``name`` of the TrivialAugment suite at ``magnitude`` on every image."""
-    op = ops.trivial_augment_wide()
+    """The augmentation ``name`` with parameter ``magnitude`` on every image."""
+    op = ops.auto_augment() if name in ("invert", "solarize_add") else ops.trivial_augment_wide()
     k = [a.name for a in op.suite].index(name)
     batch = make_batch(images, device=device)
     n = len(images)
@@ -68,24 +68,28 @@ def test_pixel_augmentations_match_pillow_and_opencv(images):
     for img, got in zip(images, apply("auto_contrast", 0, images)):
         pil = np.asarray(ImageOps.autocontrast(Image.fromarray(img)))
         assert diff(got, pil)[0] <= 1  # Pillow truncates its table, gpuio rounds
+    for img, got in zip(images, apply("invert", 0, images)):
+        assert np.array_equal(got, np.asarray(ImageOps.invert(Image.fromarray(img))))
+    for img, got in zip(images, apply("solarize_add", 33.7, images)):
+        assert np.array_equal(got, np.where(img < 128, img + 33, img))
     for img, got in zip(images, apply("identity", 0, images)):
         assert np.array_equal(got, img)
 
 
 def test_enhancements_match_pillow(images):
-    for img, got in zip(images, apply("brightness", 0.5, images)):
+    for img, got in zip(images, apply("brightness", 1.5, images)):
         pil = np.asarray(ImageEnhance.Brightness(Image.fromarray(img)).enhance(1.5)).astype(np.int64)
         assert set(np.unique(got - pil).tolist()) <= {0, 1}  # Pillow truncates, gpuio rounds
-    for img, got in zip(images, apply("contrast", -0.3, images)):
+    for img, got in zip(images, apply("contrast", 0.7, images)):
         # Pillow's centre is its mean luma rounded to a level, gpuio's (as DALI's) is not rounded
         worst, mean = diff(got, np.asarray(ImageEnhance.Contrast(Image.fromarray(img)).enhance(0.7)))
         assert worst <= 2 and mean < 0.7
-    for img, got in zip(images, apply("sharpness", 0.5, images)):
+    for img, got in zip(images, apply("sharpness", 1.5, images)):
         pil = np.asarray(ImageEnhance.Sharpness(Image.fromarray(img)).enhance(1.5))
         # Pillow leaves the 1-pixel border unfiltered and rounds its smoothed image first
         worst, mean = diff(got[1:-1, 1:-1], pil[1:-1, 1:-1])
         assert worst <= 2 and mean < 0.6
-    color, _ = apply("color", 0.4, images), None
+    color = apply("color", 1.4, images)
     same = ops.hsv(saturation=1.4)(make_batch(images)).data["image"]
     for a, b in zip(color, same):
         assert np.array_equal(a, b)  # DALI's color is its saturation: hsv's YIQ scaling
@@ -113,10 +117,11 @@ def test_suites_are_dalis():
     names = ["translate_x", "translate_y", "shear_x", "shear_y", "rotate", "brightness", "contrast", "color",
              "sharpness", "posterize", "solarize", "equalize", "auto_contrast", "identity"]
     assert [a.name for a in ta] == names and [a.name for a in ra] == names
-    assert ta[4].magnitude(30, 31, True) == -135 and ra[4].magnitude(30, 31, False) == 30
-    assert ta[0].magnitude(30, 31, False) == 32 and ra[1].magnitude(30, 31, True) == -100
-    assert ta[9].magnitude(0, 31, True) == 8 and ta[9].magnitude(30, 31, True) == 2  # never negated
-    assert ra[10].magnitude(15, 31, False) == 128
+    assert ta[5].param(30, 31, True) == pytest.approx(0.01) and ra[7].param(0, 31, False) == 1.0  # 1 +- m
+    assert ta[4].param(30, 31, True) == -135 and ra[4].param(30, 31, False) == 30
+    assert ta[0].param(30, 31, False) == 32 and ra[1].param(30, 31, True) == -100
+    assert ta[9].param(0, 31, True) == 8 and ta[9].param(30, 31, True) == 2  # never negated
+    assert ra[10].param(15, 31, False) == 128
 
 
 def test_trivial_augment_draws_follow_the_sample(images):
@@ -127,7 +132,7 @@ def test_trivial_augment_draws_follow_the_sample(images):
     for row in range(12):
         rng = batch.rng(row, op.salt)
         k, b, sign = rng.integers(14), rng.integers(31), rng.integers(2)
-        assert ops_[row] == k and mags[row] == op.suite[k].magnitude(b, 31, bool(sign))
+        assert ops_[row] == k and mags[row] == op.suite[k].param(b, 31, bool(sign))
     assert len(set(ops_.tolist())) > 4
     whole = host(op(make_batch(imgs, index=np.arange(12))).data["image"])
     part = host(op(make_batch([imgs[9], imgs[2]], index=[9, 2])).data["image"])
@@ -141,7 +146,8 @@ def test_rand_augment_applies_n_steps_at_bin_m(images):
     assert len(plan) == 2
     for ops_, mags in plan:
         for k, mag in zip(ops_.tolist(), mags.tolist()):
-            assert abs(mag) == op.suite[k].magnitude(9, 31, False) or op.suite[k].name == "solarize"
+            expected = op.suite[k].param(9, 31, False)
+            assert mag in (expected, 2 * op.suite[k].shift - expected)
     got = host(op(make_batch(imgs)).data["image"])
     batch = make_batch(imgs)
     steps = list(batch.data["image"])
@@ -152,7 +158,35 @@ def test_rand_augment_applies_n_steps_at_bin_m(images):
     assert all(np.array_equal(a, b) for a, b in zip(same, imgs))
 
 
+def test_auto_augment_image_net_draws(images):
+    op = ops.auto_augment()
+    assert len(op.sub_policies) == 25 and op.bins == 11
+    imgs = [images[k % 2] for k in range(40)]
+    batch = make_batch(imgs, index=np.arange(40))
+    plan = op.plan(batch)
+    ran = 0
+    for row in range(40):
+        rng = batch.rng(row, op.salt)
+        stages = op.sub_policies[rng.integers(25)]
+        for level in range(2):
+            k, mag = plan[level][0][row], plan[level][1][row]
+            if level >= len(stages):
+                assert op.suite[k].name == "identity"
+                continue
+            aug, prob, magnitude_bin = stages[level]
+            run, sign = rng.random() < prob, bool(rng.integers(2))
+            assert op.suite[k].name == (op.suite[aug].name if run else "identity")
+            if run:
+                ran += 1
+                assert mag == op.suite[aug].param(magnitude_bin, 11, sign)
+    assert ran > 20
+    whole = host(op(make_batch(imgs, index=np.arange(40))).data["image"])
+    part = host(op(make_batch([imgs[30], imgs[5]], index=[30, 5])).data["image"])
+    assert np.array_equal(part[0], whole[30]) and np.array_equal(part[1], whole[5])
+
+
 @pytest.mark.parametrize("make,message", [
+    (lambda: ops.auto_augment("cifar10"), "policy_name 'cifar10'; the policy here is 'image_net'"),
     (lambda: ops.rand_augment(2, 31), r"m \(the magnitude bin\) must be an int in \[0, 30\]"),
     (lambda: ops.rand_augment(-1, 9), "n .* must be an int >= 0"),
     (lambda: ops.trivial_augment_wide(num_magnitude_bins=0), "num_magnitude_bins must be an int >= 1"),
@@ -170,7 +204,8 @@ def test_policies_take_rgb_only(images):
         ops.trivial_augment_wide()(make_batch([images[0][..., :1].copy()]))
 
 
-@pytest.mark.parametrize("make", [lambda: ops.trivial_augment_wide(), lambda: ops.rand_augment(2, 12)])
+@pytest.mark.parametrize("make", [lambda: ops.trivial_augment_wide(), lambda: ops.rand_augment(2, 12),
+                                  lambda: ops.auto_augment()])
 def test_policies_cpu_and_device_agree(images, device, make):
     imgs = [images[k % 2] for k in range(16)]
     cpu = host(make()(make_batch(imgs)).data["image"])
