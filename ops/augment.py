@@ -386,12 +386,18 @@ class GaussianBlur(Op):
         images = batch.data[self.field]
         rows = _rows(images)
         sigmas, windows = self.params(batch)
-        gpu = batch.device.is_cuda
-        out = []
-        for img, (sy, sx), (wy, wx) in zip(rows, sigmas.tolist(), windows.tolist()):
-            ky, kx = gaussian_weights(sy, wy), gaussian_weights(sx, wx)
-            out.append(self._blur_gpu(batch, img, ky, kx) if gpu else self._blur_cpu(img, ky, kx))
-        batch.data[self.field] = _container(images, out, batch.xp) if gpu else _container(images, out, np)
+        weights = [(gaussian_weights(sy, wy), gaussian_weights(sx, wx))
+                   for (sy, sx), (wy, wx) in zip(sigmas.tolist(), windows.tolist())]
+        if not batch.device.is_cuda:
+            out = [self._blur_cpu(img, ky, kx) for img, (ky, kx) in zip(rows, weights)]
+            batch.data[self.field] = _container(images, out, np)
+            return batch
+        cp = require("cupy")
+        with cp.cuda.Device(batch.device.index):
+            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+            with stream:
+                out = [self._blur_gpu(cp, img, ky, kx) for img, (ky, kx) in zip(rows, weights)]
+                batch.data[self.field] = _container(images, out, cp)
         return batch
 
     @staticmethod
@@ -409,20 +415,17 @@ class GaussianBlur(Op):
         return _to_uint8(np, acc) if img.dtype == np.uint8 else acc.astype(img.dtype)
 
     @staticmethod
-    def _blur_gpu(batch: Batch, img: Any, ky: np.ndarray, kx: np.ndarray) -> Any:
-        cp = require("cupy")
-        with cp.cuda.Device(batch.device.index):
-            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-            with stream:
-                src = cp.ascontiguousarray(img)
-                h, w, c = src.shape
-                rows = cp.empty(src.shape, cp.float32)
-                _kernel(cp, "blur")(src, cp.asarray(kx), np.int32(h), np.int32(w), c, np.int32(len(kx) // 2),
-                                    np.int32(1), rows)
-                cols = cp.empty(src.shape, cp.float32)
-                _kernel(cp, "blur")(rows, cp.asarray(ky), np.int32(h), np.int32(w), c, np.int32(len(ky) // 2),
-                                    np.int32(0), cols)
-                return _to_uint8(cp, cols) if img.dtype == np.uint8 else cols.astype(img.dtype)
+    def _blur_gpu(cp: Any, img: Any, ky: np.ndarray, kx: np.ndarray) -> Any:
+        """The two passes of the blur kernel; the caller has entered the image's device."""
+        src = cp.ascontiguousarray(img)
+        h, w, c = src.shape
+        rows = cp.empty(src.shape, cp.float32)
+        _kernel(cp, "blur")(src, cp.asarray(kx), np.int32(h), np.int32(w), c, np.int32(len(kx) // 2), np.int32(1),
+                            rows)
+        cols = cp.empty(src.shape, cp.float32)
+        _kernel(cp, "blur")(rows, cp.asarray(ky), np.int32(h), np.int32(w), c, np.int32(len(ky) // 2), np.int32(0),
+                            cols)
+        return _to_uint8(cp, cols) if img.dtype == np.uint8 else cols.astype(img.dtype)
 
 
 class RandomErasing(Op):

@@ -227,7 +227,7 @@ def _equalize_channel(xp: Any, channel: Any) -> Any:
         return channel.copy()
     cdf = (xp.cumsum(hist) - lead).astype(xp.float32)  # float32 products, as OpenCV
     lut = xp.clip(xp.rint(cdf * np.float32(255.0 / (total - lead))), 0, 255).astype(xp.uint8)
-    return lut[channel]
+    return lut[channel.astype(xp.int32)]
 
 
 _GEOMETRY = {"translate_x", "translate_y", "shear_x", "shear_y", "rotate"}

@@ -50,7 +50,7 @@ if (interp == 1) {
 dst = (unsigned char)fminf(fmaxf(floorf(v + 0.5f), 0.0f), 255.0f);
 """
 _TAP = r"""
-template <typename S, typename F>
+template <typename S, typename F>  /* S, F: CuPy's CArray of the raw arguments */
 __device__ __forceinline__ float tap(const S& src, int x, int y, int ch, int ih, int iw, int c, int use_fill,
                                      const F& fill) {
     if (x < 0 || y < 0 || x >= iw || y >= ih) {
