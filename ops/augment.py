@@ -77,11 +77,11 @@ def _rows(images: Any) -> list[Any]:
     return list(images)
 
 
-def _groups(images: list[Any]) -> dict[tuple[int, ...], list[int]]:
-    """The rows of each image shape, in row order."""
+def _groups(images: list[Any], rows: list[int]) -> dict[tuple[int, ...], list[int]]:
+    """``rows`` grouped by the shape of their image, in row order."""
     out: dict[tuple[int, ...], list[int]] = {}
-    for row, img in enumerate(images):
-        out.setdefault(tuple(img.shape), []).append(row)
+    for row in rows:
+        out.setdefault(tuple(images[row].shape), []).append(row)
     return out
 
 
@@ -154,13 +154,15 @@ def apply_color(batch: Batch, field: str, matrices: np.ndarray, offsets: np.ndar
     table = np.zeros((len(rows), 12), np.float32)
     table[:, :9] = np.asarray(matrices).reshape(-1, 9)
     table[:, 9:] = offsets
-    out: list[Any] = [None] * len(rows)
+    out: list[Any] = list(rows)  # rows whose transform is the identity stay as they are
+    same = np.all(table == np.array([1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0], np.float32), axis=1)
+    rows_to_do = [r for r in range(len(rows)) if not same[r]]
     if batch.device.is_cuda:
         cp = require("cupy")
         with cp.cuda.Device(batch.device.index):
             stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
             with stream:
-                for shape, idx in _groups(rows).items():
+                for shape, idx in _groups(rows, rows_to_do).items():
                     src = cp.ascontiguousarray(cp.stack([rows[r] for r in idx]))
                     dst = cp.empty(src.shape, cp.uint8)
                     _kernel(cp, "color")(src, cp.asarray(table[idx]), shape[0] * shape[1], shape[2], dst)
@@ -168,7 +170,7 @@ def apply_color(batch: Batch, field: str, matrices: np.ndarray, offsets: np.ndar
                 batch.data[field] = _container(images, out, cp)
         return
     levels = np.arange(256, dtype=np.float32)
-    for shape, idx in _groups(rows).items():
+    for shape, idx in _groups(rows, rows_to_do).items():
         if shape[2] <= 3 and all(_is_scalar(table[r]) for r in idx):  # a * v + b: a 256-entry table per image
             out = _place(out, idx, [_to_uint8(np, table[r, 0] * levels + table[r, 9])[rows[r]] for r in idx])
             continue
