@@ -45,6 +45,8 @@ __all__ = ["BlockCache", "cache_folder"]
 
 _POLL_S = 0.005  # first wait for a block another process downloads; doubles up to _POLL_MAX_S
 _POLL_MAX_S = 0.1
+_RECHECK_S = 30.0  # a block found whole is looked at again (stat, touch for LRU) after this long
+_PATHS_KEPT = 1 << 20  # block paths and checks remembered, at most
 _EVICT_SHARE = 8  # the folder is scanned for eviction after downloads of budget / this many bytes
 
 
@@ -77,11 +79,22 @@ class BlockCache:
                                    native=config.get("native") and native_available())
         self._added = 0
         self._lock = threading.Lock()
+        # blocks this process found whole, and when: not looked at again (stat, touch)
+        # for _RECHECK_S; a block another process evicts meanwhile fails the posix read,
+        # and the batch is made present again with every block looked at
+        self._seen: dict[str, float] = {}
+        self._paths: dict[tuple[str, str, int, int], str] = {}
 
     def path(self, info: Any, block: int) -> str:
         """The file of block ``block`` of the object ``info`` (an ``ObjectInfo``)."""
-        tag = hashlib.sha256(f"{info.url}\0{info.etag}\0{info.size}".encode()).hexdigest()[:40]
-        return os.path.join(self.root, tag[:2], f"{tag}.{block}")
+        key = (info.url, info.etag, info.size, block)
+        path = self._paths.get(key)
+        if path is None:
+            tag = hashlib.sha256(f"{info.url}\0{info.etag}\0{info.size}".encode()).hexdigest()[:40]
+            path = self._paths[key] = os.path.join(self.root, tag[:2], f"{tag}.{block}")
+            if len(self._paths) > _PATHS_KEPT:
+                self._paths.clear()
+        return path
 
     def read(self, plan: ReadPlan, infos: list[Any], inverse: np.ndarray, lease: Lease,
              pool: ThreadPoolExecutor) -> None:
@@ -112,16 +125,23 @@ class BlockCache:
         p_dest = plan.task_dest[task] + (p_start - start[task])
         view = lease.array
         for attempt in range(2):
-            futures = [pool.submit(self.ensure, info, b, path) for (info, b), path in zip(wanted, paths)]
-            fresh: list[Any] = []
+            now_s = time.monotonic()
+            if attempt:
+                self._seen.clear()
+            todo = [k for k, path in enumerate(paths) if now_s - self._seen.get(path, -_RECHECK_S) >= _RECHECK_S]
+            futures = [pool.submit(self.ensure, *wanted[k], paths[k]) for k in todo]
+            fresh: list[Any] = [None] * len(paths)
             first_error = None
-            for fut in futures:
+            for k, fut in zip(todo, futures):
                 exc = fut.exception()
                 if exc is not None and first_error is None:
                     first_error = exc
-                fresh.append(None if exc is not None else fut.result())
+                fresh[k] = None if exc is not None else fut.result()
             if first_error is not None:
                 raise first_error
+            if len(self._seen) > _PATHS_KEPT:
+                self._seen.clear()
+            self._seen.update((paths[k], now_s) for k in todo)
             # blocks downloaded just now are copied from memory; the others read from their files
             now = np.array([f is not None for f in fresh], dtype=bool)[which]
             for k in np.flatnonzero(now).tolist():
