@@ -3,7 +3,7 @@
     python bench/augment.py [--count 32] [--size 224] [--repeat 5] [--out augment.json]
 
 For each op of ``gpuio.ops`` that DALI has (brightness_contrast, hsv, color_twist,
-gaussian_blur, rotate, warp_affine; random_grayscale against DALI's RGB -> GRAY
+gaussian_blur, rotate, warp_affine, erase; random_grayscale against DALI's RGB -> GRAY
 conversion), both run on the same decoded batch (``--count`` JPEGs of the sample
 dataset, resized to ``--size`` square) with the same constant arguments: gpuio on the
 CPU, DALI's CPU pipeline (``device_id=None``, ``external_source`` -> the op,
@@ -44,6 +44,11 @@ CASES: list[tuple[str, Any, str, dict[str, Any]]] = [
     ("gaussian_blur(window_size=7)", ops.gaussian_blur(window_size=7), "gaussian_blur", dict(window_size=7)),
     ("rotate(30, fill_value=0)", ops.rotate(30.0, fill_value=0), "rotate", dict(angle=30.0, fill_value=0)),
     ("rotate(-17.5, keep_size)", ops.rotate(-17.5, keep_size=True), "rotate", dict(angle=-17.5, keep_size=True)),
+    ("erase(2 regions, fill)", ops.erase((20.4, 30.6, 150, 190), (50.3, 40.5, 90, 60), fill_value=(118, 185, 0)),
+     "erase", dict(anchor=(20.4, 30.6, 150, 190), shape=(50.3, 40.5, 90, 60), fill_value=(118, 185, 0),
+                   axis_names="HW")),
+    ("erase(normalized, centred)", ops.erase((0.5, 0.5), (0.33, 0.27), normalized=True, centered_anchor=True),
+     "erase", dict(anchor=(0.5, 0.5), shape=(0.33, 0.27), normalized=True, centered_anchor=True, axis_names="HW")),
     ("warp_affine(matrix, fill)", ops.warp_affine(AFFINE, fill_value=0), "warp_affine",
      dict(matrix=AFFINE, fill_value=0)),
 ]

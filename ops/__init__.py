@@ -18,8 +18,9 @@ parameters and defaults and read and write ``audio``: ``decode_audio`` ->
 
 from gpuio.ops.auto_aug import (AutoAugment, RandAugment, TrivialAugmentWide, auto_augment, rand_augment,
                                 trivial_augment_wide)
-from gpuio.ops.augment import (BrightnessContrast, ColorTwist, GaussianBlur, Hsv, RandomErasing, RandomGrayscale,
-                               brightness_contrast, color_twist, gaussian_blur, hsv, random_erasing, random_grayscale)
+from gpuio.ops.augment import (BrightnessContrast, ColorTwist, Erase, GaussianBlur, Hsv, RandomErasing, RandomGrayscale,
+                               brightness_contrast, color_twist, erase, gaussian_blur, hsv, random_erasing,
+                               random_grayscale)
 from gpuio.ops.audio import (DecodeAudio, NonsilentRegion, PreemphasisFilter, Slice, decode_audio,
                              nonsilent_region, preemphasis_filter, slice)
 from gpuio.ops.custom import PythonFunction, python_function
@@ -43,6 +44,8 @@ __all__ = [
     "BrightnessContrast",
     "ColorTwist",
     "CutMix",
+    "Erase",
+    "erase",
     "GaussianBlur",
     "Hsv",
     "MixUp",

@@ -1,6 +1,6 @@
 """Training augmentations with DALI's names, arguments and defaults: colour
-(``brightness_contrast``, ``hsv``, ``color_twist``, ``random_grayscale``), ``gaussian_blur``
-and ``random_erasing`` (torchvision's RandomErasing).
+(``brightness_contrast``, ``hsv``, ``color_twist``, ``random_grayscale``), ``gaussian_blur``,
+``erase`` (DALI's fixed regions) and ``random_erasing`` (torchvision's RandomErasing).
 
 Images are HWC uint8 per row (a list, sizes may differ, or one array ``[N, H, W, C]``);
 an op returns the same kind of container with new uint8 images (rounded half up,
@@ -29,8 +29,8 @@ from gpuio.device import require
 from gpuio.errors import ConfigError, DataError
 from gpuio.ops._rng import Streams
 
-__all__ = ["BrightnessContrast", "Hsv", "ColorTwist", "RandomGrayscale", "GaussianBlur", "RandomErasing",
-           "brightness_contrast", "hsv", "color_twist", "random_grayscale", "gaussian_blur", "random_erasing",
+__all__ = ["BrightnessContrast", "Hsv", "ColorTwist", "RandomGrayscale", "GaussianBlur", "RandomErasing", "Erase",
+           "erase", "brightness_contrast", "hsv", "color_twist", "random_grayscale", "gaussian_blur", "random_erasing",
            "Range", "param_range", "draw", "yiq_matrix", "apply_color", "reflect101_index", "LUMA"]
 
 Range = float | tuple[float, float]
@@ -497,6 +497,87 @@ class RandomErasing(Op):
                 img[t:t + h, l:l + w] = xp.asarray(np.floor(self.value + 0.5).astype(img.dtype))
             out.append(img)
         return out
+
+
+class Erase(Op):
+    """DALI's erase on HWC images: fill regions with ``fill_value`` (one level, or one per
+    channel; default 0). ``anchor`` and ``shape`` list the regions' coordinates one region
+    after another along ``axis_names`` (``"HW"``: ``(y0, x0, y1, x1, ...)`` and ``(h0, w0,
+    h1, w1, ...)``; ``"H"`` or ``"W"``: bands across the whole other axis), in pixels, or
+    as fractions of the image's size with ``normalized`` (both), ``normalized_anchor`` or
+    ``normalized_shape``; ``centered_anchor`` puts the anchor at the region's centre. A
+    region covers pixels ``floor(anchor)`` to ``floor(anchor + shape)`` (exclusive), clipped
+    to the image, as DALI places them. The regions are the same for every image (a random
+    box per image: ``random_erasing``)."""
+
+    def __init__(self, anchor: Sequence[float], shape: Sequence[float], fill_value: float | Sequence[float] = 0,
+                 axis_names: str = "HW", normalized_anchor: bool = False, normalized_shape: bool = False,
+                 centered_anchor: bool = False, normalized: bool | None = None, *, field: str = "image") -> None:
+        if axis_names not in ("HW", "WH", "H", "W"):
+            raise ConfigError(f"axis_names {axis_names!r}; choose HW, WH, H or W (images are HWC)")
+        anchor_a, shape_a = np.atleast_1d(np.asarray(anchor, np.float64)), np.atleast_1d(np.asarray(shape, np.float64))
+        k = len(axis_names)
+        if anchor_a.ndim != 1 or anchor_a.size == 0 or anchor_a.size % k or anchor_a.size != shape_a.size:
+            raise ConfigError(f"anchor and shape give {k} coordinate(s) per region ({axis_names}), the same "
+                              f"number of regions; got anchor={anchor!r} shape={shape!r}")
+        if np.any(shape_a < 0) or not np.all(np.isfinite(anchor_a)):
+            raise ConfigError(f"shape must be >= 0 and anchor finite; got anchor={anchor!r} shape={shape!r}")
+        self.fill = np.atleast_1d(np.asarray(fill_value, np.float64))
+        if self.fill.ndim != 1 or not np.all((self.fill >= 0) & (self.fill <= 255)):
+            raise ConfigError(f"fill_value is one level in [0, 255] or one per channel, got {fill_value!r}")
+        if normalized is not None:
+            normalized_anchor = normalized_shape = bool(normalized)
+        self.axes = ["HW".index(a) for a in axis_names]
+        self.anchor, self.shape = anchor_a.reshape(-1, k), shape_a.reshape(-1, k)
+        self.norm_anchor, self.norm_shape, self.centered = bool(normalized_anchor), bool(normalized_shape), \
+            bool(centered_anchor)
+        self.field = field
+
+    def regions(self, h: int, w: int) -> np.ndarray:
+        """The regions of an ``h`` x ``w`` image in pixels, (y0, x0, y1, x1) int64 ``[R, 4]``."""
+        out = np.tile(np.array([0, 0, h, w], np.int64), (len(self.anchor), 1))
+        size = np.array([h, w], np.float64)[self.axes]
+        anchor = self.anchor * size if self.norm_anchor else self.anchor
+        extent = self.shape * size if self.norm_shape else self.shape
+        if self.centered:
+            anchor = anchor - extent / 2
+        for j, axis in enumerate(self.axes):
+            out[:, axis] = np.clip(np.floor(anchor[:, j]), 0, size[j])
+            out[:, axis + 2] = np.clip(np.floor(anchor[:, j] + extent[:, j]), 0, size[j])
+        return out
+
+    def __call__(self, batch: Batch) -> Batch:
+        images = batch.data[self.field]
+        rows = _rows(images)
+        if batch.device.is_cuda:
+            cp = require("cupy")
+            with cp.cuda.Device(batch.device.index):
+                stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+                with stream:
+                    batch.data[self.field] = _container(images, self._erase(cp, rows), cp)
+        else:
+            batch.data[self.field] = _container(images, self._erase(np, rows), np)
+        return batch
+
+    def _erase(self, xp: Any, rows: list[Any]) -> list[Any]:
+        out = []
+        for img in rows:
+            if len(self.fill) not in (1, img.shape[2]):
+                raise ConfigError(f"fill_value has {len(self.fill)} levels for an image of {img.shape[2]} channels")
+            img = img.copy()
+            level = xp.asarray(np.floor(self.fill + 0.5).astype(img.dtype))
+            for y0, x0, y1, x1 in self.regions(*img.shape[:2]).tolist():
+                img[y0:y1, x0:x1] = level
+            out.append(img)
+        return out
+
+
+def erase(anchor: Sequence[float], shape: Sequence[float], fill_value: float | Sequence[float] = 0,
+          axis_names: str = "HW", normalized_anchor: bool = False, normalized_shape: bool = False,
+          centered_anchor: bool = False, normalized: bool | None = None, *, field: str = "image") -> Erase:
+    """See ``Erase``."""
+    return Erase(anchor, shape, fill_value, axis_names, normalized_anchor, normalized_shape, centered_anchor,
+                 normalized, field=field)
 
 
 def brightness_contrast(brightness: Range = 1.0, contrast: Range = 1.0, contrast_center: Range | None = None,

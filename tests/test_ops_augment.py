@@ -219,6 +219,24 @@ def test_random_erasing_follows_torchvision(images):
     assert 10 < erased < 30
 
 
+def test_erase_places_regions_as_dali(images):
+    img = images[0]  # 48 x 64
+    (got,), _ = run(ops.erase(anchor=(2.4, 3.6, -2, 60), shape=(3.3, 2.5, 5, 10), fill_value=(7, 8, 9)), [img])
+    ref = img.copy()
+    # DALI 2.4 erases rows floor(2.4)..floor(5.7) and columns floor(3.6)..floor(6.1), clipped
+    ref[2:5, 3:6] = (7, 8, 9)
+    ref[0:3, 60:64] = (7, 8, 9)
+    assert np.array_equal(got, ref)
+    (band,), _ = run(ops.erase(anchor=(0.25,), shape=(0.5,), axis_names="W", normalized=True), [img])
+    ref = img.copy()
+    ref[:, 16:48] = 0
+    assert np.array_equal(band, ref)
+    (centred,), _ = run(ops.erase(anchor=(10, 10), shape=(3, 4), centered_anchor=True, fill_value=1), [img])
+    ref = img.copy()
+    ref[8:11, 8:12] = 1
+    assert np.array_equal(centred, ref)
+
+
 # ---------------------------------------------------------------- mixing
 
 
@@ -314,6 +332,9 @@ def test_mixing_weights_follow_the_sample(images, op):
     (lambda: ops.random_erasing(scale=(0.5, 0.1)), "scale=.*low <= high"),
     (lambda: ops.random_erasing(value=300), r"value is one level in \[0, 255\]"),
     (lambda: ops.mixup(alpha=0), "alpha .* > 0"),
+    (lambda: ops.erase(anchor=(1, 2, 3), shape=(1, 2, 3)), r"2 coordinate\(s\) per region \(HW\)"),
+    (lambda: ops.erase(anchor=(1, 2), shape=(-1, 2)), "shape must be >= 0"),
+    (lambda: ops.erase(anchor=(1,), shape=(1,), axis_names="C"), "axis_names 'C'"),
     (lambda: ops.cutmix(num_classes=0), "num_classes must be an int >= 1"),
     (lambda: ops.rotate(10, fill_value=-1), r"fill_value is one level in \[0, 255\]"),
     (lambda: ops.rotate(10, interp_type="cubic"), "interp_type 'cubic'; choose one of linear, nearest"),
@@ -335,6 +356,7 @@ AGREEMENT_OPS = {
     "random_grayscale": lambda: ops.random_grayscale(p=0.5),
     "gaussian_blur": lambda: ops.gaussian_blur(sigma=(0.3, 2.0)),
     "random_erasing": lambda: ops.random_erasing(p=0.9, value=(1, 2, 3)),
+    "erase": lambda: ops.erase(anchor=(0.1, 0.2), shape=(0.3, 0.4), normalized=True, fill_value=(1, 2, 3)),
     "mixup": lambda: ops.mixup(0.4, num_classes=3),
     "cutmix": lambda: ops.cutmix(1.0, num_classes=3),
     "rotate": lambda: ops.rotate((-40, 40), fill_value=(9, 8, 7)),
