@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 from PIL import Image, ImageEnhance, ImageOps
 
-from gpuio import ops
+import gpuio
+from checkers import check_resume
+from gpuio import formats, ops
 from gpuio.batch import Batch, sample_seeds
 from gpuio.device import Device
 from gpuio.errors import ConfigError, DataError
 from gpuio.ops.auto_aug import rand_augment_suite, trivial_augment_wide_suite
-from gpuio.sample import sample_image
+from gpuio.sample import make_image_tree, sample_image
 
 
 def make_batch(images, index=None, device="cpu", seed=11):
@@ -213,3 +215,15 @@ def test_policies_cpu_and_device_agree(images, device, make):
     for a, b in zip(cpu, got):
         worst, mean = diff(a, b)
         assert worst <= 1 and mean < 0.01  # float32 sums in another order: a level at .5 ties
+
+
+def test_a_training_chain_of_these_ops_resumes_exactly(tmp_path):
+    index = formats.filetree(make_image_tree(tmp_path / "t", count=20, progress=False))
+    chain = [ops.decode_image(), ops.random_resized_crop(48), ops.rand_augment(2, 9), ops.hsv(hue=(-10, 10)),
+             ops.gaussian_blur(sigma=(0.1, 1.0)), ops.random_erasing(), ops.rotate((-15, 15), keep_size=True),
+             ops.mixup(0.4, num_classes=100), ops.normalize(0, 255)]
+
+    def make(**kw):
+        return gpuio.Loader(index, 6, ops=chain, output="numpy", shuffle=True, seed=3, threads=2, **kw)
+
+    check_resume(make, epochs=2)
