@@ -18,9 +18,9 @@ parameters and defaults and read and write ``audio``: ``decode_audio`` ->
 
 from gpuio.ops.auto_aug import (AutoAugment, RandAugment, TrivialAugmentWide, auto_augment, rand_augment,
                                 trivial_augment_wide)
-from gpuio.ops.augment import (BrightnessContrast, ColorTwist, Erase, GaussianBlur, Hsv, RandomErasing, RandomGrayscale,
-                               brightness_contrast, color_twist, erase, gaussian_blur, hsv, random_erasing,
-                               random_grayscale)
+from gpuio.ops.augment import (BrightnessContrast, ColorTwist, Erase, GaussianBlur, Hsv, JpegCompressionDistortion,
+                               RandomErasing, RandomGrayscale, brightness_contrast, color_twist, erase, gaussian_blur,
+                               hsv, jpeg_compression_distortion, random_erasing, random_grayscale)
 from gpuio.ops.audio import (DecodeAudio, NonsilentRegion, PreemphasisFilter, Slice, decode_audio,
                              nonsilent_region, preemphasis_filter, slice)
 from gpuio.ops.custom import PythonFunction, python_function
@@ -46,6 +46,8 @@ __all__ = [
     "CutMix",
     "Erase",
     "erase",
+    "JpegCompressionDistortion",
+    "jpeg_compression_distortion",
     "GaussianBlur",
     "Hsv",
     "MixUp",

@@ -1,6 +1,7 @@
 """Training augmentations with DALI's names, arguments and defaults: colour
 (``brightness_contrast``, ``hsv``, ``color_twist``, ``random_grayscale``), ``gaussian_blur``,
-``erase`` (DALI's fixed regions) and ``random_erasing`` (torchvision's RandomErasing).
+``erase`` (DALI's fixed regions), ``random_erasing`` (torchvision's RandomErasing) and
+``jpeg_compression_distortion``.
 
 Images are HWC uint8 per row (a list, sizes may differ, or one array ``[N, H, W, C]``);
 an op returns the same kind of container with new uint8 images (rounded half up,
@@ -18,6 +19,7 @@ kernel launch per shape.
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +32,7 @@ from gpuio.errors import ConfigError, DataError
 from gpuio.ops._rng import Streams
 
 __all__ = ["BrightnessContrast", "Hsv", "ColorTwist", "RandomGrayscale", "GaussianBlur", "RandomErasing", "Erase",
-           "erase", "brightness_contrast", "hsv", "color_twist", "random_grayscale", "gaussian_blur", "random_erasing",
+           "JpegCompressionDistortion", "erase", "jpeg_compression_distortion", "brightness_contrast", "hsv", "color_twist", "random_grayscale", "gaussian_blur", "random_erasing",
            "Range", "param_range", "draw", "yiq_matrix", "apply_color", "reflect101_index", "LUMA"]
 
 Range = float | tuple[float, float]
@@ -578,6 +580,63 @@ def erase(anchor: Sequence[float], shape: Sequence[float], fill_value: float | S
     """See ``Erase``."""
     return Erase(anchor, shape, fill_value, axis_names, normalized_anchor, normalized_shape, centered_anchor,
                  normalized, field=field)
+
+
+class JpegCompressionDistortion(Op):
+    """DALI's jpeg_compression_distortion on uint8 HWC images of 1 or 3 channels: each image
+    is JPEG-encoded at ``quality`` (1-100, default 50; 4:2:0 chroma for colour) and decoded
+    again, with libjpeg through Pillow (the same bytes as DALI's CPU operator). ``quality``
+    is a constant or an inclusive ``(low, high)`` range of ints drawn per sample. A GPU
+    batch's images go through host memory for the codec (nvJPEG's encoder is not used)."""
+
+    salt = 0x4A504547
+
+    def __init__(self, quality: int | tuple[int, int] = 50, *, field: str = "image") -> None:
+        lo, hi = param_range(quality, "quality", 1, 100)
+        if lo != int(lo) or hi != int(hi):
+            raise ConfigError(f"quality is an int or an (low, high) range of ints in [1, 100], got {quality!r}")
+        self.quality, self.field = (int(lo), int(hi)), field
+
+    def qualities(self, batch: Batch) -> np.ndarray:
+        """Per row the quality, int64 ``[N]``."""
+        lo, hi = self.quality
+        if lo == hi:
+            return np.full(len(batch), lo, np.int64)
+        return lo + Streams(batch.seeds, self.salt).integers(np.full(len(batch), hi - lo + 1), np.ones(len(batch), bool))
+
+    @staticmethod
+    def _codec(img: np.ndarray, quality: int) -> np.ndarray:
+        from PIL import Image
+
+        if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] not in (1, 3):
+            raise ConfigError(f"jpeg_compression_distortion takes uint8 HWC images of 1 or 3 channels; "
+                              f"got {img.dtype} of shape {tuple(img.shape)}")
+        buf = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(img[..., 0] if img.shape[2] == 1 else img)).save(buf, "JPEG",
+                                                                                               quality=quality)
+        with Image.open(buf) as decoded:
+            return np.asarray(decoded).reshape(img.shape)
+
+    def __call__(self, batch: Batch) -> Batch:
+        images = batch.data[self.field]
+        rows = _rows(images)
+        qualities = self.qualities(batch).tolist()
+        if not batch.device.is_cuda:
+            batch.data[self.field] = _container(images, [self._codec(img, q) for img, q in zip(rows, qualities)], np)
+            return batch
+        cp = require("cupy")
+        with cp.cuda.Device(batch.device.index):
+            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+            with stream:
+                out = [cp.asarray(self._codec(cp.asnumpy(img), q)) for img, q in zip(rows, qualities)]
+                batch.data[self.field] = _container(images, out, cp)
+        return batch
+
+
+def jpeg_compression_distortion(quality: int | tuple[int, int] = 50, *,
+                                field: str = "image") -> JpegCompressionDistortion:
+    """See ``JpegCompressionDistortion``."""
+    return JpegCompressionDistortion(quality, field=field)
 
 
 def brightness_contrast(brightness: Range = 1.0, contrast: Range = 1.0, contrast_center: Range | None = None,

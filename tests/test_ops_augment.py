@@ -237,6 +237,25 @@ def test_erase_places_regions_as_dali(images):
     assert np.array_equal(centred, ref)
 
 
+def test_jpeg_compression_distortion_is_pillow_jpeg_at_the_drawn_quality(images):
+    import io
+
+    grey = images[1][..., :1].copy()
+    for quality in (5, 50, 95):
+        out, _ = run(ops.jpeg_compression_distortion(quality), [images[0], grey])
+        for img, got in zip([images[0], grey], out):
+            buf = io.BytesIO()
+            Image.fromarray(img[..., 0] if img.shape[2] == 1 else img).save(buf, "JPEG", quality=quality)
+            ref = np.asarray(Image.open(buf)).reshape(img.shape)
+            assert got.shape == img.shape and np.array_equal(got, ref)
+            assert not np.array_equal(got, img)
+    op = ops.jpeg_compression_distortion((10, 12))
+    batch = make_batch([images[0]] * 30, index=np.arange(30))
+    q = op.qualities(batch)
+    assert set(q.tolist()) == {10, 11, 12}
+    assert q.tolist() == [10 + batch.rng(row, op.salt).integers(0, 3) for row in range(30)]
+
+
 # ---------------------------------------------------------------- mixing
 
 
@@ -297,6 +316,7 @@ RANDOM_OPS = {
     "random_grayscale": lambda: ops.random_grayscale(p=0.5),
     "gaussian_blur": lambda: ops.gaussian_blur(sigma=(0.3, 2.0)),
     "random_erasing": lambda: ops.random_erasing(p=0.9),
+    "jpeg_compression_distortion": lambda: ops.jpeg_compression_distortion((5, 60)),
     "rotate": lambda: ops.rotate((-40, 40), keep_size=True),
     "warp_affine": lambda: ops.warp_affine(angle=(-20, 20), scale=(0.8, 1.2), fill_value=0),
 }
@@ -332,6 +352,8 @@ def test_mixing_weights_follow_the_sample(images, op):
     (lambda: ops.random_erasing(scale=(0.5, 0.1)), "scale=.*low <= high"),
     (lambda: ops.random_erasing(value=300), r"value is one level in \[0, 255\]"),
     (lambda: ops.mixup(alpha=0), "alpha .* > 0"),
+    (lambda: ops.jpeg_compression_distortion(0), r"quality=0.*\[1, 100\]"),
+    (lambda: ops.jpeg_compression_distortion((10.5, 20)), "range of ints"),
     (lambda: ops.erase(anchor=(1, 2, 3), shape=(1, 2, 3)), r"2 coordinate\(s\) per region \(HW\)"),
     (lambda: ops.erase(anchor=(1, 2), shape=(-1, 2)), "shape must be >= 0"),
     (lambda: ops.erase(anchor=(1,), shape=(1,), axis_names="C"), "axis_names 'C'"),
@@ -356,6 +378,7 @@ AGREEMENT_OPS = {
     "random_grayscale": lambda: ops.random_grayscale(p=0.5),
     "gaussian_blur": lambda: ops.gaussian_blur(sigma=(0.3, 2.0)),
     "random_erasing": lambda: ops.random_erasing(p=0.9, value=(1, 2, 3)),
+    "jpeg_compression_distortion": lambda: ops.jpeg_compression_distortion((5, 60)),
     "erase": lambda: ops.erase(anchor=(0.1, 0.2), shape=(0.3, 0.4), normalized=True, fill_value=(1, 2, 3)),
     "mixup": lambda: ops.mixup(0.4, num_classes=3),
     "cutmix": lambda: ops.cutmix(1.0, num_classes=3),
