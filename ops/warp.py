@@ -97,13 +97,18 @@ def _warp_cpu(img: np.ndarray, m: np.ndarray, out_hw: tuple[int, int], fill: np.
     dy, dx = np.meshgrid(np.arange(oh, dtype=np.float32) + 0.5, np.arange(ow, dtype=np.float32) + 0.5, indexing="ij")
     sx = m[0, 0] * dx + m[0, 1] * dy + m[0, 2] - np.float32(0.5)
     sy = m[1, 0] * dx + m[1, 1] * dy + m[1, 2] - np.float32(0.5)
-    src = img.reshape(-1, c).astype(np.float32)
-    fill_row = None if fill is None else np.broadcast_to(fill, (c,)).astype(np.float32)
+    if fill is None:  # taps outside read the nearest border pixel
+        src, pad, hi_x, hi_y = img, 0, iw - 1, ih - 1
+    else:  # a 1-pixel frame of fill_value: every tap outside the image lands on it
+        src = np.empty((ih + 2, iw + 2, c), np.float32)
+        src[...] = np.broadcast_to(fill, (c,))
+        src[1:-1, 1:-1] = img
+        pad, hi_x, hi_y = 1, iw + 1, ih + 1
+    flat = src.reshape(-1, c)
+    width = src.shape[1]
 
     def tap(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        inside = (x >= 0) & (y >= 0) & (x < iw) & (y < ih)
-        got = src[np.clip(y, 0, ih - 1) * iw + np.clip(x, 0, iw - 1)]
-        return got if fill_row is None else np.where(inside[..., None], got, fill_row)
+        return flat[np.clip(y + pad, 0, hi_y) * width + np.clip(x + pad, 0, hi_x)].astype(np.float32, copy=False)
 
     if interp == 1:
         v = tap(np.floor(sx + 0.5).astype(np.int64), np.floor(sy + 0.5).astype(np.int64))
