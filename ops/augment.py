@@ -436,8 +436,10 @@ class RandomErasing(Op):
     """torchvision's RandomErasing: with probability ``p`` erase one box of each image
     (HWC), of ``scale`` x the image's area and aspect ratio (h/w) log-uniform in
     ``ratio``, up to 10 tries for a box smaller than the image (none fits: the image
-    stays), filled with ``value`` (one number, or one per channel). The box's top and
-    left are uniform over the positions where it fits."""
+    stays), filled with ``value`` (one level, or one per channel). The box's top and
+    left are uniform over the positions where it fits. gpuio erases uint8 levels, before
+    ``normalize``; torchvision usually erases after Normalize, where 0 is the mean colour:
+    give the mean levels (e.g. ``value=(124, 116, 104)``) for that look."""
 
     salt = 0x45524153
 
