@@ -33,7 +33,8 @@ from gpuio.ops._rng import Streams
 
 __all__ = ["BrightnessContrast", "Hsv", "ColorTwist", "RandomGrayscale", "GaussianBlur", "RandomErasing", "Erase",
            "JpegCompressionDistortion", "erase", "jpeg_compression_distortion", "brightness_contrast", "hsv", "color_twist", "random_grayscale", "gaussian_blur", "random_erasing",
-           "Range", "param_range", "draw", "yiq_matrix", "apply_color", "reflect101_index", "LUMA"]
+           "Range", "param_range", "draw", "yiq_matrix", "apply_color", "reflect101_index", "LUMA",
+           "COLOR_SOURCE", "BLUR_SOURCE", "REFLECT101_SOURCE"]
 
 Range = float | tuple[float, float]
 
@@ -96,7 +97,9 @@ def _to_uint8(xp: Any, v: Any) -> Any:
     return xp.clip(xp.floor(v + 0.5), 0, 255).astype(xp.uint8)
 
 
-_COLOR_SOURCE = r"""
+# the elementwise kernels' bodies (CuPy ElementwiseKernel: ``i`` the output index, ``dst``
+# its element; tests/test_ops_augment_kernels.py runs them as C++ on the CPU)
+COLOR_SOURCE = r"""
 const long long p = i / c;            /* pixel index over the stacked batch */
 const int ch = (int)(i % c);
 const int s = (int)(p / hw);          /* sample */
@@ -112,7 +115,7 @@ if (c >= 3 && ch < 3) {
 }
 dst = (unsigned char)fminf(fmaxf(floorf(v + 0.5f), 0.0f), 255.0f);
 """
-_BLUR_SOURCE = r"""
+BLUR_SOURCE = r"""
 const int ch = (int)(i % c);
 const long long p = i / c;
 const int x = (int)(p % wd), y = (int)(p / wd);
@@ -124,7 +127,7 @@ for (int k = -radius; k <= radius; ++k) {
 }
 dst = acc;
 """
-_REFLECT101 = r"""
+REFLECT101_SOURCE = r"""
 __device__ __forceinline__ int reflect101(int j, int n) {
     if (n == 1) return 0;
     while (j < 0 || j >= n) { j = j < 0 ? -j : 2 * n - 2 - j; }
@@ -139,11 +142,11 @@ def _kernel(cp: Any, name: str) -> Any:
     if name not in _kernels:
         if name == "color":
             _kernels[name] = cp.ElementwiseKernel("raw uint8 src, raw float32 m, int64 hw, int64 c", "uint8 dst",
-                                                  _COLOR_SOURCE, "gpuio_color_matrix")
+                                                  COLOR_SOURCE, "gpuio_color_matrix")
         else:
             _kernels[name] = cp.ElementwiseKernel(
                 "raw T src, raw float32 w, int32 h, int32 wd, int64 c, int32 radius, int32 axis", "float32 dst",
-                _BLUR_SOURCE, "gpuio_blur_pass", preamble=_REFLECT101)
+                BLUR_SOURCE, "gpuio_blur_pass", preamble=REFLECT101_SOURCE)
     return _kernels[name]
 
 

@@ -24,11 +24,12 @@ from gpuio.device import require
 from gpuio.errors import ConfigError
 from gpuio.ops.augment import Range, draw, param_range
 
-__all__ = ["Rotate", "WarpAffine", "rotate", "warp_affine", "rotated_size", "warp", "INTERP_TYPES"]
+__all__ = ["Rotate", "WarpAffine", "rotate", "warp_affine", "rotated_size", "rotation_matrix", "warp", "INTERP_TYPES",
+           "WARP_SOURCE", "TAP_SOURCE"]
 
 INTERP_TYPES = ("linear", "nearest")
 
-_WARP_SOURCE = r"""
+WARP_SOURCE = r"""
 const int ch = (int)(i % c);
 const long long p = i / c;
 const int x = (int)(p % ow), y = (int)(p / ow);
@@ -49,7 +50,7 @@ if (interp == 1) {
 }
 dst = (unsigned char)fminf(fmaxf(floorf(v + 0.5f), 0.0f), 255.0f);
 """
-_TAP = r"""
+TAP_SOURCE = r"""
 template <typename S, typename F>  /* S, F: CuPy's CArray of the raw arguments */
 __device__ __forceinline__ float tap(const S& src, int x, int y, int ch, int ih, int iw, int c, int use_fill,
                                      const F& fill) {
@@ -69,7 +70,7 @@ def _kernel(cp: Any) -> Any:
     if "warp" not in _kernels:
         _kernels["warp"] = cp.ElementwiseKernel(
             "raw uint8 src, raw float32 m, raw float32 fill, int32 ih, int32 iw, int32 ow, int32 c, int32 interp, "
-            "int32 use_fill", "uint8 dst", _WARP_SOURCE, "gpuio_warp_affine", preamble=_TAP)
+            "int32 use_fill", "uint8 dst", WARP_SOURCE, "gpuio_warp_affine", preamble=TAP_SOURCE)
     return _kernels["warp"]
 
 
