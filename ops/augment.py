@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from gpuio.batch import Batch, Op
 from gpuio.device import require
@@ -410,16 +411,11 @@ class GaussianBlur(Op):
     @staticmethod
     def _blur_cpu(img: np.ndarray, ky: np.ndarray, kx: np.ndarray) -> np.ndarray:
         h, w = img.shape[:2]
-        ry, rx = len(ky) // 2, len(kx) // 2
-        v = img.astype(np.float32)[:, reflect101_index(w, rx)]
-        acc = np.zeros(img.shape, np.float32)
-        for k, weight in enumerate(kx.tolist()):
-            acc += np.float32(weight) * v[:, k:k + w]
-        v = acc[reflect101_index(h, ry)]
-        acc = np.zeros(img.shape, np.float32)
-        for k, weight in enumerate(ky.tolist()):
-            acc += np.float32(weight) * v[k:k + h]
-        return _to_uint8(np, acc) if img.dtype == np.uint8 else acc.astype(img.dtype)
+        v = img.astype(np.float32)[:, reflect101_index(w, len(kx) // 2)]
+        v = np.einsum("hwck,k->hwc", sliding_window_view(v, len(kx), axis=1), kx)  # each row's window . taps
+        v = v[reflect101_index(h, len(ky) // 2)]
+        v = np.einsum("hwck,k->hwc", sliding_window_view(v, len(ky), axis=0), ky)
+        return _to_uint8(np, v) if img.dtype == np.uint8 else v.astype(img.dtype)
 
     @staticmethod
     def _blur_gpu(cp: Any, img: Any, ky: np.ndarray, kx: np.ndarray) -> Any:
