@@ -53,6 +53,7 @@ import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
+from gpuio.storage.remote import refuse_url
 
 __all__ = ["coco", "decode_masks"]
 
@@ -66,6 +67,8 @@ def coco(image_root: str | os.PathLike[str], annotations: str | os.PathLike[str]
     ``include_crowd=False`` drops ``iscrowd`` annotations; ``skip_empty=True`` then
     drops images left without annotations.
     """
+    for p in (image_root, annotations):
+        refuse_url(os.fspath(p), "COCO from object storage is not supported yet")
     if box_format not in ("xywh", "ltrb"):
         raise ConfigError(f"box_format {box_format!r}; choose 'xywh' or 'ltrb'")
     if masks not in (None, "polygons", "pixelwise"):

@@ -24,6 +24,7 @@ import numpy as np
 
 from gpuio.errors import DataError, FormatError, StorageError
 from gpuio.formats._files import open_regular_file, regular_file_size
+from gpuio.storage.remote import refuse_url
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["manifest"]
@@ -35,6 +36,7 @@ def manifest(path: str | os.PathLike[str]) -> SampleIndex:
     (when present) is a ``FormatError`` naming the line and its byte offset; the
     manifest or an audio file that cannot be read is a ``StorageError``, one that is
     not a regular file (a directory, a FIFO) a ``DataError``, naming the file."""
+    refuse_url(os.fspath(path), "speech manifests from object storage are not supported yet")
     path = os.path.abspath(os.fspath(path))
     folder = os.path.dirname(path)
     file_ids: dict[str, int] = {}

@@ -38,6 +38,7 @@ import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError
 from gpuio.formats._files import each_shard, int_table, regular_file_size, shard_paths, size_or_zero
+from gpuio.storage.remote import refuse_url
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
 
 __all__ = ["recordio", "RecordIOParser", "MAGIC"]
@@ -59,6 +60,8 @@ def recordio(rec_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     the record's position in its file), and, parsed after the read, ``data``,
     ``label`` and ``id``.
     """
+    for p in [rec_paths] if isinstance(rec_paths, (str, os.PathLike)) else rec_paths:
+        refuse_url(os.fspath(p), "RecordIO from object storage is not supported yet")
     paths = shard_paths(rec_paths, ".rec file")
     if not paths:
         raise DataError("no samples: an empty list of .rec files was given")

@@ -221,6 +221,10 @@ def test_formats_needing_a_local_file_say_why(s3):
         formats.lmdb(f"s3://{BUCKET}/some.lmdb")
     with pytest.raises(DataError, match="object storage"):
         formats.video([f"s3://{BUCKET}/clip.mp4"], sequence_length=2)
+    for call in (lambda: formats.coco(f"s3://{BUCKET}/img", f"s3://{BUCKET}/ann.json"),
+                 lambda: formats.recordio(f"s3://{BUCKET}/a.rec"), lambda: formats.manifest(f"s3://{BUCKET}/m.json")):
+        with pytest.raises(DataError, match="not supported yet; copy the data to a local disk"):
+            call()
 
 
 # ---- the cache tier ----------------------------------------------------------------
@@ -326,6 +330,39 @@ def test_processes_racing_on_one_block_download_it_once(s3, s3server, tmp_path, 
         assert not [f for _, _, fs in os.walk(cache) for f in fs if f.endswith(".part")]
     finally:
         proxy.close()
+
+
+def _full_disk(args):
+    import resource
+    import signal
+    import warnings
+
+    url, cache, endpoint = args
+    os.environ.update(GPUIO_REMOTE_CACHE_DIR=cache, AWS_ENDPOINT_URL=endpoint)
+    remote.reset_client()
+    index = formats.filetree(url)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))  # as if the cache disk had 100 bytes left
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [a.tobytes() for a in gpuio.read(index, np.arange(len(index)))]
+    return got, [str(w.message) for w in caught]
+
+
+def test_full_cache_disk_reads_on_uncached_with_a_warning(s3, s3server, tmp_path, request):
+    root = _tree(tmp_path / "tree", np.random.default_rng(17))
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(root), prefix)
+    local = formats.filetree(root)
+    want = [a.tobytes() for a in gpuio.read(local, np.arange(len(local)))]
+    cache = str(tmp_path / "small-cache")
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        got, warned = pool.apply(_full_disk, ((f"s3://{BUCKET}/{prefix}", cache, s3server.endpoint),))
+    assert got == want
+    assert len(warned) == 1 and "cannot write the remote cache" in warned[0] and "without caching" in warned[0]
+    # nothing partial was left: only whole blocks (those under 100 bytes) or none
+    left = [os.path.join(d, f) for d, _, fs in os.walk(cache) for f in fs]
+    assert not [f for f in left if f.endswith(".part")]
 
 
 # ---- faults ------------------------------------------------------------------------

@@ -18,6 +18,8 @@ Rules:
 - the cache holds at most ``remote_cache_budget`` bytes: past it, the least recently
   used blocks (by modification time, touched at each use) go first, never a block of
   the batch being read;
+- a full cache disk (ENOSPC, EDQUOT, EFBIG) is a warning: the batch gets the bytes it
+  downloaded, and they are not kept;
 - the reads themselves are the posix backend's, from the block files: a later epoch
   reads local disk only.
 """
@@ -29,6 +31,7 @@ import hashlib
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,6 +48,8 @@ __all__ = ["BlockCache", "cache_folder"]
 
 _POLL_S = 0.005  # first wait for a block another process downloads; doubles up to _POLL_MAX_S
 _POLL_MAX_S = 0.1
+# a cache disk that is full (or a file size limit): the reads go on without caching
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _RECHECK_S = 30.0  # a block found whole is looked at again (stat, touch for LRU) after this long
 _PATHS_KEPT = 1 << 20  # block paths and checks remembered, at most
 _EVICT_SHARE = 8  # the folder is scanned for eviction after downloads of budget / this many bytes
@@ -83,6 +88,7 @@ class BlockCache:
         # for _RECHECK_S; a block another process evicts meanwhile fails the posix read,
         # and the batch is made present again with every block looked at
         self._seen: dict[str, float] = {}
+        self._warned_full = False
         self._paths: dict[tuple[str, str, int, int], str] = {}
 
     def path(self, info: Any, block: int) -> str:
@@ -184,6 +190,8 @@ class BlockCache:
                 wait = min(2 * wait, _POLL_MAX_S)
                 continue
             except OSError as exc:
+                if exc.errno in _FULL:
+                    return self._uncached(info, block, want, path, exc)
                 raise _cache_error(path, exc) from exc
             break
         done = False
@@ -196,6 +204,9 @@ class BlockCache:
                     f.write(buf)
                 os.replace(part, path)
             except OSError as exc:
+                if exc.errno in _FULL:
+                    self._warn_full(path, exc)
+                    return buf  # the batch gets its bytes; the block stays uncached
                 raise _cache_error(path, exc) from exc
             done = True
             with self._lock:
@@ -208,6 +219,18 @@ class BlockCache:
                     os.unlink(part)
                 except FileNotFoundError:
                     pass
+
+    def _uncached(self, info: Any, block: int, want: int, path: str, exc: OSError) -> bytearray:
+        """The block's bytes, downloaded without keeping them: the cache disk is full."""
+        self._warn_full(path, exc)
+        return self._download(info, block, want)
+
+    def _warn_full(self, path: str, exc: OSError) -> None:
+        if not self._warned_full:
+            self._warned_full = True
+            warnings.warn(f"{path}: cannot write the remote cache ({exc.strerror or exc}); reading on without "
+                          f"caching. Lower remote_cache_budget (GPUIO_REMOTE_CACHE_BUDGET) or free space",
+                          stacklevel=2)
 
     def _download(self, info: Any, block: int, want: int) -> bytearray:
         if self.fetch is None:
