@@ -34,8 +34,10 @@ const int ch = (int)(i % c);
 const long long p = i / c;
 const int x = (int)(p % ow), y = (int)(p / ow);
 const float dx = x + 0.5f, dy = y + 0.5f;
-const float sx = m[0] * dx + m[1] * dy + m[2] - 0.5f;   /* source, pixel centres at integers */
-const float sy = m[3] * dx + m[4] * dy + m[5] - 0.5f;
+/* source, pixel centres at integers; held within 2 pixels of the image (every tap beyond
+   reads what the nearest one there reads) so that the int conversions cannot overflow */
+const float sx = fminf(fmaxf(m[0] * dx + m[1] * dy + m[2] - 0.5f, -2.0f), iw + 1.0f);
+const float sy = fminf(fmaxf(m[3] * dx + m[4] * dy + m[5] - 0.5f, -2.0f), ih + 1.0f);
 float v;
 if (interp == 1) {
     v = tap(src, (int)floorf(sx + 0.5f), (int)floorf(sy + 0.5f), ch, ih, iw, c, use_fill, fill);
@@ -96,29 +98,31 @@ def _warp_cpu(img: np.ndarray, m: np.ndarray, out_hw: tuple[int, int], fill: np.
     oh, ow = out_hw
     m = m.astype(np.float32)
     dy, dx = np.meshgrid(np.arange(oh, dtype=np.float32) + 0.5, np.arange(ow, dtype=np.float32) + 0.5, indexing="ij")
-    sx = m[0, 0] * dx + m[0, 1] * dy + m[0, 2] - np.float32(0.5)
-    sy = m[1, 0] * dx + m[1, 1] * dy + m[1, 2] - np.float32(0.5)
+    # held within 2 pixels of the image (taps beyond read the same), so int32 cannot overflow
+    sx = np.clip(m[0, 0] * dx + m[0, 1] * dy + m[0, 2] - np.float32(0.5), -2, iw + 1)
+    sy = np.clip(m[1, 0] * dx + m[1, 1] * dy + m[1, 2] - np.float32(0.5), -2, ih + 1)
     if fill is None:  # taps outside read the nearest border pixel
-        src, pad, hi_x, hi_y = img, 0, iw - 1, ih - 1
+        src, pad = img.astype(np.float32), 0
     else:  # a 1-pixel frame of fill_value: every tap outside the image lands on it
-        src = np.empty((ih + 2, iw + 2, c), np.float32)
+        src, pad = np.empty((ih + 2, iw + 2, c), np.float32), 1
         src[...] = np.broadcast_to(fill, (c,))
         src[1:-1, 1:-1] = img
-        pad, hi_x, hi_y = 1, iw + 1, ih + 1
-    flat = src.reshape(-1, c)
-    width = src.shape[1]
+    flat, (sh, sw) = src.reshape(-1, c), src.shape[:2]
 
-    def tap(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        return flat[np.clip(y + pad, 0, hi_y) * width + np.clip(x + pad, 0, hi_x)].astype(np.float32, copy=False)
+    def column(x: np.ndarray) -> np.ndarray:
+        return np.clip(x.astype(np.int32) + pad, 0, sw - 1)
+
+    def row(y: np.ndarray) -> np.ndarray:
+        return np.clip(y.astype(np.int32) + pad, 0, sh - 1) * sw
 
     if interp == 1:
-        v = tap(np.floor(sx + 0.5).astype(np.int64), np.floor(sy + 0.5).astype(np.int64))
+        v = np.take(flat, row(np.floor(sy + 0.5)) + column(np.floor(sx + 0.5)), axis=0)
     else:
         x0, y0 = np.floor(sx), np.floor(sy)
         fx, fy = (sx - x0)[..., None], (sy - y0)[..., None]
-        x0, y0 = x0.astype(np.int64), y0.astype(np.int64)
-        top = tap(x0, y0) * (1 - fx) + tap(x0 + 1, y0) * fx
-        bottom = tap(x0, y0 + 1) * (1 - fx) + tap(x0 + 1, y0 + 1) * fx
+        xa, xb, ya, yb = column(x0), column(x0 + 1), row(y0), row(y0 + 1)
+        top = np.take(flat, ya + xa, axis=0) * (1 - fx) + np.take(flat, ya + xb, axis=0) * fx
+        bottom = np.take(flat, yb + xa, axis=0) * (1 - fx) + np.take(flat, yb + xb, axis=0) * fx
         v = top * (1 - fy) + bottom * fy
     return np.clip(np.floor(v + 0.5), 0, 255).astype(np.uint8)
 

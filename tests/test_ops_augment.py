@@ -459,6 +459,14 @@ def test_warp_affine_matrix_translation_fill_and_inverse(images):
     close(small, opencv_warp(img, np.array([[2.0, 0, 0], [0, 2, 0]]), (24, 32), None), max_diff=1, mean_diff=0.3)
 
 
+def test_warp_affine_far_outside_reads_the_border_or_the_fill(images):
+    img = images[0]
+    (clamped,), _ = run(ops.warp_affine([1, 0, 1e12, 0, 1, -1e12]), [img])
+    assert np.all(clamped == img[0, -1])  # x beyond the right edge, y above the top: the top-right pixel
+    (filled,), _ = run(ops.warp_affine([1, 0, -1e12, 0, 1, 0], fill_value=(4, 5, 6)), [img])
+    assert np.all(filled == (4, 5, 6))
+
+
 def test_warp_affine_random_rotation_is_rotate_with_keep_size(images):
     a, _ = run(ops.warp_affine(angle=25.0, fill_value=0), images)
     b, _ = run(ops.rotate(25.0, fill_value=0, keep_size=True), images)
