@@ -143,10 +143,10 @@ def policy_times(images: list[np.ndarray], repeat: int) -> list[dict[str, Any]]:
 
         p = pipe()
         p.build()
-        epoch = iter(range(1 << 30))
+        epochs = iter(range(1 << 30))
 
-        def ours(op: Any = op) -> None:  # a new epoch each run: new draws, as in training
-            op(Batch({"image": list(images)}, index, sample_seeds(0, next(epoch), index)))
+        def ours(op: Any = op, epochs: Any = epochs) -> None:  # new draws each run, as in training
+            op(Batch({"image": list(images)}, index, sample_seeds(0, next(epochs), index)))
 
         rows.append(dict(op=name, gpuio_ms=1e3 * best_time(ours, repeat), dali_ms=1e3 * best_time(p.run, repeat)))
     return rows

@@ -33,7 +33,8 @@ from gpuio.errors import ConfigError, DataError
 from gpuio.ops._rng import Streams
 
 __all__ = ["BrightnessContrast", "Hsv", "ColorTwist", "RandomGrayscale", "GaussianBlur", "RandomErasing", "Erase",
-           "JpegCompressionDistortion", "erase", "jpeg_compression_distortion", "brightness_contrast", "hsv", "color_twist", "random_grayscale", "gaussian_blur", "random_erasing",
+           "JpegCompressionDistortion", "erase", "jpeg_compression_distortion", "brightness_contrast", "hsv",
+           "color_twist", "random_grayscale", "gaussian_blur", "random_erasing",
            "Range", "param_range", "draw", "yiq_matrix", "apply_color", "reflect101_index", "LUMA",
            "COLOR_SOURCE", "BLUR_SOURCE", "REFLECT101_SOURCE"]
 
@@ -492,12 +493,12 @@ class RandomErasing(Op):
 
     def _erase(self, xp: Any, rows: list[Any], boxes: np.ndarray) -> list[Any]:
         out = []
-        for img, (t, l, h, w) in zip(rows, boxes.tolist()):
+        for img, (top, left, h, w) in zip(rows, boxes.tolist()):
             if h:
                 if len(self.value) not in (1, img.shape[2]):
                     raise ConfigError(f"value has {len(self.value)} levels for an image of {img.shape[2]} channels")
                 img = img.copy()
-                img[t:t + h, l:l + w] = xp.asarray(np.floor(self.value + 0.5).astype(img.dtype))
+                img[top:top + h, left:left + w] = xp.asarray(np.floor(self.value + 0.5).astype(img.dtype))
             out.append(img)
         return out
 
@@ -603,7 +604,8 @@ class JpegCompressionDistortion(Op):
         lo, hi = self.quality
         if lo == hi:
             return np.full(len(batch), lo, np.int64)
-        return lo + Streams(batch.seeds, self.salt).integers(np.full(len(batch), hi - lo + 1), np.ones(len(batch), bool))
+        rows = np.ones(len(batch), bool)
+        return lo + Streams(batch.seeds, self.salt).integers(np.full(len(batch), hi - lo + 1), rows)
 
     @staticmethod
     def _codec(img: np.ndarray, quality: int) -> np.ndarray:

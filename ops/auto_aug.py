@@ -30,7 +30,6 @@ augmentations as one batched matrix call, the geometric ones as one warp call).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any

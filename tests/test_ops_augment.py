@@ -212,8 +212,8 @@ def test_random_erasing_follows_torchvision(images):
         box = erasing_reference(batch.rng(row, op.salt), *img.shape[:2], 0.7, (0.02, 0.6), (0.3, 3.3))
         ref = img.copy()
         if box:
-            t, l, h, w = box
-            ref[t:t + h, l:l + w] = (10, 20, 30)
+            top, left, h, w = box
+            ref[top:top + h, left:left + w] = (10, 20, 30)
             erased += 1
         assert np.array_equal(got, ref), row
     assert 10 < erased < 30

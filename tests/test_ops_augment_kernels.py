@@ -44,7 +44,7 @@ SOURCE = (HEAD + REFLECT101_SOURCE + TAP_SOURCE
                  "int use_fill", [("unsigned char", "src"), ("float", "m"), ("float", "fill")], "unsigned char",
                  WARP_SOURCE))
 CXX = shutil.which("g++") or shutil.which("c++")
-L, I = ctypes.c_longlong, ctypes.c_int
+LL, INT = ctypes.c_longlong, ctypes.c_int
 
 
 def ptr(a):
@@ -85,7 +85,7 @@ def test_colour_kernel_equals_the_numpy_path(lib, images):
             table[k, :9] = (matrices[k] if c >= 3 else 1.3 * np.eye(3)).ravel()
             table[k, 9:] = (5, -3, 2) if c >= 3 else -7
         out = np.empty_like(stack)
-        lib.color(ptr(np.ascontiguousarray(stack)), ptr(table), L(h * w), L(c), ptr(out), L(out.size))
+        lib.color(ptr(np.ascontiguousarray(stack)), ptr(table), LL(h * w), LL(c), ptr(out), LL(out.size))
         batch = one_batch(list(stack))
         apply_color(batch, "image", table[:, :9].reshape(-1, 3, 3), table[:, 9:])
         assert np.array_equal(out, np.stack(batch.data["image"]))
@@ -97,8 +97,8 @@ def test_blur_kernel_equals_the_numpy_path(lib, images, shape):
     ky, kx = gaussian_weights(1.3, 9), gaussian_weights(0.8, 5)
     h, w, c = img.shape
     rows, cols = np.empty(img.shape, np.float32), np.empty(img.shape, np.float32)
-    lib.blur_u8(ptr(img), ptr(kx), I(h), I(w), L(c), I(len(kx) // 2), I(1), ptr(rows), L(rows.size))
-    lib.blur_f32(ptr(rows), ptr(ky), I(h), I(w), L(c), I(len(ky) // 2), I(0), ptr(cols), L(cols.size))
+    lib.blur_u8(ptr(img), ptr(kx), INT(h), INT(w), LL(c), INT(len(kx) // 2), INT(1), ptr(rows), LL(rows.size))
+    lib.blur_f32(ptr(rows), ptr(ky), INT(h), INT(w), LL(c), INT(len(ky) // 2), INT(0), ptr(cols), LL(cols.size))
     got = np.clip(np.floor(cols + 0.5), 0, 255).astype(np.uint8)
     assert np.array_equal(got, ops.GaussianBlur._blur_cpu(img, ky, kx))
 
@@ -112,7 +112,7 @@ def test_warp_kernel_equals_the_numpy_path(lib, images, angle, fill, keep, inter
     m = rotation_matrix(angle, (h, w), (oh, ow)).astype(np.float32).ravel()
     levels = np.full(c, 0 if fill is None else fill, np.float32)
     out = np.empty((oh, ow, c), np.uint8)
-    lib.warp(ptr(img), ptr(m), ptr(levels), I(h), I(w), I(ow), I(c), I(["linear", "nearest"].index(interp)),
-             I(fill is not None), ptr(out), L(out.size))
+    lib.warp(ptr(img), ptr(m), ptr(levels), INT(h), INT(w), INT(ow), INT(c), INT(["linear", "nearest"].index(interp)),
+             INT(fill is not None), ptr(out), LL(out.size))
     ref = ops.rotate(angle, fill_value=fill, keep_size=keep, interp_type=interp)(one_batch([img])).data["image"][0]
     assert np.array_equal(out, ref)
