@@ -8,10 +8,10 @@ a few large objects read in 8 MiB ranges), and times in one run, each the fastes
 
 - the ceiling: the large objects fetched whole by parallel GETs (the server's
   throughput for large sequential GETs on loopback);
-- each candidate client, the same ranged GETs with ``--requests`` in flight: urllib3 on
-  presigned URLs (botocore signs; gpuio's client), boto3 ``get_object`` on a thread
-  pool, obstore ``get_range`` on a thread pool (kvikio's RemoteFile reads into GPU
-  memory only, so it is listed where a GPU is present and skipped otherwise);
+- each candidate client, the same ranged GETs with ``--requests`` in flight on a thread
+  pool: obstore ``get_range``, gpuio's client (obstore with the ETag check and the copy
+  into the caller's buffer), urllib3 on botocore-presigned URLs, boto3 ``get_object``
+  (kvikio's RemoteFile reads into GPU memory only: listed, not timed, without a GPU);
 - gpuio itself: ``gpuio.read`` with the cache off, a first epoch into an empty
   cache, a second epoch from the cache, and the same files read from local disk.
 """
@@ -211,20 +211,20 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
 
         pool = ThreadPoolExecutor(requests)
         client = remote.client()
+        store = _obstore()
+        http, sign = _urllib3()
         row("large objects", "ceiling: whole-object GETs in parallel",
-            lambda: sum(pool.map(lambda k: _get_whole(client, k), large)), len(large))
+            lambda: sum(pool.map(lambda k: _obstore_get(store, k, 0, large[k]), large)), len(large))
         for dataset, ranges in cases.items():
             items = len(ranges)
-            row(dataset, "urllib3 + botocore presign (gpuio's client)",
-                lambda r=ranges: sum(pool.map(lambda x: _urllib3_get(client, *x), r)), items)
+            row(dataset, "obstore (gpuio's client: get_into, ETag checked)",
+                lambda r=ranges: sum(pool.map(lambda x: _gpuio_get(client, *x), r)), items)
+            row(dataset, "obstore get_range, thread pool",
+                lambda r=ranges: sum(pool.map(lambda x: _obstore_get(store, *x), r)), items)
+            row(dataset, "urllib3 on botocore-presigned URLs, thread pool",
+                lambda r=ranges: sum(pool.map(lambda x: _urllib3_get(http, sign, *x), r)), items)
             row(dataset, "boto3 get_object, thread pool",
                 lambda r=ranges: sum(pool.map(lambda x: _boto_get(s3, *x), r)), items)
-            store = _obstore()
-            if store is not None:
-                row(dataset, "obstore get_range, thread pool",
-                    lambda r=ranges: sum(pool.map(lambda x: _obstore_get(store, *x), r)), items)
-            else:
-                rows.append({"dataset": dataset, "method": "obstore", "error": "not installed"})
         if not gpuio.cuda_available():
             rows.append({"dataset": "-", "method": "kvikio RemoteFile", "error": "reads into GPU memory only; no GPU"})
 
@@ -271,19 +271,41 @@ def _epoch(reader: gpuio.Reader, index: gpuio.SampleIndex, batch: int) -> int:
     return nbytes
 
 
-def _get_whole(client: Any, key: str) -> int:
-    resp = client.http.request("GET", client.http_url(f"s3://{BUCKET}/{key}"), preload_content=False)
-    n = 0
-    for chunk in resp.stream(1 << 20):
-        n += len(chunk)
-    resp.release_conn()
-    return n
-
-
-def _urllib3_get(client: Any, key: str, start: int, length: int) -> int:
+def _gpuio_get(client: Any, key: str, start: int, length: int) -> int:
     buf = bytearray(length)
     client.get_into(f"s3://{BUCKET}/{key}", start, memoryview(buf), None)
     return length
+
+
+def _urllib3() -> tuple[Any, Callable[[str], str]]:
+    """A urllib3 pool and a memo of botocore-presigned GET URLs by key."""
+    import urllib3
+
+    s3 = _boto()
+    signed: dict[str, str] = {}
+
+    def sign(key: str) -> str:
+        url = signed.get(key)
+        if url is None:
+            url = signed[key] = s3.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": key},
+                                                          ExpiresIn=3600)
+        return url
+
+    return urllib3.PoolManager(maxsize=128, retries=False), sign
+
+
+def _urllib3_get(http: Any, sign: Callable[[str], str], key: str, start: int, length: int) -> int:
+    buf = bytearray(length)
+    resp = http.request("GET", sign(key), headers={"Range": f"bytes={start}-{start + length - 1}"},
+                        preload_content=False)
+    view, got = memoryview(buf), 0
+    while got < length:
+        n = resp.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    resp.release_conn()
+    return got
 
 
 def _boto_get(s3: Any, key: str, start: int, length: int) -> int:

@@ -115,6 +115,7 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
             self.send_header("Content-Length", str(size))
             self._left = size
         self.send_header("ETag", etag)
+        self.send_header("Last-Modified", self.date_time_string(int(st.st_mtime)))
         self.end_headers()
         return f
 

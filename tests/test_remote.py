@@ -452,8 +452,8 @@ def test_missing_extra_names_it(monkeypatch):
     real = builtins.__import__
 
     def no_botocore(name, *a, **kw):
-        if name.startswith("botocore"):
-            raise ImportError("No module named 'botocore'")
+        if name.startswith(("botocore", "obstore")):
+            raise ImportError(f"No module named {name!r}")
         return real(name, *a, **kw)
 
     remote.reset_client()

@@ -8,10 +8,10 @@ A dataset path may be a URL: ``s3://bucket/key-or-prefix``, ``http://host/path``
   region and credentials come from botocore, the AWS SDK for Python, so they are read
   exactly as the AWS SDKs read them (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
   ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_PROFILE`` and
-  the config/credentials files). Object bytes are fetched with plain ranged GETs on a
-  pool of urllib3 connections, on presigned URLs (botocore signs; urllib3 reads
-  straight into the batch buffer). bench/remote.py measured this against obstore and
-  boto3's ``get_object`` (bench/RESULTS.md);
+  the config/credentials files); botocore lists prefixes. HEADs and ranged GETs are
+  obstore's (Rust; the GIL is released while a request runs), with the credentials
+  botocore found: bench/remote.py measured it fastest of obstore, urllib3 on presigned
+  URLs and boto3's ``get_object`` (bench/RESULTS.md);
 - ``RemoteBackend``: executes a read plan on remote objects: through the node-local
   cache tier (``gpuio.storage.cache``, on by default) or with coalesced ranged GETs
   straight into the batch buffer;
@@ -23,16 +23,18 @@ exponential backoff, ``remote_retries`` tries in all; the final error is a
 ETag the index recorded (``If-Match``) and checks the one it gets: an object replaced
 after indexing is an error naming it, never mixed bytes.
 
-botocore and urllib3 are the ``gpuio[remote]`` extra, imported only when a URL is used.
+botocore and obstore are the ``gpuio[remote]`` extra, imported only when a URL is used.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -51,8 +53,6 @@ SCHEMES = ("s3://", "http://", "https://")
 # the settings of remote reads (gpuio.config); a Reader takes them when it is made
 SETTINGS = ("remote_cache", "remote_cache_dir", "remote_cache_budget", "remote_block", "remote_requests",
             "remote_gap", "remote_part", "remote_retries", "remote_timeout", "cache_dir")
-_PRESIGN_S = 3600  # lifetime of a presigned URL
-_RESIGN_S = 1800  # a presigned URL older than this is signed again before use
 _BACKOFF_S = 0.05  # the first retry waits this long, each next one twice as long
 
 
@@ -92,25 +92,32 @@ def _split_s3(url: str) -> tuple[str, str]:
 
 
 class Client:
-    """Metadata calls (HEAD, listing) and ranged GETs for one process."""
+    """Metadata calls (HEAD, listing) and ranged GETs for one process.
+
+    botocore (the AWS SDK) gives the endpoint, the region and the credentials and does
+    the listings; obstore (Rust, the GIL released while it waits) does the HEADs and
+    the ranged GETs, with the credentials botocore found (asked again every few
+    minutes, so that temporary ones refresh). obstore's own retries are off: gpuio's
+    loop retries, so that the last error names the URL, the range and the status."""
 
     def __init__(self) -> None:
         try:
             import botocore.session
-            import urllib3
+            import obstore
+            import obstore.exceptions
+            import obstore.store
         except ImportError as exc:
             raise DependencyError(f"reading s3:// and http(s):// URLs needs the gpuio[remote] extra "
                                   f"(pip install 'gpuio[remote]'): {exc}") from exc
-        self._urllib3 = urllib3
+        self._obstore = obstore
+        self._errors = obstore.exceptions
+        self._stores_mod = obstore.store
         self.retries = max(1, config.get("remote_retries"))
-        timeout = max(1, config.get("remote_timeout"))
-        self.timeout = urllib3.Timeout(connect=timeout, read=timeout)
-        conns = max(4, config.get("remote_requests"))
-        self.http = urllib3.PoolManager(num_pools=64, maxsize=conns, retries=False, timeout=self.timeout)
+        self.timeout = max(1, config.get("remote_timeout"))
         self._session = botocore.session.Session()
         self._s3: Any = None
         self._lock = threading.Lock()
-        self._signed: dict[str, tuple[str, float]] = {}  # s3 URL -> (presigned URL, when signed)
+        self._stores: dict[str, Any] = {}  # bucket or origin -> obstore store
         self.seen: dict[str, ObjectInfo] = {}  # objects listed, opened or read by this process
 
     def s3(self) -> Any:
@@ -119,8 +126,7 @@ class Client:
             if self._s3 is None:
                 from botocore.config import Config
 
-                timeout = self.timeout.connect_timeout
-                settings = dict(connect_timeout=timeout, read_timeout=timeout,
+                settings = dict(connect_timeout=self.timeout, read_timeout=self.timeout,
                                 retries={"max_attempts": self.retries, "mode": "standard"})
                 s3 = self._session.create_client("s3", config=Config(**settings))
                 if "amazonaws.com" not in s3.meta.endpoint_url:
@@ -131,50 +137,63 @@ class Client:
                 self._s3 = s3
             return self._s3
 
-    def http_url(self, url: str) -> str:
-        """The URL a GET goes to: presigned for ``s3://``, as given for ``http(s)://``."""
-        if not url.startswith("s3://"):
-            return url
-        now = time.monotonic()
-        got = self._signed.get(url)
-        if got is not None and now - got[1] < _RESIGN_S:
-            return got[0]
-        bucket, key = _split_s3(url)
-        try:
-            signed = self.s3().generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key},
-                                                      ExpiresIn=_PRESIGN_S)
-        except Exception as exc:  # botocore's errors (no credentials, bad config) have no common base
-            raise StorageError(f"cannot sign a request: {exc}", path=url) from exc
-        self._signed[url] = (signed, now)
-        return signed
+    def _credentials(self) -> dict[str, Any]:
+        """The credentials botocore finds, for obstore; asked again after a few minutes."""
+        creds = self._session.get_credentials()
+        if creds is None:
+            raise PermissionError("no AWS credentials found (AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws/credentials, "
+                                  "an instance role)")
+        frozen = creds.get_frozen_credentials()
+        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key, "token": frozen.token,
+                "expires_at": datetime.now(timezone.utc) + timedelta(seconds=_CREDENTIALS_S)}
+
+    def _store(self, url: str) -> tuple[Any, str]:
+        """The obstore store of ``url`` (one per bucket or HTTP origin) and the path in it."""
+        if url.startswith("s3://"):
+            where, path = _split_s3(url)
+        else:
+            scheme, _, rest = url.partition("://")
+            host, _, path = rest.partition("/")
+            where = f"{scheme}://{host}"
+        with self._lock:
+            store = self._stores.get(where)
+        if store is not None:
+            return store, path
+        options = {"allow_http": True, "connect_timeout": f"{self.timeout}s", "timeout": f"{self.timeout}s"}
+        no_retries = {"max_retries": 0, "retry_timeout": timedelta(seconds=self.timeout)}
+        if url.startswith("s3://"):
+            s3 = self.s3()
+            custom = "amazonaws.com" not in s3.meta.endpoint_url
+            store = self._stores_mod.S3Store(where, endpoint=s3.meta.endpoint_url if custom else None,
+                                             region=s3.meta.region_name or "us-east-1",
+                                             virtual_hosted_style_request=not custom,
+                                             credential_provider=self._credentials, client_options=options,
+                                             retry_config=no_retries)
+        else:
+            store = self._stores_mod.HTTPStore.from_url(where, client_options=options, retry_config=no_retries)
+        with self._lock:
+            store = self._stores.setdefault(where, store)
+        return store, path
 
     def head(self, url: str) -> ObjectInfo:
         """Size and ETag of the object ``url``."""
         known = self.seen.get(url)
         if known is not None:
             return known
-        info = self._head(url)
-        self.seen[url] = info
-        return info
-
-    def _head(self, url: str) -> ObjectInfo:
-        # one-byte GET instead of HEAD: the same signed URL, and Content-Range gives the size
-        buf = bytearray(1)
-        try:
-            etag, total = self.get_into(url, 0, memoryview(buf), None)
-        except StorageError as exc:
-            if "HTTP 416" not in str(exc):
-                raise
-            return ObjectInfo(url, 0, self._empty_etag(url))  # an empty object has no byte 0
-        return ObjectInfo(url, total, etag)
-
-    def _empty_etag(self, url: str) -> str:
-        resp = self._request("GET", url, {}, 0, 0)
-        try:
-            resp.read()
-            return resp.headers.get("ETag", "")
-        finally:
-            resp.release_conn()
+        store, path = self._store(url)
+        last = ""
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(_BACKOFF_S * (1 << (attempt - 1)))
+            try:
+                meta = self._obstore.head(store, path)
+            except Exception as exc:  # obstore's errors, mapped below
+                last = self._fatal_or_reason(exc, url, "HEAD", 0, None)
+                continue
+            info = ObjectInfo(url, int(meta["size"]), meta.get("e_tag") or "")
+            self.seen[url] = info
+            return info
+        raise StorageError(f"HEAD: {last} after {self.retries} tries", path=url)
 
     def list(self, url: str) -> list[ObjectInfo]:
         """The objects under the prefix ``url`` (``s3://`` only), in key order."""
@@ -194,99 +213,71 @@ class Client:
             raise StorageError(f"cannot list objects: {_botocore_reason(exc)}", path=url) from exc
         return out
 
-    def _request(self, method: str, url: str, headers: dict[str, str], start: int, end: int) -> Any:
-        """One request with retries on 5xx, 429 and dropped connections; the response
-        (body not read) of the first try that is none of those."""
-        errors = self._urllib3.exceptions
-        last = ""
-        for attempt in range(self.retries):
-            if attempt:
-                time.sleep(_BACKOFF_S * (1 << (attempt - 1)))
-            try:
-                resp = self.http.request(method, self.http_url(url), headers=headers, preload_content=False,
-                                         redirect=True, timeout=self.timeout)
-            except errors.HTTPError as exc:
-                last = f"connection failed ({type(exc).__name__}: {exc})"
-                continue
-            if resp.status == 429 or resp.status >= 500:
-                last = f"HTTP {resp.status} {resp.reason or ''}".rstrip()
-                resp.drain_conn()
-                resp.release_conn()
-                continue
-            return resp
-        raise StorageError(f"GET bytes {start}-{end}: {last} after {self.retries} tries", path=url, offset=start)
+    def _fatal_or_reason(self, exc: Exception, url: str, what: str, start: int, etag: str | None) -> str:
+        """Raise the gpuio error of a failure no retry mends (404, 403, 412, 416); else
+        return its reason for the retry loop (5xx, 429, a dropped connection, a short body)."""
+        text = str(exc).split("\n", 1)[0]
+        m = _STATUS.search(text)
+        status = int(m.group(1)) if m else None
+        if isinstance(exc, self._errors.PreconditionError) or status == 412:
+            raise _replaced(url, etag or "?", "another") from exc
+        if isinstance(exc, FileNotFoundError) or status == 404:
+            raise StorageError(f"{what}: HTTP 404: object not found (moved or deleted after indexing?)", path=url,
+                               offset=start) from exc
+        if isinstance(exc, PermissionError) or status in (401, 403):
+            raise StorageError(f"{what}: HTTP {status or 403}: access denied (check AWS_ACCESS_KEY_ID / "
+                               f"AWS_SECRET_ACCESS_KEY / AWS_PROFILE): {text[:200]}", path=url, offset=start) from exc
+        if status == 416:
+            raise StorageError(f"{what}: HTTP 416: the object ends before this range (truncated or replaced "
+                               f"after indexing?)", path=url, offset=start) from exc
+        if status is not None and status < 500 and status != 429:
+            raise StorageError(f"{what}: HTTP {status} {m.group(2)}", path=url, offset=start) from exc
+        if status is not None:
+            return f"HTTP {status} {m.group(2)}".rstrip()
+        return f"connection failed or body cut short ({text[:160]})"
 
     def get_into(self, url: str, start: int, out: memoryview, etag: str | None) -> tuple[str, int]:
         """Fill ``out`` with the object's bytes from ``start``; returns the object's
         (ETag, size). ``etag``: the version the index recorded, or None."""
         n = len(out)
         end = start + n - 1
-        headers = {"Range": f"bytes={start}-{end}"}
+        what = f"GET bytes {start}-{end}"
+        store, path = self._store(url)
+        options: dict[str, Any] = {"range": (start, start + n)}
         if etag:
-            headers["If-Match"] = etag
-        errors = self._urllib3.exceptions
+            options["if_match"] = etag
         last = ""
         for attempt in range(self.retries):
             if attempt:
                 time.sleep(_BACKOFF_S * (1 << (attempt - 1)))
-            resp = self._request("GET", url, headers, start, end)
-            status, got = resp.status, -1
             try:
-                if status not in (200, 206):
-                    resp.drain_conn()
-                    raise _status_error(url, start, end, status, resp.reason, etag)
-                got_etag = resp.headers.get("ETag", "")
-                if etag and got_etag and got_etag != etag:
-                    raise _replaced(url, etag, got_etag)
-                total = _total_size(resp, status)
-                if status == 200 and start != 0:
-                    raise StorageError(f"GET bytes {start}-{end}: the server ignored the Range header (HTTP 200)",
-                                       path=url, offset=start)
-                got = 0
-                try:
-                    while got < n:
-                        k = resp.readinto(out[got:])
-                        if not k:
-                            break
-                        got += k
-                except (errors.HTTPError, OSError) as exc:
-                    last = f"connection dropped after {got} of {n} bytes ({type(exc).__name__})"
-                    continue
-                if got < n:
-                    if total is not None and start + n > total:
-                        raise StorageError(f"GET bytes {start}-{end}: the object has {total} bytes "
-                                           f"(shorter than indexed: replaced after indexing?)", path=url, offset=start)
-                    last = f"body ended after {got} of {n} bytes (HTTP {status})"
-                    continue
-                return got_etag, total if total is not None else start + n
-            finally:
-                resp.release_conn() if status in (200, 206) and got >= n else resp.close()
-        raise StorageError(f"GET bytes {start}-{end}: {last} after {self.retries} tries", path=url, offset=start)
+                got = self._obstore.get(store, path, options=options)
+                data = got.bytes()
+            except Exception as exc:  # obstore's errors, mapped by _fatal_or_reason
+                last = self._fatal_or_reason(exc, url, what, start, etag)
+                continue
+            meta = got.meta
+            got_etag, total = meta.get("e_tag") or "", int(meta["size"])
+            if etag and got_etag and got_etag != etag:
+                raise _replaced(url, etag, got_etag)
+            if len(data) != n:
+                if start + n > total:
+                    raise StorageError(f"{what}: the object has {total} bytes (shorter than indexed: replaced "
+                                       f"after indexing?)", path=url, offset=start)
+                last = f"body of {len(data)} bytes, {n} asked for"
+                continue
+            out[:] = memoryview(data)
+            return got_etag, total
+        raise StorageError(f"{what}: {last} after {self.retries} tries", path=url, offset=start)
 
 
-def _total_size(resp: Any, status: int) -> int | None:
-    if status == 200:
-        length = resp.headers.get("Content-Length")
-        return int(length) if length and length.isdigit() else None
-    rng = resp.headers.get("Content-Range", "")
-    tail = rng.rpartition("/")[2]
-    return int(tail) if tail.isdigit() else None
+_STATUS = re.compile(r"status code: (\d{3})\s*([^:]*)")
+_CREDENTIALS_S = 300  # obstore asks botocore for the credentials again after this long
 
 
 def _replaced(url: str, etag: str, now: str) -> StorageError:
     return StorageError(f"object replaced after indexing: ETag was {etag}, is now {now}; index it again",
                         path=url)
-
-
-def _status_error(url: str, start: int, end: int, status: int, reason: str | None, etag: str | None
-                  ) -> StorageError:
-    what = {403: "access denied (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE)",
-            404: "object not found (moved or deleted after indexing?)",
-            416: "the object ends before this range (truncated or replaced after indexing?)"}.get(status, "")
-    if status == 412 and etag:
-        return _replaced(url, etag, "another")
-    msg = f"GET bytes {start}-{end}: HTTP {status} {reason or ''}".rstrip()
-    return StorageError(f"{msg}: {what}" if what else msg, path=url, offset=start)
 
 
 def _botocore_reason(exc: Exception) -> str:
@@ -319,7 +310,7 @@ renew_after_fork(_fork_hook)
 
 
 def client() -> Client:
-    """This process's client (botocore and urllib3 are imported here, on first use)."""
+    """This process's client (botocore and obstore are imported here, on first use)."""
     global _client
     with _client_lock:
         if _client is None:
