@@ -48,6 +48,8 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "max_open_files": (256, "kvikio CuFile handles kept open across batches"),
     "kvikio_compat": ("auto", "kvikio compat mode: auto, on (POSIX bounce) or off (GDS)"),
     "cache_dir": ("", "where sample datasets and indexes go; default ~/.cache/gpuio"),
+    "remote_client": ("auto", "the client of remote GETs: auto (obstore; urllib3 in a forked child of a "
+                              "process that used obstore, whose runtime does not survive fork), obstore, urllib3"),
     "remote_cache": (True, "keep the bytes of s3:// and http(s):// data in the node-local cache tier"),
     "remote_cache_dir": ("", "the node-local cache of remote data; default <cache_dir>/remote"),
     "remote_cache_budget": (64 * GiB, "bytes the remote cache may hold; least recently used blocks go first"),
@@ -111,6 +113,7 @@ def _check(name: str, value: Any, var: str = "") -> Any:
         "backend": ("auto", "posix", "kvikio"),
         "pinned": ("auto", "true", "false"),
         "kvikio_compat": ("auto", "on", "off"),
+        "remote_client": ("auto", "obstore", "urllib3"),
     }.get(name)
     if choices is not None:
         value = str(value).lower()

@@ -61,6 +61,15 @@ def s3(s3server, monkeypatch, tmp_path):
     remote.reset_client()
 
 
+@pytest.fixture(params=["obstore", "urllib3"])
+def each_client(request, monkeypatch):
+    """The test runs with each client of the GETs (``remote_client``)."""
+    monkeypatch.setenv("GPUIO_REMOTE_CLIENT", request.param)
+    remote.reset_client()
+    yield request.param
+    remote.reset_client()
+
+
 def _prefix(request):
     return request.node.name.replace("[", "-").replace("]", "").replace("/", "-")
 
@@ -142,7 +151,7 @@ def _same_loader(local, remote_index, **kw):
 # ---- every format from S3 equals the local read ------------------------------------
 
 
-def test_filetree_from_s3_equals_local(s3, tmp_path, request):
+def test_filetree_from_s3_equals_local(each_client, s3, tmp_path, request):
     root = _tree(tmp_path / "tree", np.random.default_rng(0))
     prefix = _prefix(request)
     upload_tree(s3, BUCKET, str(root), prefix)
@@ -378,7 +387,7 @@ def proxied(s3, s3server, monkeypatch):
 
 
 @pytest.mark.parametrize("fault", ["503", "429", "truncate", "drop"])
-def test_transient_faults_are_retried(s3, proxied, tmp_path, request, fault):
+def test_transient_faults_are_retried(each_client, s3, proxied, tmp_path, request, fault):
     root = _tree(tmp_path / "tree", np.random.default_rng(10))
     prefix = _prefix(request)
     upload_tree(s3, BUCKET, str(root), prefix)
@@ -388,7 +397,7 @@ def test_transient_faults_are_retried(s3, proxied, tmp_path, request, fault):
     _same_reads(local, index)
 
 
-def test_a_fault_that_persists_names_url_range_and_status(s3, proxied, tmp_path, request):
+def test_a_fault_that_persists_names_url_range_and_status(each_client, s3, proxied, tmp_path, request):
     root = _tree(tmp_path / "tree", np.random.default_rng(11))
     prefix = _prefix(request)
     upload_tree(s3, BUCKET, str(root), prefix)
@@ -403,7 +412,7 @@ def test_a_fault_that_persists_names_url_range_and_status(s3, proxied, tmp_path,
     assert "HTTP 503" in msg and "4 tries" in msg
 
 
-def test_wrong_credentials_are_a_named_error(s3, s3server, tmp_path, request, monkeypatch):
+def test_wrong_credentials_are_a_named_error(each_client, s3, s3server, tmp_path, request, monkeypatch):
     root = _tree(tmp_path / "tree", np.random.default_rng(12))
     prefix = _prefix(request)
     upload_tree(s3, BUCKET, str(root), prefix)
@@ -415,7 +424,7 @@ def test_wrong_credentials_are_a_named_error(s3, s3server, tmp_path, request, mo
         formats.filetree(f"s3://{BUCKET}/{prefix}")
 
 
-def test_missing_object_is_a_named_error(s3, tmp_path, request):
+def test_missing_object_is_a_named_error(each_client, s3, tmp_path, request):
     root = _tree(tmp_path / "tree", np.random.default_rng(13))
     prefix = _prefix(request)
     upload_tree(s3, BUCKET, str(root), prefix)
@@ -429,7 +438,7 @@ def test_missing_object_is_a_named_error(s3, tmp_path, request):
         formats.numpy(f"s3://{BUCKET}/{prefix}/nothing-here.npy")
 
 
-def test_object_replaced_after_indexing_is_a_named_error(s3, tmp_path, request):
+def test_object_replaced_after_indexing_is_a_named_error(each_client, s3, tmp_path, request):
     root = _tree(tmp_path / "tree", np.random.default_rng(14))
     prefix = _prefix(request)
     upload_tree(s3, BUCKET, str(root), prefix)
@@ -508,10 +517,36 @@ def test_server_killed_mid_epoch_fails_clearly_and_resume_yields_the_rest(tmp_pa
         remote.reset_client()
 
 
+def test_forked_child_reads_after_the_parent_used_obstore(tmp_path, monkeypatch):
+    """obstore's runtime does not survive fork(): a child (a DataLoader worker) of a
+    process that used it reads with urllib3, and gets the same bytes, without a hang."""
+    monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("GPUIO_REMOTE_CACHE", "0")
+    np.save(tmp_path / "a.npy", np.arange(5000, dtype=np.int64))
+    remote.reset_client()
+    with http_server(str(tmp_path)) as base:
+        index = formats.numpy(f"{base}/a.npy")
+        assert type(remote.client().transport).__name__ == "_Obstore"
+        np.testing.assert_array_equal(gpuio.read(index, [0])[0].view(np.int64), np.arange(5000))
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(1) as pool:
+            got = pool.apply_async(_read_in_child, (f"{base}/a.npy",)).get(timeout=60)
+        assert got == (np.arange(5000, dtype=np.int64).tobytes(), "_Urllib3")
+
+
+def _read_in_child(url):
+    index = formats.numpy(url)
+    reader = gpuio.Reader("cpu")
+    try:
+        return reader.read(index, [0])[0].tobytes(), type(remote.client().transport).__name__
+    finally:
+        reader.close()
+
+
 # ---- plain HTTP ----------------------------------------------------------------------
 
 
-def test_http_range_reads_equal_local(tmp_path, monkeypatch):
+def test_http_range_reads_equal_local(each_client, tmp_path, monkeypatch):
     monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "cache"))
     paths = _tars(tmp_path, np.random.default_rng(15), shards=2)
     np.save(tmp_path / "a.npy", np.arange(1000, dtype=np.float64).reshape(100, 10))

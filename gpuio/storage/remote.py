@@ -11,7 +11,9 @@ A dataset path may be a URL: ``s3://bucket/key-or-prefix``, ``http://host/path``
   the config/credentials files); botocore lists prefixes. HEADs and ranged GETs are
   obstore's (Rust; the GIL is released while a request runs), with the credentials
   botocore found: bench/remote.py measured it fastest of obstore, urllib3 on presigned
-  URLs and boto3's ``get_object`` (bench/RESULTS.md);
+  URLs and boto3's ``get_object`` (bench/RESULTS.md). obstore's runtime does not survive
+  ``fork()``, so a forked child of a process that used it (a DataLoader worker) does its
+  GETs with urllib3 on presigned URLs instead (``remote_client``);
 - ``RemoteBackend``: executes a read plan on remote objects: through the node-local
   cache tier (``gpuio.storage.cache``, on by default) or with coalesced ranged GETs
   straight into the batch buffer;
@@ -23,7 +25,7 @@ exponential backoff, ``remote_retries`` tries in all; the final error is a
 ETag the index recorded (``If-Match``) and checks the one it gets: an object replaced
 after indexing is an error naming it, never mixed bytes.
 
-botocore and obstore are the ``gpuio[remote]`` extra, imported only when a URL is used.
+botocore, obstore and urllib3 are the ``gpuio[remote]`` extra, imported only when a URL is used.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ __all__ = ["SCHEMES", "SETTINGS", "ObjectInfo", "RemoteBackend", "RemoteFile", "
 
 SCHEMES = ("s3://", "http://", "https://")
 # the settings of remote reads (gpuio.config); a Reader takes them when it is made
-SETTINGS = ("remote_cache", "remote_cache_dir", "remote_cache_budget", "remote_block", "remote_requests",
+SETTINGS = ("remote_client", "remote_cache", "remote_cache_dir", "remote_cache_budget", "remote_block", "remote_requests",
             "remote_gap", "remote_part", "remote_retries", "remote_timeout", "cache_dir")
+_PRESIGN_S = 3600  # lifetime of a presigned URL (urllib3 client)
+_RESIGN_S = 1800  # a presigned URL older than this is signed again before use
 _BACKOFF_S = 0.05  # the first retry waits this long, each next one twice as long
 
 
@@ -103,22 +107,21 @@ class Client:
     def __init__(self) -> None:
         try:
             import botocore.session
-            import obstore
-            import obstore.exceptions
-            import obstore.store
         except ImportError as exc:
             raise DependencyError(f"reading s3:// and http(s):// URLs needs the gpuio[remote] extra "
                                   f"(pip install 'gpuio[remote]'): {exc}") from exc
-        self._obstore = obstore
-        self._errors = obstore.exceptions
-        self._stores_mod = obstore.store
         self.retries = max(1, config.get("remote_retries"))
         self.timeout = max(1, config.get("remote_timeout"))
         self._session = botocore.session.Session()
         self._s3: Any = None
         self._lock = threading.Lock()
-        self._stores: dict[str, Any] = {}  # bucket or origin -> obstore store
         self.seen: dict[str, ObjectInfo] = {}  # objects listed, opened or read by this process
+        choice = config.get("remote_client")
+        if choice == "auto":
+            # obstore's runtime threads do not survive fork(): a child of a process that
+            # used it (a DataLoader worker) would wait on them for ever
+            choice = "urllib3" if _obstore_inherited else "obstore"
+        self.transport: Any = _Obstore(self) if choice == "obstore" else _Urllib3(self)
 
     def s3(self) -> Any:
         """The botocore S3 client (endpoint, region and credentials as the AWS SDKs find them)."""
@@ -137,9 +140,71 @@ class Client:
                 self._s3 = s3
             return self._s3
 
+    def head(self, url: str) -> ObjectInfo:
+        """Size and ETag of the object ``url``."""
+        known = self.seen.get(url)
+        if known is not None:
+            return known
+        info = self.transport.head(url)
+        self.seen[url] = info
+        return info
+
+    def list(self, url: str) -> list[ObjectInfo]:
+        """The objects under the prefix ``url`` (``s3://`` only), in key order."""
+        if not url.startswith("s3://"):
+            raise DataError("an http(s) URL names one object and has no listing; use s3:// for a prefix, "
+                            "or give the objects one by one", path=url)
+        bucket, prefix = _split_s3(url)
+        out: list[ObjectInfo] = []
+        try:
+            pages = self.s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    info = ObjectInfo(f"s3://{bucket}/{obj['Key']}", int(obj["Size"]), obj.get("ETag", ""))
+                    self.seen[info.url] = info
+                    out.append(info)
+        except Exception as exc:  # botocore's ClientError, EndpointConnectionError, NoCredentialsError ...
+            raise StorageError(f"cannot list objects: {_botocore_reason(exc)}", path=url) from exc
+        return out
+
+    def get_into(self, url: str, start: int, out: memoryview, etag: str | None) -> tuple[str, int]:
+        """Fill ``out`` with the object's bytes from ``start``; returns the object's
+        (ETag, size). ``etag``: the version the index recorded, or None. Retried on
+        5xx, 429, a dropped connection or a short body, ``remote_retries`` tries in all."""
+        return self.transport.get_into(url, start, out, etag)
+
+    def backoff(self, attempt: int) -> None:
+        """Wait before try ``attempt`` (0: the first, no wait)."""
+        if attempt:
+            time.sleep(_BACKOFF_S * (1 << (attempt - 1)))
+
+
+class _Obstore:
+    """HEADs and ranged GETs by obstore (Rust; the GIL released while a request runs),
+    with the credentials botocore finds (asked again every few minutes, so that
+    temporary ones refresh). obstore's own retries are off: the loop here retries, so
+    that the last error names the URL, the range and the status."""
+
+    def __init__(self, owner: Client) -> None:
+        try:
+            import obstore
+            import obstore.exceptions
+            import obstore.store
+        except ImportError as exc:
+            raise DependencyError(f"reading s3:// and http(s):// URLs needs the gpuio[remote] extra "
+                                  f"(pip install 'gpuio[remote]'): {exc}") from exc
+        global _obstore_used
+        _obstore_used = True
+        self.owner = owner
+        self._obstore = obstore
+        self._errors = obstore.exceptions
+        self._stores_mod = obstore.store
+        self._stores: dict[str, Any] = {}  # bucket or origin -> obstore store
+        self._lock = threading.Lock()
+
     def _credentials(self) -> dict[str, Any]:
         """The credentials botocore finds, for obstore; asked again after a few minutes."""
-        creds = self._session.get_credentials()
+        creds = self.owner._session.get_credentials()
         if creds is None:
             raise PermissionError("no AWS credentials found (AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws/credentials, "
                                   "an instance role)")
@@ -159,10 +224,10 @@ class Client:
             store = self._stores.get(where)
         if store is not None:
             return store, path
-        options = {"allow_http": True, "connect_timeout": f"{self.timeout}s", "timeout": f"{self.timeout}s"}
-        no_retries = {"max_retries": 0, "retry_timeout": timedelta(seconds=self.timeout)}
+        options = {"allow_http": True, "connect_timeout": f"{self.owner.timeout}s", "timeout": f"{self.owner.timeout}s"}
+        no_retries = {"max_retries": 0, "retry_timeout": timedelta(seconds=self.owner.timeout)}
         if url.startswith("s3://"):
-            s3 = self.s3()
+            s3 = self.owner.s3()
             custom = "amazonaws.com" not in s3.meta.endpoint_url
             store = self._stores_mod.S3Store(where, endpoint=s3.meta.endpoint_url if custom else None,
                                              region=s3.meta.region_name or "us-east-1",
@@ -177,41 +242,17 @@ class Client:
 
     def head(self, url: str) -> ObjectInfo:
         """Size and ETag of the object ``url``."""
-        known = self.seen.get(url)
-        if known is not None:
-            return known
         store, path = self._store(url)
         last = ""
-        for attempt in range(self.retries):
-            if attempt:
-                time.sleep(_BACKOFF_S * (1 << (attempt - 1)))
+        for attempt in range(self.owner.retries):
+            self.owner.backoff(attempt)
             try:
                 meta = self._obstore.head(store, path)
             except Exception as exc:  # obstore's errors, mapped below
                 last = self._fatal_or_reason(exc, url, "HEAD", 0, None)
                 continue
-            info = ObjectInfo(url, int(meta["size"]), meta.get("e_tag") or "")
-            self.seen[url] = info
-            return info
-        raise StorageError(f"HEAD: {last} after {self.retries} tries", path=url)
-
-    def list(self, url: str) -> list[ObjectInfo]:
-        """The objects under the prefix ``url`` (``s3://`` only), in key order."""
-        if not url.startswith("s3://"):
-            raise DataError("an http(s) URL names one object and has no listing; use s3:// for a prefix, "
-                            "or give the objects one by one", path=url)
-        bucket, prefix = _split_s3(url)
-        out: list[ObjectInfo] = []
-        try:
-            pages = self.s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-            for page in pages:
-                for obj in page.get("Contents", ()):
-                    info = ObjectInfo(f"s3://{bucket}/{obj['Key']}", int(obj["Size"]), obj.get("ETag", ""))
-                    self.seen[info.url] = info
-                    out.append(info)
-        except Exception as exc:  # botocore's ClientError, EndpointConnectionError, NoCredentialsError ...
-            raise StorageError(f"cannot list objects: {_botocore_reason(exc)}", path=url) from exc
-        return out
+            return ObjectInfo(url, int(meta["size"]), meta.get("e_tag") or "")
+        raise StorageError(f"HEAD: {last} after {self.owner.retries} tries", path=url)
 
     def _fatal_or_reason(self, exc: Exception, url: str, what: str, start: int, etag: str | None) -> str:
         """Raise the gpuio error of a failure no retry mends (404, 403, 412, 416); else
@@ -247,9 +288,8 @@ class Client:
         if etag:
             options["if_match"] = etag
         last = ""
-        for attempt in range(self.retries):
-            if attempt:
-                time.sleep(_BACKOFF_S * (1 << (attempt - 1)))
+        for attempt in range(self.owner.retries):
+            self.owner.backoff(attempt)
             try:
                 got = self._obstore.get(store, path, options=options)
                 data = got.bytes()
@@ -268,7 +308,149 @@ class Client:
                 continue
             out[:] = memoryview(data)
             return got_etag, total
-        raise StorageError(f"{what}: {last} after {self.retries} tries", path=url, offset=start)
+        raise StorageError(f"{what}: {last} after {self.owner.retries} tries", path=url, offset=start)
+
+
+class _Urllib3:
+    """HEADs and ranged GETs by urllib3 on presigned URLs (botocore signs), read straight
+    into the caller's buffer: the client of a forked child whose parent used obstore."""
+
+    def __init__(self, owner: Client) -> None:
+        try:
+            import urllib3
+        except ImportError as exc:
+            raise DependencyError(f"reading s3:// and http(s):// URLs needs the gpuio[remote] extra "
+                                  f"(pip install 'gpuio[remote]'): {exc}") from exc
+        self.owner = owner
+        self._urllib3 = urllib3
+        self.timeout = urllib3.Timeout(connect=owner.timeout, read=owner.timeout)
+        conns = max(4, config.get("remote_requests"))
+        self.http = urllib3.PoolManager(num_pools=64, maxsize=conns, retries=False, timeout=self.timeout)
+        self._signed: dict[str, tuple[str, float]] = {}  # s3 URL -> (presigned URL, when signed)
+
+    def http_url(self, url: str) -> str:
+        """The URL a GET goes to: presigned for ``s3://``, as given for ``http(s)://``."""
+        if not url.startswith("s3://"):
+            return url
+        now = time.monotonic()
+        got = self._signed.get(url)
+        if got is not None and now - got[1] < _RESIGN_S:
+            return got[0]
+        bucket, key = _split_s3(url)
+        try:
+            signed = self.owner.s3().generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key},
+                                                            ExpiresIn=_PRESIGN_S)
+        except Exception as exc:  # botocore's errors (no credentials, bad config) have no common base
+            raise StorageError(f"cannot sign a request: {exc}", path=url) from exc
+        self._signed[url] = (signed, now)
+        return signed
+
+    def head(self, url: str) -> ObjectInfo:
+        """Size and ETag of the object ``url``."""
+        # one-byte GET instead of HEAD: the same signed URL, and Content-Range gives the size
+        buf = bytearray(1)
+        try:
+            etag, total = self.get_into(url, 0, memoryview(buf), None)
+        except StorageError as exc:
+            if "HTTP 416" not in str(exc):
+                raise
+            return ObjectInfo(url, 0, self._empty_etag(url))  # an empty object has no byte 0
+        return ObjectInfo(url, total, etag)
+
+    def _empty_etag(self, url: str) -> str:
+        resp = self._request("GET", url, {}, 0, 0)
+        try:
+            resp.read()
+            return resp.headers.get("ETag", "")
+        finally:
+            resp.release_conn()
+
+    def _request(self, method: str, url: str, headers: dict[str, str], start: int, end: int) -> Any:
+        """One request with retries on 5xx, 429 and dropped connections; the response
+        (body not read) of the first try that is none of those."""
+        errors = self._urllib3.exceptions
+        last = ""
+        for attempt in range(self.owner.retries):
+            self.owner.backoff(attempt)
+            try:
+                resp = self.http.request(method, self.http_url(url), headers=headers, preload_content=False,
+                                         redirect=True, timeout=self.timeout)
+            except errors.HTTPError as exc:
+                last = f"connection failed ({type(exc).__name__}: {exc})"
+                continue
+            if resp.status == 429 or resp.status >= 500:
+                last = f"HTTP {resp.status} {resp.reason or ''}".rstrip()
+                resp.drain_conn()
+                resp.release_conn()
+                continue
+            return resp
+        raise StorageError(f"GET bytes {start}-{end}: {last} after {self.owner.retries} tries", path=url, offset=start)
+
+    def get_into(self, url: str, start: int, out: memoryview, etag: str | None) -> tuple[str, int]:
+        """Fill ``out`` with the object's bytes from ``start``; returns the object's
+        (ETag, size). ``etag``: the version the index recorded, or None."""
+        n = len(out)
+        end = start + n - 1
+        headers = {"Range": f"bytes={start}-{end}"}
+        if etag:
+            headers["If-Match"] = etag
+        errors = self._urllib3.exceptions
+        last = ""
+        for attempt in range(self.owner.retries):
+            self.owner.backoff(attempt)
+            resp = self._request("GET", url, headers, start, end)
+            status, got = resp.status, -1
+            try:
+                if status not in (200, 206):
+                    resp.drain_conn()
+                    raise _status_error(url, start, end, status, resp.reason, etag)
+                got_etag = resp.headers.get("ETag", "")
+                if etag and got_etag and got_etag != etag:
+                    raise _replaced(url, etag, got_etag)
+                total = _total_size(resp, status)
+                if status == 200 and start != 0:
+                    raise StorageError(f"GET bytes {start}-{end}: the server ignored the Range header (HTTP 200)",
+                                       path=url, offset=start)
+                got = 0
+                try:
+                    while got < n:
+                        k = resp.readinto(out[got:])
+                        if not k:
+                            break
+                        got += k
+                except (errors.HTTPError, OSError) as exc:
+                    last = f"connection dropped after {got} of {n} bytes ({type(exc).__name__})"
+                    continue
+                if got < n:
+                    if total is not None and start + n > total:
+                        raise StorageError(f"GET bytes {start}-{end}: the object has {total} bytes "
+                                           f"(shorter than indexed: replaced after indexing?)", path=url, offset=start)
+                    last = f"body ended after {got} of {n} bytes (HTTP {status})"
+                    continue
+                return got_etag, total if total is not None else start + n
+            finally:
+                resp.release_conn() if status in (200, 206) and got >= n else resp.close()
+        raise StorageError(f"GET bytes {start}-{end}: {last} after {self.owner.retries} tries", path=url, offset=start)
+
+
+def _total_size(resp: Any, status: int) -> int | None:
+    if status == 200:
+        length = resp.headers.get("Content-Length")
+        return int(length) if length and length.isdigit() else None
+    rng = resp.headers.get("Content-Range", "")
+    tail = rng.rpartition("/")[2]
+    return int(tail) if tail.isdigit() else None
+
+
+def _status_error(url: str, start: int, end: int, status: int, reason: str | None, etag: str | None
+                  ) -> StorageError:
+    what = {403: "access denied (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE)",
+            404: "object not found (moved or deleted after indexing?)",
+            416: "the object ends before this range (truncated or replaced after indexing?)"}.get(status, "")
+    if status == 412 and etag:
+        return _replaced(url, etag, "another")
+    msg = f"GET bytes {start}-{end}: HTTP {status} {reason or ''}".rstrip()
+    return StorageError(f"{msg}: {what}" if what else msg, path=url, offset=start)
 
 
 _STATUS = re.compile(r"status code: (\d{3})\s*([^:]*)")
@@ -300,8 +482,14 @@ def reset_client() -> None:
     _client = None
 
 
+_obstore_used = False  # whether this process made an obstore client
+_obstore_inherited = False  # whether a process this one was forked from had
+
+
 class _ForkHook:
     def _after_fork(self) -> None:
+        global _obstore_inherited
+        _obstore_inherited = _obstore_inherited or _obstore_used
         reset_client()  # a parent's connections and locks are not this child's
 
 
