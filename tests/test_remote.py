@@ -453,6 +453,15 @@ def test_object_replaced_after_indexing_is_a_named_error(each_client, s3, tmp_pa
     assert index.files[1] in str(err.value)
     # the cached copy of the old version is the indexed bytes, never mixed with the new
     assert gpuio.read(index, [0])[0].tobytes() != b"\x01" * int(index.extents["data"].length[0])
+    # indexed again (here by HEADs: .npy headers), the new version reads
+    np.save(tmp_path / "v.npy", np.zeros(10))
+    s3.upload_file(os.fspath(tmp_path / "v.npy"), BUCKET, f"{prefix}/v.npy")
+    old = formats.numpy(f"s3://{BUCKET}/{prefix}/v.npy")
+    np.testing.assert_array_equal(old[0]["data"], np.zeros(10))
+    np.save(tmp_path / "v.npy", np.ones(10))
+    s3.upload_file(os.fspath(tmp_path / "v.npy"), BUCKET, f"{prefix}/v.npy")
+    np.testing.assert_array_equal(formats.numpy(f"s3://{BUCKET}/{prefix}/v.npy")[0]["data"], np.ones(10))
+    np.testing.assert_array_equal(old[0]["data"], np.zeros(10))  # the version it indexed, cached whole
 
 
 def test_missing_extra_names_it(monkeypatch):

@@ -141,13 +141,15 @@ class Client:
             return self._s3
 
     def head(self, url: str) -> ObjectInfo:
-        """Size and ETag of the object ``url``."""
-        known = self.seen.get(url)
-        if known is not None:
-            return known
+        """Size and ETag of the object ``url``, asked of the store now."""
         info = self.transport.head(url)
         self.seen[url] = info
         return info
+
+    def known(self, url: str) -> ObjectInfo:
+        """Size and ETag of ``url`` as this process last saw it (listed, opened), else ``head``."""
+        info = self.seen.get(url)
+        return info if info is not None else self.head(url)
 
     def list(self, url: str) -> list[ObjectInfo]:
         """The objects under the prefix ``url`` (``s3://`` only), in key order."""
@@ -512,7 +514,7 @@ def object_versions(paths: Sequence[str]) -> dict[str, Any]:
     if not paths or not is_url(paths[0]):
         return {}
     c = client()
-    infos = [c.head(p) for p in paths]
+    infos = [c.known(p) for p in paths]
     return {"remote": {"etags": [i.etag for i in infos], "sizes": [i.size for i in infos]}}
 
 
@@ -644,7 +646,7 @@ class RemoteBackend:
     def _info(url: str, file_id: int, versions: dict[str, Any] | None) -> ObjectInfo:
         if versions is not None and file_id < len(versions.get("etags", ())):
             return ObjectInfo(url, int(versions["sizes"][file_id]), versions["etags"][file_id])
-        return client().head(url)
+        return client().known(url)
 
     def close(self) -> None:
         with self._lock:
