@@ -99,10 +99,9 @@ class Client:
     """Metadata calls (HEAD, listing) and ranged GETs for one process.
 
     botocore (the AWS SDK) gives the endpoint, the region and the credentials and does
-    the listings; obstore (Rust, the GIL released while it waits) does the HEADs and
-    the ranged GETs, with the credentials botocore found (asked again every few
-    minutes, so that temporary ones refresh). obstore's own retries are off: gpuio's
-    loop retries, so that the last error names the URL, the range and the status."""
+    the listings; a transport does the HEADs and the ranged GETs: ``_Obstore``, or
+    ``_Urllib3`` in a forked child of a process that used obstore (``remote_client``).
+    ``seen`` holds the versions of the objects this process listed or asked about."""
 
     def __init__(self) -> None:
         try:
