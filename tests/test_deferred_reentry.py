@@ -62,7 +62,6 @@ def test_finalizer_reentering_during_reap_neither_hangs_nor_loses_entries():
     waiting = Event(passed=False)
 
     def body():
-        gc.collect()  # earlier garbage (other tests' loaders, whose finalizers join threads) goes first
         enabled = gc.isenabled()
         gc.disable()  # the cycle below is collected only inside reap, by the event query
         try:
@@ -77,6 +76,9 @@ def test_finalizer_reentering_during_reap_neither_hangs_nor_loses_entries():
             if enabled:
                 gc.enable()
 
+    # earlier tests' garbage goes first, untimed: finalizers of loaders and torch DataLoaders
+    # join their threads and worker processes, which can take seconds
+    gc.collect()
     in_thread(body)
     assert "cycle" in freed and "first" in freed and "re-entered" in freed
     assert "still in use" not in freed  # its stream has not passed the event
