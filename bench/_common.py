@@ -6,6 +6,7 @@ import ctypes
 import json
 import mmap
 import os
+import resource
 import platform
 import sys
 import time
@@ -186,3 +187,32 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     print(f"wrote {path}")
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> int:
+    """Reset the peak-RSS counter (Linux ``clear_refs``) and return the RSS now, KiB.
+
+    ``ru_maxrss`` alone would not do: it survives ``exec`` and so starts at the
+    parent's peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return _status_kib("VmRSS") or 0
+
+
+def peak_rss() -> int:
+    """Peak RSS since the last reset, KiB."""
+    return _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -36,7 +36,6 @@ import importlib.util
 import inspect
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -48,7 +47,7 @@ from collections.abc import Iterator
 import numpy as np
 
 import gpuio
-from gpuio.bench._common import machine, print_table, write_json
+from gpuio.bench._common import machine, peak_rss, print_table, reset_peak_rss, write_json
 from gpuio.index import Ragged, SampleIndex
 
 CASES = ("filetree-list", "filetree-walk", "filetree-torchvision-loop", "webdataset", "tfrecord", "tfrecord-scan",
@@ -172,35 +171,6 @@ def _tfrecord_index(path: str, index_path: str) -> SampleIndex:
     return fn(path, **{params[0]: index_path}) if params else fn(path)
 
 
-def _status_kib(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> int:
-    """Reset the peak-RSS counter (Linux ``clear_refs``) and return the RSS now, KiB.
-
-    ``ru_maxrss`` alone would not do: it survives ``exec`` and so starts at the
-    parent's peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return _status_kib("VmRSS") or 0
-
-
-def _peak_rss() -> int:
-    """Peak RSS since the last reset, KiB."""
-    return _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
 def torchvision_loop(root: str) -> int:
     """torchvision's ``find_classes`` + ``make_dataset`` walk, as a plain loop; the count."""
     classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
@@ -241,11 +211,11 @@ def child(case: str, args: list[str], out_dir: str) -> dict:
         "lmdb": lambda: lmdb(args[0]),
         "lmdb-cursor-loop": lambda: lmdb_cursor_loop(args[0]),
     }[case]
-    rss0 = _reset_peak_rss()
+    rss0 = reset_peak_rss()
     t0 = time.perf_counter()
     index = build()
     t_index = time.perf_counter() - t0
-    rss1 = _peak_rss()
+    rss1 = peak_rss()
     if isinstance(index, int):  # a reference loop: no index
         return {"case": case, "samples": index, "index_s": t_index, "rss_mb": (rss1 - rss0) / 1024,
                 "per_sample_us": t_index / index * 1e6}

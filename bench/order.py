@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -32,33 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from gpuio.bench._common import machine, peak_rss, print_table, reset_peak_rss, write_json
+
 RULES = ("keyed", "full-permutation")
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> int:
-    """Reset the peak-RSS counter (Linux ``clear_refs``); the RSS now, KiB."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return _status_kib("VmRSS") or 0
-
-
-def _peak_rss() -> int:
-    """Peak RSS since the last reset, KiB."""
-    return _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def rank_samples(rule: str, n: int, batch_size: int, world_size: int, rank: int, epoch: int) -> np.ndarray:
@@ -74,11 +49,11 @@ def rank_samples(rule: str, n: int, batch_size: int, world_size: int, rank: int,
 
 def child(rule: str, n: int, batch_size: int, world_size: int) -> dict[str, Any]:
     rank_samples(rule, 1000, batch_size, 4, 0, 0)  # imports and first calls out of the figure
-    rss0 = _reset_peak_rss()
+    rss0 = reset_peak_rss()
     t0 = time.perf_counter()
     mine = rank_samples(rule, n, batch_size, world_size, 0, 1)
     seconds = time.perf_counter() - t0
-    rss1 = _peak_rss()
+    rss1 = peak_rss()
     return {"rule": rule, "samples": n, "world_size": world_size, "rank_samples": int(len(mine)),
             "seconds": seconds, "rss_mb": (rss1 - rss0) / 1024, "result_mb": mine.nbytes / 2**20}
 
@@ -105,8 +80,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         print(json.dumps(child(args.child, int(args.n), args.batch_size, args.world_size)))
         return
-    from gpuio.bench._common import machine, print_table, write_json
-
     sizes = [int(x) for x in args.n.split(",")]
     rules = [r for r in args.rules.split(",") if r]
     unknown = [r for r in rules if r not in RULES]
