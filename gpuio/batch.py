@@ -18,18 +18,22 @@ import numpy as np
 
 from gpuio.device import Device, require
 
-__all__ = ["Batch", "Op", "sample_seeds"]
+__all__ = ["Batch", "Op", "sample_seeds", "splitmix64"]
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer, vectorized, on a new uint64 array (array arithmetic wraps
-    without warnings)."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer on uint64 ``x``, in place (array arithmetic wraps modulo
+    2**64 without warnings); returns ``x``."""
     x ^= x >> np.uint64(30)
     x *= np.uint64(0xBF58476D1CE4E5B9)
     x ^= x >> np.uint64(27)
     x *= np.uint64(0x94D049BB133111EB)
     x ^= x >> np.uint64(31)
     return x
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """One splitmix64 step (increment, then finalizer) on a new uint64 array."""
+    return splitmix64(x + np.uint64(0x9E3779B97F4A7C15))
 
 
 @functools.lru_cache(maxsize=64)

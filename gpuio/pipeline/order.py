@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuio.batch import splitmix64
 from gpuio.errors import ConfigError
 
 __all__ = ["LAST_BATCH", "ORDER_VERSION", "ROUNDS", "EpochOrder", "EpochPlan", "epoch_order"]
@@ -67,16 +68,6 @@ _CHUNK = 1 << 18  # positions evaluated at once: the network's temporaries stay 
 # full batches whose positions ``EpochPlan.batches`` evaluates in one call: NumPy's cost per
 # call, paid once per round and cycle-walking pass, is shared by as many rows
 _BLOCK = 64
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finalizer on uint64 ``x``, in place (arithmetic wraps modulo 2**64)."""
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    return x
 
 
 class EpochOrder:
@@ -129,7 +120,7 @@ class EpochOrder:
         b = self.bits - a
         left, right = x >> np.uint64(b), x & np.uint64((1 << b) - 1)
         for key in self.keys:
-            f = _mix(right ^ key)
+            f = splitmix64(right ^ key)
             f &= np.uint64((1 << a) - 1)
             f ^= left
             left, right = right, f
