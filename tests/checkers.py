@@ -340,3 +340,18 @@ def index_on_a_process_pool(tmp_path: Any, call: str) -> tuple[Any, dict[str, An
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     return (None if "error" in report else gpuio.SampleIndex.load(out)), report
+
+
+class RejectSamples(gpuio.batch.Op):
+    """Rejects the rows whose dataset index is in ``bad``, as a decoder rejects bad bytes."""
+
+    name = "reject"
+
+    def __init__(self, bad):
+        self.bad = set(bad)
+
+    def __call__(self, batch):
+        for row, i in enumerate(batch.index.tolist()):
+            if i in self.bad:
+                batch.reject(row, gpuio.errors.DataError("cannot decode", sample=i))
+        return batch

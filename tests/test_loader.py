@@ -17,7 +17,7 @@ from gpuio.errors import ConfigError, DataError, PipelineError, StorageError
 from gpuio.formats import filetree, numpy as npy_format
 from gpuio.index import Ragged, SampleIndex
 
-from checkers import assert_same_batch, host
+from checkers import assert_same_batch, host, RejectSamples
 
 N = 30
 
@@ -64,21 +64,6 @@ class AsArray(Op):
     def __call__(self, batch):
         batch.data["data"] = [d.view(np.dtype(t)).reshape(tuple(s))
                               for d, s, t in zip(batch.data["data"], batch.data["shape"], batch.data["dtype"])]
-        return batch
-
-
-class RejectSamples(Op):
-    """Rejects the rows whose dataset index is in ``bad`` (as a decoder would reject bad bytes)."""
-
-    name = "reject"
-
-    def __init__(self, bad):
-        self.bad = set(bad)
-
-    def __call__(self, batch):
-        for row, i in enumerate(batch.index.tolist()):
-            if i in self.bad:
-                batch.reject(row, DataError("cannot decode", sample=i))
         return batch
 
 

@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpuio
-from gpuio.errors import ConfigError, DataError
+from gpuio.errors import ConfigError
 from gpuio.pipeline.order import ROUNDS, EpochPlan, epoch_order
 from gpuio.batch import Op
 from gpuio.formats import filetree, numpy as npy_format
 
-from checkers import check_deterministic, check_elastic_resume, check_exactly_once, check_resume
+from checkers import check_deterministic, check_elastic_resume, check_exactly_once, check_resume, RejectSamples
 
 N = 37  # prime: no batch size or world size divides it
 
@@ -302,19 +302,6 @@ def test_elastic_resume(npy_files, data, n, w, b, w2, b2, last, last2):
 
     check_elastic_resume(make, n, {"world_size": w, "batch_size": b, "last_batch": last},
                          {"world_size": w2, "batch_size": b2, "last_batch": last2}, steps)
-
-
-class RejectSamples(Op):
-    """Rejects the rows whose dataset index is in ``bad``, as a decoder rejects bad bytes."""
-
-    def __init__(self, bad):
-        self.bad = set(bad)
-
-    def __call__(self, batch):
-        for row, i in enumerate(batch.index.tolist()):
-            if i in self.bad:
-                batch.reject(row, DataError("cannot decode", sample=i))
-        return batch
 
 
 def test_elastic_resume_carries_skip_counts(npy_index):

@@ -10,7 +10,6 @@ gpu-marked twins compare the GPU ops with the CPU ops."""
 from __future__ import annotations
 
 import ctypes
-import subprocess
 
 import numpy as np
 import pytest
@@ -19,12 +18,12 @@ from gpuio import ops
 from gpuio.batch import Batch, sample_seeds
 from gpuio.device import parse_device
 from gpuio.errors import ConfigError
-from gpuio.ops._kernels import SOURCE, channel_groups, check_images, launch_params, split_output
+from gpuio.ops._kernels import channel_groups, check_images, launch_params, split_output
 from gpuio.ops.fused import FusedCropResizeNormalize
 from gpuio.ops.geometry import image_sizes
 from gpuio.sample import sample_image
 
-from test_ops_kernel import CXX, HARNESS
+from test_ops_kernel import kernels  # noqa: F401 - the fixture: the kernel source built as C++ per output kind
 
 INTERP = {"nearest": 0, "linear": 1, "cubic": 2, "area": 3}
 
@@ -43,22 +42,7 @@ def batch_of(images, device="cpu"):
     return Batch({"image": list(images)}, index, sample_seeds(7, 0, index), parse_device(device))
 
 
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    if CXX is None:
-        pytest.skip("no C++ compiler")
-    out = {}
-    for kind, dtype in ((0, np.float32), (2, np.uint8)):
-        src = tmp_path_factory.mktemp("k") / "k.cpp"
-        src.write_text(HARNESS % SOURCE)
-        lib = src.with_suffix(".so")
-        subprocess.run([CXX, "-O1", "-shared", "-fPIC", f"-DOUT_KIND={kind}", "-o", str(lib), str(src)],
-                       check=True, capture_output=True)
-        out[dtype] = ctypes.CDLL(str(lib)).launch
-    return out
-
-
-def host_kernel(launch, images, plan, params, interp, antialias, layout, dtype):
+def host_kernel(kernels, images, plan, params, interp, antialias, layout, dtype):  # noqa: F811 - the fixture imported above
     """``crop_resize_normalize``'s steps with host pointers and the C++ build of the kernel."""
     channels = check_images(images)
     table, sizes = launch_params([img.ctypes.data for img in images], [img.strides for img in images], channels,
@@ -71,7 +55,7 @@ def host_kernel(launch, images, plan, params, interp, antialias, layout, dtype):
         mean, inv_std = (np.ascontiguousarray(a, np.float32) for a in params(c))
         part, part_boxes = np.ascontiguousarray(table[rows]), np.ascontiguousarray(boxes[rows])
         pixels = int((table[rows, 8] * table[rows, 9]).max())
-        launch[dtype](ctypes.c_int((pixels + threads - 1) // threads), ctypes.c_int(len(rows)), ctypes.c_int(threads),
+        kernels[dtype](ctypes.c_int((pixels + threads - 1) // threads), ctypes.c_int(len(rows)), ctypes.c_int(threads),
                       ptr(part), ptr(part_boxes), ptr(mean), ptr(inv_std), ptr(out), ctypes.c_int(c),
                       ctypes.c_int(INTERP[interp]), ctypes.c_int(antialias), ctypes.c_int(layout == "CHW"))
     return split_output(out, table, sizes, channels, layout)
@@ -89,14 +73,14 @@ def levels(a, b, std):
 
 
 @pytest.mark.parametrize("k", range(len(CHAINS)))
-def test_mixed_channel_batch_through_the_kernel_host_side(launch, k):
+def test_mixed_channel_batch_through_the_kernel_host_side(kernels, k):  # noqa: F811 - the fixture imported above
     images = mixed_images()
     chain = CHAINS[k]()
     fused = FusedCropResizeNormalize(chain)
     plan = fused.plan(batch_of(images), image_sizes(images))
     norm = chain[-1]
     dtype = np.uint8 if norm.dtype == "uint8" else np.float32
-    got = host_kernel(launch, images, plan, norm.channel_params, fused.interp, fused.antialias, norm.layout, dtype)
+    got = host_kernel(kernels, images, plan, norm.channel_params, fused.interp, fused.antialias, norm.layout, dtype)
     cpu = ops.Compose(CHAINS[k](), fuse=False)(batch_of(images)).data["image"]
     assert isinstance(got, list) and len(got) == len(cpu) == len(images)
     std = float(norm.std[0])
