@@ -506,17 +506,9 @@ def test_progress_bar_only_for_long_indexing(tmp_path, capfd, monkeypatch):
 @given(edits=st.lists(st.tuples(st.integers(0, 6000), st.integers(0, 255)), min_size=1, max_size=4),
        cut=st.one_of(st.none(), st.integers(0, 6000)))
 def test_corrupted_plain_tars_raise_only_gpuio_errors(tmp_path, edits, cut):
-    buf = io.BytesIO()  # plain ustar headers only: the bulk header walk reads them
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
-        for name, data in [("a/k1.txt", b"one"), ("a/k1.cls", b"1"), ("a/k2.txt", b"two" * 300), ("dir", None)]:
-            info = tarfile.TarInfo(name)
-            if data is None:
-                info.type = tarfile.DIRTYPE
-                tf.addfile(info)
-            else:
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
-    raw = bytearray(buf.getvalue())
+    members = [("a/k1.txt", b"one"), ("a/k1.cls", b"1"), ("a/k2.txt", b"two" * 300), ("dir", None)]
+    # plain ustar headers only: the bulk header walk reads them
+    raw = bytearray(_write_tar(tmp_path / "plain.tar", members, tarfile.USTAR_FORMAT).read_bytes())
     for pos, byte in edits:
         raw[pos % len(raw)] = byte
     path = tmp_path / "c.tar"
