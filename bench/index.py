@@ -25,6 +25,13 @@ fresh child process, so that the peak-RSS increase belongs to the indexing alone
 Per dataset it reports the wall time to index, the peak RSS increase while indexing,
 the index's array bytes (``nbytes``), the saved file's size, and the save and load
 times. It prints a table and writes JSON with ``--out``.
+
+    python bench/index.py --getitem [--getitem-files 2000] [--getitem-bytes 16384]
+
+measures reading one sample instead: ``index[i]`` against a plain ``open``, ``seek`` and
+``read`` of each of the sample's extents (the same files, the same random order), and
+the batched read of that one row (``gpuio.storage.read_fields``), on a file tree and on a
+WebDataset tar of the same samples (``.jpg`` of ``--getitem-bytes`` bytes, ``.cls``).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import io
 import json
 import os
 import shutil
@@ -254,6 +262,78 @@ def workdir(parent: str | None, keep: bool) -> Iterator[str]:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def make_getitem_data(root: str, n: int, size: int) -> tuple[str, str]:
+    """A file tree of ``n`` files of ``size`` random bytes in 10 class folders, and one
+    tar holding the same samples (``<k>.jpg`` with those bytes, ``<k>.cls``)."""
+    tree, tar_path = os.path.join(root, "getitem-tree"), os.path.join(root, "getitem.tar")
+    rng = np.random.default_rng(0)
+    with tarfile.open(tar_path, "w") as tar:
+        for k in range(n):
+            data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+            folder = os.path.join(tree, f"class{k % 10}")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"{k:06d}.jpg"), "wb") as f:
+                f.write(data)
+            for ext, member in (("jpg", data), ("cls", b"%d" % (k % 10))):
+                info = tarfile.TarInfo(f"{k:06d}.{ext}")
+                info.size = len(member)
+                tar.addfile(info, io.BytesIO(member))
+    return tree, tar_path
+
+
+def getitem_rows(tmp: str, n: int, size: int, rounds: int) -> list[dict]:
+    """Per dataset, the median over ``rounds`` of the time per sample of ``index[i]``,
+    of plain reads of the same extents and of a batched read of one row, interleaved."""
+    from gpuio.formats import filetree, webdataset
+
+    tree, tar_path = make_getitem_data(tmp, n, size)
+    rows = []
+    for name, index in (("filetree", filetree(tree)), ("webdataset", webdataset(tar_path, fields=("jpg", "cls")))):
+        order = np.random.default_rng(1).permutation(len(index)).tolist()
+        extents = [[index.extent(i, f) for f in index.extents] for i in order]
+        if index[order[0]]["jpg" if name == "webdataset" else "data"] != _plain_bytes(extents[0][0]):
+            raise RuntimeError(f"{name}: index[{order[0]}] differs from the file's bytes")
+        times: dict[str, list[float]] = {"getitem": [], "plain": [], "batched": []}
+        for _ in range(rounds):
+            for key, fn, arg in (("getitem", _getitem_loop, (index, order)), ("plain", _plain_loop, (extents,)),
+                                 ("batched", _batched_loop, (index, order))):
+                t0 = time.perf_counter()
+                fn(*arg)
+                times[key].append((time.perf_counter() - t0) / len(order) * 1e6)
+        us = {k: float(np.median(v)) for k, v in times.items()}
+        rows.append({"dataset": name, "samples": len(index), "extents": len(index.extents), "bytes": size,
+                     "getitem_us": us["getitem"], "plain_us": us["plain"], "batched_us": us["batched"],
+                     "vs_plain": us["getitem"] / us["plain"], "batched_vs_plain": us["batched"] / us["plain"]})
+    return rows
+
+
+def _getitem_loop(index: SampleIndex, order: list[int]) -> None:
+    for i in order:
+        index[i]
+
+
+def _plain_loop(extents: list[list[tuple[str, int, int]]]) -> None:
+    for sample in extents:
+        for path, offset, length in sample:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                f.read(length)
+
+
+def _batched_loop(index: SampleIndex, order: list[int]) -> None:
+    from gpuio.storage import read_fields
+
+    for i in order:
+        read_fields(index, [i], index.fields)
+
+
+def _plain_bytes(extent: tuple[str, int, int]) -> bytes:
+    path, offset, length = extent
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=1_000_000, help="samples in the list, tar and TFRecord datasets")
@@ -264,12 +344,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tmp", default=None, help="where to build the datasets (default: the system temp dir)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the datasets (their folder is printed)")
+    p.add_argument("--getitem", action="store_true", help="measure index[i] against open+read of the same "
+                                                          "extents instead of indexing")
+    p.add_argument("--getitem-files", type=int, default=2000, help="samples of the --getitem datasets")
+    p.add_argument("--getitem-bytes", type=int, default=16384, help="bytes of each --getitem sample's .jpg")
+    p.add_argument("--rounds", type=int, default=7, help="--getitem: passes over the samples per reader "
+                                                         "(the median is reported)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         print(json.dumps(child(a.child, a.paths, a.out_dir)))
+        return
+
+    if a.getitem:
+        info = machine()
+        print(f"machine: {info['cpu']}, {info['cores']} cores, python {info['python']}, gpuio {info['gpuio']}")
+        with workdir(a.tmp, a.keep) as tmp:
+            rows = getitem_rows(tmp, a.getitem_files, a.getitem_bytes, a.rounds)
+        print_table(rows, [("dataset", "dataset", "s"), ("samples", "samples", "d"),
+                           ("extents", "extents/sample", "d"), ("bytes", ".jpg bytes", "d"),
+                           ("getitem_us", "index[i] us", ".1f"), ("plain_us", "open+read us", ".1f"),
+                           ("batched_us", "read_fields 1 row us", ".1f"), ("vs_plain", "index[i] vs open+read", ".2f"),
+                           ("batched_vs_plain", "1 row vs open+read", ".2f")])
+        write_json(a.out, {"bench": "index-getitem", "machine": info, "results": rows, "gpuio": gpuio.__version__})
         return
 
     cases = [c for c in a.cases.split(",") if c]
