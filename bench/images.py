@@ -2,21 +2,36 @@
 64: ``train`` (decode, random resized crop 224, flip, normalize to float32 CHW) and
 ``val`` (decode, resize to 224x224, normalize to float32 CHW).
 
-    python bench/images.py [--count 2000] [--batch 64] [--epochs 2] [--pipeline both] [--out images.json]
+    python bench/images.py [--root TREE | --count 2000] [--batch 64] [--epochs 2] [--pipeline both] [--out images.json]
 
-Competitors, measured in one run, all in interleaved rounds (images/s of the best epoch,
-page cache warm): gpuio on the CPU (``gpuio.Loader`` + ``ops.Compose``),
-``torch.utils.data.DataLoader`` with Pillow doing the same ops (workers = cores; the
-baseline of the ratios), NVIDIA DALI's CPU pipeline (``pip install gpuio[bench]``;
-``device_id=None``, ``num_threads`` = cores: ``readers.file`` ->
-``decoders.image_random_crop`` or ``decoders.image`` -> ``resize`` ->
-``crop_mirror_normalize``); on a GPU machine also gpuio on the GPU (fused kernel) and
-torchvision's batched ``decode_jpeg(device="cuda")`` + torch ops. For ``val`` it also
-prints the mean difference between gpuio's and DALI's outputs on the same images. For the
-competitors that run in this process (gpuio, DALI) it also prints the process CPU time
-per image of their cheapest pass, which a loaded machine moves less than images/s (the
-DataLoader's workers are other processes; DALI's work ahead of its pass falls partly in
-the next competitor's pass).
+Competitors (``COMPETITORS``), measured in one run, all in interleaved rounds (images/s
+of the best epoch, page cache warm):
+
+- the ceiling, ``decode only``: libjpeg-turbo decoding every image whole, as gpuio's C
+  decoder does it (``gpuio.ops.decode.decode_region``: accurate integer IDCT, fancy
+  upsampling), from bytes held in memory, a batch split over ``--workers`` threads, no
+  resize; every row shows its fraction of it;
+- gpuio on the CPU (``gpuio.Loader`` + ``ops.Compose``);
+- ``torch.utils.data.DataLoader`` with Pillow doing the same ops (workers = cores);
+- SPDL (``pip install spdl``, with FFmpeg's shared libraries): a ``PipelineBuilder``
+  source -> ``aggregate(batch)`` -> ``pipe(decode, concurrency=workers)`` ->
+  ``add_sink``, built with ``num_threads=workers``, as SPDL's image examples write it;
+  ``val`` decodes a batch with ``spdl.io.load_image_batch`` (FFmpeg's bilinear
+  ``scale`` to 224x224), ``train`` each image with its own crop, scale and flip filter
+  (``spdl.io.decode_packets``), batched by ``spdl.io.convert_frames``; then the uint8
+  HWC batch is normalized to float32 CHW with torch, as SPDL's ImageNet example does;
+- NVIDIA DALI's CPU pipeline (``pip install nvidia-dali-cuda120``; ``device_id=None``,
+  ``num_threads`` = cores: ``readers.file`` -> ``decoders.image_random_crop`` or
+  ``decoders.image`` -> ``resize`` -> ``crop_mirror_normalize``);
+- on a GPU machine also gpuio on the GPU (fused kernel) and torchvision's batched
+  ``decode_jpeg(device="cuda")`` + torch ops.
+
+A competitor whose package is missing is a row saying so. For ``val`` it also prints the
+mean difference between gpuio's and DALI's outputs on the same images. For the
+competitors that run in this process it also prints the process CPU time per image of
+their cheapest pass, which a loaded machine moves less than images/s (the DataLoader's
+workers are other processes; DALI's work ahead of its pass falls partly in the next
+competitor's pass).
 """
 
 from __future__ import annotations
@@ -26,7 +41,10 @@ import math
 import os
 import random
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -164,6 +182,86 @@ def dali_cpu(root: str, batch: int, threads: int, count: int, pipeline: str = "t
     return run
 
 
+def _paths(root: str) -> list[str]:
+    return list(gpuio.formats.filetree(root).files)  # absolute paths
+
+
+def decode_only(root: str, batch: int, threads: int, count: int) -> Any:
+    """The decoder's own speed, the ceiling of the pipelines: each image decoded whole by
+    libjpeg-turbo as gpuio's C path decodes it (``decode.decode_region``: accurate IDCT,
+    fancy upsampling; the images it does not take by ``decode.decode_cpu``), from bytes
+    in memory, each batch split into ``threads`` runs of images on as many threads."""
+    from gpuio.ops import decode
+
+    if decode.native_jpeg() is None:
+        raise ImportError("gpuio.ops._jpeg was not built", name="gpuio.ops._jpeg")
+    bufs = [np.fromfile(path, np.uint8) for path in _paths(root)[:count]]
+    facts = decode.jpeg_facts(bufs)
+    whole = decode.region_decodable(facts).tolist()
+    pool = ThreadPoolExecutor(threads)
+
+    def decode_run(rows: range) -> int:
+        for i in rows:
+            if whole[i]:
+                decode.decode_region(bufs[i], int(facts[i, 0]), "rgb", (0, 0, int(facts[i, 3]), int(facts[i, 4])), 1, i)
+            else:
+                decode.decode_cpu(bufs[i], "rgb", i, decode.facts_info(facts[i]))
+        return len(rows)
+
+    def run():
+        for start in range(0, count, batch):
+            n = min(batch, count - start)
+            cuts = np.linspace(start, start + n, threads + 1).astype(int).tolist()
+            yield np.empty((sum(pool.map(decode_run, [range(a, b) for a, b in zip(cuts, cuts[1:])])), 0))
+
+    return run
+
+
+def spdl_loader(root: str, batch: int, threads: int, pipeline: str = "train") -> Any:
+    """SPDL's pipeline as its image examples build it (see the module docstring)."""
+    import spdl.io
+    import torch
+    from spdl.pipeline import PipelineBuilder
+
+    paths = _paths(root)
+    try:  # the Python package imports without FFmpeg's libraries; its first decode loads them
+        spdl.io.demux_image(paths[0])
+    except (OSError, RuntimeError) as exc:
+        raise ImportError(f"spdl cannot load FFmpeg: {exc}", name="spdl's FFmpeg libraries") from exc
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    resize = spdl.io.get_video_filter_desc(scale_width=224, scale_height=224, scale_mode=None, scale_algo="bilinear",
+                                           pix_fmt="rgb24")
+
+    def train_batch(srcs: list[str]) -> Any:
+        frames = []
+        for src in srcs:
+            packets = spdl.io.demux_image(src)
+            top, left, ch, cw = _rrc_box(packets.codec.height, packets.codec.width)
+            flip = ",hflip" if random.random() < 0.5 else ""
+            crop = f"crop=w={cw}:h={ch}:x={left}:y={top},scale=w=224:h=224:flags=bilinear{flip}"
+            frames.append(spdl.io.decode_packets(packets, filter_desc=spdl.io.get_video_filter_desc(filter_desc=crop)))
+        return spdl.io.convert_frames(frames)
+
+    def val_batch(srcs: list[str]) -> Any:
+        return spdl.io.load_image_batch(srcs, width=None, height=None, pix_fmt=None, filter_desc=resize)
+
+    load = train_batch if pipeline == "train" else val_batch
+
+    def decode_normalize(srcs: list[str]) -> Any:
+        x = spdl.io.to_torch(load(srcs)).permute(0, 3, 1, 2).float() / 255.0
+        return (x - mean) / std
+
+    def run():
+        order = [paths[i] for i in np.random.permutation(len(paths))]
+        loader = (PipelineBuilder().add_source(order).aggregate(batch, drop_last=True)
+                  .pipe(decode_normalize, concurrency=threads).add_sink(3).build(num_threads=threads))
+        with loader.auto_stop():
+            yield from loader.get_iterator()
+
+    return run
+
+
 def torchvision_gpu(root: str, batch: int) -> Any:
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg, read_file
@@ -185,6 +283,47 @@ def torchvision_gpu(root: str, batch: int) -> Any:
         torch.cuda.synchronize()
 
     return run
+
+
+class Setup(NamedTuple):
+    """What every competitor is given."""
+
+    root: str
+    batch: int
+    workers: int  # DataLoader workers; DALI, SPDL and decode-only threads
+    count: int  # images per pass, in whole batches
+
+
+@dataclass(frozen=True)
+class Competitor:
+    """A row per pipeline. ``name``: its label ("{workers}" stands for ``--workers``);
+    ``make(setup, pipeline)``: a function making one pass that yields batches (it raises
+    ImportError, naming the package, where one is missing); ``in_process``: its CPU time
+    is this process's; ``gpu``: run only where a GPU is; ``pipelines``: those it runs."""
+
+    name: str
+    make: Callable[[Setup, str], Callable[[], Iterator[Any]]]
+    in_process: bool = True
+    gpu: bool = False
+    pipelines: tuple[str, ...] = tuple(PIPELINES)
+
+
+COMPETITORS = [
+    Competitor("decode only: libjpeg-turbo, gpuio C decoder ({workers} threads)",
+               lambda s, p: decode_only(s.root, s.batch, s.workers, s.count)),
+    Competitor("gpuio cpu (Loader + ops.Compose)", lambda s, p: gpuio_loader(s.root, s.batch, "cpu", p)),
+    Competitor("torch DataLoader + Pillow ({workers} workers)",
+               lambda s, p: torch_dataloader(s.root, s.batch, s.workers, p), in_process=False),
+    Competitor("SPDL pipeline ({workers} threads)", lambda s, p: spdl_loader(s.root, s.batch, s.workers, p)),
+    Competitor("DALI cpu pipeline ({workers} threads)", lambda s, p: dali_cpu(s.root, s.batch, s.workers, s.count, p)),
+    Competitor("gpuio cuda (fused kernel)", lambda s, p: gpuio_loader(s.root, s.batch, "cuda", p), gpu=True),
+    Competitor("torchvision decode_jpeg cuda + torch ops", lambda s, p: torchvision_gpu(s.root, s.batch), gpu=True,
+               pipelines=("train",)),
+]
+
+# the ratio columns: key, heading, and the row (by the start of its name) each row is divided by
+RATIOS = [("of_ceiling", "of decode only", "decode only"), ("ratio", "vs torch DataLoader", "torch DataLoader"),
+          ("vs_spdl", "vs SPDL", "SPDL"), ("vs_dali", "vs DALI", "DALI")]
 
 
 def cpu_timed(run: Any, passes: list[float]) -> Any:
@@ -284,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=2, help="passes per competitor; the best counts")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="DataLoader workers and DALI threads")
+                        help="DataLoader workers; DALI, SPDL and decode-only threads")
     parser.add_argument("--pipeline", choices=[*PIPELINES, "both"], default="both")
     parser.add_argument("--profile", action="store_true",
                         help="only print the CPU time per stage, op by op and fused (one thread)")
@@ -309,24 +448,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cuda = gpuio.cuda_available()
     if not cuda:
         print("no GPU: the gpuio cuda and torchvision GPU rows are not run")
+    setup = Setup(root, args.batch, args.workers, count)
     rows, runs, cpu = [], {}, {}
     for pipeline in pipelines:
-        makers = [("gpuio cpu (Loader + ops.Compose)", lambda p=pipeline: gpuio_loader(root, args.batch, "cpu", p)),
-                  (f"torch DataLoader + Pillow ({args.workers} workers)",
-                   lambda p=pipeline: torch_dataloader(root, args.batch, args.workers, p)),
-                  (f"DALI cpu pipeline ({args.workers} threads)",
-                   lambda p=pipeline: dali_cpu(root, args.batch, args.workers, count, p))]
-        if cuda:
-            makers.append(("gpuio cuda (fused kernel)", lambda p=pipeline: gpuio_loader(root, args.batch, "cuda", p)))
-            if pipeline == "train":
-                makers.append(("torchvision decode_jpeg cuda + torch ops", lambda: torchvision_gpu(root, args.batch)))
-        for name, make in makers:
+        for competitor in COMPETITORS:
+            if pipeline not in competitor.pipelines or (competitor.gpu and not cuda):
+                continue
+            name = competitor.name.format(workers=args.workers)
+            key = f"{pipeline}: {name}"
             row: dict[str, Any] = {"pipeline": pipeline, "name": name}
             try:
-                runs[f"{pipeline}: {name}"] = make()
-                if not name.startswith("torch DataLoader"):  # in this process: its CPU time is ours to see
-                    runs[f"{pipeline}: {name}"] = cpu_timed(runs[f"{pipeline}: {name}"],
-                                                            cpu.setdefault(f"{pipeline}: {name}", []))
+                runs[key] = competitor.make(setup, pipeline)
+                if competitor.in_process:  # its CPU time is ours to see
+                    runs[key] = cpu_timed(runs[key], cpu.setdefault(key, []))
             except ImportError as exc:
                 row["note"] = f"not installed ({exc.name})"
             rows.append(row)
@@ -341,13 +475,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["note"], row["error"] = "failed (below)", failed[key]
     for pipeline in pipelines:
         group = [r for r in rows if r["pipeline"] == pipeline]
-        for col, prefix in (("ratio", "torch DataLoader"), ("vs_dali", "DALI")):
+        for col, _, prefix in RATIOS:
             base = next((r.get("images_s") for r in group if r["name"].startswith(prefix)), None)
             for r in group:
                 if r.get("images_s") and base:
                     r[col] = r["images_s"] / base
     print_table(rows, [("pipeline", "pipeline", "s"), ("name", "competitor", "s"), ("images_s", "images/s", ".1f"),
-                       ("ratio", "vs torch DataLoader", ".2f"), ("vs_dali", "vs DALI", ".2f"),
+                       *((col, heading, ".2f") for col, heading, _ in RATIOS),
                        ("cpu_ms", "CPU ms/image", ".3f"), ("note", "note", "s")])
     payload = {"benchmark": "images", "machine": info, "dataset": {"root": root, "images": count},
                "batch": args.batch, "epochs": args.epochs, "results": rows}
