@@ -7,6 +7,7 @@ user can find the bad bytes with ``dd`` or a hex editor.
 from __future__ import annotations
 
 import errno
+import functools
 
 __all__ = [
     "GpuioError",
@@ -76,6 +77,9 @@ class DataError(GpuioError):
             prefix += " ".join(where) + ": "
         super().__init__(prefix + message)
 
+    def __reduce__(self) -> tuple[object, tuple[()]]:  # rebuilt with its keywords (Ray, multiprocessing)
+        return functools.partial(type(self), self.reason, path=self.path, offset=self.offset, sample=self.sample), ()
+
 
 class StorageError(DataError, OSError):
     """A read failed: missing file, permission, or fewer bytes than indexed."""
@@ -97,6 +101,7 @@ class PipelineError(GpuioError, RuntimeError):
         self.sample = sample
         self.key = key
         self.path = path
+        self.reason = message
         parts = [f"stage {stage!r}"]
         if sample is not None:
             parts.append(f"sample {sample}")
@@ -105,6 +110,10 @@ class PipelineError(GpuioError, RuntimeError):
         if path is not None:
             parts.append(f"file {path}")
         super().__init__(", ".join(parts) + ": " + message)
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:  # rebuilt with its keywords (Ray, multiprocessing)
+        return functools.partial(type(self), self.reason, stage=self.stage, sample=self.sample, key=self.key,
+                                 path=self.path), ()
 
 
 def open_error(path: str, exc: OSError) -> StorageError:

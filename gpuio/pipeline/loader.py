@@ -423,10 +423,7 @@ class Loader:
         """The stage threads and the readers, started for the first pass (or the first
         after ``close()``) and kept across completed passes."""
         self.close()
-        if self._host_fields:
-            self._readers["host"] = Reader("cpu", thread_name="gpuio-loader-read", pool=self._pool)
-        if self._dev_fields:
-            self._readers["device"] = Reader(self.device, thread_name="gpuio-loader-read", pool=self._pool)
+        self._open_readers()
         stages = self._stages()
         window = min(self.prefetch + sum(1 if s.gpu else s.workers for s in stages), self._max_in_flight)
         ex = Executor(stages, window=window, device=self.device, stats=self._stage_stats,
@@ -434,6 +431,48 @@ class Loader:
         ex.start()
         self._executor = ex
         return ex
+
+    def load(self, samples: Sequence[int] | np.ndarray, epoch: int | None = None) -> dict[str, Any]:
+        """One batch of ``samples`` (dataset positions, one row each, in this order) on the
+        calling thread: read, parsed, put through the ops and collated as a pass does it,
+        with the random draws of ``(seed, epoch, sample)`` (``epoch`` default: the
+        loader's), so a sample comes out as it would in a pass of that epoch. This is the
+        way to run a loader's pipeline on samples that another scheduler chose (a Ray
+        read task: ``gpuio.ray``); it neither moves the loader's position nor starts its
+        threads. A bad sample is a ``PipelineError`` naming it (under ``on_error="skip"``
+        its row is dropped and counted in ``stats()``). CPU loaders only: a GPU pass hands
+        batches over between CUDA streams, which a call on the consumer's thread has not."""
+        if self.device.is_cuda:
+            raise ConfigError("Loader.load runs on the CPU only; make the loader with device='cpu' "
+                              "(GPU batches come from iterating the loader)")
+        src = np.asarray(samples)
+        n = len(self.index)
+        if src.ndim != 1 or (src.size and src.dtype.kind not in "iu"):
+            raise ConfigError(f"samples must be a 1-D sequence of dataset positions, got {samples!r}")
+        src = src.astype(np.int64)
+        if src.size and (src.min() < 0 or src.max() >= n):
+            bad = int(src.min()) if src.min() < 0 else int(src.max())
+            raise ConfigError(f"sample {bad} out of range 0..{n - 1}")
+        w = _Work(0, self._epoch if epoch is None else int(epoch), src, src.copy())
+        if not self._readers:
+            self._open_readers()
+        steps = [("read", self._read)] + ([("parse", self._parse)] if self._parsed else [])
+        steps += [(name, functools.partial(self._run_op, op, name)) for op, name in zip(self.ops, self._op_names)]
+        for name, step in steps:
+            try:
+                w = step(w)
+            except PipelineError:
+                raise
+            except Exception as err:  # named as a pass names it (stage, sample, file)
+                raise self._pipeline_error(name, w, err) from err
+        out, _ = self._collate(w)
+        return self._collate.hand_off(out, None)
+
+    def _open_readers(self) -> None:
+        if self._host_fields:
+            self._readers["host"] = Reader("cpu", thread_name="gpuio-loader-read", pool=self._pool)
+        if self._dev_fields:
+            self._readers["device"] = Reader(self.device, thread_name="gpuio-loader-read", pool=self._pool)
 
     def close(self) -> None:
         """Stop the running pass, if any, and end every loader thread (they have ended on
