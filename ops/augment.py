@@ -11,10 +11,12 @@ a range draws one uniform number per sample from the numbers of ``batch.rng(row,
 is in), the ranged arguments in the order of the signature.
 
 The colour ops are one 3x3 matrix and offset per sample applied to the RGB channels
-(channels past the third pass through): on the CPU one batched matrix product over the
-images that share a shape (a 256-entry lookup table per image where the transform is the
-same ``a * v + b`` on every channel, as brightness_contrast's), on the GPU one elementwise
-kernel launch per shape.
+(channels past the third pass through): on the CPU one C call per batch
+(``gpuio.ops._augment.color``, a 256-level table per channel where the matrix is
+diagonal, as brightness_contrast's), on the GPU one elementwise kernel launch per shape;
+both compute the same float32 sums, so they give the same levels. ``gaussian_blur`` is
+one C call per batch on the CPU (``_augment.blur``) and two kernel launches per image on
+the GPU, again with the same sums.
 """
 
 from __future__ import annotations
@@ -25,17 +27,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, DataError
+from gpuio.ops import _augment
 from gpuio.ops._rng import Streams
 
 __all__ = ["BrightnessContrast", "Hsv", "ColorTwist", "RandomGrayscale", "GaussianBlur", "RandomErasing", "Erase",
            "JpegCompressionDistortion", "erase", "jpeg_compression_distortion", "brightness_contrast", "hsv",
            "color_twist", "random_grayscale", "gaussian_blur", "random_erasing",
-           "Range", "param_range", "draw", "yiq_matrix", "apply_color", "reflect101_index", "LUMA",
+           "Range", "param_range", "draw", "yiq_matrix", "apply_color", "apply_levels", "histograms",
+           "reflect101_index", "LUMA",
            "COLOR_SOURCE", "BLUR_SOURCE", "REFLECT101_SOURCE"]
 
 Range = float | tuple[float, float]
@@ -158,6 +161,10 @@ def apply_color(batch: Batch, field: str, matrices: np.ndarray, offsets: np.ndar
     past the third pass through), rounded half up to uint8, into ``batch.data[field]``."""
     images = batch.data[field]
     rows = _rows(images)
+    for row, img in enumerate(rows):
+        if img.dtype != np.uint8 or img.ndim != 3:
+            raise DataError(f"the colour ops take uint8 HWC images; row {row} is {img.dtype} of shape "
+                            f"{tuple(img.shape)}", sample=int(batch.index[row]))
     table = np.zeros((len(rows), 12), np.float32)
     table[:, :9] = np.asarray(matrices).reshape(-1, 9)
     table[:, 9:] = offsets
@@ -176,26 +183,44 @@ def apply_color(batch: Batch, field: str, matrices: np.ndarray, offsets: np.ndar
                     out = _place(out, idx, dst)
                 batch.data[field] = _container(images, out, cp)
         return
-    levels = np.arange(256, dtype=np.float32)
-    for shape, idx in _groups(rows, rows_to_do).items():
-        if shape[2] <= 3 and all(_is_scalar(table[r]) for r in idx):  # a * v + b: a 256-entry table per image
-            out = _place(out, idx, [_to_uint8(np, table[r, 0] * levels + table[r, 9])[rows[r]] for r in idx])
-            continue
-        src = np.stack([rows[r] for r in idx]).astype(np.float32)
-        c = shape[2]
-        if c >= 3:
-            rgb = np.matmul(src[..., :3].reshape(len(idx), -1, 3), table[idx, :9].reshape(-1, 3, 3).transpose(0, 2, 1))
-            src[..., :3] = rgb.reshape(src[..., :3].shape) + table[idx, 9:][:, None, None, :]
-        else:
-            src = src * table[idx, 0][:, None, None, None] + table[idx, 9][:, None, None, None]
-        out = _place(out, idx, _to_uint8(np, src))
-    batch.data[field] = _container(images, out, np)
+    src = [np.ascontiguousarray(rows[r]) for r in rows_to_do]
+    dst = [np.empty_like(img) for img in src]
+    _augment.color(src, np.ascontiguousarray(table[rows_to_do]), dst)
+    batch.data[field] = _container(images, _place(out, rows_to_do, dst), np)
 
 
-def _is_scalar(params: np.ndarray) -> bool:
-    """A colour table row (3x3 matrix, 3 offsets) that is ``a * v + b`` on every channel."""
-    m, off = params[:9].reshape(3, 3), params[9:]
-    return bool(np.all(m == m[0, 0] * np.eye(3, dtype=np.float32)) and np.all(off == off[0]))
+def apply_levels(batch: Batch, images: list[Any], tables: np.ndarray) -> list[Any]:
+    """Each uint8 HWC image (1-4 channels) with its levels mapped: channel ``c`` of image
+    ``k`` through ``tables[k, c]`` (uint8 ``[N, 4, 256]``); new images, on the batch's
+    device."""
+    if not batch.device.is_cuda:
+        src = [np.ascontiguousarray(img) for img in images]
+        out = [np.empty_like(img) for img in src]
+        _augment.lut(src, np.ascontiguousarray(tables, np.uint8), out)
+        return out
+    cp = require("cupy")
+    with cp.cuda.Device(batch.device.index):
+        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+        with stream:
+            return [cp.asarray(t[:img.shape[2]])[cp.arange(img.shape[2]), img] for img, t in zip(images, tables)]
+
+
+def histograms(batch: Batch, images: list[Any]) -> np.ndarray:
+    """The count of each level per channel of each uint8 HWC image (1-4 channels), int64
+    ``[N, 4, 256]`` in host memory (zeros for channels an image does not have)."""
+    counts = np.zeros((len(images), 4, 256), np.int64)
+    if not batch.device.is_cuda:
+        _augment.histogram([np.ascontiguousarray(img) for img in images], counts)
+        return counts
+    cp = require("cupy")
+    with cp.cuda.Device(batch.device.index):
+        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+        with stream:
+            for k, img in enumerate(images):
+                c = img.shape[2]
+                bins = (img.reshape(-1, c).astype(cp.int32) + 256 * cp.arange(c, dtype=cp.int32)).ravel()
+                counts[k, :c] = cp.asnumpy(cp.bincount(bins, minlength=256 * c)).reshape(c, 256)
+    return counts
 
 
 def _place(out: list[Any], idx: list[int], stacked: Any) -> list[Any]:
@@ -398,8 +423,7 @@ class GaussianBlur(Op):
         weights = [(gaussian_weights(sy, wy), gaussian_weights(sx, wx))
                    for (sy, sx), (wy, wx) in zip(sigmas.tolist(), windows.tolist())]
         if not batch.device.is_cuda:
-            out = [self._blur_cpu(img, ky, kx) for img, (ky, kx) in zip(rows, weights)]
-            batch.data[self.field] = _container(images, out, np)
+            batch.data[self.field] = _container(images, self._blur_cpu(rows, weights), np)
             return batch
         cp = require("cupy")
         with cp.cuda.Device(batch.device.index):
@@ -410,13 +434,14 @@ class GaussianBlur(Op):
         return batch
 
     @staticmethod
-    def _blur_cpu(img: np.ndarray, ky: np.ndarray, kx: np.ndarray) -> np.ndarray:
-        h, w = img.shape[:2]
-        v = img.astype(np.float32)[:, reflect101_index(w, len(kx) // 2)]
-        v = np.einsum("hwck,k->hwc", sliding_window_view(v, len(kx), axis=1), kx)  # each row's window . taps
-        v = v[reflect101_index(h, len(ky) // 2)]
-        v = np.einsum("hwck,k->hwc", sliding_window_view(v, len(ky), axis=0), ky)
-        return _to_uint8(np, v) if img.dtype == np.uint8 else v.astype(img.dtype)
+    def _blur_cpu(rows: list[np.ndarray], weights: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """One C call for the batch: uint8 and float32 images as they are, other types
+        through float32 and back."""
+        src = [np.ascontiguousarray(img if img.dtype in (np.uint8, np.float32) else img.astype(np.float32))
+               for img in rows]
+        out = [np.empty_like(img) for img in src]
+        _augment.blur(src, [ky for ky, _ in weights], [kx for _, kx in weights], out)
+        return [o if o.dtype == img.dtype else o.astype(img.dtype) for o, img in zip(out, rows)]
 
     @staticmethod
     def _blur_gpu(cp: Any, img: Any, ky: np.ndarray, kx: np.ndarray) -> Any:

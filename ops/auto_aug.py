@@ -24,8 +24,10 @@ DALI's order, with the translations bounded in pixels: DALI's default without ``
 Per sample, from ``batch.rng(row, salt)``: TrivialAugment draws the augmentation, the bin
 (uniform over all bins) and the sign; RandAugment draws, for each of its ``n`` steps, the
 augmentation and the sign (the bin is ``m``). The draws depend on (seed, epoch, sample)
-only. Each step runs each augmentation once over the rows that drew it (the colour
-augmentations as one batched matrix call, the geometric ones as one warp call).
+only. Each step runs each augmentation once over the rows that drew it: the colour ones as
+one matrix call (``ops.augment.apply_color``), the level maps (posterize, solarize,
+solarize_add, invert, equalize) as one table call (``ops.augment.apply_levels``), the
+geometric ones as one warp call; on the CPU each is one C call per batch.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, DataError
-from gpuio.ops.augment import LUMA, apply_color, reflect101_index, yiq_matrix
+from gpuio.ops import _augment
+from gpuio.ops.augment import LUMA, apply_color, apply_levels, histograms, reflect101_index, yiq_matrix
 from gpuio.ops.warp import rotation_matrix, warp
 
 __all__ = ["Augmentation", "AutoAugment", "TrivialAugmentWide", "RandAugment", "auto_augment",
@@ -156,81 +159,85 @@ def _colour(batch: Batch, rows: list[int], images: list[Any], name: str, mags: l
     elif name == "color":
         matrices = np.stack([yiq_matrix(0.0, f, 1.0) for f in factors])
     elif name == "contrast":  # Pillow's centre: the mean luma of the image
-        centre = np.array([float((_channel_means(batch, img)[:3] * LUMA).sum()) for img in images])
+        counts = histograms(batch, images)[:, :3]
+        means = (counts * np.arange(256)).sum(axis=2) / counts.sum(axis=2)  # exact sums, as a mean over pixels
+        centre = (means * LUMA).sum(axis=1)
         matrices = factors[:, None, None] * np.eye(3)
         offsets[:] = (centre * (1.0 - factors))[:, None]
     else:  # auto_contrast: each channel's range stretched to 0-255
-        matrices = np.zeros((n, 3, 3))
-        for k, img in enumerate(images):
-            lo, hi = _channel_extremes(batch, img)
-            scale = np.where(hi > lo, 255.0 / np.maximum(hi - lo, 1), 1.0)
-            matrices[k] = np.diag(scale)
-            offsets[k] = np.where(hi > lo, -lo * scale, 0.0)
+        used = histograms(batch, images)[:, :3] > 0
+        lo = np.argmax(used, axis=2).astype(np.float64)
+        hi = 255.0 - np.argmax(used[:, :, ::-1], axis=2)
+        scale = np.where(hi > lo, 255.0 / np.maximum(hi - lo, 1), 1.0)
+        matrices = scale[:, :, None] * np.eye(3)
+        offsets = np.where(hi > lo, -lo * scale, 0.0)
     sub = _sub_batch(batch, rows, images)
     apply_color(sub, "image", matrices, offsets)
     return list(sub.data["image"])
 
 
-def _channel_means(batch: Batch, img: Any) -> np.ndarray:
-    xp = batch.xp
-    if xp is np:
-        return img.reshape(-1, img.shape[2]).mean(axis=0)
-    with xp.cuda.Device(batch.device.index):
-        return xp.asnumpy(img.reshape(-1, img.shape[2]).mean(axis=0))
+def _level_tables(batch: Batch, images: list[Any], name: str, mags: list[float]) -> np.ndarray:
+    """posterize, solarize, solarize_add, invert and equalize as a map of the levels per
+    channel of each image, uint8 ``[N, 4, 256]``."""
+    levels = np.arange(256)
+    if name == "equalize":  # OpenCV's equalizeHist per channel
+        counts = histograms(batch, images).astype(np.float64)
+        total = np.array([img.shape[0] * img.shape[1] for img in images], np.float64)[:, None]
+        lead = np.take_along_axis(counts, np.argmax(counts > 0, axis=2)[..., None], axis=2)[..., 0]
+        # levels below the first used one map to 0, then the cumulative count times
+        # 255 / (pixels - count of the first level), float32 products as OpenCV, rounded
+        cdf = (np.cumsum(counts, axis=2) - lead[..., None]).astype(np.float32)
+        scale = (255.0 / np.where(lead < total, total - lead, 1.0)).astype(np.float32)
+        tables = np.clip(np.rint(cdf * scale[..., None]), 0, 255)
+        return np.where((lead < total)[..., None], tables, levels).astype(np.uint8)  # one level: as it is
+    tables = np.empty((len(images), 4, 256), np.uint8)
+    for k, mag in enumerate(mags):
+        if name == "posterize":
+            bits = min(max(int(np.round(mag)), 1), 8)
+            table = levels & ((0xFF << (8 - bits)) & 0xFF)
+        elif name == "solarize":
+            table = np.where(levels < mag, levels, 255 - levels)
+        elif name == "solarize_add":  # levels below 128 raised by the magnitude, wrapping as uint8
+            table = np.where(levels < 128, (levels + int(mag)) & 0xFF, levels)
+        else:  # invert
+            table = 255 - levels
+        tables[k] = table
+    return tables
 
 
-def _channel_extremes(batch: Batch, img: Any) -> tuple[np.ndarray, np.ndarray]:
-    xp = batch.xp
-    flat = img[..., :3].reshape(-1, 3)
-    if xp is np:
-        return flat.min(axis=0).astype(np.float64), flat.max(axis=0).astype(np.float64)
-    with xp.cuda.Device(batch.device.index):
-        return xp.asnumpy(flat.min(axis=0)).astype(np.float64), xp.asnumpy(flat.max(axis=0)).astype(np.float64)
-
-
-def _pixels(xp: Any, img: Any, name: str, mag: float) -> Any:
-    """The per-pixel augmentations of one image (array code for NumPy and CuPy)."""
-    if name == "posterize":
-        bits = min(max(int(np.round(mag)), 1), 8)
-        return xp.bitwise_and(img, np.uint8((0xFF << (8 - bits)) & 0xFF))
-    if name == "solarize":
-        return xp.where(img < mag, img, 255 - img).astype(xp.uint8)
-    if name == "solarize_add":  # levels below 128 raised by the magnitude, truncated to a level
-        return xp.where(img < 128, img + np.uint8(int(mag)), img).astype(xp.uint8)
-    if name == "invert":
-        return (255 - img).astype(xp.uint8)
-    if name == "equalize":
-        return xp.stack([_equalize_channel(xp, img[..., c]) for c in range(img.shape[2])], axis=-1)
-    if name == "sharpness":
-        blur = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13
-        kernel = np.float32(1 - mag) * blur  # the factor mag: mag * image + (1 - mag) * smoothed
-        kernel[1, 1] += np.float32(mag)
-        h, w = img.shape[:2]
-        padded = img.astype(xp.float32)[xp.asarray(reflect101_index(h, 1))][:, xp.asarray(reflect101_index(w, 1))]
-        acc = xp.zeros(img.shape, xp.float32)
-        for dy in range(3):
-            for dx in range(3):
-                acc += np.float32(kernel[dy, dx]) * padded[dy:dy + h, dx:dx + w]
-        return xp.clip(xp.floor(acc + 0.5), 0, 255).astype(xp.uint8)
-    return img  # identity
-
-
-def _equalize_channel(xp: Any, channel: Any) -> Any:
-    """OpenCV's equalizeHist: levels below the first used one map to 0, then the
-    cumulative count times ``255 / (pixels - count of the first level)``, rounded."""
-    hist = xp.bincount(channel.ravel(), minlength=256).astype(xp.float64)
-    total = channel.size
-    first = int(xp.argmax(hist > 0))
-    lead = float(hist[first])
-    if lead == total:
-        return channel.copy()
-    cdf = (xp.cumsum(hist) - lead).astype(xp.float32)  # float32 products, as OpenCV
-    lut = xp.clip(xp.rint(cdf * np.float32(255.0 / (total - lead))), 0, 255).astype(xp.uint8)
-    return lut[channel.astype(xp.int32)]
+def _sharpness(batch: Batch, images: list[Any], mags: list[float]) -> list[Any]:
+    """The 3x3 filter ``m * identity + (1 - m) * smooth`` (``smooth``: 1 1 1 / 1 5 1 / 1 1 1
+    over 13), borders mirrored, float32 sums in row-major tap order, rounded half up."""
+    smooth = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13
+    kernels = np.empty((len(images), 3, 3), np.float32)
+    for k, mag in enumerate(mags):
+        kernels[k] = np.float32(1 - mag) * smooth
+        kernels[k, 1, 1] += np.float32(mag)
+    if not batch.device.is_cuda:
+        src = [np.ascontiguousarray(img) for img in images]
+        out = [np.empty_like(img) for img in src]
+        _augment.filter3x3(src, kernels, out)
+        return out
+    cp = require("cupy")
+    out = []
+    with cp.cuda.Device(batch.device.index):
+        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+        with stream:
+            for img, kernel in zip(images, kernels):
+                h, w = img.shape[:2]
+                rows, cols = cp.asarray(reflect101_index(h, 1)), cp.asarray(reflect101_index(w, 1))
+                padded = img.astype(cp.float32)[rows][:, cols]
+                acc = cp.zeros(img.shape, cp.float32)
+                for dy in range(3):
+                    for dx in range(3):
+                        acc += np.float32(kernel[dy, dx]) * padded[dy:dy + h, dx:dx + w]
+                out.append(cp.clip(cp.floor(acc + 0.5), 0, 255).astype(cp.uint8))
+    return out
 
 
 _GEOMETRY = {"translate_x", "translate_y", "shear_x", "shear_y", "rotate"}
 _COLOUR = {"brightness", "contrast", "color", "auto_contrast"}
+_LEVELS = {"posterize", "solarize", "solarize_add", "invert", "equalize"}
 
 
 class _Policy(Op):
@@ -261,14 +268,12 @@ class _Policy(Op):
                 done = _geometry(batch, rows, group, name, m, self.fill, self.interp)
             elif name in _COLOUR:
                 done = _colour(batch, rows, group, name, m)
-            elif batch.device.is_cuda:
-                cp = require("cupy")
-                with cp.cuda.Device(batch.device.index):
-                    stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-                    with stream:
-                        done = [_pixels(cp, img, name, mag) for img, mag in zip(group, m)]
-            else:
-                done = [_pixels(np, img, name, mag) for img, mag in zip(group, m)]
+            elif name in _LEVELS:
+                done = apply_levels(batch, group, _level_tables(batch, group, name, m))
+            elif name == "sharpness":
+                done = _sharpness(batch, group, m)
+            else:  # identity
+                done = group
             for r, img in zip(rows, done):
                 out[r] = img
         return out

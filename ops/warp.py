@@ -7,8 +7,9 @@ at ``M @ (x + 0.5, y + 0.5, 1)`` (``M``: 2x3, destination to source, x first):
 ``linear`` weighs the 4 pixels around it, ``nearest`` takes the pixel it falls in. A tap
 outside the image reads ``fill_value`` (one level, or one per channel), or, with no
 ``fill_value``, the nearest border pixel (coordinates clamped). Results round half up to
-uint8. The CPU runs one vectorized gather per image; the GPU one elementwise kernel
-launch per image (``warp`` below).
+uint8. The CPU runs one C call per batch (``gpuio.ops._augment.warp``, the GIL released);
+the GPU one elementwise kernel launch per image (``warp`` below); both compute the same
+float32 arithmetic, so they give the same levels.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError
+from gpuio.ops import _augment
 from gpuio.ops.augment import Range, draw, param_range
 
 __all__ = ["Rotate", "WarpAffine", "rotate", "warp_affine", "rotated_size", "rotation_matrix", "warp", "INTERP_TYPES",
@@ -92,41 +94,6 @@ def _check_interp(interp_type: str) -> int:
     return INTERP_TYPES.index(interp_type)
 
 
-def _warp_cpu(img: np.ndarray, m: np.ndarray, out_hw: tuple[int, int], fill: np.ndarray | None,
-              interp: int) -> np.ndarray:
-    ih, iw, c = img.shape
-    oh, ow = out_hw
-    m = m.astype(np.float32)
-    dy, dx = np.meshgrid(np.arange(oh, dtype=np.float32) + 0.5, np.arange(ow, dtype=np.float32) + 0.5, indexing="ij")
-    # held within 2 pixels of the image (taps beyond read the same), so int32 cannot overflow
-    sx = np.clip(m[0, 0] * dx + m[0, 1] * dy + m[0, 2] - np.float32(0.5), -2, iw + 1)
-    sy = np.clip(m[1, 0] * dx + m[1, 1] * dy + m[1, 2] - np.float32(0.5), -2, ih + 1)
-    if fill is None:  # taps outside read the nearest border pixel
-        src, pad = img.astype(np.float32), 0
-    else:  # a 1-pixel frame of fill_value: every tap outside the image lands on it
-        src, pad = np.empty((ih + 2, iw + 2, c), np.float32), 1
-        src[...] = np.broadcast_to(fill, (c,))
-        src[1:-1, 1:-1] = img
-    flat, (sh, sw) = src.reshape(-1, c), src.shape[:2]
-
-    def column(x: np.ndarray) -> np.ndarray:
-        return np.clip(x.astype(np.int32) + pad, 0, sw - 1)
-
-    def row(y: np.ndarray) -> np.ndarray:
-        return np.clip(y.astype(np.int32) + pad, 0, sh - 1) * sw
-
-    if interp == 1:
-        v = np.take(flat, row(np.floor(sy + 0.5)) + column(np.floor(sx + 0.5)), axis=0)
-    else:
-        x0, y0 = np.floor(sx), np.floor(sy)
-        fx, fy = (sx - x0)[..., None], (sy - y0)[..., None]
-        xa, xb, ya, yb = column(x0), column(x0 + 1), row(y0), row(y0 + 1)
-        top = np.take(flat, ya + xa, axis=0) * (1 - fx) + np.take(flat, ya + xb, axis=0) * fx
-        bottom = np.take(flat, yb + xa, axis=0) * (1 - fx) + np.take(flat, yb + xb, axis=0) * fx
-        v = top * (1 - fy) + bottom * fy
-    return np.clip(np.floor(v + 0.5), 0, 255).astype(np.uint8)
-
-
 def warp(batch: Batch, field: str, matrices: np.ndarray, out_hw: np.ndarray, fill: np.ndarray | None,
          interp: int) -> None:
     """Warp each uint8 HWC image of ``batch.data[field]`` by its destination-to-source
@@ -134,13 +101,20 @@ def warp(batch: Batch, field: str, matrices: np.ndarray, out_hw: np.ndarray, fil
     docstring); a list of new images replaces the field."""
     images = list(batch.data[field])
     for img in images:
-        if img.dtype != np.uint8 or img.ndim != 3:
-            raise ConfigError(f"warps take uint8 HWC images; got {img.dtype} of shape {tuple(img.shape)}")
+        if img.dtype != np.uint8 or img.ndim != 3 or not 1 <= img.shape[2] <= 4:
+            raise ConfigError(f"warps take uint8 HWC images of 1-4 channels; got {img.dtype} of shape "
+                              f"{tuple(img.shape)}")
         if fill is not None and len(fill) not in (1, img.shape[2]):
             raise ConfigError(f"fill_value has {len(fill)} levels for an image of {img.shape[2]} channels")
     if not batch.device.is_cuda:
-        batch.data[field] = [_warp_cpu(img, m, tuple(hw), fill, interp)
-                             for img, m, hw in zip(images, matrices, out_hw.tolist())]
+        fills = np.zeros((len(images), 4), np.float32)
+        if fill is not None:
+            for k, img in enumerate(images):
+                fills[k, :img.shape[2]] = np.broadcast_to(fill, (img.shape[2],))
+        src = [np.ascontiguousarray(img) for img in images]
+        out = [np.empty((oh, ow, img.shape[2]), np.uint8) for img, (oh, ow) in zip(images, out_hw.tolist())]
+        _augment.warp(src, np.asarray(matrices, np.float32).reshape(-1, 6), fills, interp, fill is not None, out)
+        batch.data[field] = out
         return
     cp = require("cupy")
     out = []

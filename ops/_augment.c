@@ -1,0 +1,603 @@
+/* CPU augmentations of gpuio.ops: colour matrices, level tables, histograms, 3x3 filters,
+ * the separable Gaussian blur and the affine warp sampler. Each call takes a whole batch
+ * (per-sample parameters as arrays, outputs allocated by the caller) and runs with the GIL
+ * released.
+ *
+ * The float32 arithmetic is the CUDA kernels' (ops/augment.py COLOR_SOURCE and
+ * BLUR_SOURCE, ops/warp.py WARP_SOURCE): the same products summed in the same order,
+ * built without fused multiply-add (pyproject.toml: -ffp-contract=off), so the CPU and
+ * the GPU give the same levels. Loops that can run over a whole row run over it, so that
+ * the compiler vectorizes them without changing any element's order of operations.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The buffers of a list of HWC images (or their outputs). */
+typedef struct {
+    Py_buffer *v;
+    Py_ssize_t n, got;
+} Views;
+
+static void release_views(Views *s) {
+    for (Py_ssize_t i = 0; i < s->got; ++i) PyBuffer_Release(&s->v[i]);
+    free(s->v);
+    s->v = NULL;
+    s->got = 0;
+}
+
+/* The format's type code without its byte-order prefix. */
+static char code(const Py_buffer *b) {
+    const char *f = b->format ? b->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') ++f;
+    return *f;
+}
+
+/* `list` as n C-contiguous 3-D buffers of type `type` ('B' uint8, 'f' float32; 0: either),
+ * writable when `writable`; `name` names the argument in errors. 0, or -1 with an
+ * exception set (the views taken so far stay in `s` for release_views). */
+static int get_views(PyObject *list, const char *name, int writable, char type, Views *s) {
+    s->v = NULL;
+    s->got = 0;
+    if (!PyList_Check(list)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list", name);
+        return -1;
+    }
+    s->n = PyList_GET_SIZE(list);
+    s->v = calloc(s->n ? s->n : 1, sizeof(Py_buffer));
+    if (!s->v) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    const int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    for (; s->got < s->n; ++s->got) {
+        Py_buffer *b = &s->v[s->got];
+        if (PyObject_GetBuffer(PyList_GET_ITEM(list, s->got), b, flags) < 0) return -1;
+        const char c = code(b);
+        if (b->ndim != 3 || b->shape[2] < 1 || (type ? c != type : (c != 'B' && c != 'f'))
+                || (c == 'B' ? b->itemsize != 1 : b->itemsize != 4)) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd]: want a C-contiguous HWC array of %s", name, s->got,
+                         type == 'B' ? "uint8" : type == 'f' ? "float32" : "uint8 or float32");
+            ++s->got;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* outs[i] must have the shape of images[i] (same_hw) or the channels of images[i] and the
+ * type of images[i]. */
+static int check_outs(const Views *images, const Views *outs, int same_hw) {
+    if (outs->n != images->n) {
+        PyErr_Format(PyExc_ValueError, "outs has %zd arrays for %zd images", outs->n, images->n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < images->n; ++i) {
+        const Py_buffer *a = &images->v[i], *b = &outs->v[i];
+        if (b->shape[2] != a->shape[2] || code(a) != code(b)
+                || (same_hw && (b->shape[0] != a->shape[0] || b->shape[1] != a->shape[1]))) {
+            PyErr_Format(PyExc_ValueError, "outs[%zd]: want the type%s of image %zd", i,
+                         same_hw ? " and shape" : " and channels", i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A C-contiguous parameter buffer of type `type` and at least `count` items. */
+static int get_param(PyObject *obj, const char *name, char type, Py_ssize_t count, int writable, Py_buffer *b) {
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    const char c = code(b);
+    const int ok = type == 'q' ? ((c == 'q' || c == 'l') && b->itemsize == 8)
+                               : (c == type && b->itemsize == (type == 'f' ? 4 : 1));
+    if (!ok || b->len / b->itemsize < count) {
+        PyErr_Format(PyExc_ValueError, "%s: want a C-contiguous %s buffer of at least %zd items", name,
+                     type == 'f' ? "float32" : type == 'q' ? "int64" : "uint8", count);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/* floor(v + 0.5) saturated to 0-255 (NaN: 0), as the kernels' fminf(fmaxf(floorf(..))),
+ * without calls into libm: truncation is the floor of a positive number. */
+static inline uint8_t to_level(float v) {
+    const float x = v + 0.5f;
+    return x > 0.0f ? (x < 255.0f ? (uint8_t)(int)x : 255) : 0;
+}
+
+/* floor of a float known to lie in int's range. */
+static inline int floor_int(float v) {
+    const int t = (int)v;
+    return t - (t > v);
+}
+
+/* v held to [lo, hi], NaN to lo, as fminf(fmaxf(v, lo), hi). */
+static inline float hold(float v, float lo, float hi) { return v >= lo ? (v < hi ? v : hi) : lo; }
+
+/* ---- colour: out = M @ rgb + offset -------------------------------------------------- */
+
+static void color_one(const uint8_t *src, uint8_t *dst, int64_t pixels, int c, const float *m) {
+    if (c < 3 || (m[1] == 0 && m[2] == 0 && m[3] == 0 && m[5] == 0 && m[6] == 0 && m[7] == 0)) {
+        /* a * v + b per channel (M diagonal: the other two products add zeros, which
+         * leaves the sum as it is): one table of 256 levels per channel */
+        uint8_t table[3][256];
+        const int k = c < 3 ? 1 : 3;
+        for (int ch = 0; ch < k; ++ch)
+            for (int v = 0; v < 256; ++v) table[ch][v] = to_level(m[ch * 4] * (float)v + m[9 + ch]);
+        if (c < 3) {
+            for (int64_t i = 0; i < pixels * c; ++i) dst[i] = table[0][src[i]];
+            return;
+        }
+        for (int64_t p = 0; p < pixels; ++p) {
+            const uint8_t *s = src + p * c;
+            uint8_t *d = dst + p * c;
+            d[0] = table[0][s[0]];
+            d[1] = table[1][s[1]];
+            d[2] = table[2][s[2]];
+            for (int ch = 3; ch < c; ++ch) d[ch] = s[ch];
+        }
+        return;
+    }
+    /* blocks of pixels: channels into planes, the sums over the planes (vectorized), the
+       levels interleaved again */
+    enum { BLOCK = 256 };
+    float in[3][BLOCK], out[3][BLOCK];
+    for (int64_t start = 0; start < pixels; start += BLOCK) {
+        const int n = pixels - start < BLOCK ? (int)(pixels - start) : BLOCK;
+        const uint8_t *s = src + start * c;
+        uint8_t *d = dst + start * c;
+        for (int k = 0; k < n; ++k) {
+            in[0][k] = s[k * c];
+            in[1][k] = s[k * c + 1];
+            in[2][k] = s[k * c + 2];
+        }
+        for (int ch = 0; ch < 3; ++ch) {
+            const float a = m[ch * 3], b = m[ch * 3 + 1], e = m[ch * 3 + 2], off = m[9 + ch];
+            for (int k = 0; k < n; ++k) out[ch][k] = a * in[0][k] + b * in[1][k] + e * in[2][k] + off;
+        }
+        for (int k = 0; k < n; ++k) {
+            d[k * c] = to_level(out[0][k]);
+            d[k * c + 1] = to_level(out[1][k]);
+            d[k * c + 2] = to_level(out[2][k]);
+            for (int ch = 3; ch < c; ++ch) d[k * c + ch] = s[k * c + ch];
+        }
+    }
+}
+
+static PyObject *color(PyObject *self, PyObject *args) {
+    PyObject *images_obj, *table_obj, *outs_obj;
+    if (!PyArg_ParseTuple(args, "OOO", &images_obj, &table_obj, &outs_obj)) return NULL;
+    Views images, outs = {0};
+    Py_buffer table = {0};
+    PyObject *result = NULL;
+    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
+            || check_outs(&images, &outs, 1) < 0 || get_param(table_obj, "table", 'f', 12 * images.n, 0, &table) < 0)
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < images.n; ++i)
+        color_one(images.v[i].buf, outs.v[i].buf, images.v[i].shape[0] * images.v[i].shape[1],
+                  (int)images.v[i].shape[2], (const float *)table.buf + 12 * i);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    if (table.obj) PyBuffer_Release(&table);
+    release_views(&images);
+    release_views(&outs);
+    return result;
+}
+
+/* ---- level tables and histograms ------------------------------------------------------ */
+
+static PyObject *lut(PyObject *self, PyObject *args) {
+    PyObject *images_obj, *tables_obj, *outs_obj;
+    if (!PyArg_ParseTuple(args, "OOO", &images_obj, &tables_obj, &outs_obj)) return NULL;
+    Views images, outs = {0};
+    Py_buffer tables = {0};
+    PyObject *result = NULL;
+    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
+            || check_outs(&images, &outs, 1) < 0
+            || get_param(tables_obj, "tables", 'B', 4 * 256 * images.n, 0, &tables) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < images.n; ++i)
+        if (images.v[i].shape[2] > 4) {
+            PyErr_Format(PyExc_ValueError, "images[%zd]: lut takes 1-4 channels", i);
+            goto done;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < images.n; ++i) {
+        const uint8_t *src = images.v[i].buf, *t = (const uint8_t *)tables.buf + 1024 * i;
+        uint8_t *dst = outs.v[i].buf;
+        const int c = (int)images.v[i].shape[2];
+        const int64_t pixels = images.v[i].shape[0] * images.v[i].shape[1];
+        if (c == 3) {
+            for (int64_t p = 0; p < pixels; ++p) {
+                dst[3 * p] = t[src[3 * p]];
+                dst[3 * p + 1] = t[256 + src[3 * p + 1]];
+                dst[3 * p + 2] = t[512 + src[3 * p + 2]];
+            }
+        } else {
+            for (int64_t p = 0; p < pixels; ++p)
+                for (int ch = 0; ch < c; ++ch) dst[p * c + ch] = t[256 * ch + src[p * c + ch]];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    if (tables.obj) PyBuffer_Release(&tables);
+    release_views(&images);
+    release_views(&outs);
+    return result;
+}
+
+static PyObject *histogram(PyObject *self, PyObject *args) {
+    PyObject *images_obj, *counts_obj;
+    if (!PyArg_ParseTuple(args, "OO", &images_obj, &counts_obj)) return NULL;
+    Views images;
+    Py_buffer counts = {0};
+    PyObject *result = NULL;
+    if (get_views(images_obj, "images", 0, 'B', &images) < 0
+            || get_param(counts_obj, "counts", 'q', 4 * 256 * images.n, 1, &counts) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < images.n; ++i)
+        if (images.v[i].shape[2] > 4) {
+            PyErr_Format(PyExc_ValueError, "images[%zd]: histogram takes 1-4 channels", i);
+            goto done;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < images.n; ++i) {
+        const uint8_t *src = images.v[i].buf;
+        int64_t *h = (int64_t *)counts.buf + 1024 * i;
+        const int c = (int)images.v[i].shape[2];
+        const int64_t items = images.v[i].shape[0] * images.v[i].shape[1] * c;
+        memset(h, 0, 1024 * sizeof(int64_t));
+        if (c == 3) {
+            for (int64_t j = 0; j + 2 < items; j += 3) {
+                ++h[src[j]];
+                ++h[256 + src[j + 1]];
+                ++h[512 + src[j + 2]];
+            }
+        } else {
+            for (int64_t j = 0; j < items; ++j) ++h[256 * (j % c) + src[j]];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    if (counts.obj) PyBuffer_Release(&counts);
+    release_views(&images);
+    return result;
+}
+
+/* ---- filters: borders mirrored without repeating the edge pixel (dcb|abcd|cba) -------- */
+
+static inline int reflect101(int j, int n) {
+    if (n == 1) return 0;
+    while (j < 0 || j >= n) j = j < 0 ? -j : 2 * n - 2 - j;
+    return j;
+}
+
+/* acc = sum over (dy, dx) in row-major order of k[dy][dx] * pixel(y + dy - 1, x + dx - 1),
+ * from 0, float32; `pad` holds 3 float rows of w + 2 pixels (scratch). */
+static void filter3x3_one(const uint8_t *src, uint8_t *dst, int h, int w, int c, const float *k, float *pad) {
+    const int64_t row = (int64_t)(w + 2) * c;
+    float *acc = pad + 3 * row;
+    if (h == 0 || w == 0) return;
+    for (int y = 0; y < h; ++y) {
+        for (int dy = 0; dy < 3; ++dy) {
+            const uint8_t *s = src + (int64_t)reflect101(y + dy - 1, h) * w * c;
+            float *p = pad + dy * row;
+            for (int64_t j = 0; j < (int64_t)w * c; ++j) p[c + j] = s[j];
+            for (int ch = 0; ch < c; ++ch) {
+                p[ch] = s[(int64_t)reflect101(-1, w) * c + ch];
+                p[(int64_t)(w + 1) * c + ch] = s[(int64_t)reflect101(w, w) * c + ch];
+            }
+        }
+        const int64_t n = (int64_t)w * c;
+        for (int64_t j = 0; j < n; ++j) acc[j] = 0.0f;
+        for (int dy = 0; dy < 3; ++dy)
+            for (int dx = 0; dx < 3; ++dx) {
+                const float kv = k[dy * 3 + dx], *p = pad + dy * row + dx * c;
+                for (int64_t j = 0; j < n; ++j) acc[j] += kv * p[j];
+            }
+        uint8_t *d = dst + (int64_t)y * n;
+        for (int64_t j = 0; j < n; ++j) d[j] = to_level(acc[j]);
+    }
+}
+
+static PyObject *filter3x3(PyObject *self, PyObject *args) {
+    PyObject *images_obj, *kernels_obj, *outs_obj;
+    if (!PyArg_ParseTuple(args, "OOO", &images_obj, &kernels_obj, &outs_obj)) return NULL;
+    Views images, outs = {0};
+    Py_buffer kernels = {0};
+    PyObject *result = NULL;
+    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
+            || check_outs(&images, &outs, 1) < 0
+            || get_param(kernels_obj, "kernels", 'f', 9 * images.n, 0, &kernels) < 0)
+        goto done;
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < images.n && !failed; ++i) {
+        const Py_buffer *v = &images.v[i];
+        const int h = (int)v->shape[0], w = (int)v->shape[1], c = (int)v->shape[2];
+        float *pad = malloc(sizeof(float) * ((size_t)(3 * (w + 2) + w) * c));
+        if (!pad) {
+            failed = 1;
+            break;
+        }
+        filter3x3_one(v->buf, outs.v[i].buf, h, w, c, (const float *)kernels.buf + 9 * i, pad);
+        free(pad);
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    if (kernels.obj) PyBuffer_Release(&kernels);
+    release_views(&images);
+    release_views(&outs);
+    return result;
+}
+
+/* Separable blur of one image: rows with kx (into `mid`, float32 h x w x c), then columns
+ * with ky, each tap's product added in tap order from 0 (BLUR_SOURCE's order). `line`:
+ * scratch of (w + 2 rx) * c floats. Output uint8 (rounded half up, saturated) or float32. */
+static void blur_one(const void *src, int u8, void *dst, int h, int w, int c, const float *ky, int ry,
+                     const float *kx, int rx, float *mid, float *line) {
+    const int64_t n = (int64_t)w * c;
+    if (h == 0 || w == 0) return;
+    for (int y = 0; y < h; ++y) {
+        const int64_t base = (int64_t)y * n;
+        if (u8)
+            for (int64_t j = 0; j < n; ++j) line[(int64_t)rx * c + j] = ((const uint8_t *)src)[base + j];
+        else
+            memcpy(line + (int64_t)rx * c, (const float *)src + base, sizeof(float) * n);
+        for (int x = -rx; x < w + rx; ++x) {
+            if (x == 0) x = w;  /* the inside is copied */
+            const int64_t from = base + (int64_t)reflect101(x, w) * c;
+            float *p = line + (int64_t)(x + rx) * c;
+            for (int ch = 0; ch < c; ++ch)
+                p[ch] = u8 ? (float)((const uint8_t *)src)[from + ch] : ((const float *)src)[from + ch];
+        }
+        float *acc = mid + y * n;
+        for (int64_t j = 0; j < n; ++j) acc[j] = 0.0f;
+        for (int k = 0; k <= 2 * rx; ++k) {
+            const float kv = kx[k], *p = line + (int64_t)k * c;
+            for (int64_t j = 0; j < n; ++j) acc[j] += kv * p[j];
+        }
+    }
+    for (int y = 0; y < h; ++y) {
+        float *acc = line;  /* n <= (w + 2 rx) * c floats */
+        for (int64_t j = 0; j < n; ++j) acc[j] = 0.0f;
+        for (int k = -ry; k <= ry; ++k) {
+            const float kv = ky[k + ry], *p = mid + reflect101(y + k, h) * n;
+            for (int64_t j = 0; j < n; ++j) acc[j] += kv * p[j];
+        }
+        if (u8) {
+            uint8_t *d = (uint8_t *)dst + y * n;
+            for (int64_t j = 0; j < n; ++j) d[j] = to_level(acc[j]);
+        } else {
+            memcpy((float *)dst + y * n, acc, sizeof(float) * n);
+        }
+    }
+}
+
+static PyObject *blur(PyObject *self, PyObject *args) {
+    PyObject *images_obj, *ky_obj, *kx_obj, *outs_obj;
+    if (!PyArg_ParseTuple(args, "OOOO", &images_obj, &ky_obj, &kx_obj, &outs_obj)) return NULL;
+    Views images, outs = {0}, ky = {0}, kx = {0};
+    PyObject *result = NULL;
+    Py_buffer *weights[2] = {NULL, NULL};
+    if (get_views(images_obj, "images", 0, 0, &images) < 0 || get_views(outs_obj, "outs", 1, 0, &outs) < 0
+            || check_outs(&images, &outs, 1) < 0)
+        goto done;
+    if (!PyList_Check(ky_obj) || !PyList_Check(kx_obj) || PyList_GET_SIZE(ky_obj) != images.n
+            || PyList_GET_SIZE(kx_obj) != images.n) {
+        PyErr_SetString(PyExc_ValueError, "ky and kx must be lists of one float32 kernel per image");
+        goto done;
+    }
+    for (int a = 0; a < 2; ++a) {
+        Views *k = a ? &kx : &ky;
+        PyObject *list = a ? kx_obj : ky_obj;
+        k->n = images.n;
+        k->v = calloc(images.n ? images.n : 1, sizeof(Py_buffer));
+        if (!k->v) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (; k->got < k->n; ++k->got) {
+            Py_buffer *b = &k->v[k->got];
+            if (get_param(PyList_GET_ITEM(list, k->got), a ? "kx" : "ky", 'f', 1, 0, b) < 0) goto done;
+            if (b->len / 4 % 2 == 0) {
+                ++k->got;
+                PyErr_Format(PyExc_ValueError, "%s[%zd]: want an odd number of taps", a ? "kx" : "ky", k->got - 1);
+                goto done;
+            }
+        }
+        weights[a] = k->v;
+    }
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < images.n && !failed; ++i) {
+        const Py_buffer *v = &images.v[i];
+        const int h = (int)v->shape[0], w = (int)v->shape[1], c = (int)v->shape[2];
+        const int ry = (int)(weights[0][i].len / 4 / 2), rx = (int)(weights[1][i].len / 4 / 2);
+        float *mid = malloc(sizeof(float) * ((size_t)h * w * c + (size_t)(w + 2 * rx) * c));
+        if (!mid) {
+            failed = 1;
+            break;
+        }
+        blur_one(v->buf, code(v) == 'B', outs.v[i].buf, h, w, c, weights[0][i].buf, ry, weights[1][i].buf, rx, mid,
+                 mid + (size_t)h * w * c);
+        free(mid);
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_views(&images);
+    release_views(&outs);
+    release_views(&ky);
+    release_views(&kx);
+    return result;
+}
+
+/* ---- affine warp ---------------------------------------------------------------------- */
+
+static inline float tap(const uint8_t *src, int x, int y, int ch, int ih, int iw, int c, int use_fill,
+                        const float *fill) {
+    if (x < 0 || y < 0 || x >= iw || y >= ih) {
+        if (use_fill) return fill[ch];
+        x = x < 0 ? 0 : (x > iw - 1 ? iw - 1 : x);
+        y = y < 0 ? 0 : (y > ih - 1 ? ih - 1 : y);
+    }
+    return (float)src[((int64_t)y * iw + x) * c + ch];
+}
+
+/* Output pixel (x, y) samples the source at m @ (x + 0.5, y + 0.5, 1), pixel centres at
+ * integers (WARP_SOURCE, term by term). One output row at a time: the source positions
+ * and bilinear weights of the whole row (vectorized), then the taps of each pixel gathered
+ * into planes (t[tap][channel][x]), then the blend of the planes (vectorized), then the
+ * levels interleaved. `scratch`: (4 + 16) * ow floats. */
+static inline __attribute__((always_inline)) void warp_one(const uint8_t *src, int ih, int iw, int c, uint8_t *dst,
+                                                           int oh, int ow, const float *m, const float *fill,
+                                                           int interp, int use_fill, float *scratch) {
+    float *sx = scratch, *sy = sx + ow, *fx = sy + ow, *fy = fx + ow, *t = fy + ow;  /* t: [4][c][ow] */
+    const float xmax = iw + 1.0f, ymax = ih + 1.0f;
+    for (int y = 0; y < oh; ++y) {
+        const float dy = y + 0.5f;
+        uint8_t *d = dst + (int64_t)y * ow * c;
+        /* held within 2 pixels of the image: taps beyond read what the nearest one there
+           reads, and the int conversions cannot overflow */
+        for (int x = 0; x < ow; ++x) {
+            const float dx = x + 0.5f;
+            sx[x] = hold(m[0] * dx + m[1] * dy + m[2] - 0.5f, -2.0f, xmax);
+            sy[x] = hold(m[3] * dx + m[4] * dy + m[5] - 0.5f, -2.0f, ymax);
+        }
+        if (interp == 1) {
+            for (int x = 0; x < ow; ++x) {
+                const int xi = floor_int(sx[x] + 0.5f), yi = floor_int(sy[x] + 0.5f);
+                if (xi >= 0 && yi >= 0 && xi < iw && yi < ih) {
+                    const uint8_t *p = src + ((int64_t)yi * iw + xi) * c;
+                    for (int ch = 0; ch < c; ++ch) d[(int64_t)x * c + ch] = p[ch];
+                } else {
+                    for (int ch = 0; ch < c; ++ch)
+                        d[(int64_t)x * c + ch] = to_level(tap(src, xi, yi, ch, ih, iw, c, use_fill, fill));
+                }
+            }
+            continue;
+        }
+        for (int x = 0; x < ow; ++x) {
+            const int x0 = floor_int(sx[x]), y0 = floor_int(sy[x]);
+            fx[x] = sx[x] - x0;
+            fy[x] = sy[x] - y0;
+            if (x0 >= 0 && y0 >= 0 && x0 + 1 < iw && y0 + 1 < ih) {  /* all four taps inside */
+                const uint8_t *p = src + ((int64_t)y0 * iw + x0) * c, *q = p + (int64_t)iw * c;
+                for (int ch = 0; ch < c; ++ch) {
+                    float *tc = t + (int64_t)ch * ow + x;
+                    tc[0] = p[ch];
+                    tc[(int64_t)4 * ow] = p[c + ch];
+                    tc[(int64_t)8 * ow] = q[ch];
+                    tc[(int64_t)12 * ow] = q[c + ch];
+                }
+            } else {
+                for (int ch = 0; ch < c; ++ch) {
+                    float *tc = t + (int64_t)ch * ow + x;
+                    tc[0] = tap(src, x0, y0, ch, ih, iw, c, use_fill, fill);
+                    tc[(int64_t)4 * ow] = tap(src, x0 + 1, y0, ch, ih, iw, c, use_fill, fill);
+                    tc[(int64_t)8 * ow] = tap(src, x0, y0 + 1, ch, ih, iw, c, use_fill, fill);
+                    tc[(int64_t)12 * ow] = tap(src, x0 + 1, y0 + 1, ch, ih, iw, c, use_fill, fill);
+                }
+            }
+        }
+        for (int ch = 0; ch < c; ++ch) {
+            float *t00 = t + (int64_t)ch * ow, *t10 = t00 + (int64_t)4 * ow, *t01 = t00 + (int64_t)8 * ow,
+                  *t11 = t00 + (int64_t)12 * ow;
+            for (int x = 0; x < ow; ++x) {
+                const float top = t00[x] * (1.0f - fx[x]) + t10[x] * fx[x];
+                const float bottom = t01[x] * (1.0f - fx[x]) + t11[x] * fx[x];
+                t00[x] = top * (1.0f - fy[x]) + bottom * fy[x];
+            }
+        }
+        for (int x = 0; x < ow; ++x)
+            for (int ch = 0; ch < c; ++ch) d[(int64_t)x * c + ch] = to_level(t[(int64_t)ch * ow + x]);
+    }
+}
+
+static PyObject *warp(PyObject *self, PyObject *args) {
+    PyObject *images_obj, *matrices_obj, *fills_obj, *outs_obj;
+    int interp, use_fill;
+    if (!PyArg_ParseTuple(args, "OOOiiO", &images_obj, &matrices_obj, &fills_obj, &interp, &use_fill, &outs_obj))
+        return NULL;
+    Views images, outs = {0};
+    Py_buffer matrices = {0}, fills = {0};
+    PyObject *result = NULL;
+    if (interp != 0 && interp != 1) {
+        PyErr_Format(PyExc_ValueError, "interp is 0 (linear) or 1 (nearest), got %d", interp);
+        return NULL;
+    }
+    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
+            || check_outs(&images, &outs, 0) < 0
+            || get_param(matrices_obj, "matrices", 'f', 6 * images.n, 0, &matrices) < 0
+            || get_param(fills_obj, "fills", 'f', 4 * images.n, 0, &fills) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < images.n; ++i)
+        if (images.v[i].shape[2] > 4) {
+            PyErr_Format(PyExc_ValueError, "images[%zd]: warp takes 1-4 channels", i);
+            goto done;
+        }
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < images.n && !failed; ++i) {
+        const Py_buffer *v = &images.v[i], *o = &outs.v[i];
+        if (v->shape[0] == 0 || v->shape[1] == 0 || o->shape[0] == 0 || o->shape[1] == 0) continue;
+        float *scratch = malloc(sizeof(float) * 20 * (size_t)o->shape[1]);
+        if (!scratch) {
+            failed = 1;
+            break;
+        }
+        const float *mi = (const float *)matrices.buf + 6 * i, *fi = (const float *)fills.buf + 4 * i;
+        if (v->shape[2] == 3)  /* RGB: the channel loops unrolled */
+            warp_one(v->buf, (int)v->shape[0], (int)v->shape[1], 3, o->buf, (int)o->shape[0], (int)o->shape[1], mi,
+                     fi, interp, use_fill, scratch);
+        else
+            warp_one(v->buf, (int)v->shape[0], (int)v->shape[1], (int)v->shape[2], o->buf, (int)o->shape[0],
+                     (int)o->shape[1], mi, fi, interp, use_fill, scratch);
+        free(scratch);
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    if (matrices.obj) PyBuffer_Release(&matrices);
+    if (fills.obj) PyBuffer_Release(&fills);
+    release_views(&images);
+    release_views(&outs);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"color", color, METH_VARARGS, "color(images, table, outs): see ops/_augment.pyi"},
+    {"lut", lut, METH_VARARGS, "lut(images, tables, outs): see ops/_augment.pyi"},
+    {"histogram", histogram, METH_VARARGS, "histogram(images, counts): see ops/_augment.pyi"},
+    {"filter3x3", filter3x3, METH_VARARGS, "filter3x3(images, kernels, outs): see ops/_augment.pyi"},
+    {"blur", blur, METH_VARARGS, "blur(images, ky, kx, outs): see ops/_augment.pyi"},
+    {"warp", warp, METH_VARARGS, "warp(images, matrices, fills, interp, use_fill, outs): see ops/_augment.pyi"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio.ops._augment", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__augment(void) { return PyModule_Create(&module); }

@@ -1,0 +1,55 @@
+"""The CPU augmentations of ``gpuio.ops`` (``ops/_augment.c``), one call per batch.
+
+Required (no other CPU implementation): built at install. Callers: ``gpuio.ops.augment``
+(``apply_color``, ``apply_levels``, ``histograms``, ``GaussianBlur``),
+``gpuio.ops.warp.warp`` and ``gpuio.ops.auto_aug`` (sharpness).
+
+Images are C-contiguous HWC arrays in a list (sizes may differ); ``outs`` are arrays the
+caller allocated, one per image, written in place. Per-sample parameters are C-contiguous
+arrays with one row per image. Every function releases the GIL for the whole batch. The
+float32 arithmetic is the CUDA kernels' of the same op (the same products summed in the
+same order, no fused multiply-add), so CPU and GPU give the same levels; levels are
+rounded half up and saturated to 0-255. An argument that is not a (writable where
+written) C-contiguous buffer raises TypeError or BufferError; an image or output of the
+wrong type or shape, or a parameter buffer shorter than N rows need, ValueError naming
+the argument and its index.
+"""
+from _typeshed import ReadableBuffer, WriteableBuffer
+
+def color(images: list[ReadableBuffer], table: ReadableBuffer, outs: list[WriteableBuffer], /) -> None:
+    """``out = M @ rgb + offset`` per pixel of uint8 images of any channel count:
+    ``table`` float32 ``[N, 12]`` holds M (3x3, row by row) then the 3 offsets. Images of
+    3 or more channels: channels 0-2 as ``M[c, 0] r + M[c, 1] g + M[c, 2] b + offset[c]``,
+    the others copied; 1-2 channels: ``M[0, 0] v + offset[0]`` on each. ``outs``: uint8,
+    the images' shapes. As ``gpuio.ops.augment.COLOR_SOURCE``."""
+
+def lut(images: list[ReadableBuffer], tables: ReadableBuffer, outs: list[WriteableBuffer], /) -> None:
+    """Maps the levels of uint8 images of 1-4 channels: channel c of image k through
+    ``tables[k, c]`` (uint8 ``[N, 4, 256]``). ``outs``: uint8, the images' shapes."""
+
+def histogram(images: list[ReadableBuffer], counts: WriteableBuffer, /) -> None:
+    """The count of each level per channel of uint8 images of 1-4 channels into
+    ``counts`` (int64 ``[N, 4, 256]``; the rows of channels an image lacks are zeroed)."""
+
+def filter3x3(images: list[ReadableBuffer], kernels: ReadableBuffer, outs: list[WriteableBuffer], /) -> None:
+    """A 3x3 filter per uint8 image: ``kernels`` float32 ``[N, 3, 3]``; each output value
+    is the sum of ``kernel[dy, dx] * pixel(y + dy - 1, x + dx - 1)`` in row-major order
+    from 0 (float32), borders mirrored without repeating the edge pixel (``dcb|abcd|cba``).
+    ``outs``: uint8, the images' shapes."""
+
+def blur(images: list[ReadableBuffer], ky: list[ReadableBuffer], kx: list[ReadableBuffer],
+         outs: list[WriteableBuffer], /) -> None:
+    """Separable filter per uint8 or float32 image: rows with ``kx[k]``, then columns with
+    ``ky[k]`` (float32, an odd number of taps each, centred), float32 sums in tap order
+    from 0, borders mirrored without repeating the edge pixel. ``outs``: the images' types
+    and shapes (uint8 rounded and saturated, float32 as summed). As
+    ``gpuio.ops.augment.BLUR_SOURCE``, twice."""
+
+def warp(images: list[ReadableBuffer], matrices: ReadableBuffer, fills: ReadableBuffer, interp: int, use_fill: bool,
+         outs: list[WriteableBuffer], /) -> None:
+    """Affine warp of uint8 images of 1-4 channels into ``outs`` (uint8 ``[oh, ow, C]``
+    each, any size): output pixel (x, y) samples its image at ``M @ (x + 0.5, y + 0.5, 1)``
+    (``matrices`` float32 ``[N, 2, 3]``, destination to source, x first; pixel centres at
+    ``+ 0.5``), bilinear (``interp`` 0) or nearest (1). A tap outside the image reads
+    ``fills[k, c]`` (float32 ``[N, 4]``) when ``use_fill``, else the nearest border pixel.
+    As ``gpuio.ops.warp.WARP_SOURCE``. Raises ValueError when ``interp`` is not 0 or 1."""
