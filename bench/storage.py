@@ -11,6 +11,10 @@ gpuio reads a cold batch). With a GPU it adds gpuio into GPU memory, per-file kv
 
 ``--npy`` times a NumPy dataset of large arrays instead: ``.npy`` files of 128 MiB (in
 ``full``), one ``gpuio.read`` call per file, against one sequential ``readinto`` of each.
+A read from a warm page cache is a copy from memory to memory, so there the ceiling also
+counts a copy of the same number of bytes from one buffer in memory to another, by one
+thread and by as many threads as cores: the machine's memory bandwidth caps every warm
+read at that figure.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ def run_npy(root: str | None = None, size: str = "full", repeat: int = 3,
     index = make_npy(root or cache_dir(), size)
     paths = index.files.many(np.arange(len(index.files)))
     rows = measure("large .npy, one call per file", index, paths, batch=1, repeat=repeat, caches=caches,
-                   baseline=SEQUENTIAL)
+                   baseline=SEQUENTIAL, memory_bound=True)
     print("baseline: one sequential readinto per file; gpuio: one gpuio.read call per file")
     return report(f"gpuio storage benchmark, .npy files ({size})", rows, out, {"size": size})
 
@@ -168,6 +172,8 @@ def concat_files(paths: list[str], out: str) -> str:
 # The ceiling of a dataset is the fastest of these reads of its bytes laid out in one file.
 SEQUENTIAL, PARALLEL, PARTS = "sequential readinto", "parallel 4 MiB reads", "read_parts reads"
 DIRECT, DIRECT_DEEP = "O_DIRECT, read_parts reads", "O_DIRECT 1 MiB reads"  # deep: io_threads in flight
+# With a warm page cache (--npy) the ceiling also counts copies of the same bytes within memory.
+MEMORY_ONE, MEMORY_ALL = "memory copy, 1 thread", f"memory copy, {os.cpu_count()} threads"
 # A cold row counts as failed when it beats its ceiling by more than this: the best rounds
 # of two methods come from different minutes of a disk whose speed drifts, while a read
 # from memory would be several times faster.
@@ -199,6 +205,15 @@ def _parallel(paths: list[str], buf: np.ndarray, pool: ThreadPoolExecutor, chunk
             os.close(fd)
 
 
+def _copy(src: np.ndarray, dst: np.ndarray, pool: ThreadPoolExecutor | None = None, shares: int = 1) -> None:
+    """``src`` into the front of ``dst``, in ``shares`` contiguous parts on ``pool``'s
+    threads (NumPy's copy releases the GIL)."""
+    cuts = np.linspace(0, len(src), shares + 1).astype(int).tolist()
+    parts = [(a, b) for a, b in zip(cuts, cuts[1:])]
+    copy = lambda part: np.copyto(dst[part[0]: part[1]], src[part[0]: part[1]])  # noqa: E731
+    list(pool.map(copy, parts) if pool is not None else map(copy, parts))
+
+
 def _takes_direct(path: str) -> bool:
     """Whether the file's filesystem opens it with O_DIRECT (tmpfs may not)."""
     try:
@@ -226,7 +241,7 @@ RESIDENT_LIMIT = 0.01  # fraction of pages that may stay cached after a drop for
 
 def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: int = 256,
             repeat: int = 3, caches: tuple[str, ...] = ("warm", "cold"), packed: bool = False,
-            baseline: str = "naive loop") -> list[dict[str, Any]]:
+            baseline: str = "naive loop", memory_bound: bool = False) -> list[dict[str, Any]]:
     """Time every method over one dataset (one sample per file unless ``packed``).
 
     Methods run in ``repeat`` rounds, each round starting with the next method, and
@@ -236,7 +251,8 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
     drop is checked; a cold row whose drop did not take, or that beats its own ceiling
     (the fastest of a sequential, a parallel and an O_DIRECT read of the same bytes in one
     file) by more than ``DRIFT``, is a failed measurement: it carries ``failed`` (the
-    reason) instead of figures."""
+    reason) instead of figures. ``memory_bound``: the warm ceiling also counts copies of
+    the same bytes within memory (``MEMORY_ONE``, ``MEMORY_ALL``)."""
     from tqdm import tqdm
 
     ext = index.extents["data"]
@@ -272,10 +288,16 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
         if DIRECT in bounds:
             methods[DIRECT] = lambda: _parallel(ceiling_paths, seq_buf, pool, parts_chunk, direct=True)
             methods[DIRECT_DEEP] = lambda: _parallel(ceiling_paths, seq_buf, pool, 1 << 20, direct=True)
+        memory = (MEMORY_ONE, MEMORY_ALL) if memory_bound and "warm" in caches else ()
+        if memory:
+            src = np.ones(total, np.uint8)  # written: its pages are in memory before the first copy
+            methods[MEMORY_ONE] = lambda: _copy(src, seq_buf)
+            methods[MEMORY_ALL] = lambda: _copy(src, seq_buf, pool, os.cpu_count() or 1)
         if gpuio.cuda_available():
             methods.update(_gpu_methods(index, batches, paths))
-        names = list(methods)
         for cache in caches:
+            names = [m for m in methods if cache == "warm" or m not in memory]
+            bounds_now = (*bounds, *memory) if cache == "warm" else bounds
             if cache == "warm":
                 _naive_files(all_files)
             rounds: dict[str, list[float]] = {m: [] for m in names}
@@ -291,9 +313,9 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
                         rounds[m].append(time.perf_counter() - t0)
                         bar.update()
             times = {m: min(ts) for m, ts in rounds.items()}
-            ceiling = min(times[m] for m in bounds) if bounds else None
-            failed = {m: _failure(cache, resident[m], times[m], ceiling, m in bounds) for m in names}
-            bound_failed = next((failed[m] for m in bounds if failed[m]), None)
+            ceiling = min(times[m] for m in bounds_now) if bounds_now else None
+            failed = {m: _failure(cache, resident[m], times[m], ceiling, m in bounds_now) for m in names}
+            bound_failed = next((failed[m] for m in bounds_now if failed[m]), None)
             for method, t in times.items():
                 row: dict[str, Any] = {"dataset": name, "cache": cache, "method": method}
                 if failed[method] or bound_failed:
@@ -365,7 +387,9 @@ def _ceiling_words() -> dict[str, str]:
             PARALLEL: f"{same} 4 MiB reads, {threads} at once",
             PARTS: f"{same} {parts} parallel sequential reads",
             DIRECT: f"{same} {parts} parallel O_DIRECT reads",
-            DIRECT_DEEP: f"{same} O_DIRECT 1 MiB reads, {threads} at once"}
+            DIRECT_DEEP: f"{same} O_DIRECT 1 MiB reads, {threads} at once",
+            MEMORY_ONE: "ceiling: the same number of bytes copied within memory, one thread",
+            MEMORY_ALL: f"ceiling: the same number of bytes copied within memory, {os.cpu_count()} threads"}
 
 
 def _groups(rows: list[dict[str, Any]]) -> list[Group]:
