@@ -56,13 +56,15 @@ static int get_views(PyObject *list, const char *name, int writable, char type, 
     const int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     for (; s->got < s->n; ++s->got) {
         Py_buffer *b = &s->v[s->got];
-        if (PyObject_GetBuffer(PyList_GET_ITEM(list, s->got), b, flags) < 0) return -1;
-        const char c = code(b);
-        if (b->ndim != 3 || b->shape[2] < 1 || (type ? c != type : (c != 'B' && c != 'f'))
+        const int taken = PyObject_GetBuffer(PyList_GET_ITEM(list, s->got), b, flags) == 0;
+        const char c = taken ? code(b) : 0;
+        if (!taken || b->ndim != 3 || b->shape[2] < 1 || (type ? c != type : (c != 'B' && c != 'f'))
                 || (c == 'B' ? b->itemsize != 1 : b->itemsize != 4)) {
-            PyErr_Format(PyExc_ValueError, "%s[%zd]: want a C-contiguous HWC array of %s", name, s->got,
+            if (!taken) PyErr_Clear();  /* not a buffer, not contiguous or not writable: said below */
+            PyErr_Format(PyExc_ValueError, "%s[%zd]: want a C-contiguous%s HWC array of %s", name, s->got,
+                         writable ? ", writable" : "",
                          type == 'B' ? "uint8" : type == 'f' ? "float32" : "uint8 or float32");
-            ++s->got;
+            s->got += taken;
             return -1;
         }
     }
@@ -90,15 +92,16 @@ static int check_outs(const Views *images, const Views *outs, int same_hw) {
 
 /* A C-contiguous parameter buffer of type `type` and at least `count` items. */
 static int get_param(PyObject *obj, const char *name, char type, Py_ssize_t count, int writable, Py_buffer *b) {
-    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
-        return -1;
-    const char c = code(b);
-    const int ok = type == 'q' ? ((c == 'q' || c == 'l') && b->itemsize == 8)
-                               : (c == type && b->itemsize == (type == 'f' ? 4 : 1));
+    const int taken = PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
+                                                 | (writable ? PyBUF_WRITABLE : 0)) == 0;
+    const char c = taken ? code(b) : 0;
+    const int ok = taken && (type == 'q' ? ((c == 'q' || c == 'l') && b->itemsize == 8)
+                                         : (c == type && b->itemsize == (type == 'f' ? 4 : 1)));
     if (!ok || b->len / b->itemsize < count) {
-        PyErr_Format(PyExc_ValueError, "%s: want a C-contiguous %s buffer of at least %zd items", name,
-                     type == 'f' ? "float32" : type == 'q' ? "int64" : "uint8", count);
-        PyBuffer_Release(b);
+        if (taken) PyBuffer_Release(b);
+        else PyErr_Clear();  /* not a buffer, not contiguous or not writable: said below */
+        PyErr_Format(PyExc_ValueError, "%s: want a C-contiguous%s %s buffer of at least %zd items", name,
+                     writable ? ", writable" : "", type == 'f' ? "float32" : type == 'q' ? "int64" : "uint8", count);
         return -1;
     }
     return 0;

@@ -9,10 +9,11 @@ caller allocated, one per image, written in place. Per-sample parameters are C-c
 arrays with one row per image. Every function releases the GIL for the whole batch. The
 float32 arithmetic is the CUDA kernels' of the same op (the same products summed in the
 same order, no fused multiply-add), so CPU and GPU give the same levels; levels are
-rounded half up and saturated to 0-255. An argument that is not a (writable where
-written) C-contiguous buffer raises TypeError or BufferError; an image or output of the
-wrong type or shape, or a parameter buffer shorter than N rows need, ValueError naming
-the argument and its index.
+rounded half up and saturated to 0-255. A list argument that is not a list raises
+TypeError; an image or output that is not a C-contiguous (writable where written) array
+of the right type and shape, or a parameter that is not a C-contiguous buffer of the
+right type and at least the items N rows need, raises ValueError naming the argument and
+its index.
 """
 from _typeshed import ReadableBuffer, WriteableBuffer
 

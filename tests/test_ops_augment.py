@@ -187,6 +187,39 @@ def test_gaussian_blur_tiny_image_and_sigma_range(images):
     assert np.array_equal(windows, 2 * np.ceil(3 * sigmas).astype(int) + 1)
 
 
+def test_gaussian_blur_float32_images_stay_float32(images):
+    img = images[3].astype(np.float32) / 255
+    (got,), _ = run(ops.gaussian_blur(sigma=1.2), [img])
+    ref = cv2.GaussianBlur(img, (9, 9), 1.2, borderType=cv2.BORDER_REFLECT_101)
+    assert got.dtype == np.float32 and np.abs(got - ref).max() < 1e-5
+
+
+def test_colour_ops_name_the_sample_that_is_not_uint8(images):
+    with pytest.raises(DataError, match="uint8 HWC.*row 1") as err:
+        run(ops.brightness_contrast(brightness=1.2), [images[0], images[1].astype(np.float32)], index=[5, 9])
+    assert err.value.sample == 9
+
+
+def test_the_c_calls_check_their_buffers(images):
+    from gpuio.ops import _augment
+
+    src = [images[0], images[1]]
+    table = np.zeros((2, 12), np.float32)
+    with pytest.raises(ValueError, match=r"outs\[1\]"):
+        _augment.color(src, table, [np.empty_like(images[0]), np.empty_like(images[0])])
+    with pytest.raises(ValueError, match="table"):
+        _augment.color(src, table[:1], [np.empty_like(img) for img in src])
+    with pytest.raises(ValueError, match=r"images\[0\]"):
+        _augment.lut([np.zeros((2, 2, 5), np.uint8)], np.zeros((1, 4, 256), np.uint8), [np.zeros((2, 2, 5), np.uint8)])
+    with pytest.raises(ValueError, match=r"images\[0\]"):
+        _augment.histogram([images[0][:, ::2]], np.zeros((1, 4, 256), np.int64))  # not C-contiguous
+    with pytest.raises(ValueError, match="odd"):
+        _augment.blur(src[:1], [np.ones(2, np.float32)], [np.ones(3, np.float32)], [np.empty_like(images[0])])
+    with pytest.raises(ValueError, match="interp"):
+        _augment.warp(src[:1], np.zeros((1, 6), np.float32), np.zeros((1, 4), np.float32), 2, 0,
+                      [np.empty_like(images[0])])
+
+
 def erasing_reference(rng, h, w, p, scale, ratio):
     """torchvision's RandomErasing.get_params with NumPy's generator."""
     if not rng.random() < p:
