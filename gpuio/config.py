@@ -55,6 +55,8 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "remote_cache_budget": (64 * GiB, "bytes the remote cache may hold; least recently used blocks go first"),
     "remote_block": (8 * MiB, "remote objects are cached whole up to this size, larger ones in blocks of it"),
     "remote_requests": (32, "ranged GETs in flight per reader"),
+    "remote_readahead": (256 * MiB, "bytes of remote blocks a reader may hold in memory ahead of its reads: "
+                                    "fetched from a Loader's coming batches, or waiting to be written to the cache"),
     "remote_gap": (1 * MiB, "uncached remote extents this close in one object are one GET"),
     "remote_part": (16 * MiB, "uncached remote reads longer than this are split into GETs of this size"),
     "remote_retries": (5, "tries of a GET after a 5xx, a 429 or a dropped connection, with backoff"),

@@ -19,7 +19,7 @@ import gpuio
 from gpuio import formats
 from gpuio.errors import DataError, StorageError
 from gpuio.storage import remote
-from gpuio.storage.cache import BlockCache, cache_folder
+from gpuio.storage.cache import BlockCache, cache_folder, flush
 
 from checkers import assert_same_batch, check_exactly_once, check_resume, host, run_epoch
 from remote_env import ACCESS_KEY, SECRET_KEY, FaultProxy, SeaweedS3, http_server, upload_tree, weed_binary
@@ -263,6 +263,7 @@ def test_second_epoch_reads_the_cache_only(s3, tmp_path, request, monkeypatch):
     s3.upload_file(os.fspath(tmp_path / "big.npy"), BUCKET, f"{prefix}/big.npy")
     index = formats.numpy(f"s3://{BUCKET}/{prefix}/big.npy")
     first = gpuio.read(index, [0])[0].tobytes()
+    flush()  # the blocks are written behind the read
     blocks = [f for _, _, fs in os.walk(cache_folder()) for f in fs]
     assert len(blocks) == -(-(300_000 + 128) // 65536)  # header block included: aligned blocks
     assert not [b for b in blocks if b.endswith(".part")]
@@ -306,7 +307,7 @@ def test_cache_budget_evicts_least_recently_used(s3, tmp_path, request, monkeypa
         for k in range(10):
             assert reader.read(index, [k])[0].tobytes() == bytes([k]) * 6000
     finally:
-        reader.close()
+        reader.close()  # the writes behind the reads are done
     held = BlockCache().evict()
     assert held <= 20000
     names = [f for _, _, fs in os.walk(cache_folder()) for f in fs]
@@ -334,7 +335,9 @@ def _race(args):
     os.environ.update(GPUIO_REMOTE_CACHE_DIR=cache, AWS_ENDPOINT_URL=endpoint)
     remote.reset_client()
     index = formats.numpy(url)
-    return gpuio.read(index, [0])[0].tobytes()
+    got = gpuio.read(index, [0])[0].tobytes()
+    flush()
+    return got
 
 
 def test_processes_racing_on_one_block_download_it_once(s3, s3server, tmp_path, request):
@@ -370,6 +373,7 @@ def _full_disk(args):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = [a.tobytes() for a in gpuio.read(index, np.arange(len(index)))]
+        flush()  # the writes behind the read, where the disk is full
     return got, [str(w.message) for w in caught]
 
 

@@ -12,16 +12,27 @@ Rules:
 - one download per block on the node: the process that creates ``<block>.part``
   (``O_EXCL``) downloads into it, the others wait for the block (a ``.part`` older than
   the stall limit, ``remote_timeout`` x (``remote_retries`` + 1) seconds, is left by a
-  dead or hung process and is taken over);
-- a block is used only when its size is the one expected; a block of another size
-  (cut short, overwritten) is downloaded again;
+  dead or hung process and is taken over); within a process, one fetch per block;
+- writes are behind the reads: a downloaded block's bytes go to the batch at once, and
+  its file is written and renamed on a writer thread. Until then this process serves
+  the block from memory, other processes wait for the rename. At most
+  ``remote_readahead`` bytes wait to be written: a download waits for room;
+- read-ahead (``prefetch``): the blocks of coming batches (a Loader knows its order)
+  are fetched in the background, at most ``remote_readahead`` bytes in flight; what
+  does not fit is fetched when read;
+- a block is used only when its size is the one expected, looked at (stat) when this
+  process first meets it; a block of another size (cut short, overwritten) is
+  downloaded again. A block that fails a later read (evicted or cut short by another
+  process) makes the batch look at its blocks again, once;
 - the cache holds at most ``remote_cache_budget`` bytes: past it, the least recently
-  used blocks (by modification time, touched at each use) go first, never a block of
-  the batch being read;
+  used blocks (by modification time, touched when first met and again at most every
+  ``_RECHECK_S`` while in use, on the writer thread) go first, never a block of the
+  batch being read;
 - a full cache disk (ENOSPC, EDQUOT, EFBIG) is a warning: the batch gets the bytes it
   downloaded, and they are not kept;
-- the reads themselves are the posix backend's, from the block files: a later epoch
-  reads local disk only.
+- the reads themselves are the posix backend's (its C read loop), from the block files,
+  whose names a batch gets from NumPy arrays per index (``Objects``): a later epoch
+  reads local disk with no Python per block.
 """
 
 from __future__ import annotations
@@ -32,27 +43,32 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from gpuio import config
+from gpuio._fork import renew_after_fork
 from gpuio.errors import StorageError
 from gpuio.index import PathTable
 from gpuio.storage.buffers import Lease
 from gpuio.storage.plan import ReadPlan
+from gpuio.storage.remote import ObjectInfo
 
-__all__ = ["BlockCache", "cache_folder"]
+__all__ = ["BlockCache", "Objects", "cache_folder", "flush"]
 
 _POLL_S = 0.005  # first wait for a block another process downloads; doubles up to _POLL_MAX_S
 _POLL_MAX_S = 0.1
 # a cache disk that is full (or a file size limit): the reads go on without caching
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_RECHECK_S = 30.0  # a block found whole is looked at again (stat, touch for LRU) after this long
-_PATHS_KEPT = 1 << 20  # block paths and checks remembered, at most
+_RECHECK_S = 30.0  # a block in use is touched (mtime, for the LRU order) again after this long
 _EVICT_SHARE = 8  # the folder is scanned for eviction after downloads of budget / this many bytes
+_TAG = 20  # bytes of an object's sha256 that name its blocks (40 hex digits)
+_HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+_WRITERS = 2  # threads writing blocks behind the reads
 
 
 def cache_folder() -> str:
@@ -62,6 +78,90 @@ def cache_folder() -> str:
         base = config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio")
         folder = os.path.join(base, "remote")
     return folder
+
+
+def _tag(url: str, etag: str, size: int) -> bytes:
+    return hashlib.sha256(f"{url}\0{etag}\0{size}".encode()).digest()[:_TAG]
+
+
+class Objects:
+    """One index's objects as the cache sees them.
+
+    Per object (the index's file id): URL (``paths``), size in bytes and ETag. Per block,
+    numbered ``base[object] + block``: ``seen``, when this process last found it whole
+    in the cache (``time.monotonic()``, 0 when not known). Block file names are made
+    with NumPy from per-object digests, each computed once on first use."""
+
+    def __init__(self, paths: PathTable, sizes: Sequence[int] | np.ndarray, etags: Sequence[str],
+                 block: int) -> None:
+        self.paths = paths
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.etags = list(etags)
+        self.block = block
+        self.base = np.zeros(len(self.sizes) + 1, dtype=np.int64)
+        np.cumsum(np.maximum(1, -(-self.sizes // block)), out=self.base[1:])
+        self.seen = np.zeros(int(self.base[-1]), dtype=np.float64)
+        self._digest = np.zeros((len(self.sizes), _TAG), dtype=np.uint8)
+        self._named = np.zeros(len(self.sizes), dtype=bool)
+
+    def info(self, obj: int) -> ObjectInfo:
+        return ObjectInfo(self.paths[obj], int(self.sizes[obj]), self.etags[obj])
+
+    def locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The object and the block number within it of each block key."""
+        obj = np.searchsorted(self.base, keys, side="right") - 1
+        return obj, keys - self.base[obj]
+
+    def names(self, keys: np.ndarray, root: str) -> PathTable:
+        """The block files of ``keys``: ``<root>/<tag[:2]>/<tag>.<block>``."""
+        keys = np.asarray(keys, dtype=np.int64)
+        obj, block = self.locate(keys)
+        new = np.unique(obj[~self._named[obj]])
+        for o in new.tolist():
+            self._digest[o] = np.frombuffer(_tag(self.paths[o], self.etags[o], int(self.sizes[o])), dtype=np.uint8)
+        self._named[new] = True
+        d = self._digest[obj]
+        top = int(block.max()) if len(block) else 0
+        head = 4 + 2 * _TAG  # "ab/" + 40 hex digits + "."
+        width = head + len(str(top))
+        mat = np.empty((len(keys), width), dtype=np.uint8)
+        mat[:, 3:head - 1:2], mat[:, 4:head - 1:2] = _HEX[d >> 4], _HEX[d & 15]
+        mat[:, 0:2] = mat[:, 3:5]
+        mat[:, 2] = ord("/")
+        mat[:, head - 1] = ord(".")
+        if top < 10:  # one digit each (an object cached whole is block 0): rows of one width
+            mat[:, head] = ord("0") + block
+            return PathTable(mat.reshape(-1), np.arange(len(keys) + 1, dtype=np.int64) * width, root)
+        digits = np.ones(len(keys), dtype=np.int64)
+        power = 10
+        while power <= top:
+            digits += block >= power
+            power *= 10
+        for j in range(width - head):
+            mat[:, head + j] = ord("0") + (block // 10 ** np.maximum(digits - 1 - j, 0)) % 10
+        lengths = head + digits
+        offsets = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return PathTable(mat[np.arange(width) < lengths[:, None]], offsets, root)
+
+    def blocks(self, file: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The blocks the byte ranges ``[start, end)`` of objects ``file`` touch: per
+        (range, block) pair the range's position and the block's key."""
+        B = self.block
+        first, last = start // B, (end - 1) // B
+        counts = np.where(end > start, last - first + 1, 0)
+        which = np.repeat(np.arange(len(start)), counts)
+        block = first[which] + np.arange(len(which)) - np.repeat(np.cumsum(counts) - counts, counts)
+        return which, self.base[file[which]] + block
+
+
+_caches: weakref.WeakSet[BlockCache] = weakref.WeakSet()
+
+
+def flush() -> None:
+    """Wait until every block this process's caches fetch ahead or write behind is done."""
+    for cache in list(_caches):
+        cache.wait()
 
 
 class BlockCache:
@@ -74,40 +174,55 @@ class BlockCache:
         from gpuio.storage._posix import PosixBackend, native_available
 
         self.fetch = fetch
-
         self.root = cache_folder()
         self.block = max(4096, config.get("remote_block"))
         self.budget = config.get("remote_cache_budget")
+        self.window = max(self.block, config.get("remote_readahead"))
+        self.requests = max(1, config.get("remote_requests"))
         # a download running longer than every try of it may take is left by a dead or hung process
         self.stale_s = max(1, config.get("remote_timeout")) * (max(1, config.get("remote_retries")) + 1)
         self._posix = PosixBackend(config.get("io_threads"), False, "gpuio-cache-read",
                                    native=config.get("native") and native_available())
         self._added = 0
-        self._lock = threading.Lock()
-        # blocks this process found whole, and when: not looked at again (stat, touch)
-        # for _RECHECK_S; a block another process evicts meanwhile fails the posix read,
-        # and the batch is made present again with every block looked at
-        self._seen: dict[str, float] = {}
         self._warned_full = False
-        self._paths: dict[tuple[str, str, int, int], str] = {}
+        self._warned_write = False
+        self._fresh()
+        renew_after_fork(self)
+        _caches.add(self)
+
+    def _fresh(self) -> None:
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._inflight: dict[str, Future[bytearray | None]] = {}  # block path -> its fetch in this process
+        self._held = 0  # bytes downloaded, not yet written
+        self._ahead = 0  # bytes of read-ahead fetches not finished
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's threads and fetches are not this process's."""
+        self._fresh()
+
+    def _pool(self, name: str) -> ThreadPoolExecutor:
+        with self._lock:
+            pool = self._pools.get(name)
+            if pool is None:
+                workers = _WRITERS if name == "write" else self.requests
+                pool = self._pools[name] = ThreadPoolExecutor(workers, thread_name_prefix=f"gpuio-cache-{name}")
+            return pool
 
     def path(self, info: Any, block: int) -> str:
         """The file of block ``block`` of the object ``info`` (an ``ObjectInfo``)."""
-        key = (info.url, info.etag, info.size, block)
-        path = self._paths.get(key)
-        if path is None:
-            tag = hashlib.sha256(f"{info.url}\0{info.etag}\0{info.size}".encode()).hexdigest()[:40]
-            path = self._paths[key] = os.path.join(self.root, tag[:2], f"{tag}.{block}")
-            if len(self._paths) > _PATHS_KEPT:
-                self._paths.clear()
-        return path
+        tag = _tag(info.url, info.etag, info.size).hex()
+        return os.path.join(self.root, tag[:2], f"{tag}.{block}")
 
-    def read(self, plan: ReadPlan, infos: list[Any], inverse: np.ndarray, lease: Lease,
-             pool: ThreadPoolExecutor) -> None:
-        """Fill ``lease`` as ``plan`` says (task ``k`` reads object ``infos[inverse[k]]``):
-        the blocks the tasks touch are made present, then read from their files."""
+    # ---- reads -------------------------------------------------------------------------
+    def read(self, plan: ReadPlan, objects: Objects, lease: Lease, pool: ThreadPoolExecutor) -> None:
+        """Fill ``lease`` as ``plan`` says (its file ids are ``objects``'): the blocks the
+        tasks touch are made present (those this process has not met yet: fetched on
+        ``pool``), then read from their files, or from memory where just downloaded."""
         B = self.block
-        sizes = np.array([i.size for i in infos], dtype=np.int64)[inverse]
+        file = plan.task_file
+        sizes = objects.sizes[file]
         start = plan.task_offset
         end = np.minimum(start + plan.task_length, sizes)  # a merge gap never runs past the end
         short = np.flatnonzero(end < start + plan.task_need)
@@ -115,64 +230,129 @@ class BlockCache:
             k = int(short[0])
             raise StorageError(f"the object has {int(sizes[k])} bytes, the index needs bytes up to "
                                f"{int(start[k] + plan.task_need[k])} (replaced after indexing?)",
-                               path=infos[int(inverse[k])].url, offset=int(start[k]))
-        first, last = start // B, (end - 1) // B
-        counts = np.where(end > start, last - first + 1, 0)
-        task = np.repeat(np.arange(len(start)), counts)
-        block = first[task] + np.arange(len(task)) - np.repeat(np.cumsum(counts) - counts, counts)
+                               path=objects.paths[int(file[k])], offset=int(start[k]))
+        task, keys = objects.blocks(file, start, end)
+        block = keys - objects.base[file[task]]
         p_start = np.maximum(start[task], block * B)
         p_end = np.minimum(end[task], (block + 1) * B)
-        obj = inverse[task].astype(np.int64)
-        keys, which = np.unique(np.stack([obj, block]), axis=1, return_inverse=True)
-        which = which.reshape(-1).astype(np.int64)
-        wanted = [(infos[int(o)], int(b)) for o, b in keys.T.tolist()]
-        paths = [self.path(info, b) for info, b in wanted]
         p_off, p_len = p_start - block * B, p_end - p_start
         p_dest = plan.task_dest[task] + (p_start - start[task])
+        ukeys, which = np.unique(keys, return_inverse=True)
+        which = which.reshape(-1)
         view = lease.array
         for attempt in range(2):
-            now_s = time.monotonic()
+            todo = np.flatnonzero(objects.seen[ukeys] == 0) if not attempt else np.arange(len(ukeys))
             if attempt:
-                self._seen.clear()
-            todo = [k for k, path in enumerate(paths) if now_s - self._seen.get(path, -_RECHECK_S) >= _RECHECK_S]
-            futures = [pool.submit(self.ensure, *wanted[k], paths[k]) for k in todo]
-            fresh: list[Any] = [None] * len(paths)
-            first_error = None
-            for k, fut in zip(todo, futures):
-                exc = fut.exception()
-                if exc is not None and first_error is None:
-                    first_error = exc
-                fresh[k] = None if exc is not None else fut.result()
-            if first_error is not None:
-                raise first_error
-            if len(self._seen) > _PATHS_KEPT:
-                self._seen.clear()
-            self._seen.update((paths[k], now_s) for k in todo)
-            # blocks downloaded just now are copied from memory; the others read from their files
-            now = np.array([f is not None for f in fresh], dtype=bool)[which]
-            for k in np.flatnonzero(now).tolist():
-                src, off, n, dest = fresh[which[k]], int(p_off[k]), int(p_len[k]), int(p_dest[k])
+                objects.seen[ukeys] = 0
+            bufs: list[bytearray | None] = [None] * len(ukeys)
+            got = np.zeros(len(ukeys), dtype=bool)
+            for k, buf in zip(todo.tolist(), self._fetched(objects, ukeys[todo], pool)):
+                bufs[k], got[k] = buf, buf is not None
+            from_memory = got[which]
+            for k in np.flatnonzero(from_memory).tolist():
+                src, off, n, dest = bufs[which[k]], int(p_off[k]), int(p_len[k]), int(p_dest[k])
                 view[dest: dest + n] = np.frombuffer(src, dtype=np.uint8, count=n, offset=off)
-            old = ~now
+            old = ~from_memory
+            if not old.any():
+                break
             local = ReadPlan(task_file=which[old], task_offset=p_off[old], task_length=p_len[old],
                              task_dest=p_dest[old], task_need=p_len[old], sample_dest=plan.sample_dest,
                              sample_length=plan.sample_length, nbytes=plan.nbytes, align=1)
             try:
-                self._posix.read(local, PathTable.from_paths(paths), lease)
+                self._posix.read(local, objects.names(ukeys, self.root), lease)
                 break
             except StorageError:
                 if attempt:  # evicted by another process in between, twice: not a race any more
                     raise
-        self._maybe_evict(set(paths))
+        self._touch_stale(objects, ukeys)
+        self._maybe_evict(objects, ukeys)
 
-    def ensure(self, info: Any, block: int, path: str) -> bytearray | None:
-        """Make block ``block`` of ``info`` present at ``path``: use it (None), or
-        download it once per node (its bytes), written whole or not at all. The
-        download goes to ``<path>.part``, created with ``O_EXCL``: the one process that
-        creates it downloads, the others wait for ``path``."""
+    def _fetched(self, objects: Objects, keys: np.ndarray, pool: ThreadPoolExecutor) -> list[bytearray | None]:
+        """Per block of ``keys``: its bytes when downloaded just now (or still waiting to
+        be written), None when its file is whole. Raises the first block's error."""
+        if not len(keys):
+            return []
+        names = objects.names(keys, self.root)
+        futures = [self._start(objects, key, path, pool) for key, path in zip(keys.tolist(), names)]
+        first = next((f.exception() for f in futures if f.exception() is not None), None)
+        if first is not None:
+            raise first
+        return [f.result() for f in futures]
+
+    def _start(self, objects: Objects, key: int, path: str, pool: ThreadPoolExecutor) -> Future[bytearray | None]:
+        """The fetch of block ``key`` in this process: the one running, else one started on ``pool``."""
+        with self._lock:
+            fut = self._inflight.get(path)
+            if fut is None:
+                fut = self._inflight[path] = pool.submit(self._get, objects, key, path)
+            return fut
+
+    def prefetch(self, objects: Objects, file: np.ndarray, offset: np.ndarray, length: np.ndarray) -> int:
+        """Fetch into the cache, in the background, the blocks of the extents
+        ``(file, offset, length)`` that this process has not met yet, as many as fit in
+        ``remote_readahead`` bytes in flight (the rest is fetched when read); returns the
+        bytes started."""
+        file = np.asarray(file, dtype=np.int64)
+        start = np.asarray(offset, dtype=np.int64)
+        end = np.minimum(start + np.asarray(length, dtype=np.int64), objects.sizes[file])
+        _, keys = objects.blocks(file, start, end)
+        keys = np.unique(keys)
+        keys = keys[objects.seen[keys] == 0]
+        if not len(keys):
+            return 0
+        obj, block = objects.locate(keys)
+        want = np.minimum(self.block, objects.sizes[obj] - block * self.block).tolist()
+        pool = self._pool("ahead")
+        started = 0
+        for key, path, n in zip(keys.tolist(), objects.names(keys, self.root), want):
+            with self._lock:
+                if path in self._inflight:
+                    continue
+                if self._ahead + n > self.window:
+                    break
+                self._ahead += n
+                fut = self._inflight[path] = pool.submit(self._get, objects, key, path)
+            fut.add_done_callback(lambda _, n=n: self._ahead_done(n))
+            started += n
+        return started
+
+    def _ahead_done(self, n: int) -> None:
+        with self._lock:
+            self._ahead -= n
+
+    def wait(self) -> None:
+        """Wait until every fetch ahead and every write behind started so far is done."""
+        with self._changed:
+            while self._inflight:
+                self._changed.wait()
+
+    # ---- fetching a block --------------------------------------------------------------
+    def _get(self, objects: Objects, key: int, path: str) -> bytearray | None:
+        """Make block ``key`` present: None when its file is whole, else its bytes
+        (downloaded now; the file is written behind, or not kept when the disk is full)."""
+        obj, block = objects.locate(np.array([key]))
+        info = objects.info(int(obj[0]))
+        try:
+            buf, fd = self._obtain(info, int(block[0]), path)
+        except BaseException:
+            self._done(path, 0)
+            raise
+        if buf is None:
+            objects.seen[key] = time.monotonic()
+            self._done(path, 0)
+        elif fd is None:
+            self._done(path, len(buf))
+        else:
+            self._pool("write").submit(self._write, objects, key, path, fd, buf)
+        return buf
+
+    def _obtain(self, info: Any, block: int, path: str) -> tuple[bytearray | None, int | None]:
+        """(None, None) when the block file is whole; else the block's bytes and the
+        descriptor of its ``.part`` file (claimed with ``O_EXCL``: this process writes
+        it), or None when the cache disk is full (the bytes are not kept)."""
         want = min(self.block, info.size - block * self.block)
         if self._present(path, want):
-            return None
+            return None, None
         part = path + ".part"
         os.makedirs(os.path.dirname(path), exist_ok=True)
         wait, since = _POLL_S, time.monotonic()
@@ -181,7 +361,7 @@ class BlockCache:
                 fd = os.open(part, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 if self._present(path, want):
-                    return None
+                    return None, None
                 self._break_stale(part)
                 if time.monotonic() - since > 2 * self.stale_s:
                     raise StorageError(f"waited {time.monotonic() - since:.0f} s for another process to "
@@ -191,39 +371,75 @@ class BlockCache:
                 continue
             except OSError as exc:
                 if exc.errno in _FULL:
-                    return self._uncached(info, block, want, path, exc)
+                    self._warn_full(path, exc)
+                    self._reserve(want)
+                    try:
+                        return self._download(info, block, want), None
+                    except BaseException:
+                        self._release(want)
+                        raise
                 raise _cache_error(path, exc) from exc
             break
-        done = False
         try:
-            if self._present(path, want):  # written by another process while we took the lock
-                return None
-            buf = self._download(info, block, want)
+            if self._present(path, want):  # written by another process while we took the claim
+                _unlink(part)
+                os.close(fd)
+                return None, None
+            self._reserve(want)
             try:
-                with os.fdopen(fd, "wb", closefd=False) as f:
-                    f.write(buf)
-                os.replace(part, path)
-            except OSError as exc:
-                if exc.errno in _FULL:
-                    self._warn_full(path, exc)
-                    return buf  # the batch gets its bytes; the block stays uncached
-                raise _cache_error(path, exc) from exc
-            done = True
-            with self._lock:
-                self._added += want
-            return buf
+                return self._download(info, block, want), fd
+            except BaseException:
+                self._release(want)
+                raise
+        except BaseException:
+            _unlink(part)
+            os.close(fd)
+            raise
+
+    def _reserve(self, n: int) -> None:
+        """Count ``n`` more bytes held in memory; wait while ``remote_readahead`` bytes are."""
+        with self._changed:
+            while self._held and self._held + n > self.window:
+                self._changed.wait()
+            self._held += n
+
+    def _release(self, n: int) -> None:
+        with self._changed:
+            self._held -= n
+            self._changed.notify_all()
+
+    def _done(self, path: str, held: int) -> None:
+        """The fetch of ``path`` is over (its ``held`` bytes are no longer this cache's)."""
+        with self._changed:
+            self._inflight.pop(path, None)
+            self._held -= held
+            self._changed.notify_all()
+
+    def _write(self, objects: Objects, key: int, path: str, fd: int, buf: bytearray) -> None:
+        """Write a downloaded block to its ``.part`` file and rename it into place (the
+        writer thread); a failure leaves the block uncached, with a warning."""
+        part = path + ".part"
+        kept = False
+        try:
+            with os.fdopen(fd, "wb", closefd=False) as f:
+                f.write(buf)
+            os.replace(part, path)
+            kept = True
+        except OSError as exc:
+            if exc.errno in _FULL:
+                self._warn_full(path, exc)
+            elif not self._warned_write:
+                self._warned_write = True
+                warnings.warn(f"{_cache_error(path, exc)}; reading on without caching", stacklevel=2)
         finally:
             os.close(fd)
-            if not done:
-                try:
-                    os.unlink(part)
-                except FileNotFoundError:
-                    pass
-
-    def _uncached(self, info: Any, block: int, want: int, path: str, exc: OSError) -> bytearray:
-        """The block's bytes, downloaded without keeping them: the cache disk is full."""
-        self._warn_full(path, exc)
-        return self._download(info, block, want)
+            if not kept:
+                _unlink(part)
+            else:
+                objects.seen[key] = time.monotonic()
+                with self._lock:
+                    self._added += len(buf)
+            self._done(path, len(buf))
 
     def _warn_full(self, path: str, exc: OSError) -> None:
         if not self._warned_full:
@@ -249,10 +465,7 @@ class BlockCache:
         except FileNotFoundError:
             return False
         if size != want:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            _unlink(path)
             return False
         try:
             os.utime(path)
@@ -268,17 +481,35 @@ class BlockCache:
         except FileNotFoundError:
             return
         if age > self.stale_s:
-            try:
-                os.unlink(part)
-            except FileNotFoundError:
-                pass
+            _unlink(part)
 
-    def _maybe_evict(self, keep: set[str]) -> None:
+    # ---- the LRU order and the budget -------------------------------------------------
+    def _touch_stale(self, objects: Objects, keys: np.ndarray) -> None:
+        """Touch, on the writer thread, the blocks of ``keys`` last touched over
+        ``_RECHECK_S`` ago (so other processes evict them last); one found gone is met
+        again by the next read."""
+        now = time.monotonic()
+        seen = objects.seen[keys]
+        stale = keys[(seen > 0) & (now - seen >= _RECHECK_S)]
+        if not len(stale):
+            return
+        objects.seen[stale] = now
+        self._pool("write").submit(self._touch, objects, stale, objects.names(stale, self.root))
+
+    @staticmethod
+    def _touch(objects: Objects, keys: np.ndarray, names: PathTable) -> None:
+        for key, path in zip(keys.tolist(), names):
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                objects.seen[key] = 0
+
+    def _maybe_evict(self, objects: Objects, keys: np.ndarray) -> None:
         with self._lock:
             if self._added * _EVICT_SHARE < self.budget:
                 return
             self._added = 0
-        self.evict(keep)
+        self.evict(set(objects.names(keys, self.root)))
 
     def evict(self, keep: set[str] = frozenset()) -> int:
         """Remove the least recently used blocks until the cache holds at most its
@@ -308,12 +539,25 @@ class BlockCache:
                 break
             if path in keep:
                 continue
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            _unlink(path)
             total -= size
         return total
+
+    def close(self) -> None:
+        """Finish the fetches ahead and the writes behind, and end the cache's threads."""
+        self.wait()
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=True)
+        self._posix.close()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _cache_error(path: str, exc: OSError) -> StorageError:

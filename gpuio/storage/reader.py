@@ -115,14 +115,32 @@ class Reader:
                 lease = self._upload(lease, plan.nbytes)
         return lease, plan.sample_dest, plan.sample_length
 
-    def _read_remote(self, index: SampleIndex, extents: tuple[np.ndarray, ...]) -> tuple[Lease, np.ndarray, np.ndarray]:
-        """``read_batch`` for objects in S3 or on HTTP(S): ranged GETs, through the
-        node-local cache tier (``gpuio.storage.remote``, ``gpuio.storage.cache``)."""
+    def prefetch(self, index: SampleIndex, rows: Sequence[int] | np.ndarray, field: str = "data") -> int:
+        """Start fetching the remote blocks of ``field`` of ``rows`` into the node-local
+        cache, in the background, so that reading them later reads local disk: for an
+        index of remote objects with the cache on, as many bytes as fit in
+        ``remote_readahead`` in flight (the rest is fetched when read). Returns the bytes
+        started; 0 for local files, with the cache off or when all are present."""
+        if not is_remote(index.files) or field not in index.extents:
+            return 0
+        ext = index.extents[field]
+        rows = _check_rows(index, rows)
+        return self._remote_backend().prefetch(ext.file[rows], ext.offset[rows], ext.length[rows], index.files,
+                                               index.meta.get("remote"))
+
+    def _remote_backend(self) -> Any:
+        """The backend of s3:// and http(s):// files, made on first use."""
         if self._remote is None:
             from gpuio.storage.remote import RemoteBackend
 
             with config.override(**self._remote_settings):
                 self._remote = RemoteBackend()
+        return self._remote
+
+    def _read_remote(self, index: SampleIndex, extents: tuple[np.ndarray, ...]) -> tuple[Lease, np.ndarray, np.ndarray]:
+        """``read_batch`` for objects in S3 or on HTTP(S): ranged GETs, through the
+        node-local cache tier (``gpuio.storage.remote``, ``gpuio.storage.cache``)."""
+        self._remote_backend()
         plan = self._remote.plan(*extents)
         lease = self.pool.acquire(plan.nbytes, "cpu", pinned=self.pinned)
         self._remote.read(plan, index.files, lease, index.meta.get("remote"))

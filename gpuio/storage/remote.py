@@ -34,6 +34,8 @@ import io
 import re
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
@@ -54,10 +56,11 @@ __all__ = ["SCHEMES", "SETTINGS", "ObjectInfo", "RemoteBackend", "RemoteFile", "
 SCHEMES = ("s3://", "http://", "https://")
 # the settings of remote reads (gpuio.config); a Reader takes them when it is made
 SETTINGS = ("remote_client", "remote_cache", "remote_cache_dir", "remote_cache_budget", "remote_block", "remote_requests",
-            "remote_gap", "remote_part", "remote_retries", "remote_timeout", "cache_dir")
+            "remote_readahead", "remote_gap", "remote_part", "remote_retries", "remote_timeout", "cache_dir")
 _PRESIGN_S = 3600  # lifetime of a presigned URL (urllib3 client)
 _RESIGN_S = 1800  # a presigned URL older than this is signed again before use
 _BACKOFF_S = 0.05  # the first retry waits this long, each next one twice as long
+_INDEXES_KEPT = 8  # indexes whose objects a RemoteBackend's cache keeps in view
 
 
 def is_url(path: object) -> bool:
@@ -593,7 +596,8 @@ class RemoteBackend:
             self._cache = BlockCache(lambda *args: client().get_into(*args))
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self._posix: Any = None
+        # per index file table, the cache's view of its objects: (the table, its versions, Objects)
+        self._objects: OrderedDict[int, tuple[Any, Any, Any]] = OrderedDict()
         renew_after_fork(self)
 
     def _after_fork(self) -> None:
@@ -622,12 +626,12 @@ class RemoteBackend:
         ``meta["remote"]`` (ETags and sizes at indexing), or None."""
         if len(plan) == 0:
             return
+        if self._cache is not None:
+            self._cache.read(plan, self._objects_of(paths, versions), lease, self._executor())
+            return
         unique, inverse = np.unique(plan.task_file, return_inverse=True)
         urls = paths.many(unique)
         infos = [self._info(urls[k], int(unique[k]), versions) for k in range(len(unique))]
-        if self._cache is not None:
-            self._cache.read(plan, infos, inverse, lease, self._executor())
-            return
         view = memoryview(lease.array)
         c = client()
         files, offsets = inverse.tolist(), plan.task_offset.tolist()
@@ -641,6 +645,37 @@ class RemoteBackend:
         futures = [self._executor().submit(get, k) for k in range(len(plan))]
         _first_error(futures)
 
+    def prefetch(self, file: np.ndarray, offset: np.ndarray, length: np.ndarray, paths: PathTable,
+                 versions: dict[str, Any] | None) -> int:
+        """Fetch the blocks of these extents into the cache in the background (see
+        ``BlockCache.prefetch``); returns the bytes started (0 with the cache off)."""
+        if self._cache is None or not len(file):
+            return 0
+        return self._cache.prefetch(self._objects_of(paths, versions), file, offset, length)
+
+    def _objects_of(self, paths: PathTable, versions: dict[str, Any] | None) -> Any:
+        """The cache's view of the objects of ``paths`` (``cache.Objects``), made once per
+        index: sizes and ETags as the index recorded them, else as this process knows them."""
+        with self._lock:
+            got = self._objects.get(id(paths))
+            if got is not None and got[0]() is paths and got[1] is versions:
+                self._objects.move_to_end(id(paths))
+                return got[2]
+        from gpuio.storage.cache import Objects
+
+        n = len(paths)
+        if versions is not None and len(versions.get("etags", ())) == n:
+            sizes, etags = versions["sizes"], versions["etags"]
+        else:  # an index made without its objects' versions: as listed, opened or asked now
+            infos = [client().known(url) for url in paths]
+            sizes, etags = [i.size for i in infos], [i.etag for i in infos]
+        objects = Objects(paths, sizes, etags, self._cache.block)
+        with self._lock:
+            self._objects[id(paths)] = (weakref.ref(paths), versions, objects)
+            while len(self._objects) > _INDEXES_KEPT:
+                self._objects.popitem(last=False)
+        return objects
+
     @staticmethod
     def _info(url: str, file_id: int, versions: dict[str, Any] | None) -> ObjectInfo:
         if versions is not None and file_id < len(versions.get("etags", ())):
@@ -648,6 +683,8 @@ class RemoteBackend:
         return client().known(url)
 
     def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
         with self._lock:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
