@@ -91,7 +91,8 @@ def make_datasets(root: str, n: int, images: bool) -> dict[str, str]:
 
 
 def index_of(kind: str, path: str) -> gpuio.SampleIndex:
-    return gpuio.formats.numpy(path) if kind == "numpy" else gpuio.formats.filetree(path)
+    # with every length known: the torch reference preads each sample's extent
+    return gpuio.formats.numpy(path) if kind == "numpy" else gpuio.storage.learn_lengths(gpuio.formats.filetree(path))
 
 
 def image_ops() -> list[Any] | None:

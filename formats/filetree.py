@@ -39,7 +39,7 @@ import numpy as np
 
 from gpuio.errors import DataError, FormatError, StorageError
 from gpuio.formats._files import each_shard, progress
-from gpuio.index import Extents, PathTable, SampleIndex
+from gpuio.index import UNKNOWN_LENGTH, Extents, PathTable, SampleIndex
 from gpuio.storage.remote import RemoteFile, is_url
 from gpuio.storage.remote import client as remote_client
 
@@ -133,12 +133,15 @@ def _walk_class(top: str, rel: str, extensions: tuple[str, ...], root_id: tuple[
                 files.append(entry)
         files.sort(key=lambda e: e.name)
         for entry in files:
-            try:
-                size = entry.stat().st_size
-            except OSError:  # a dangling link or a link loop
-                skipped.broken_links.append(f"{rel}/{entry.name}")
-                continue
-            out.add(f"{rel}/{entry.name}", size)
+            # sizes are left to the read (UNKNOWN_LENGTH), so a regular file costs no
+            # syscall here; only a link is followed, to skip one that leads nowhere
+            if entry.is_symlink():
+                try:
+                    entry.stat()
+                except OSError:  # a dangling link or a link loop
+                    skipped.broken_links.append(f"{rel}/{entry.name}")
+                    continue
+            out.add(f"{rel}/{entry.name}", UNKNOWN_LENGTH)
 
 
 def filetree(root: str | os.PathLike[str], extensions: Sequence[str] = IMAGE_EXTENSIONS,
@@ -146,8 +149,11 @@ def filetree(root: str | os.PathLike[str], extensions: Sequence[str] = IMAGE_EXT
     """Index the files under ``root`` whose names end in one of ``extensions``
     (case-insensitive). Fields: ``data`` (the file's bytes) and ``label`` (int64).
 
+    The walk lists files without a stat() each: their extents have ``UNKNOWN_LENGTH``
+    (the whole file, sized when read; ``gpuio.storage.learn_lengths`` fills them in).
     ``file_list``: a text file of ``relative/path label`` lines; it replaces the walk
-    and its order and labels are kept as written.
+    and its order and labels are kept as written, and each file is stat'ed for its size
+    (a missing one is an error naming the line). An ``s3://`` listing gives sizes too.
     """
     if is_url(os.fspath(root)):
         return _remote_tree(os.fspath(root).rstrip("/"), _extensions(extensions), file_list)
@@ -162,8 +168,7 @@ def filetree(root: str | os.PathLike[str], extensions: Sequence[str] = IMAGE_EXT
     else:
         classes = _class_folders(root)
         root_st = os.stat(root)
-        # class folders are walked on the shard runner: a stat() per file for its size
-        # costs more than the walk, so large trees use every core
+        # class folders are walked on the shard runner, so that large trees use every core
         parts = each_shard(functools.partial(_class_files, root, exts, (root_st.st_dev, root_st.st_ino)), classes,
                            f"indexing files under {root}", [1] * len(classes), unit="folder")
         files = _Files.joined([f for f, _ in parts])

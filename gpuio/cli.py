@@ -20,10 +20,10 @@ __all__ = ["main"]
 
 
 def _index_for(path: str) -> gpuio.SampleIndex:
-    """A saved index (a file), else the file tree at ``path``."""
-    if os.path.isfile(path):
-        return gpuio.SampleIndex.load(path)
-    return gpuio.formats.filetree(path)
+    """A saved index (a file), else the file tree at ``path``, with every extent's length
+    known (inspect prints them, bench sums them; a file tree is listed without them)."""
+    index = gpuio.SampleIndex.load(path) if os.path.isfile(path) else gpuio.formats.filetree(path)
+    return gpuio.storage.learn_lengths(index)
 
 
 # gpuio index: each format's options on the command line, and which formats take them

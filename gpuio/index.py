@@ -4,7 +4,10 @@ A format only indexes. What it produces is a ``SampleIndex``:
 
 - ``files``: a compact table of paths (one UTF-8 blob plus offsets, never one Python
   string per file, so that 1.28 M ImageNet files cost tens of MB, not hundreds);
-- extent fields: per sample a file id, a byte offset and a length (``Extents``);
+- extent fields: per sample a file id, a byte offset and a length (``Extents``); a
+  length of ``UNKNOWN_LENGTH`` (-1) means the rest of the file from the offset, which
+  the storage core learns from the file when it reads it (a file tree's whole files,
+  listed without a stat() per file; ``gpuio.storage.learn_lengths`` fills them in);
 - value fields: per-sample metadata already known at index time: an array with one
   row per sample (labels, ids) or a ``Ragged`` array (boxes, keys);
 - optionally a ``parser``, which turns the bytes of one extent field (a TFRecord
@@ -30,6 +33,7 @@ from gpuio.errors import ConfigError, FormatError, OutOfRangeError, StorageError
 __all__ = [
     "Extent",
     "Extents",
+    "UNKNOWN_LENGTH",
     "Ragged",
     "PathTable",
     "Parser",
@@ -41,9 +45,12 @@ __all__ = [
 
 _INDEX_VERSION = 1
 
+UNKNOWN_LENGTH = -1  # an extent's length: the rest of its file from the offset, learned at the read
+
 
 class Extent(NamedTuple):
-    """``length`` bytes of ``file`` starting at byte ``offset``."""
+    """``length`` bytes of ``file`` starting at byte ``offset`` (``UNKNOWN_LENGTH``: to the
+    end of the file)."""
 
     file: str
     offset: int
@@ -52,7 +59,8 @@ class Extent(NamedTuple):
 
 @dataclass(frozen=True)
 class Extents:
-    """The extents of one field for every sample: file ids, byte offsets, lengths."""
+    """The extents of one field for every sample: file ids, byte offsets, lengths
+    (``UNKNOWN_LENGTH`` where the extent runs to the end of its file, size not yet known)."""
 
     file: np.ndarray  # int32 ids into SampleIndex.files
     offset: np.ndarray  # int64 bytes
@@ -322,8 +330,13 @@ class SampleIndex:
         return Extent(self.files[ext.file[i]], int(ext.offset[i]), int(ext.length[i]))
 
     def nbytes(self, field: str = "data") -> int:
-        """Total bytes of an extent field over all samples."""
-        return int(self.field_extents(field).length.sum())
+        """Total bytes of an extent field over all samples; a ``ConfigError`` where some
+        lengths are not known yet (``gpuio.storage.learn_lengths`` learns them)."""
+        length = self.field_extents(field).length
+        if len(length) and length.min() < 0:
+            raise ConfigError(f"field {field!r} has extents of unknown length (a file tree lists its files "
+                              f"without their sizes); gpuio.storage.learn_lengths(index) reads them")
+        return int(length.sum())
 
     def field_extents(self, field: str) -> Extents:
         """The extents of byte field ``field`` (a ``ConfigError`` naming the byte fields if it is none)."""

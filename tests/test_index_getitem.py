@@ -122,18 +122,21 @@ def test_errors_name_the_file_as_the_batched_read_does(tmp_path):
     (tmp_path / "a").mkdir()
     for k in range(3):
         (tmp_path / "a" / f"{k}.jpg").write_bytes(b"x" * 1000)
-    index = filetree(tmp_path)
+    (tmp_path / "list.txt").write_text("a/0.jpg 0\na/1.jpg 0\na/2.jpg 0\n")
+    walked, listed = filetree(tmp_path), filetree(tmp_path, file_list=tmp_path / "list.txt")  # sizes: unknown, known
 
-    def messages(i):
+    def messages(index, i):
         with pytest.raises(StorageError) as one:
             index[i]
         with pytest.raises(StorageError) as batch:
             gpuio.read(index, [i])
         return str(one.value), str(batch.value)
 
-    (tmp_path / "a" / "1.jpg").write_bytes(b"x" * 10)  # truncated after indexing
-    one, batch = messages(1)
+    (tmp_path / "a" / "1.jpg").write_bytes(b"y" * 10)  # truncated after indexing
+    one, batch = messages(listed, 1)
     assert one == batch and "1.jpg" in one and "needed 1000 bytes from byte 0, read 10" in one
+    assert walked[1]["data"] == b"y" * 10 == gpuio.read(walked, [1])[0].tobytes()  # a whole file, as it is now
     os.remove(tmp_path / "a" / "2.jpg")
-    one, batch = messages(2)
-    assert one == batch and "2.jpg" in one and "file not found" in one
+    for index in (walked, listed):
+        one, batch = messages(index, 2)
+        assert one == batch and "2.jpg" in one and "file not found" in one

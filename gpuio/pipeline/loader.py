@@ -35,7 +35,7 @@ from gpuio.pipeline._collate import Collate
 from gpuio.pipeline._executor import Executor, Stage, StageStats
 from gpuio.pipeline._opfields import check_op_fields, consumed_fields, flat_ops, image_fields
 from gpuio.pipeline.order import ORDER_VERSION, EpochOrder, EpochPlan, epoch_order
-from gpuio.storage import Reader, read_fields
+from gpuio.storage import Reader, learn_lengths, read_fields
 from gpuio.storage._fielddecode import host_decoded_fields
 from gpuio.storage.buffers import BufferPool
 
@@ -235,6 +235,7 @@ class Loader:
         self._dev_fields = tuple(f for f in read if on_device and f in index.extents and f not in host)
         self._host_fields = tuple(f for f in read if f not in self._dev_fields)
         self._pool = BufferPool(config.get("buffer_budget"))  # the setting in force here and now
+        learn_lengths(index, [f for f in read if f in index.extents])  # the buffer bound takes the largest extents
         self._max_in_flight = self._batches_that_fit() - 1  # the consumer holds one more
         # the last stage (it holds no reference to the loader: the stage threads must not keep it alive)
         self._collate = Collate(index, self._source, self._notes, self.device, output, self._framework)

@@ -3,7 +3,8 @@ buffer.
 
 - ``plan``: read plans (a batch's extents sorted, merged and aligned, and where each
   sample's bytes land in the destination buffer);
-- ``reader``: the ``Reader`` that executes plans, ``read``/``read_fields``/``read_sample``;
+- ``reader``: the ``Reader`` that executes plans, ``read``/``read_fields``/``read_sample``,
+  ``learn_lengths`` (the sizes of extents indexed without them);
 - ``_posix`` (with its C read loop ``_readloop.c``): parallel ``preadv`` into host memory;
 - ``_kvikio``: kvikio/cuFile reads into GPU memory (GPUDirect Storage where present);
 - ``remote``: objects in S3 and on HTTP(S) (``s3://``, ``http(s)://``), read by ranged GETs;
@@ -13,6 +14,6 @@ buffer.
 - ``_fielddecode``: value fields decoded as their format says (ints, JSON, ``.npy``).
 """
 
-from gpuio.storage.reader import Reader, read, read_fields, read_sample
+from gpuio.storage.reader import Reader, learn_lengths, read, read_fields, read_sample
 
-__all__ = ["Reader", "read", "read_fields", "read_sample"]
+__all__ = ["Reader", "read", "read_fields", "read_sample", "learn_lengths"]

@@ -13,9 +13,11 @@ and one copy otherwise.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -26,11 +28,11 @@ from gpuio.storage.buffers import BufferPool, Lease, default_pool
 from gpuio.device import Device, check_cuda, cuda_available, parse_device, require
 from gpuio.errors import ConfigError, OutOfRangeError, StorageError, open_error, truncated_error
 from gpuio.storage._fielddecode import Rows, decode, decoded_fields
-from gpuio.index import Ragged, SampleIndex
+from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 from gpuio.storage.plan import build_plan
 from gpuio.storage.remote import SETTINGS as REMOTE_SETTINGS, is_remote
 
-__all__ = ["Reader", "read", "read_fields", "read_sample"]
+__all__ = ["Reader", "read", "read_fields", "read_sample", "learn_lengths"]
 
 
 class Reader:
@@ -98,6 +100,7 @@ class Reader:
         extents = (ext.file[rows], ext.offset[rows], ext.length[rows])
         if is_remote(index.files):
             return self._read_remote(index, extents)
+        extents = (*extents[:2], _known_lengths(index.files, *extents))
         plan = build_plan(*extents, gap=self.gap, align=self.backend.align, task_size=self.task_size,
                           parts=self.parts)
         if self.cold_direct and not self.lands_on_device and self.backend.reads_cold_direct(plan, index.files):
@@ -141,6 +144,9 @@ class Reader:
         """``read_batch`` for objects in S3 or on HTTP(S): ranged GETs, through the
         node-local cache tier (``gpuio.storage.remote``, ``gpuio.storage.cache``)."""
         self._remote_backend()
+        if len(extents[2]) and extents[2].min() < 0:
+            raise ConfigError("extents of unknown length in object storage: index the objects by their URL "
+                              "(a listing gives their sizes)")
         plan = self._remote.plan(*extents)
         lease = self.pool.acquire(plan.nbytes, "cpu", pinned=self.pinned)
         self._remote.read(plan, index.files, lease, index.meta.get("remote"))
@@ -281,7 +287,8 @@ _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 
 def _read_extent(path: str, offset: int, length: int, kind: type[bytes | bytearray]) -> bytes | bytearray:
-    """``length`` bytes of ``path`` from byte ``offset`` as ``kind``, with the errors a
+    """``length`` bytes of ``path`` from byte ``offset`` (``UNKNOWN_LENGTH``: the rest of
+    the file, its size from fstat on the open descriptor) as ``kind``, with the errors a
     batched read raises. The descriptor is not kept: a cache of them would read the old
     bytes of a file replaced since, unless it checked each path with a stat(), which
     costs about what the open and close it saves."""
@@ -291,6 +298,8 @@ def _read_extent(path: str, offset: int, length: int, kind: type[bytes | bytearr
         raise open_error(path, exc) from exc
     got = 0
     try:
+        if length < 0:  # UNKNOWN_LENGTH: to the end of the file
+            length = max(os.fstat(fd).st_size - offset, 0)
         if kind is bytes:
             data: bytes | bytearray = os.pread(fd, length, offset)
             got = len(data)
@@ -326,6 +335,61 @@ def _host_value(value: Any, raw: bool = True) -> Any:
     return value
 
 
+
+
+def _file_sizes(paths: list[str], missing_ok: bool = False) -> list[int]:
+    """The sizes of ``paths`` (bytes); one that cannot be stat'ed is the error its read
+    would be, or -1 with ``missing_ok``."""
+    sizes = []
+    for path in paths:
+        try:
+            sizes.append(os.stat(path).st_size)
+        except OSError as exc:
+            if not missing_ok:
+                raise open_error(path, exc) from exc
+            sizes.append(-1)
+    return sizes
+
+
+def _known_lengths(files: PathTable, file: np.ndarray, offset: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """``length`` with each ``UNKNOWN_LENGTH`` replaced by the rest of its file from
+    ``offset`` (a stat() of the file; one that is missing is the error its read would be)."""
+    unknown = np.flatnonzero(length < 0)
+    if not len(unknown):
+        return length
+    out = length.copy()
+    sizes = np.array(_file_sizes(files.many(file[unknown])), dtype=np.int64)
+    out[unknown] = np.maximum(sizes - offset[unknown], 0)
+    return out
+
+
+_LEARN_CHUNK = 4096  # files stat'ed per task of learn_lengths
+
+
+def learn_lengths(index: SampleIndex, fields: Sequence[str] | None = None, *, threads: int = 16) -> SampleIndex:
+    """Fill in the extents of unknown length (``UNKNOWN_LENGTH``: a file tree's whole
+    files) of ``fields`` (default: all extent fields) with the files' sizes, one stat()
+    per file on ``threads`` threads, and return ``index``, changed in place: a later
+    ``save`` records the sizes. A file that cannot be stat'ed keeps its unknown length,
+    and its read reports it. Reads never need this (they learn the lengths of the
+    extents they read); what needs every length does (a byte total, a buffer bound)."""
+    for name in index.extents if fields is None else fields:
+        ext = index.field_extents(name)
+        unknown = np.flatnonzero(ext.length < 0)
+        if not len(unknown):
+            continue
+        ids = np.unique(ext.file[unknown])
+        chunks = [index.files.many(ids[k: k + _LEARN_CHUNK]) for k in range(0, len(ids), _LEARN_CHUNK)]
+        with ThreadPoolExecutor(max(1, min(threads, len(chunks))), thread_name_prefix="gpuio-stat") as pool:
+            sizes = np.concatenate([np.array(part, dtype=np.int64) for part in pool.map(functools.partial(_file_sizes, missing_ok=True), chunks)])
+        size_of = np.full(len(index.files), -1, dtype=np.int64)
+        size_of[ids] = sizes
+        length = ext.length.copy()
+        known = size_of[ext.file[unknown]] >= 0
+        rows = unknown[known]
+        length[rows] = np.maximum(size_of[ext.file[rows]] - ext.offset[rows], 0)
+        index.extents[name] = Extents(ext.file, ext.offset, length)
+    return index
 
 
 # The readers behind gpuio.read, one per device and settings, the most recent few kept.
