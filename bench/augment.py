@@ -7,17 +7,17 @@ gaussian_blur, rotate, warp_affine, erase, jpeg_compression_distortion (DALI's C
 needs ``nvidia-nvimgcodec-cu12``); random_grayscale against DALI's RGB -> GRAY
 conversion), both run on the same decoded batch (``--count`` JPEGs of the sample
 dataset, resized to ``--size`` square) with the same constant arguments: gpuio on the
-CPU, DALI's CPU pipeline (``device_id=None``, ``external_source`` -> the op,
-``num_threads`` = cores). Printed per op: the mean and largest absolute difference in
-uint8 levels and the share of values that differ, then each one's best time per batch
-(``--repeat`` runs; DALI's pipeline runs synchronously, and its time includes handing the
-batch to the pipeline). A second table compares each augmentation of DALI's auto_aug
-policies (the TrivialAugment wide suite; the ImageNet AutoAugment policy's own ones) at
-magnitude bin ``--bin`` with a positive sign, DALI's against gpuio's; a third times the
-whole policies (auto_augment, rand_augment(n=2, m=9), trivial_augment_wide; their random
-draws differ, so only the time is compared).. DALI comes
-with the ``bench`` extra (``pip install nvidia-dali-cuda120``); without it the command
-says so and stops.
+CPU (one C call per op and batch, in the calling thread), DALI's CPU pipeline
+(``device_id=None``, ``external_source`` -> the op, ``num_threads`` = cores). Printed per
+op: the mean and largest absolute difference in uint8 levels and the share of values
+that differ, then each one's best time per batch (``--repeat`` runs; DALI's pipeline runs
+synchronously, and its time includes handing the batch to the pipeline). A second table
+compares each augmentation of DALI's auto_aug policies (the TrivialAugment wide suite;
+the ImageNet AutoAugment policy's own ones) at magnitude bin ``--bin`` with a positive
+sign, DALI's against gpuio's; a third times the whole policies (auto_augment,
+rand_augment(n=2, m=9), trivial_augment_wide; their random draws differ, so only the time
+is compared). DALI comes with the ``bench`` extra (``pip install nvidia-dali-cuda120``);
+without it the command says so and stops.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         raise BenchError("DALI is not installed: pip install nvidia-dali-cuda120 (the bench extra)") from exc
     import nvidia.dali as dali
 
+    # DALI's auto_aug calls its own deprecated aliases (fn.experimental.equalize, .filter)
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="nvidia.dali")
     images = load_images(args.count, args.size)
     index = np.arange(len(images))
     info = machine()

@@ -202,7 +202,8 @@ def apply_levels(batch: Batch, images: list[Any], tables: np.ndarray) -> list[An
     with cp.cuda.Device(batch.device.index):
         stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
         with stream:
-            return [cp.asarray(t[:img.shape[2]])[cp.arange(img.shape[2]), img] for img, t in zip(images, tables)]
+            return [cp.asarray(t[:img.shape[2]])[cp.arange(img.shape[2]), img.astype(cp.int32)]
+                    for img, t in zip(images, tables)]
 
 
 def histograms(batch: Batch, images: list[Any]) -> np.ndarray:
