@@ -389,6 +389,8 @@ def profile_stages(root: str, pipeline: str, count: int = 512, batch: int = 64) 
                         ("random draws, crop plan (Python)", ("geometry.py", "_rng.py"))]}
     rows = []
     n = len(bufs) // batch * batch
+    if decode.native_jpeg() is not None:
+        decode.native_jpeg().time_stages(True)
     for mode, parts in stages.items():
         pipe = gpuio_ops(pipeline)
         if mode == "op by op":
@@ -413,6 +415,8 @@ def profile_stages(root: str, pipeline: str, count: int = 512, batch: int = 64) 
         shares["total"] = sum(shares.values())
         rows += [{"pipeline": pipeline, "mode": mode, "stage": k, "ms_per_image": 1e3 * v / n}
                  for k, v in shares.items()]
+    if decode.native_jpeg() is not None:
+        decode.native_jpeg().time_stages(False)
     return rows
 
 

@@ -55,5 +55,9 @@ def decode_resample(images: list[ReadableBuffer], denoms: ReadableBuffer, gray: 
 
 def stage_times() -> tuple[float, float]:
     """(decode, resample): CPU seconds that ``decode_resample`` has spent decoding and
-    resampling since the module was loaded, summed over all threads (the two stages run
-    in one call, so a profiler cannot tell them apart otherwise)."""
+    resampling while ``time_stages(True)`` was in force, summed over all threads (the two
+    stages run in one call, so a profiler cannot tell them apart otherwise)."""
+
+def time_stages(on: bool) -> None:
+    """Count ``stage_times()`` from now on (``True``) or stop (``False``, the default:
+    reading a thread's CPU clock twice per image is a system call on some machines)."""

@@ -298,3 +298,22 @@ def test_decode_resample_checks_its_arguments(jpegs):
     failed = call([1, 2], np.array([outside, inside]), out)
     assert [row for row, _ in failed] == [0] and "outside" in failed[0][1]
     assert np.isfinite(out[192:]).all()
+
+
+def test_decode_resample_counts_stage_times_only_when_asked(jpegs):
+    """``stage_times()`` (bench/images.py --profile) grows only while ``time_stages(True)``
+    is in force: a pipeline's decodes read no clocks."""
+    require_built(decode.native_jpeg(), "gpuio.ops._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
+    jpeg = decode.native_jpeg()
+    pipe = ops.Compose([ops.decode_image(), ops.resize((32, 32)), ops.normalize(MEAN, STD)])
+    bufs = [jpegs[0]] * 8
+    before = jpeg.stage_times()
+    pipe(make_batch(bufs))
+    assert jpeg.stage_times() == before
+    jpeg.time_stages(True)
+    try:
+        pipe(make_batch(bufs))
+    finally:
+        jpeg.time_stages(False)
+    after = jpeg.stage_times()
+    assert after[0] > before[0] and after[1] > before[1]
