@@ -593,3 +593,135 @@ def test_http_range_reads_equal_local(each_client, tmp_path, monkeypatch):
             formats.filetree(f"{base}/")
         with pytest.raises(StorageError, match="HTTP 404"):
             formats.numpy(f"{base}/missing.npy")
+
+
+# ---- writes behind the reads, reads ahead of them ----------------------------------
+
+
+def _hold_writers(reader):
+    """Keep the cache's writer threads busy, as a slow disk would, until the returned
+    event is set: the blocks a read downloads meanwhile wait to be written."""
+    import threading
+
+    from gpuio.storage import cache as cache_mod
+
+    release = threading.Event()
+    cache = reader._remote_backend()._cache
+    for _ in range(cache_mod._WRITERS):
+        cache._pool("write").submit(release.wait)
+    return release
+
+
+def _files(folder):
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs)
+
+
+def test_write_behind_serves_the_batch_first_and_never_shows_a_partial_block(s3, tmp_path, request, monkeypatch):
+    monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "4KiB")
+    data = np.random.default_rng(23).integers(0, 256, 50_000, dtype=np.uint8)
+    np.save(tmp_path / "w.npy", data)
+    prefix = _prefix(request)
+    s3.upload_file(os.fspath(tmp_path / "w.npy"), BUCKET, f"{prefix}/w.npy")
+    index = formats.numpy(f"s3://{BUCKET}/{prefix}/w.npy")
+    reader = gpuio.Reader("cpu")
+    try:
+        release = _hold_writers(reader)
+        assert reader.read(index, [0])[0].tobytes() == data.tobytes()  # before any block is written
+        held = _files(cache_folder())
+        assert held and all(f.endswith(".part") for f in held)  # claimed, not served to anyone
+        assert reader.read(index, [0])[0].tobytes() == data.tobytes()  # from memory meanwhile
+        release.set()
+        flush()
+        blocks = _files(cache_folder())
+        assert len(blocks) == -(-(50_000 + 128) // 4096) and not [f for f in blocks if f.endswith(".part")]
+        whole = b"".join(open(f, "rb").read() for f in sorted(blocks, key=lambda f: int(f.rsplit(".", 1)[1])))
+        assert whole == (tmp_path / "w.npy").read_bytes()
+    finally:
+        reader.close()
+
+
+def _read_then_die(args):
+    import signal
+
+    url, cache, endpoint, done = args
+    os.environ.update(GPUIO_REMOTE_CACHE_DIR=cache, AWS_ENDPOINT_URL=endpoint, GPUIO_REMOTE_BLOCK="4KiB")
+    remote.reset_client()
+    index = formats.numpy(url)
+    reader = gpuio.Reader("cpu")
+    _hold_writers(reader)
+    got = reader.read(index, [0])[0].tobytes()
+    with open(done, "wb") as f:
+        f.write(got)
+    os.kill(os.getpid(), signal.SIGKILL)  # with every block still to be written
+
+
+def test_a_writer_killed_before_its_writes_leaves_nothing_served_partial(s3, s3server, tmp_path, request,
+                                                                          monkeypatch):
+    data = np.random.default_rng(24).integers(0, 256, 30_000, dtype=np.uint8)
+    np.save(tmp_path / "k.npy", data)
+    prefix = _prefix(request)
+    s3.upload_file(os.fspath(tmp_path / "k.npy"), BUCKET, f"{prefix}/k.npy")
+    url, cache, done = f"s3://{BUCKET}/{prefix}/k.npy", str(tmp_path / "killed-cache"), str(tmp_path / "done")
+    child = multiprocessing.get_context("spawn").Process(target=_read_then_die,
+                                                         args=((url, cache, s3server.endpoint, done),))
+    child.start()
+    child.join(120)
+    assert child.exitcode == -9 and open(done, "rb").read() == data.tobytes()
+    left = _files(cache)
+    assert left and all(f.endswith(".part") for f in left)  # claims only: nothing a reader would use
+    # this process takes the dead writer's claims over once they are past the stall limit
+    monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", cache)
+    monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "4KiB")
+    monkeypatch.setenv("GPUIO_REMOTE_TIMEOUT", "1")
+    monkeypatch.setenv("GPUIO_REMOTE_RETRIES", "1")
+    reader = gpuio.Reader("cpu")
+    try:
+        assert reader.read(formats.numpy(url), [0])[0].tobytes() == data.tobytes()
+    finally:
+        reader.close()
+    blocks = _files(cache)
+    assert len(blocks) == -(-(30_000 + 128) // 4096) and not [f for f in blocks if f.endswith(".part")]
+
+
+def test_prefetch_fills_the_cache_for_later_reads(s3, tmp_path, request, monkeypatch):
+    root = _tree(tmp_path / "tree", np.random.default_rng(25))
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(root), prefix)
+    local, index = formats.filetree(root), formats.filetree(f"s3://{BUCKET}/{prefix}")
+    reader = gpuio.Reader("cpu")
+    try:
+        assert reader.prefetch(index, np.arange(len(index))) == int(index.extents["data"].length.sum())
+        flush()
+        assert len(_files(cache_folder())) == len(index)
+        _aws_env(monkeypatch, "http://127.0.0.1:9")  # the server goes away: the cache answers
+        got = reader.read(index, np.arange(len(index)))
+        assert [g.tobytes() for g in got] == [g.tobytes() for g in gpuio.read(local, np.arange(len(local)))]
+        assert reader.prefetch(index, np.arange(len(index))) == 0  # present: nothing to fetch
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("window", ["64MiB", "4KiB"])
+def test_loader_fetches_its_coming_batches_into_the_cache(s3, tmp_path, request, monkeypatch, window):
+    monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "4KiB")
+    monkeypatch.setenv("GPUIO_REMOTE_READAHEAD", window)
+    root = _tree(tmp_path / "tree", np.random.default_rng(26), n=8)
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(root), prefix)
+    local, index = formats.filetree(root), formats.filetree(f"s3://{BUCKET}/{prefix}")
+    loader = gpuio.Loader(index, 2, output="numpy", shuffle=True, seed=5)
+    try:
+        it = iter(loader)
+        first = next(it)
+        flush()
+        cached = len([f for f in _files(cache_folder()) if not f.endswith(".part")])
+        blocks = int(sum(max(1, -(-int(n) // 4096)) for n in index.extents["data"].length))
+        if window == "64MiB":  # every coming batch, far beyond what the stages read ahead
+            assert cached == blocks
+        else:  # a window of one block: a few batches ahead only
+            assert 0 < cached < blocks
+        rows = [first] + list(it)
+        got = {int(i): bytes(d) for b in rows for i, d in zip(b["index"], b["data"])}
+        assert got == {i: local[i]["data"] for i in range(len(local))}
+    finally:
+        loader.close()

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from gpuio.pipeline.order import ORDER_VERSION, EpochOrder, EpochPlan, epoch_ord
 from gpuio.storage import Reader, learn_lengths, read_fields
 from gpuio.storage._fielddecode import host_decoded_fields
 from gpuio.storage.buffers import BufferPool
+from gpuio.storage.remote import is_remote
 
 __all__ = ["Loader"]
 
@@ -47,6 +49,7 @@ _MAX_ERRORS = 10  # first skipped-sample errors kept for stats()
 # most that share, and handing each batch between threads costs more than that where
 # cores are few (bench/loader.py measures both).
 _INLINE_BELOW = 0.1
+_AHEAD_BATCHES = 256  # batches a pass over remote data draws ahead of its reads, at most
 
 
 class _Work:
@@ -237,6 +240,9 @@ class Loader:
         self._pool = BufferPool(config.get("buffer_budget"))  # the setting in force here and now
         learn_lengths(index, [f for f in read if f in index.extents])  # the buffer bound takes the largest extents
         self._max_in_flight = self._batches_that_fit() - 1  # the consumer holds one more
+        # bytes of coming batches whose remote blocks are fetched into the node-local cache ahead
+        self._ahead_bytes = config.get("remote_readahead") if is_remote(index.files) and config.get("remote_cache") \
+            else 0
         # the last stage (it holds no reference to the loader: the stage threads must not keep it alive)
         self._collate = Collate(index, self._source, self._notes, self.device, output, self._framework)
         names = [getattr(op, "name", None) or _op_name(op) for op in self.ops]
@@ -380,7 +386,11 @@ class Loader:
         if ex is None or not ex.reusable:
             ex = self._start()
         order = epoch_order(len(self.index), self.shuffle, self.seed, epoch)
-        ex.feed(_works(plan, order, epoch), inline=self._inline)  # no reference to the loader
+        works = _works(plan, order, epoch)
+        if self._ahead_bytes:  # remote data: the coming batches' blocks go to the node-local cache first
+            fields = [("host", f) for f in self._host_fields] + [("device", f) for f in self._dev_fields]
+            works = _read_ahead(works, self.index, self._readers, fields, self._ahead_bytes)
+        ex.feed(works, inline=self._inline)  # no reference to the loader
         self._passing = True
         completed = False
         t0 = time.perf_counter()
@@ -706,6 +716,31 @@ def _works(plan: EpochPlan, order: EpochOrder, epoch: int) -> Iterator[_Work]:
     """The batches of one pass; the order is evaluated at this rank's positions only."""
     for k, (src, index) in enumerate(plan.batches(order)):
         yield _Work(k, epoch, src, index)
+
+
+def _read_ahead(works: Iterator[_Work], index: SampleIndex, readers: dict[str, Reader],
+                fields: list[tuple[str, str]], window: int) -> Iterator[_Work]:
+    """``works``, drawn ahead of their reads: each batch's extents of ``fields`` (reader
+    key, field) go to its reader's ``prefetch`` when drawn (the node-local cache fetches
+    their remote blocks in the background), and a batch is yielded once the batches drawn
+    after it hold ``window`` bytes (or ``_AHEAD_BATCHES`` batches), or the pass has no more."""
+    pending: deque[tuple[_Work, int]] = deque()
+    held = 0
+    for w in works:
+        nbytes = 0
+        for key, field in fields:
+            reader = readers.get(key)
+            if reader is not None and field in index.extents:
+                reader.prefetch(index, w.src, field)
+                nbytes += int(index.extents[field].length[w.src].sum())
+        pending.append((w, nbytes))
+        held += nbytes
+        while held - pending[0][1] >= window or len(pending) > _AHEAD_BATCHES:
+            first, n = pending.popleft()
+            held -= n
+            yield first
+    while pending:
+        yield pending.popleft()[0]
 
 
 def _weak(method: Any) -> Any:
