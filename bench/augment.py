@@ -164,7 +164,8 @@ def policy_times(images: list[np.ndarray], repeat: int) -> list[dict[str, Any]]:
             op(Batch({"image": list(images)}, index, sample_seeds(0, next(epochs), index)))
 
         rows.append(dict(op=name, gpuio_ms=1e3 * best_time(ours, repeat), dali_ms=1e3 * best_time(p.run, repeat),
-                         gpuio_cpu_ms=1e3 * best_cpu_time(ours, repeat), dali_cpu_ms=1e3 * best_cpu_time(p.run, repeat)))
+                         gpuio_cpu_ms=1e3 * best_cpu_time(ours, repeat),
+                         dali_cpu_ms=1e3 * best_cpu_time(p.run, repeat)))
     return rows
 
 
