@@ -84,14 +84,25 @@ def read(index: SampleIndex, *, fields: Sequence[str] | dict[str, str] | None = 
             replaces ``epoch``; ``shuffle`` and ``seed`` must be the saved ones, a
             ``ConfigError`` says which differs).
         ray_options: passed to ``ray.data.read_datasource``: ``override_num_blocks``
-            (read tasks, default Ray's choice; at most one per batch), ``num_cpus``,
-            ``concurrency``, ``memory``, ``runtime_env``, ...
+            (read tasks; default 4 per CPU of the cluster, at most one per batch; each
+            yields one block per batch), ``num_cpus``, ``concurrency``, ``memory``,
+            ``runtime_env``, ...
     """
     epoch, start = _position(index, fields, ops, batch_size, shuffle, seed, epoch, state)
     source = _Source(ray.put(index), len(index), fields, ops, batch_size, shuffle, seed, epoch, start)
+    if "override_num_blocks" not in ray_options:  # else Ray asks for more and splits each batch's block
+        batches = math.ceil((len(index) - start) / batch_size)
+        ray_options["override_num_blocks"] = max(1, min(batches, _TASKS_PER_CPU * _cluster_cpus()))
     ds = ray.data.read_datasource(source, **ray_options)
     ds.context.execution_options.preserve_order = True  # rows in order: a row count is a position
     return ds
+
+
+_TASKS_PER_CPU = 4  # read tasks per cluster CPU: enough to even out tasks of unequal speed
+
+
+def _cluster_cpus() -> int:
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))  # ray.put has started Ray if nothing had
 
 
 def state_dict(index: SampleIndex, rows: int, *, shuffle: bool = False, seed: int = 0, epoch: int = 0,
