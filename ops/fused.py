@@ -387,25 +387,50 @@ def fused_reference(images: Sequence[np.ndarray], plan: dict[str, np.ndarray], m
 
 
 def _fuse(ops: list[Op]) -> list[Op]:
-    """``ops`` with each fusable chain ending in a normalize replaced by the fused op."""
+    """``ops`` with each fusable chain ending in a normalize replaced by the fused op. A
+    chain with one resampling step and no normalize after it (``[crop | resize]* ->
+    [flip]``, followed by an op of another kind or by nothing) fuses too, with a
+    ``normalize(0, 1, "HWC", "uint8")``: the uint8 HWC images the ops give (rounded as the
+    resampler rounds, within a level of Pillow's), in one array where their sizes agree."""
     out: list[Op] = []
-    for op in ops:
+    for k, op in enumerate(ops):
         out.append(op)
-        if not isinstance(op, Normalize):
-            continue
-        start = len(out) - 1
-        if start > 0 and isinstance(out[start - 1], Flip) and out[start - 1].field == op.field:
-            start -= 1
-        resamples = 0
-        while start > 0 and isinstance(out[start - 1], _GEOMETRY) and out[start - 1].field == op.field \
-                and resamples + _resamples(out[start - 1]) <= 1:
-            resamples += _resamples(out[start - 1])
-            start -= 1
-        if start < len(out) - 1:
-            chain = out[start:]
-            del out[start:]
-            out.append(FusedCropResizeNormalize(chain))
+        if isinstance(op, Normalize):
+            start = _chain_start(out[:-1], op.field)
+            if start < len(out) - 1:
+                chain = out[start:]
+                del out[start:]
+                out.append(FusedCropResizeNormalize(chain))
+        elif isinstance(op, (*_GEOMETRY, Flip)) and not _extends(ops[k + 1: k + 2], op.field):
+            start = _chain_start(out, op.field)
+            chain = [*out[start:], Normalize(0.0, 1.0, "HWC", "uint8", field=op.field)]
+            if any(_resamples(o) for o in chain):
+                fused = FusedCropResizeNormalize(chain)
+                if fused.runs_in_c():  # else the ops one by one (Pillow) are the faster CPU path
+                    del out[start:]
+                    out.append(fused)
     return out
+
+
+def _extends(following: list[Op], field: str) -> bool:
+    """Whether the op after a geometry op (``following``: it, or nothing) continues its
+    chain on ``field``."""
+    return bool(following) and isinstance(following[0], (*_GEOMETRY, Flip, Normalize)) \
+        and following[0].field == field
+
+
+def _chain_start(ops: list[Op], field: str) -> int:
+    """Where the longest fusable chain ``[crop | resize]* -> [flip]`` on ``field`` (at
+    most one resampling step) that ends ``ops`` begins; ``len(ops)`` when none does."""
+    start = len(ops)
+    if start > 0 and isinstance(ops[start - 1], Flip) and ops[start - 1].field == field:
+        start -= 1
+    resamples = 0
+    while start > 0 and isinstance(ops[start - 1], _GEOMETRY) and ops[start - 1].field == field \
+            and resamples + _resamples(ops[start - 1]) <= 1:
+        resamples += _resamples(ops[start - 1])
+        start -= 1
+    return start
 
 
 def _fuse_decode(ops: list[Op]) -> list[Op]:

@@ -302,7 +302,12 @@ def test_fuse_detects_chains():
     res, cc = ops.resize(shorter=16), ops.center_crop(8)
     assert _fuse([dec, res, cc, norm])[1].ops == [res, cc, norm]
     jit = ops.color_jitter(0.1)
-    assert _fuse([dec, rrc, jit, norm])[:3] == [dec, rrc, jit]  # jitter breaks the chain: normalize alone
+    broken = _fuse([dec, rrc, jit, norm])  # jitter breaks the chain: the crop fuses to uint8 HWC, normalize alone
+    assert broken[0] is dec and broken[2:] == [jit, norm] and broken[1].ops[0] is rrc
+    assert (broken[1].normalize.dtype, broken[1].normalize.layout) == ("uint8", "HWC")
+    assert [type(o).__name__ for o in _fuse([dec, res, fl])[1].ops] == ["Resize", "Flip", "Normalize"]
+    assert _fuse([dec, cc]) == [dec, cc]  # no resampling step: nothing to gain
+    assert _fuse([dec, ops.resize((8, 8), interp="cubic")])[1:][0].interp == "cubic"  # not in C: op by op
     two = _fuse([res, rrc, fl, norm])  # two resamples: only the last one fuses
     assert two[0] is res and two[1].ops == [rrc, fl, norm]
     with pytest.raises(ConfigError, match="resamples once"):

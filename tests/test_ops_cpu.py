@@ -317,3 +317,23 @@ def test_decode_resample_counts_stage_times_only_when_asked(jpegs):
         jpeg.time_stages(False)
     after = jpeg.stage_times()
     assert after[0] > before[0] and after[1] > before[1]
+
+
+@pytest.mark.parametrize("chain", [lambda: [ops.resize((40, 56))], lambda: [ops.random_resized_crop(48), ops.flip()],
+                                   lambda: [ops.resize(shorter=50)]], ids=["resize", "rrc-flip", "shorter-ragged"])
+def test_resampling_chain_without_normalize_fuses_to_uint8(monkeypatch, tree_jpegs, jpegs, chain):
+    """A decode and resampling chain that no normalize follows runs fused (uint8 HWC out)
+    and gives what the ops one by one give: within a level (the rounding of x.5) without
+    DCT scaling, within 1.5 levels on average per image with it (the default)."""
+    bufs = tree_jpegs + jpegs
+    pipe = ops.Compose([ops.decode_image()] + chain())
+    assert len(pipe.fused) == 1 and isinstance(pipe.fused[0], DecodeFused)
+    want = run(chain(), bufs, fuse=False).data["image"]
+    scaled = pipe(make_batch(bufs)).data["image"]
+    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw: np.ones(len(box), np.int64))
+    got = pipe(make_batch(bufs)).data["image"]
+    u8 = ops.normalize(0, 1, layout="HWC", dtype="uint8")
+    assert len(got) == len(want) == len(scaled) == len(bufs)
+    for g, s, w in zip(got, scaled, want):
+        assert g.shape == s.shape == w.shape and g.dtype == s.dtype == w.dtype == np.uint8
+        assert levels(g, w, u8).max() <= 1 and levels(s, w, u8).mean() < 1.5
