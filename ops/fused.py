@@ -8,8 +8,11 @@ source box, the source pixels the filter may read, the output size and a flip fl
 then reads the decoded pixels once and writes the normalized batch once. On a CPU
 batch the same plan runs in C (``ops/_resample.c``: one call per batch, the GIL
 released) for the linear, area and nearest filters into float32 or uint8; otherwise
-(or where the C module was not built) the ops run one by one. ``fused_reference`` is
-the kernel's math in NumPy, so that the algorithm is tested without a GPU.
+(or where the C module was not built) the ops run one by one. A resampling chain that
+no normalize follows (``[crop | resize]* -> [flip]``, e.g. decode and resize to uint8
+HWC) is fused with ``normalize(0, 1, "HWC", "uint8")`` where the C path takes it.
+``fused_reference`` is the kernel's math in NumPy, so that the algorithm is tested
+without a GPU.
 
 ``DecodeFused`` puts a ``decode_image`` in front of a fused chain: each image is decoded
 only where the chain's filter reads (the crop's rows and columns). On the CPU libjpeg
@@ -449,7 +452,8 @@ def _fuse_decode(ops: list[Op]) -> list[Op]:
 class Compose(Op):
     """Run ``ops`` in order, dropping the rows they reject after each. With
     ``fuse=True`` each chain ``[crop | resize]* -> [flip] -> normalize`` runs as one
-    fused op (a kernel on a GPU batch, C on a CPU batch), together with a
+    fused op (a kernel on a GPU batch, C on a CPU batch), and so does a resampling chain
+    with no normalize after it (uint8 HWC out; see ``_fuse``), together with a
     ``decode_image`` right before it (``DecodeFused``). ``host_inputs`` lists the
     fields its ops need in host memory."""
 
