@@ -1,6 +1,7 @@
 """Image pipeline benchmark over ImageNet-like JPEGs from ``gpuio.sample``, batches of
 64: ``train`` (decode, random resized crop 224, flip, normalize to float32 CHW) and
-``val`` (decode, resize to 224x224, normalize to float32 CHW).
+``val`` (decode, resize to 224x224, normalize to float32 CHW); ``--pipeline resize``:
+decode and resize to 224x224 uint8 HWC, no normalize (what SPDL's image example makes).
 
     python bench/images.py [--root TREE | --count 2000] [--batch 64] [--epochs 2] [--pipeline both] [--out images.json]
 
@@ -58,12 +59,15 @@ STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 
 PIPELINES = {"train": "decode, random resized crop 224, flip, normalize to float32 CHW",
-             "val": "decode, resize 224x224, normalize to float32 CHW"}
+             "val": "decode, resize 224x224, normalize to float32 CHW",
+             "resize": "decode, resize 224x224, uint8 HWC (no normalize)"}
+BOTH = ("train", "val")  # --pipeline both (the default)
 
 
 def gpuio_ops(pipeline: str) -> Any:
     geometry = [ops.random_resized_crop(224), ops.flip()] if pipeline == "train" else [ops.resize((224, 224))]
-    return ops.Compose([ops.decode_image(), *geometry, ops.normalize(MEAN, STD)])
+    normalize = [ops.normalize(MEAN, STD)] if pipeline != "resize" else []
+    return ops.Compose([ops.decode_image(), *geometry, *normalize])
 
 
 def gpuio_loader(root: str, batch: int, device: str, pipeline: str = "train") -> Any:
@@ -97,8 +101,8 @@ class PillowImageFolder:
     """What torchvision's ImageFolder + RandomResizedCrop + RandomHorizontalFlip +
     ToTensor + Normalize do, written with Pillow and torch (torchvision is not needed)."""
 
-    def __init__(self, root: str, train: bool = True) -> None:
-        self.train = train
+    def __init__(self, root: str, train: bool = True, normalize: bool = True) -> None:
+        self.train, self.normalize = train, normalize
         index = gpuio.formats.filetree(root)
         self.paths = list(index.files)  # absolute paths
         self.labels = np.asarray(index.values["label"])
@@ -117,6 +121,8 @@ class PillowImageFolder:
         img = img.resize((224, 224), Image.BILINEAR, box=(left, top, left + cw, top + ch), reducing_gap=None)
         if self.train and random.random() < 0.5:
             img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        if not self.normalize:
+            return torch.from_numpy(np.array(img)), int(self.labels[i])
         x = torch.from_numpy(np.array(img)).permute(2, 0, 1).float().div_(255)
         x = x.sub_(torch.tensor([0.485, 0.456, 0.406])[:, None, None]).div_(torch.tensor([0.229, 0.224, 0.225])[:, None, None])
         return x, int(self.labels[i])
@@ -137,7 +143,8 @@ def _rrc_box(h: int, w: int) -> tuple[int, int, int, int]:
 def torch_dataloader(root: str, batch: int, workers: int, pipeline: str = "train") -> Any:
     import torch
 
-    loader = torch.utils.data.DataLoader(PillowImageFolder(root, pipeline == "train"), batch_size=batch, shuffle=True,
+    loader = torch.utils.data.DataLoader(PillowImageFolder(root, pipeline == "train", pipeline != "resize"),
+                                         batch_size=batch, shuffle=True,
                                          num_workers=workers, persistent_workers=workers > 0, drop_last=True)
 
     def run():
@@ -162,6 +169,8 @@ def dali_pipeline(root: str, batch: int, threads: int, pipeline: str, shuffle: b
             images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
             mirror = 0
         images = fn.resize(images, resize_x=224, resize_y=224)
+        if pipeline == "resize":
+            return images, labels
         return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mean=MEAN, std=STD,
                                         mirror=mirror), labels
 
@@ -249,6 +258,8 @@ def spdl_loader(root: str, batch: int, threads: int, pipeline: str = "train") ->
     load = train_batch if pipeline == "train" else val_batch
 
     def decode_normalize(srcs: list[str]) -> Any:
+        if pipeline == "resize":
+            return spdl.io.to_torch(load(srcs))
         x = spdl.io.to_torch(load(srcs)).permute(0, 3, 1, 2).float() / 255.0
         return (x - mean) / std
 
@@ -428,7 +439,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--epochs", type=int, default=2, help="passes per competitor; the best counts")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="DataLoader workers; DALI, SPDL and decode-only threads")
-    parser.add_argument("--pipeline", choices=[*PIPELINES, "both"], default="both")
+    parser.add_argument("--pipeline", choices=[*PIPELINES, "both"], default="both",
+                        help="both: train and val")
     parser.add_argument("--profile", action="store_true",
                         help="only print the CPU time per stage, op by op and fused (one thread)")
     parser.add_argument("--out", help="write the results as JSON here")
@@ -436,7 +448,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     root = args.root or sample_root(args.count)
     count = len(gpuio.formats.filetree(root))
     count -= count % args.batch  # whole batches only (the loader drops the last partial one)
-    pipelines = list(PIPELINES) if args.pipeline == "both" else [args.pipeline]
+    pipelines = list(BOTH) if args.pipeline == "both" else [args.pipeline]
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, GPUs: {info['gpus']}"
           + (f" ({info['gpu']})" if "gpu" in info else ""))
