@@ -142,6 +142,7 @@ def test_resume_from_a_loader_state_and_back(cluster, tree):
     assert rest and set(rest) == set(rows["index"][7:].tolist())
     again = _rows(gray.read(index, batch_size=4, state=saved, **order))
     assert again["index"].tolist() == rows["index"][7:].tolist()
+    assert gray.read(index, state=gray.state_dict(index, N, **order), **order).count() == 0  # an epoch done
     with pytest.raises(ConfigError, match="seed"):
         gray.read(index, state=states, shuffle=True, seed=6)
     with pytest.raises(ConfigError, match="rows"):
