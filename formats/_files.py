@@ -174,17 +174,38 @@ PROGRESS_DELAY_S = 1.0
 @contextmanager
 def progress(what: str, total: int | None, unit: str) -> Iterator[Callable[[int], None]]:
     """A progress bar on stderr (tqdm) for an indexing step; yields ``advance(n)``,
-    safe to call from several threads. The bar appears only after
-    ``PROGRESS_DELAY_S`` seconds and is removed when the step ends."""
+    safe to call from several threads. The bar appears at the first ``advance`` after
+    ``PROGRESS_DELAY_S`` seconds and is removed when the step ends; tqdm is imported
+    only then (importing it costs about as much as indexing 100,000 files)."""
+    start, lock = time.monotonic(), threading.Lock()
+    done, bars = 0, [_bar(what, total, unit, 0)] if PROGRESS_DELAY_S <= 0 else []
+
+    def advance(n: int) -> None:
+        nonlocal done
+        with lock:
+            if bars:
+                bars[0].update(n)
+                return
+            done += n
+            if time.monotonic() - start >= PROGRESS_DELAY_S:
+                bars.append(_bar(what, total, unit, done))
+
+    try:
+        yield advance
+    finally:
+        for bar in bars:
+            bar.close()
+
+
+def _bar(what: str, total: int | None, unit: str, done: int) -> object:
     from tqdm import tqdm
 
     class Bar(tqdm):
         monitor_interval = 0  # no monitor thread: a process with one thread may fork its shard pool
 
     scale = unit == "B"
-    with Bar(total=total, desc=what, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000,
-              file=sys.stderr, delay=PROGRESS_DELAY_S, leave=False, dynamic_ncols=True) as bar:
-        yield bar.update
+    return Bar(total=total, initial=done, desc=what, unit=unit, unit_scale=scale,
+               unit_divisor=1024 if scale else 1000, file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
 def each_shard(work: Callable[[_T, Callable[[int], None]], _R], items: Sequence[_T], what: str,

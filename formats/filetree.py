@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import functools
 import heapq
+import itertools
 import os
 import warnings
 from array import array
@@ -60,6 +61,15 @@ class _Files:
         self.blob += os.fsencode(name)
         self.ends.append(len(self.blob))
         self.sizes.append(size)
+
+    def add_unsized(self, prefix: str, names: list[str]) -> None:
+        """Files ``prefix + name``, their sizes unknown (``UNKNOWN_LENGTH``)."""
+        encoded = [os.fsencode(prefix + name) for name in names]
+        ends = itertools.accumulate(map(len, encoded), initial=len(self.blob))
+        next(ends)  # the initial value: the end of the files before these
+        self.ends.extend(ends)
+        self.blob += b"".join(encoded)
+        self.sizes.extend(itertools.repeat(UNKNOWN_LENGTH, len(encoded)))
 
     def __len__(self) -> int:
         return len(self.ends)
@@ -121,7 +131,10 @@ def _walk_class(top: str, rel: str, extensions: tuple[str, ...], root_id: tuple[
                 entries = list(it)
         except OSError as exc:
             raise StorageError(f"cannot list directory: {exc.strerror or exc}", path=path) from exc
-        files = []
+        # sizes are left to the read (UNKNOWN_LENGTH): a regular file costs no syscall
+        # here (the entry's type comes with the listing); only a link is followed, to
+        # skip one that leads nowhere
+        names, links = [], {}
         for entry in entries:
             try:
                 is_dir = entry.is_dir()  # follows links; a link loop raises ELOOP
@@ -130,18 +143,22 @@ def _walk_class(top: str, rel: str, extensions: tuple[str, ...], root_id: tuple[
             if is_dir:
                 enter(f"{rel}/{entry.name}", entry.path, entry.stat(), ancestors)
             elif entry.name.lower().endswith(extensions):
-                files.append(entry)
-        files.sort(key=lambda e: e.name)
-        for entry in files:
-            # sizes are left to the read (UNKNOWN_LENGTH), so a regular file costs no
-            # syscall here; only a link is followed, to skip one that leads nowhere
-            if entry.is_symlink():
-                try:
-                    entry.stat()
-                except OSError:  # a dangling link or a link loop
-                    skipped.broken_links.append(f"{rel}/{entry.name}")
-                    continue
-            out.add(f"{rel}/{entry.name}", UNKNOWN_LENGTH)
+                names.append(entry.name)
+                if entry.is_symlink():
+                    links[entry.name] = entry
+        names.sort()
+        if links:
+            names = [n for n in names if n not in links or _leads_somewhere(links[n], f"{rel}/{n}", skipped)]
+        out.add_unsized(f"{rel}/", names)
+
+
+def _leads_somewhere(link: os.DirEntry, rel: str, skipped: _Skipped) -> bool:
+    try:
+        link.stat()
+    except OSError:  # a dangling link or a link loop
+        skipped.broken_links.append(rel)
+        return False
+    return True
 
 
 def filetree(root: str | os.PathLike[str], extensions: Sequence[str] = IMAGE_EXTENSIONS,
