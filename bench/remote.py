@@ -13,7 +13,15 @@ a few large objects read in 8 MiB ranges), and times in one run, each the fastes
   into the caller's buffer), urllib3 on botocore-presigned URLs, boto3 ``get_object``
   (kvikio's RemoteFile reads into GPU memory only: listed, not timed, without a GPU);
 - gpuio itself: ``gpuio.read`` with the cache off, a first epoch into an empty
-  cache, a second epoch from the cache, and the same files read from local disk.
+  cache, a second epoch from the cache, and the same files read from local disk;
+- a shard format: the small objects packed into WebDataset tar shards, read by gpuio's
+  ``Loader`` (first epoch into an empty cache, with read-ahead from its order; second
+  epoch from the cache; the shards on local disk) and by the competitors that install:
+  a boto3 thread-pool loop, s3fs (fsspec), webdataset over HTTP (curl on presigned
+  URLs), litdata (its own chunk format, written by ``litdata.optimize``) and
+  mosaicml-streaming (MDS shards); one that does not import is a row saying so.
+
+Every first epoch starts from an empty cache, each of ``--repeat`` passes.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,9 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from gpuio.bench._common import BenchError, machine, print_table, write_json
 
 import gpuio
-from gpuio.bench._common import BenchError, machine, print_table, write_json
 from gpuio.storage import remote
 
 SIZES = {  # name: (small objects, small size, large objects, large size)
@@ -203,7 +212,8 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
             try:
                 t, nbytes = _timed(fn, reps)
             except Exception as exc:  # a candidate that fails is reported, the others go on
-                rows.append({"dataset": dataset, "method": method, "error": f"{type(exc).__name__}: {exc}"})
+                reason = f"{type(exc).__name__}: {exc}".split("\n", 1)[0][:300]
+                rows.append({"dataset": dataset, "method": method, "error": reason})
                 return
             rows.append({"dataset": dataset, "method": method, "seconds": t, "MB/s": nbytes / t / 1e6,
                          "items/s": items / t})
@@ -239,17 +249,10 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
             n = len(index)
             with gpuio.config.override(remote_cache=False):
                 reader = gpuio.Reader("cpu")
-                row(dataset, "gpuio.read, cache off", lambda r=reader, i=index: _epoch(r, i, batch), n)
+                row(dataset, "gpuio.read, cache off", lambda r=reader, i=index, b=batch: _epoch(r, i, b), n)
                 reader.close()
-            shutil.rmtree(os.path.join(folder, "cache"), ignore_errors=True)
-            reader = gpuio.Reader("cpu")
-            row(dataset, "gpuio epoch 1 (empty cache)", lambda r=reader, i=index: _epoch(r, i, batch), n, reps=1)
-            row(dataset, "gpuio epoch 2 (cache)", lambda r=reader, i=index: _epoch(r, i, batch), n)
-            reader.close()
-            reader = gpuio.Reader("cpu")
-            row(dataset, "gpuio, the same files on local disk (page cache warm)",
-                lambda r=reader, i=local: _epoch(r, i, batch), n)
-            reader.close()
+            _gpuio_rows(row, os.path.join(folder, "cache"), dataset, index, local, batch, loader=index is tree)
+        _shards(rows, row, folder, s3, small_keys, pool)
         pool.shutdown()
     finally:
         if server is not None:
@@ -264,10 +267,206 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
     return rows
 
 
-def _epoch(reader: gpuio.Reader, index: gpuio.SampleIndex, batch: int) -> int:
+def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio.SampleIndex,
+                local: gpuio.SampleIndex, batch: int, loader: bool) -> None:
+    """gpuio's epochs on ``index``: ``gpuio.read`` (and with ``loader`` the Loader) into an
+    empty cache, from the cache, and on the same files on local disk."""
+    n = len(index)
+    readers: list[gpuio.Reader] = []
+
+    def first() -> int:
+        shutil.rmtree(cache, ignore_errors=True)
+        for old in readers:
+            old.close()
+        readers[:] = [gpuio.Reader("cpu")]
+        return _epoch(readers[0], index, batch)
+
+    row(dataset, "gpuio.read epoch 1 (empty cache)", first, n)
+    row(dataset, "gpuio.read epoch 2 (cache)", lambda: _epoch(readers[0], index, batch), n)
+    readers[0].close()
+    with gpuio.Reader("cpu") as reader:
+        row(dataset, "gpuio.read, the same files on local disk (page cache warm)",
+            lambda: _epoch(reader, local, batch), n)
+    if not loader:
+        return
+    loaders: list[gpuio.Loader] = []
+
+    def loader_first() -> int:
+        shutil.rmtree(cache, ignore_errors=True)
+        for old in loaders:
+            old.close()
+        loaders[:] = [gpuio.Loader(index, batch, output="numpy")]
+        return _loader_epoch(loaders[0], "data")
+
+    row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", loader_first, n)
+    row(dataset, "gpuio Loader epoch 2 (cache)", lambda: _loader_epoch(loaders[0], "data"), n)
+    loaders[0].close()
+    on_disk = gpuio.Loader(local, batch, output="numpy")
+    row(dataset, "gpuio Loader, the same files on local disk (page cache warm)",
+        lambda: _loader_epoch(on_disk, "data"), n)
+    on_disk.close()
+
+
+SHARD_SAMPLES = 100  # samples per tar shard
+
+
+def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s3: Any, small_keys: list[str],
+            pool: ThreadPoolExecutor) -> None:
+    """The shard-format rows: the small objects packed into tar shards, read whole by
+    gpuio's Loader and by each competitor, first and second epoch."""
+    dataset = "webdataset shards"
+    local_dir = os.path.join(folder, "shards")
+    os.makedirs(local_dir)
+    tree = os.path.join(folder, "tree")
+    names = [k[len("tree/"):] for k in small_keys]
+    shard_keys = []
+    for s, at in enumerate(range(0, len(names), SHARD_SAMPLES)):
+        path = os.path.join(local_dir, f"shard-{s:04d}.tar")
+        with tarfile.open(path, "w") as tar:
+            for k, name in enumerate(names[at: at + SHARD_SAMPLES]):
+                tar.add(os.path.join(tree, name), arcname=f"s{s:04d}_{k:04d}.jpg")
+        shard_keys.append(f"shards/shard-{s:04d}.tar")
+        s3.upload_file(path, BUCKET, shard_keys[-1])
+    sizes = {k: os.path.getsize(os.path.join(folder, k)) for k in shard_keys}
+    n = len(names)
+    store = _obstore()
+    row(dataset, "ceiling: whole-shard GETs in parallel",
+        lambda: sum(pool.map(lambda k: _obstore_get(store, k, 0, sizes[k]), shard_keys)), n)
+    row(dataset, "boto3 get_object of whole shards, thread pool",
+        lambda: sum(pool.map(lambda k: _boto_get(s3, k, 0, sizes[k]), shard_keys)), n)
+
+    index = gpuio.formats.webdataset([f"s3://{BUCKET}/{k}" for k in shard_keys], fields=("jpg",))
+    local = gpuio.formats.webdataset([os.path.join(folder, k) for k in shard_keys], fields=("jpg",))
+    cache = os.environ["GPUIO_REMOTE_CACHE_DIR"]
+    loaders: list[gpuio.Loader] = []
+
+    def first_epoch() -> int:
+        shutil.rmtree(cache, ignore_errors=True)
+        for old in loaders:
+            old.close()
+        loaders[:] = [gpuio.Loader(index, 256, output="numpy")]
+        return _loader_epoch(loaders[0])
+
+    row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", first_epoch, n)
+    row(dataset, "gpuio Loader epoch 2 (cache)", lambda: _loader_epoch(loaders[0]), n)
+    loaders[0].close()
+    on_disk = gpuio.Loader(local, 256, output="numpy")
+    row(dataset, "gpuio Loader, the same shards on local disk (page cache warm)", lambda: _loader_epoch(on_disk), n)
+    on_disk.close()
+
+    def read_first() -> int:
+        shutil.rmtree(cache, ignore_errors=True)
+        with gpuio.Reader("cpu") as reader:
+            return _epoch(reader, index, 256, "jpg")
+
+    row(dataset, "gpuio.read epoch 1 (empty cache, no read-ahead)", read_first, n)
+    _competitor(rows, row, dataset, "s3fs (fsspec) cat of whole shards", lambda: _s3fs_epoch(shard_keys), n)
+    _competitor(rows, row, dataset, "webdataset over HTTP (curl, presigned URLs)",
+                lambda: _webdataset_epoch(s3, shard_keys), n, second=False)
+    _competitor(rows, row, dataset, "litdata StreamingDataset (its chunk format)",
+                lambda: _litdata(folder, tree, names, s3), n)
+    _competitor(rows, row, dataset, "mosaicml-streaming StreamingDataset (MDS)",
+                lambda: _mosaic(folder, tree, names, s3), n)
+    _competitor(rows, row, "small objects", "s3fs (fsspec) cat, one call for all objects",
+                lambda: _s3fs_epoch(small_keys), len(small_keys))
+
+
+def _competitor(rows: list[dict[str, Any]], row: Callable[..., None], dataset: str, method: str,
+                make: Callable[[], Any], items: int, second: bool = True) -> None:
+    """Rows of one competitor: ``make()`` gives ``(epoch 1, epoch 2)`` callables (or one
+    callable: a competitor without a cache, both epochs the same). A package that does
+    not import is a row saying so."""
+    try:
+        got = make()
+    except ImportError as exc:
+        rows.append({"dataset": dataset, "method": method, "error": f"not installed ({exc})"})
+        return
+    first, again = got if isinstance(got, tuple) else (got, None)
+    row(dataset, f"{method}, epoch 1" if again else method, first, items)
+    if again is not None:
+        row(dataset, f"{method}, epoch 2", again, items)
+
+
+def _loader_epoch(loader: gpuio.Loader, field: str = "jpg") -> int:
+    nbytes = 0
+    for batch in loader:
+        nbytes += sum(len(v) for v in batch[field])
+    return nbytes
+
+
+def _s3fs_epoch(keys: list[str]) -> Callable[[], int]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(key=os.environ["AWS_ACCESS_KEY_ID"], secret=os.environ["AWS_SECRET_ACCESS_KEY"],
+                           client_kwargs={"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}, skip_instance_cache=True)
+    paths = [f"{BUCKET}/{k}" for k in keys]
+    return lambda: sum(len(v) for v in fs.cat(paths).values())
+
+
+def _webdataset_epoch(s3: Any, keys: list[str]) -> Callable[[], int]:
+    import webdataset as wds
+
+    urls = [s3.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": k}, ExpiresIn=3600) for k in keys]
+
+    def epoch() -> int:
+        return sum(len(sample["jpg"]) for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False))
+
+    return epoch
+
+
+def _litdata(folder: str, tree: str, names: list[str], s3: Any) -> tuple[Callable[[], int], Callable[[], int]]:
+    import litdata
+
+    out = os.path.join(folder, "litdata")
+    litdata.optimize(fn=_litdata_sample, inputs=[os.path.join(tree, name) for name in names], output_dir=out,
+                     chunk_bytes=SHARD_SAMPLES * 100_000, num_workers=1, mode="overwrite")
+    for name in os.listdir(out):
+        s3.upload_file(os.path.join(out, name), BUCKET, f"litdata/{name}")
+    cache = os.path.join(folder, "litdata-cache")
+    from litdata.streaming import downloader
+
+    # its obstore GETs refuse plain HTTP (the loopback server) unless allowed; its boto3 calls need nothing
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
+    held: list[Any] = []
+
+    def first() -> int:
+        shutil.rmtree(cache, ignore_errors=True)
+        held[:] = [litdata.StreamingDataset(f"s3://{BUCKET}/litdata", cache_dir=cache)]
+        return sum(len(x) for x in held[0])
+
+    return first, lambda: sum(len(x) for x in held[0])
+
+
+def _litdata_sample(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _mosaic(folder: str, tree: str, names: list[str], s3: Any) -> tuple[Callable[[], int], Callable[[], int]]:
+    from streaming import MDSWriter, StreamingDataset
+
+    out = os.path.join(folder, "mds")
+    with MDSWriter(out=out, columns={"jpg": "bytes"}, size_limit=SHARD_SAMPLES * 100_000) as writer:
+        for name in names:
+            writer.write({"jpg": _litdata_sample(os.path.join(tree, name))})
+    for name in os.listdir(out):
+        s3.upload_file(os.path.join(out, name), BUCKET, f"mds/{name}")
+    os.environ["S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
+    cache = os.path.join(folder, "mds-cache")
+    held: list[Any] = []
+
+    def first() -> int:
+        shutil.rmtree(cache, ignore_errors=True)
+        held[:] = [StreamingDataset(remote=f"s3://{BUCKET}/mds", local=cache, batch_size=256)]
+        return sum(len(x["jpg"]) for x in held[0])
+
+    return first, lambda: sum(len(x["jpg"]) for x in held[0])
+
+
+def _epoch(reader: gpuio.Reader, index: gpuio.SampleIndex, batch: int, field: str = "data") -> int:
     nbytes = 0
     for a in range(0, len(index), batch):
-        nbytes += sum(len(v) for v in reader.read(index, np.arange(a, min(a + batch, len(index)))))
+        nbytes += sum(len(v) for v in reader.read(index, np.arange(a, min(a + batch, len(index))), field))
     return nbytes
 
 
