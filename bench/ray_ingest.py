@@ -12,7 +12,9 @@ batches of ``--batch`` rows on the driver, as a trainer would. Rows:
   normalize(...)])``: read tasks of whole batches, the storage core's reads, the ops on
   the workers (on the CPU, decode, resize and normalize as one fused C call per batch);
 - ``Ray Data``: ``ray.data.read_images(root, mode="RGB", size=(224, 224))`` (Pillow
-  decodes and resizes) and ``map_batches`` of the normalization in NumPy;
+  decodes and resizes) and ``map_batches`` of the normalization in NumPy, as Ray plans
+  it (read tasks of a few files each), and again with ``override_num_blocks`` set to
+  gpuio.ray's default task count (4 per CPU);
 - ``gpuio.ray, normalize in the trainer's Collate``: decode and resize on the workers
   (uint8 rows through the object store, a quarter of float32's bytes), normalize in
   ``gpuio.ray.Collate`` inside ``iter_torch_batches`` on the driver, here on its CPU
@@ -26,6 +28,7 @@ counts (images/s, and the ratio to Ray Data's row). Needs ``pip install 'gpuio[r
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -78,8 +81,8 @@ def main(argv: list[str] | None = None) -> None:
             for batch in ds.iter_batches(batch_size=args.batch, batch_format="numpy"):
                 yield batch["image"]
 
-        def ray_data() -> Iterator[np.ndarray]:
-            ds = ray.data.read_images(root, mode="RGB", size=(SIZE, SIZE))
+        def ray_data(**read_options: Any) -> Iterator[np.ndarray]:
+            ds = ray.data.read_images(root, mode="RGB", size=(SIZE, SIZE), **read_options)
             ds = ds.map_batches(normalize_batch, batch_format="numpy", batch_size=args.batch)
             for batch in ds.iter_batches(batch_size=args.batch, batch_format="numpy"):
                 yield batch["image"]
@@ -97,7 +100,9 @@ def main(argv: list[str] | None = None) -> None:
             for batch in loader:
                 yield batch["image"]
 
+        tasks = 4 * args.cpus  # gpuio.ray's default number of read tasks
         runs = {"gpuio.ray": gpuio_ray, "Ray Data (read_images + map_batches)": ray_data,
+                f"Ray Data, {tasks} read tasks": functools.partial(ray_data, override_num_blocks=tasks),
                 "gpuio.ray, normalize in the trainer's Collate": gpuio_ray_trainer,
                 "gpuio.Loader (driver only, no Ray)": gpuio_loader}
         rates, failed = interleaved_rounds(runs, args.epochs, count=len(index))
