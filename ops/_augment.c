@@ -7,7 +7,8 @@
  * BLUR_SOURCE, ops/warp.py WARP_SOURCE): the same products summed in the same order,
  * built without fused multiply-add (pyproject.toml: -ffp-contract=off), so the CPU and
  * the GPU give the same levels. Loops that can run over a whole row run over it, so that
- * the compiler vectorizes them without changing any element's order of operations.
+ * the compiler vectorizes them without changing any element's order of operations
+ * (interleaved pixels are split into planes of one channel and joined again).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -151,6 +152,7 @@ static void color_one(const uint8_t *src, uint8_t *dst, int64_t pixels, int c, c
        levels interleaved again */
     enum { BLOCK = 256 };
     float in[3][BLOCK], out[3][BLOCK];
+    uint8_t level[3][BLOCK];
     for (int64_t start = 0; start < pixels; start += BLOCK) {
         const int n = pixels - start < BLOCK ? (int)(pixels - start) : BLOCK;
         const uint8_t *s = src + start * c;
@@ -164,10 +166,12 @@ static void color_one(const uint8_t *src, uint8_t *dst, int64_t pixels, int c, c
             const float a = m[ch * 3], b = m[ch * 3 + 1], e = m[ch * 3 + 2], off = m[9 + ch];
             for (int k = 0; k < n; ++k) out[ch][k] = a * in[0][k] + b * in[1][k] + e * in[2][k] + off;
         }
+        for (int ch = 0; ch < 3; ++ch)
+            for (int k = 0; k < n; ++k) level[ch][k] = to_level(out[ch][k]);
         for (int k = 0; k < n; ++k) {
-            d[k * c] = to_level(out[0][k]);
-            d[k * c + 1] = to_level(out[1][k]);
-            d[k * c + 2] = to_level(out[2][k]);
+            d[k * c] = level[0][k];
+            d[k * c + 1] = level[1][k];
+            d[k * c + 2] = level[2][k];
             for (int ch = 3; ch < c; ++ch) d[k * c + ch] = s[k * c + ch];
         }
     }
@@ -471,11 +475,13 @@ static inline float tap(const uint8_t *src, int x, int y, int ch, int ih, int iw
  * integers (WARP_SOURCE, term by term). One output row at a time: the source positions
  * and bilinear weights of the whole row (vectorized), then the taps of each pixel gathered
  * into planes (t[tap][channel][x]), then the blend of the planes (vectorized), then the
- * levels interleaved. `scratch`: (4 + 16) * ow floats. */
+ * levels interleaved. `scratch`: 23 * ow floats. */
 static inline __attribute__((always_inline)) void warp_one(const uint8_t *src, int ih, int iw, int c, uint8_t *dst,
                                                            int oh, int ow, const float *m, const float *fill,
                                                            int interp, int use_fill, float *scratch) {
-    float *sx = scratch, *sy = sx + ow, *fx = sy + ow, *fy = fx + ow, *t = fy + ow;  /* t: [4][c][ow] */
+    float *sx = scratch, *sy = sx + ow, *fx = sy + ow, *fy = fx + ow, *t = fy + ow;  /* t: [tap][4 channels][ow] */
+    uint8_t *level = (uint8_t *)(t + (int64_t)16 * ow);  /* [c][ow] */
+    int *xs = (int *)(t + (int64_t)17 * ow), *ys = xs + ow;  /* the top-left taps */
     const float xmax = iw + 1.0f, ymax = ih + 1.0f;
     for (int y = 0; y < oh; ++y) {
         const float dy = y + 0.5f;
@@ -504,6 +510,11 @@ static inline __attribute__((always_inline)) void warp_one(const uint8_t *src, i
             const int x0 = floor_int(sx[x]), y0 = floor_int(sy[x]);
             fx[x] = sx[x] - x0;
             fy[x] = sy[x] - y0;
+            xs[x] = x0;
+            ys[x] = y0;
+        }
+        for (int x = 0; x < ow; ++x) {
+            const int x0 = xs[x], y0 = ys[x];
             if (x0 >= 0 && y0 >= 0 && x0 + 1 < iw && y0 + 1 < ih) {  /* all four taps inside */
                 const uint8_t *p = src + ((int64_t)y0 * iw + x0) * c, *q = p + (int64_t)iw * c;
                 for (int ch = 0; ch < c; ++ch) {
@@ -524,16 +535,17 @@ static inline __attribute__((always_inline)) void warp_one(const uint8_t *src, i
             }
         }
         for (int ch = 0; ch < c; ++ch) {
-            float *t00 = t + (int64_t)ch * ow, *t10 = t00 + (int64_t)4 * ow, *t01 = t00 + (int64_t)8 * ow,
-                  *t11 = t00 + (int64_t)12 * ow;
+            const float *t00 = t + (int64_t)ch * ow, *t10 = t00 + (int64_t)4 * ow, *t01 = t00 + (int64_t)8 * ow,
+                        *t11 = t00 + (int64_t)12 * ow;
+            uint8_t *lc = level + (int64_t)ch * ow;
             for (int x = 0; x < ow; ++x) {
                 const float top = t00[x] * (1.0f - fx[x]) + t10[x] * fx[x];
                 const float bottom = t01[x] * (1.0f - fx[x]) + t11[x] * fx[x];
-                t00[x] = top * (1.0f - fy[x]) + bottom * fy[x];
+                lc[x] = to_level(top * (1.0f - fy[x]) + bottom * fy[x]);
             }
         }
         for (int x = 0; x < ow; ++x)
-            for (int ch = 0; ch < c; ++ch) d[(int64_t)x * c + ch] = to_level(t[(int64_t)ch * ow + x]);
+            for (int ch = 0; ch < c; ++ch) d[(int64_t)x * c + ch] = level[(int64_t)ch * ow + x];
     }
 }
 
@@ -564,7 +576,7 @@ static PyObject *warp(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < images.n && !failed; ++i) {
         const Py_buffer *v = &images.v[i], *o = &outs.v[i];
         if (v->shape[0] == 0 || v->shape[1] == 0 || o->shape[0] == 0 || o->shape[1] == 0) continue;
-        float *scratch = malloc(sizeof(float) * 20 * (size_t)o->shape[1]);
+        float *scratch = malloc(sizeof(float) * 23 * (size_t)o->shape[1]);
         if (!scratch) {
             failed = 1;
             break;
