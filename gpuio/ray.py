@@ -30,9 +30,9 @@ consumer that has taken ``rows`` rows has consumed a prefix of the epoch's order
 A worker that dies mid-read has its task run again by Ray Data (rows the task had
 already handed out are not handed out twice); Ray Data retries without limit unless
 ``ray_remote_args={"max_retries": k}`` bounds it, after which iterating the dataset
-raises Ray's ``WorkerCrashedError``. A bad sample stops the
-ingest with the ``PipelineError`` naming it and its file: a skipped row would shift
-the row count a position rests on.
+raises Ray's ``WorkerCrashedError``. A bad sample stops the ingest with the
+``PipelineError`` naming it and its file: a skipped row would shift the row count a
+position rests on.
 
 ``pip install 'gpuio[ray]'``; ``import gpuio`` does not import this module or Ray.
 """
@@ -110,7 +110,7 @@ def state_dict(index: SampleIndex, rows: int, *, shuffle: bool = False, seed: in
     """The Loader state of an ingest ``read(index, shuffle=, seed=, epoch=, state=)``
     (the same arguments) whose consumer has taken its first ``rows`` rows: load it into
     ``read(state=...)`` or ``Loader.load_state_dict`` to go on with the rest of the epoch."""
-    epoch, start = _position(index, None, (), 1, shuffle, seed, epoch, state)
+    epoch, start = _position(index, [], (), 1, shuffle, seed, epoch, state)  # no fields: nothing to size
     n = len(index)
     if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or not 0 <= rows <= n - start:
         raise ConfigError(f"rows must be an integer in 0..{n - start} (the rows of this ingest), got {rows!r}")
