@@ -7,7 +7,11 @@ sample. Members that are not regular files, and base names without a dot or star
 with one, are skipped.
 
 Only headers are read: each field's extent points at the member's bytes inside the
-tar, so a batch is read straight from the shards. Compressed tars (``.tar.gz``...)
+tar, so a batch is read straight from the shards. A local tar's headers are walked in
+C (``_tar.c``: 512-byte headers read with pread, member data skipped); a tar it cannot
+index exactly as the full parser below does (a bad header, a truncated file, unusual
+spellings) and a remote one are parsed in Python, whose errors name the tar and the
+header's byte offset. Compressed tars (``.tar.gz``...)
 cannot be read in place and are refused.
 
 After the read, fields are decoded by their last extension as the webdataset package's
@@ -21,14 +25,14 @@ loading them runs code; decode them yourself if you trust the data).
 from __future__ import annotations
 
 import functools
-import mmap
 import os
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from gpuio.errors import ConfigError, DataError, FormatError, StorageError
+from gpuio.errors import ConfigError, DataError, FormatError
+from gpuio.formats import _tar
 from gpuio.formats._files import each_shard, full_path, open_regular_file, shard_paths, size_or_zero
 from gpuio.storage.remote import is_url, object_versions
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
@@ -142,201 +146,26 @@ class _Shard:
 
 
 def _index_shard(wanted: dict[str, int], skip: bool, path: str, advance: Callable[[int], None]) -> _Shard:
-    """The samples of one tar: the fast walk over plain ustar headers where it applies,
-    else (and for every error, so that messages name the exact header) the full parser."""
+    """The samples of one tar: the C header walk (``_tar.shard``) where it indexes the
+    tar exactly, else (and for every error, so that messages name the exact header) the
+    full parser."""
     f, size = open_regular_file(path, "tar file")
     with f:
-        # an object in S3 or on HTTP has no memory map: its headers are walked by ranged GETs (_scan)
+        # an object in S3 or on HTTP has no descriptor: its headers are walked by ranged GETs (_scan)
         if not is_url(path) and size >= 2 * _BLOCK and not f.read(6).startswith(tuple(_COMPRESSED)):
-            try:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except OSError as exc:
-                raise StorageError(f"cannot read tar file: {exc.strerror or exc}", path=path) from exc
-            with mm:
-                mm.madvise(mmap.MADV_RANDOM)  # headers only: no readahead of member data
-                shard = _plain_shard(mm, size, wanted, skip, advance)
-            if shard is not None:
+            got = _tar.shard(f.fileno(), size, tuple(w.encode("utf-8") for w in wanted), skip)
+            if got is not None:
+                rows, keys, key_lengths, samples = got
+                table = np.frombuffer(rows, dtype=np.int64).reshape(samples, 2, len(wanted))
+                shard = _Shard(len(wanted))
+                shard.add([table[:, 0, k] for k in range(len(wanted))], [table[:, 1, k] for k in range(len(wanted))],
+                          keys, np.frombuffer(key_lengths, dtype=np.int64))
+                advance(size)
                 return shard
     shard = _Shard(len(wanted))
     _scan(path, wanted, skip, shard)
     advance(size)
     return shard
-
-
-# Headers walked before their names are parsed (in bulk with NumPy): 4 MiB of headers.
-_RUN = 8192
-# Bytes per header below which the pages ahead are read ahead (a header and its member
-# average less than two pages: reading only the pages with headers saves little).
-_DENSE = 2 * mmap.PAGESIZE
-_COLUMNS = np.arange(100)
-# GNU long names, pax global headers and sparse files: left to the full parser (a pax
-# header that changes no name or size is passed over by the walk)
-_NOT_PLAIN = np.frombuffer(b"LKgS", dtype=np.uint8)
-_USTAR = np.frombuffer(b"ustar", dtype=np.uint8)
-
-
-def _plain_shard(mm: mmap.mmap, size: int, wanted: dict[str, int], skip: bool,
-                 advance: Callable[[int], None]) -> _Shard | None:
-    """The samples of a tar whose headers are all plain ustar/v7 headers with ASCII
-    names, none of them bad, and every sample complete (or ``skip``); ``None``
-    otherwise, for the full parser to index or to report. Reads only the header blocks
-    (the map is touched nowhere else)."""
-    blocks = np.frombuffer(mm, dtype=np.uint8, count=size // _BLOCK * _BLOCK).reshape(-1, _BLOCK)
-    try:
-        shard = _Shard(len(wanted))
-        carry_at = np.zeros(0, dtype=np.int64)
-        pos, done = 0, False
-        while not done:
-            walked = _walk(mm, pos, _RUN)
-            if walked is None:
-                return None
-            at, next_pos, done = walked
-            advance(next_pos - pos)
-            if not done and len(at) and (next_pos - pos) < _DENSE * len(at):
-                # headers dense enough that most pages hold one: read the next run's span
-                # ahead in the background (the random access advice turned readahead off)
-                start = next_pos // mmap.PAGESIZE * mmap.PAGESIZE
-                mm.madvise(mmap.MADV_WILLNEED, start, min(2 * (next_pos - pos), size - start))
-            at = np.concatenate((carry_at, np.frombuffer(at, dtype=np.int64)))
-            rest = _samples(blocks, at, next_pos, wanted, skip, done, shard)
-            if rest is None:
-                return None
-            carry_at, pos = at[rest:], next_pos
-        return shard
-    finally:
-        del blocks  # the map closes only once no array views it
-
-
-def _last(hits: np.ndarray, inside: np.ndarray) -> np.ndarray:
-    """Column of each row's last hit, -1 where none."""
-    hits &= inside
-    width = hits.shape[1]
-    col = width - 1 - hits[:, ::-1].argmax(axis=1) if width else np.zeros(len(hits), dtype=np.int64)
-    return np.where(hits.any(axis=1), col, -1) if width else col - 1
-
-
-def _first(hits: np.ndarray) -> np.ndarray:
-    """Column of each row's first hit, 100 (beyond every name) where none."""
-    if not hits.shape[1]:
-        return np.full(len(hits), 100)
-    col = hits.argmax(axis=1)
-    return np.where(hits[np.arange(len(hits)), col], col, 100)
-
-
-def _walk(mm: mmap.mmap, pos: int, count: int) -> tuple[array, int, bool] | None:
-    """``(header offsets, next header offset, end reached)`` of up to ``count``
-    headers from ``pos``, each member's size taken as an 11-digit octal number;
-    ``None`` at anything but such a header or the end-of-archive block. Everything
-    else about the headers (bounds, full size field, type, checksum) is checked in
-    bulk afterwards (``_samples``); a bad size can only make this walk stop early or
-    land elsewhere, which that check catches."""
-    at = array("q")
-    add, block = at.append, _BLOCK  # locals: the hot loop
-    for _ in range(count):
-        try:
-            n = int(mm[pos + 124:pos + 135], 8)
-        except ValueError:
-            return (at, pos, True) if mm[pos:pos + block] == _ZERO else None
-        add(pos)
-        pos += block + ((n + 511) & -512)
-    return at, pos, False
-
-
-def _plain_pax(data: bytes) -> bool:
-    """Whether a pax header's records are well formed and change neither the next
-    member's name nor its size (``webdataset.TarWriter`` writes one ``mtime`` record
-    before every member). Checked directly for one record, the usual case."""
-    sp, eq = data.find(b" "), data.find(b"=")
-    if 0 < sp < eq and data.endswith(b"\n") and data.count(b"\n") == 1 and data[:sp].isdigit() \
-            and int(data[:sp]) == len(data):
-        return data[sp + 1:eq] not in (b"path", b"size")
-    if len(data) > 1 << 20:
-        return False
-    try:
-        records = _pax_records(data, "", 0)
-    except FormatError:
-        return False
-    return b"path" not in records and b"size" not in records
-
-
-def _samples(blocks: np.ndarray, at: np.ndarray, next_at: int, wanted: dict[str, int], skip: bool,
-             final: bool, shard: _Shard) -> int | None:
-    """Add the complete samples among the headers at ``at`` (byte offsets, the next
-    header at ``next_at``) to ``shard``; return the position in ``at`` where the last,
-    possibly unfinished sample starts (``len(at)`` when ``final``), or ``None`` when a
-    header or sample needs the full parser."""
-    if len(at) == 0:
-        return 0
-    if next_at // _BLOCK + final > len(blocks):  # a header (or the end block) past the end of the file
-        return None
-    head = blocks[at // _BLOCK]
-    length = _octal_rows(head[:, 124:136], 11)
-    stored = _octal_rows(head[:, 148:156], 6)
-    computed = (head.sum(axis=1, dtype=np.uint32) - head[:, 148:156].sum(axis=1, dtype=np.uint32)).astype(np.int64) + 8 * 32
-    kind = head[:, 156]
-    for k in np.flatnonzero(kind == ord("x")).tolist():  # a pax header must leave names and sizes alone
-        data_at = int(at[k]) + _BLOCK
-        if length[k] < 0 or not _plain_pax(blocks.reshape(-1)[data_at:data_at + int(length[k])].tobytes()):
-            return None
-    if (np.any(stored != computed) or np.any(length < 0) or np.any(np.diff(at, append=next_at) != _BLOCK + (length + _BLOCK - 1) // _BLOCK * _BLOCK)
-            or np.any(np.isin(kind, _NOT_PLAIN))):
-        return None  # a bad header, a size the walk did not read the same, or an extended header
-    regular = np.flatnonzero((kind == ord("0")) | (kind == 0) | (kind == ord("7")))
-    if len(regular) < len(head):
-        head = head[regular]
-    ends = (head[:, :100] == 0).argmax(axis=1)
-    ends[head[np.arange(len(head)), ends] != 0] = 100  # no NUL: a name of all 100 bytes
-    width = int(ends.max()) if len(ends) else 0
-    names = head[:, :width]  # the longest name's bytes: the columns after it are all beyond a NUL
-    inside = _COLUMNS[:width] < ends[:, None]
-    if np.any((names >= 0x80) & inside) or np.any((head[:, 257:262] == _USTAR).all(axis=1) & (head[:, 345] != 0)):
-        return None  # a non-ASCII name (UTF-8 check, Unicode lower case) or a ustar prefix
-    cols = _COLUMNS[:width]
-    slash = _last(names == ord("/"), inside)
-    dot = _first((names == ord(".")) & inside & (cols > slash[:, None]))
-    member = np.flatnonzero((dot < 100) & (dot > slash + 1))  # a base name with a dot, not first
-    rows, names, dot, ends = regular[member], names[member], dot[member], ends[member]
-    keys = np.where(cols < dot[:, None], names, 0)
-    new = np.ones(len(rows), dtype=bool)
-    new[1:] = (dot[1:] != dot[:-1]) | (keys[1:] != keys[:-1]).any(axis=1)
-    starts = np.flatnonzero(new)
-    if not final:
-        if len(starts) == 0:
-            return len(at)
-        rest = int(rows[starts[-1]])
-        keep = starts[-1]
-        starts, rows, names, dot, ends, keys = (starts[:-1], rows[:keep], names[:keep], dot[:keep], ends[:keep],
-                                                keys[:keep])
-    else:
-        rest = len(at)
-    if len(starts) == 0:
-        return rest
-    sample = np.cumsum(new[:len(rows)]) - 1
-    lower = np.where((names >= ord("A")) & (names <= ord("Z")), names + 32, names)
-    which = np.full(len(rows), -1)
-    for field, k in wanted.items():
-        want = field.encode("utf-8")
-        if not want.isascii():
-            continue  # an ASCII member name never lowers to it
-        fits = np.flatnonzero(ends - dot - 1 == len(want))
-        same = (lower[fits[:, None], dot[fits, None] + 1 + np.arange(len(want))] == np.frombuffer(want, np.uint8))
-        which[fits[same.all(axis=1)]] = k
-    found = np.full((len(wanted), len(starts)), -1)
-    for k in range(len(wanted)):
-        hits = np.flatnonzero(which == k)
-        if np.any(np.bincount(sample[hits], minlength=len(starts)) > 1):
-            return None  # a field twice in one sample: the full parser names it
-        found[k, sample[hits]] = hits
-    complete = (found >= 0).all(axis=0)
-    if not skip and not complete.all():
-        return None  # a sample without one of the fields: the full parser names it
-    found = found[:, complete]
-    data_at = at[rows] + _BLOCK
-    key_rows = keys[starts[complete]]
-    key_lengths = dot[starts[complete]].astype(np.int64)
-    shard.add([data_at[found[k]] for k in range(len(wanted))], [length[rows][found[k]] for k in range(len(wanted))],
-              key_rows[cols < key_lengths[:, None]].tobytes(), key_lengths)
-    return rest
 
 
 def _scan(path: str, wanted: dict[str, int], skip: bool, shard: _Shard) -> None:
@@ -504,18 +333,6 @@ def _check_sums(headers: bytearray, header_at: array, path: str) -> None:
         k = int(bad[0])
         raise FormatError(f"bad tar header: checksum mismatch (stored {int(stored[k])}, computed "
                           f"{int(computed[k])})", path=path, offset=int(header_at[k]))
-
-
-def _octal_rows(fields: np.ndarray, digits: int) -> np.ndarray:
-    """``_octal_fields(fields)``, computed at once for the rows written as most tar
-    writers write them (``digits`` octal digits, then NULs or spaces)."""
-    d = fields[:, :digits] - np.uint8(ord("0"))  # wraps below "0": then above 7
-    tail = fields[:, digits:]
-    usual = (d <= 7).all(axis=1) & ((tail == 0) | (tail == ord(" "))).all(axis=1)
-    value = (d @ (8.0 ** np.arange(digits - 1, -1, -1))).astype(np.int64)  # exact: at most 36 bits
-    if not usual.all():
-        value[~usual] = _octal_fields(fields[~usual])
-    return value
 
 
 def _octal_fields(fields: np.ndarray) -> np.ndarray:

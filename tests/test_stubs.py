@@ -15,7 +15,8 @@ EXTENSIONS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setup
 
 
 def test_every_extension_is_listed():
-    assert {ext["name"] for ext in EXTENSIONS} == {"gpuio.storage._readloop", "gpuio.ops._resample",
+    assert {ext["name"] for ext in EXTENSIONS} == {"gpuio.storage._readloop", "gpuio.formats._tar",
+                                                   "gpuio.ops._resample",
                                                    "gpuio.ops._augment", "gpuio.ops._audio", "gpuio.ops._flac",
                                                    "gpuio.ops._jpeg", "gpuio.ops._video"}
 
