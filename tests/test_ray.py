@@ -11,8 +11,10 @@ import sys
 
 import numpy as np
 import pytest
+import ray  # the test extra installs gpuio[ray]: a missing Ray fails here, it does not skip
 
 import gpuio
+import gpuio.ray as gray
 from gpuio import formats, ops
 from gpuio.batch import Op
 from gpuio.errors import ConfigError, PipelineError
@@ -21,9 +23,6 @@ from gpuio.sample import make_image_tree
 
 from checkers import host
 from remote_env import http_server
-
-ray = pytest.importorskip("ray")  # in the test extra: this only spares a bare checkout
-gray = pytest.importorskip("gpuio.ray")
 
 MEAN, STD = [123.7, 116.3, 103.5], [58.4, 57.1, 57.4]
 N = 30
@@ -93,7 +92,7 @@ def test_rows_are_the_loader_s_samples_in_its_order(cluster, tree):
 def test_trainer_collate_runs_the_rest_of_the_chain(cluster, tree):
     """Decode and crop on the workers, normalize in the trainer's collate_fn: torch
     tensors of the Loader's crops, normalized (the uint8 crops the split hands over)."""
-    torch = pytest.importorskip("torch")
+    import torch
     index = formats.filetree(tree)
     ds = gray.read(index, ops=_worker_ops(), batch_size=5, seed=1, epoch=2)
     rest = gray.Collate([ops.normalize(mean=MEAN, std=STD)], device="cpu", seed=1, epoch=2)
@@ -189,7 +188,7 @@ def test_a_bad_sample_stops_the_ingest_naming_it(cluster, tree, tmp_path):
 def test_samples_over_http_equal_the_local_ones(cluster, tree, tmp_path):
     """A webdataset shard served over HTTP (ranged GETs by the workers' storage core)
     gives the rows a local copy gives."""
-    wds = pytest.importorskip("webdataset")
+    import webdataset as wds
     index = formats.filetree(tree)
     shard = tmp_path / "shard.tar"
     with wds.TarWriter(str(shard)) as sink:
