@@ -174,9 +174,12 @@ def _upload(s3: Any, folder: str, size: str) -> tuple[str, list[str], list[str]]
     return root, small_keys, large_keys
 
 
-def _timed(fn: Callable[[], int], repeat: int) -> tuple[float, int]:
+def _timed(fn: Callable[[], int], repeat: int, setup: Callable[[], None] | None = None) -> tuple[float, int]:
+    """The fastest of ``repeat`` passes of ``fn`` (each after ``setup``, untimed) and its bytes."""
     best, nbytes = float("inf"), 0
     for _ in range(repeat):
+        if setup is not None:
+            setup()
         t0 = time.perf_counter()
         nbytes = fn()
         best = min(best, time.perf_counter() - t0)
@@ -208,9 +211,10 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
         large = {k: head[k] for k in large_keys}
         cases = {"small objects": [(k, 0, n) for k, n in small.items()], "large objects, 8 MiB ranges": _ranges(large)}
 
-        def row(dataset: str, method: str, fn: Callable[[], int], items: int, reps: int = repeat) -> None:
+        def row(dataset: str, method: str, fn: Callable[[], int], items: int, reps: int = repeat,
+                setup: Callable[[], None] | None = None) -> None:
             try:
-                t, nbytes = _timed(fn, reps)
+                t, nbytes = _timed(fn, reps, setup)
             except Exception as exc:  # a candidate that fails is reported, the others go on
                 reason = f"{type(exc).__name__}: {exc}".split("\n", 1)[0][:300]
                 rows.append({"dataset": dataset, "method": method, "error": reason})
@@ -274,14 +278,13 @@ def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio
     n = len(index)
     readers: list[gpuio.Reader] = []
 
-    def first() -> int:
+    def empty() -> None:
         shutil.rmtree(cache, ignore_errors=True)
         for old in readers:
             old.close()
         readers[:] = [gpuio.Reader("cpu")]
-        return _epoch(readers[0], index, batch)
 
-    row(dataset, "gpuio.read epoch 1 (empty cache)", first, n)
+    row(dataset, "gpuio.read epoch 1 (empty cache)", lambda: _epoch(readers[0], index, batch), n, setup=empty)
     row(dataset, "gpuio.read epoch 2 (cache)", lambda: _epoch(readers[0], index, batch), n)
     readers[0].close()
     with gpuio.Reader("cpu") as reader:
@@ -291,14 +294,14 @@ def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio
         return
     loaders: list[gpuio.Loader] = []
 
-    def loader_first() -> int:
+    def loader_empty() -> None:
         shutil.rmtree(cache, ignore_errors=True)
         for old in loaders:
             old.close()
         loaders[:] = [gpuio.Loader(index, batch, output="numpy")]
-        return _loader_epoch(loaders[0], "data")
 
-    row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", loader_first, n)
+    row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", lambda: _loader_epoch(loaders[0], "data"), n,
+        setup=loader_empty)
     row(dataset, "gpuio Loader epoch 2 (cache)", lambda: _loader_epoch(loaders[0], "data"), n)
     loaders[0].close()
     on_disk = gpuio.Loader(local, batch, output="numpy")
@@ -340,26 +343,30 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
     cache = os.environ["GPUIO_REMOTE_CACHE_DIR"]
     loaders: list[gpuio.Loader] = []
 
-    def first_epoch() -> int:
+    def empty() -> None:
         shutil.rmtree(cache, ignore_errors=True)
         for old in loaders:
             old.close()
         loaders[:] = [gpuio.Loader(index, 256, output="numpy")]
-        return _loader_epoch(loaders[0])
 
-    row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", first_epoch, n)
+    row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", lambda: _loader_epoch(loaders[0]), n, setup=empty)
     row(dataset, "gpuio Loader epoch 2 (cache)", lambda: _loader_epoch(loaders[0]), n)
     loaders[0].close()
     on_disk = gpuio.Loader(local, 256, output="numpy")
     row(dataset, "gpuio Loader, the same shards on local disk (page cache warm)", lambda: _loader_epoch(on_disk), n)
     on_disk.close()
 
-    def read_first() -> int:
-        shutil.rmtree(cache, ignore_errors=True)
-        with gpuio.Reader("cpu") as reader:
-            return _epoch(reader, index, 256, "jpg")
+    readers: list[gpuio.Reader] = []
 
-    row(dataset, "gpuio.read epoch 1 (empty cache, no read-ahead)", read_first, n)
+    def empty_for_read() -> None:
+        shutil.rmtree(cache, ignore_errors=True)
+        for old in readers:
+            old.close()
+        readers[:] = [gpuio.Reader("cpu")]
+
+    row(dataset, "gpuio.read epoch 1 (empty cache, no read-ahead)", lambda: _epoch(readers[0], index, 256, "jpg"),
+        n, setup=empty_for_read)
+    readers[0].close()
     _competitor(rows, row, dataset, "s3fs (fsspec) cat of whole shards", lambda: _s3fs_epoch(shard_keys), n)
     _competitor(rows, row, dataset, "webdataset over HTTP (curl, presigned URLs)",
                 lambda: _webdataset_epoch(s3, shard_keys), n, second=False)
@@ -373,16 +380,16 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
 
 def _competitor(rows: list[dict[str, Any]], row: Callable[..., None], dataset: str, method: str,
                 make: Callable[[], Any], items: int, second: bool = True) -> None:
-    """Rows of one competitor: ``make()`` gives ``(epoch 1, epoch 2)`` callables (or one
-    callable: a competitor without a cache, both epochs the same). A package that does
-    not import is a row saying so."""
+    """Rows of one competitor: ``make()`` gives ``(setup, epoch 1, epoch 2)`` callables
+    (``setup`` empties its cache, untimed), or one callable: a competitor without a cache,
+    both epochs the same. A package that does not import is a row saying so."""
     try:
         got = make()
     except ImportError as exc:
         rows.append({"dataset": dataset, "method": method, "error": f"not installed ({exc})"})
         return
-    first, again = got if isinstance(got, tuple) else (got, None)
-    row(dataset, f"{method}, epoch 1" if again else method, first, items)
+    setup, first, again = got if isinstance(got, tuple) else (None, got, None)
+    row(dataset, f"{method}, epoch 1" if again else method, first, items, setup=setup)
     if again is not None:
         row(dataset, f"{method}, epoch 2", again, items)
 
@@ -414,7 +421,8 @@ def _webdataset_epoch(s3: Any, keys: list[str]) -> Callable[[], int]:
     return epoch
 
 
-def _litdata(folder: str, tree: str, names: list[str], s3: Any) -> tuple[Callable[[], int], Callable[[], int]]:
+def _litdata(folder: str, tree: str, names: list[str], s3: Any) -> tuple[Callable[[], None], Callable[[], int],
+                                                                          Callable[[], int]]:
     import litdata
 
     out = os.path.join(folder, "litdata")
@@ -429,12 +437,11 @@ def _litdata(folder: str, tree: str, names: list[str], s3: Any) -> tuple[Callabl
     downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
     held: list[Any] = []
 
-    def first() -> int:
+    def empty() -> None:
         shutil.rmtree(cache, ignore_errors=True)
         held[:] = [litdata.StreamingDataset(f"s3://{BUCKET}/litdata", cache_dir=cache)]
-        return sum(len(x) for x in held[0])
 
-    return first, lambda: sum(len(x) for x in held[0])
+    return empty, lambda: sum(len(x) for x in held[0]), lambda: sum(len(x) for x in held[0])
 
 
 def _litdata_sample(path: str) -> bytes:
@@ -442,7 +449,8 @@ def _litdata_sample(path: str) -> bytes:
         return f.read()
 
 
-def _mosaic(folder: str, tree: str, names: list[str], s3: Any) -> tuple[Callable[[], int], Callable[[], int]]:
+def _mosaic(folder: str, tree: str, names: list[str], s3: Any) -> tuple[Callable[[], None], Callable[[], int],
+                                                                         Callable[[], int]]:
     from streaming import MDSWriter, StreamingDataset
 
     out = os.path.join(folder, "mds")
@@ -455,12 +463,14 @@ def _mosaic(folder: str, tree: str, names: list[str], s3: Any) -> tuple[Callable
     cache = os.path.join(folder, "mds-cache")
     held: list[Any] = []
 
-    def first() -> int:
+    def empty() -> None:
         shutil.rmtree(cache, ignore_errors=True)
         held[:] = [StreamingDataset(remote=f"s3://{BUCKET}/mds", local=cache, batch_size=256)]
+
+    def epoch() -> int:
         return sum(len(x["jpg"]) for x in held[0])
 
-    return first, lambda: sum(len(x["jpg"]) for x in held[0])
+    return empty, epoch, epoch
 
 
 def _epoch(reader: gpuio.Reader, index: gpuio.SampleIndex, batch: int, field: str = "data") -> int:

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import tarfile
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -330,6 +331,32 @@ def test_corrupted_cache_file_is_downloaded_again(s3, tmp_path, request):
     _same_reads(local, index)
 
 
+def test_cache_file_corrupted_in_place_is_detected_and_downloaded_again(s3, tmp_path, request):
+    """A block file of the right size whose bytes changed (a disk error, a stray write)
+    fails its CRC-32 when a process first meets it, and is downloaded again."""
+    root = _tree(tmp_path / "tree", np.random.default_rng(27))
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(root), prefix)
+    local, index = formats.filetree(root), formats.filetree(f"s3://{BUCKET}/{prefix}")
+    rows = np.arange(len(index))
+    want = [a.tobytes() for a in gpuio.read(local, rows)]
+    with gpuio.Reader("cpu") as reader:
+        assert [a.tobytes() for a in reader.read(index, rows)] == want
+    blocks = _files(cache_folder())
+    sizes = [os.path.getsize(f) for f in blocks]
+    for path in blocks:  # the first byte of every block flipped, sizes unchanged
+        with open(path, "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 0xFF]))
+    with gpuio.Reader("cpu") as reader:  # a process meeting these blocks for the first time
+        assert [a.tobytes() for a in reader.read(index, rows)] == want
+    assert [os.path.getsize(f) for f in _files(cache_folder())] == sizes
+    for path in _files(cache_folder()):
+        data = open(path, "rb").read()
+        assert zlib.crc32(data[:-8]) == int.from_bytes(data[-4:], "little") and data[-8:-4] == b"gpc1"
+
+
 def _race(args):
     url, cache, endpoint = args
     os.environ.update(GPUIO_REMOTE_CACHE_DIR=cache, AWS_ENDPOINT_URL=endpoint)
@@ -634,7 +661,8 @@ def test_write_behind_serves_the_batch_first_and_never_shows_a_partial_block(s3,
         flush()
         blocks = _files(cache_folder())
         assert len(blocks) == -(-(50_000 + 128) // 4096) and not [f for f in blocks if f.endswith(".part")]
-        whole = b"".join(open(f, "rb").read() for f in sorted(blocks, key=lambda f: int(f.rsplit(".", 1)[1])))
+        # each block file: the block's bytes, then an 8-byte trailer (magic, CRC-32)
+        whole = b"".join(open(f, "rb").read()[:-8] for f in sorted(blocks, key=lambda f: int(f.rsplit(".", 1)[1])))
         assert whole == (tmp_path / "w.npy").read_bytes()
     finally:
         reader.close()

@@ -20,10 +20,12 @@ Rules:
 - read-ahead (``prefetch``): the blocks of coming batches (a Loader knows its order)
   are fetched in the background, at most ``remote_readahead`` bytes in flight; what
   does not fit is fetched when read;
-- a block is used only when its size is the one expected, looked at (stat) when this
-  process first meets it; a block of another size (cut short, overwritten) is
-  downloaded again. A block that fails a later read (evicted or cut short by another
-  process) makes the batch look at its blocks again, once;
+- a block file ends with an 8-byte trailer, the magic ``gpc1`` and the CRC-32 of the
+  block's bytes, computed when it is written. When a process first meets a block
+  file it checks the size and the CRC: a block cut short, overwritten or corrupted in
+  place (same size) is removed and downloaded again. A block that fails a later read
+  (evicted or cut short by another process) makes the batch look at its blocks again,
+  once;
 - the cache holds at most ``remote_cache_budget`` bytes: past it, the least recently
   used blocks (by modification time, touched when first met and again at most every
   ``_RECHECK_S`` while in use, on the writer thread) go first, never a block of the
@@ -40,10 +42,12 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import struct
 import threading
 import time
 import warnings
 import weakref
+import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -69,6 +73,8 @@ _EVICT_SHARE = 8  # the folder is scanned for eviction after downloads of budget
 _TAG = 20  # bytes of an object's sha256 that name its blocks (40 hex digits)
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _WRITERS = 2  # threads writing blocks behind the reads
+_MAGIC = b"gpc1"  # a block file's trailer: this, then the CRC-32 of the block's bytes (little-endian)
+_TRAILER = struct.Struct("<4sI")
 
 
 def cache_folder() -> str:
@@ -184,6 +190,7 @@ class BlockCache:
         self._posix = PosixBackend(config.get("io_threads"), False, "gpuio-cache-read",
                                    native=config.get("native") and native_available())
         self._added = 0
+        self._folders: set[str] = set()  # block folders known to exist
         self._warned_full = False
         self._warned_write = False
         self._fresh()
@@ -354,7 +361,10 @@ class BlockCache:
         if self._present(path, want):
             return None, None
         part = path + ".part"
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        folder = os.path.dirname(path)
+        if folder not in self._folders:
+            os.makedirs(folder, exist_ok=True)
+            self._folders.add(folder)
         wait, since = _POLL_S, time.monotonic()
         while True:
             try:
@@ -423,6 +433,7 @@ class BlockCache:
         try:
             with os.fdopen(fd, "wb", closefd=False) as f:
                 f.write(buf)
+                f.write(_TRAILER.pack(_MAGIC, zlib.crc32(buf)))
             os.replace(part, path)
             kept = True
         except OSError as exc:
@@ -458,13 +469,20 @@ class BlockCache:
 
     @staticmethod
     def _present(path: str, want: int) -> bool:
-        """Whether the block file is there and whole (touched: it is in use); a file of
-        another size is removed (cut short or overwritten)."""
+        """Whether the block file is there and whole: ``want`` bytes and a trailer whose
+        CRC-32 they match (touched: it is in use). Another file is removed (cut short,
+        overwritten, corrupted)."""
         try:
-            size = os.stat(path).st_size
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             return False
-        if size != want:
+        try:
+            got = os.pread(fd, want + _TRAILER.size + 1, 0)
+        finally:
+            os.close(fd)
+        whole = len(got) == want + _TRAILER.size and _TRAILER.unpack_from(got, want) == (
+            _MAGIC, zlib.crc32(memoryview(got)[:want]))
+        if not whole:
             _unlink(path)
             return False
         try:
