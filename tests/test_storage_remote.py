@@ -23,7 +23,8 @@ from gpuio.storage import remote
 from gpuio.storage.cache import BlockCache, cache_folder, flush
 
 from checkers import assert_same_batch, check_exactly_once, check_resume, host, run_epoch
-from remote_env import ACCESS_KEY, SECRET_KEY, FaultProxy, SeaweedS3, http_server, upload_tree, weed_binary
+from remote_env import (ACCESS_KEY, PUBLIC_BUCKET, SECRET_KEY, FaultProxy, SeaweedS3, http_server, upload_tree,
+                        weed_binary)
 
 
 BUCKET = "data"
@@ -46,6 +47,7 @@ def s3server(tmp_path_factory):
     server = SeaweedS3(str(tmp_path_factory.mktemp("weed")))
     boto = server.boto()
     boto.create_bucket(Bucket=BUCKET)
+    boto.create_bucket(Bucket=PUBLIC_BUCKET)
     boto.close()
     yield server
     server.stop()
@@ -468,6 +470,21 @@ def test_wrong_credentials_are_a_named_error(each_client, s3, s3server, tmp_path
         gpuio.read(index, [0])
     with pytest.raises(StorageError, match="cannot list objects: HTTP 403"):
         formats.filetree(f"s3://{BUCKET}/{prefix}")
+
+
+@pytest.mark.parametrize("how", ["AWS_NO_SIGN_REQUEST", "GPUIO_REMOTE_UNSIGNED"])
+def test_public_bucket_reads_unsigned_without_credentials(each_client, s3, tmp_path, request, monkeypatch, how):
+    root = _tree(tmp_path / "tree", np.random.default_rng(28))
+    prefix = _prefix(request)
+    upload_tree(s3, PUBLIC_BUCKET, str(root), prefix)
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    remote.reset_client()
+    with pytest.raises(StorageError, match="no AWS credentials|access denied|NoCredentials"):
+        formats.filetree(f"s3://{PUBLIC_BUCKET}/{prefix}")
+    monkeypatch.setenv(how, "true")
+    remote.reset_client()
+    _same_reads(formats.filetree(root), formats.filetree(f"s3://{PUBLIC_BUCKET}/{prefix}"))
 
 
 def test_missing_object_is_a_named_error(each_client, s3, tmp_path, request):

@@ -31,6 +31,7 @@ botocore, obstore and urllib3 are the ``gpuio[remote]`` extra, imported only whe
 from __future__ import annotations
 
 import io
+import os
 import re
 import threading
 import time
@@ -55,7 +56,7 @@ __all__ = ["SCHEMES", "SETTINGS", "ObjectInfo", "RemoteBackend", "RemoteFile", "
 
 SCHEMES = ("s3://", "http://", "https://")
 # the settings of remote reads (gpuio.config); a Reader takes them when it is made
-SETTINGS = ("remote_client", "remote_cache", "remote_cache_dir", "remote_cache_budget", "remote_block", "remote_requests",
+SETTINGS = ("remote_client", "remote_unsigned", "remote_cache", "remote_cache_dir", "remote_cache_budget", "remote_block", "remote_requests",
             "remote_readahead", "remote_gap", "remote_part", "remote_retries", "remote_timeout", "cache_dir")
 _PRESIGN_S = 3600  # lifetime of a presigned URL (urllib3 client)
 _RESIGN_S = 1800  # a presigned URL older than this is signed again before use
@@ -114,6 +115,9 @@ class Client:
                                   f"(pip install 'gpuio[remote]'): {exc}") from exc
         self.retries = max(1, config.get("remote_retries"))
         self.timeout = max(1, config.get("remote_timeout"))
+        # a public bucket: requests go unsigned, as the AWS CLI's --no-sign-request sends them
+        self.unsigned = config.get("remote_unsigned") or os.environ.get("AWS_NO_SIGN_REQUEST", "").lower() in (
+            "1", "true", "yes")
         self._session = botocore.session.Session()
         self._s3: Any = None
         self._lock = threading.Lock()
@@ -129,10 +133,13 @@ class Client:
         """The botocore S3 client (endpoint, region and credentials as the AWS SDKs find them)."""
         with self._lock:
             if self._s3 is None:
+                from botocore import UNSIGNED
                 from botocore.config import Config
 
                 settings = dict(connect_timeout=self.timeout, read_timeout=self.timeout,
                                 retries={"max_attempts": self.retries, "mode": "standard"})
+                if self.unsigned:
+                    settings["signature_version"] = UNSIGNED
                 s3 = self._session.create_client("s3", config=Config(**settings))
                 if "amazonaws.com" not in s3.meta.endpoint_url:
                     # a custom endpoint (AWS_ENDPOINT_URL: an S3-compatible store) is often an
@@ -233,11 +240,12 @@ class _Obstore:
         if url.startswith("s3://"):
             s3 = self.owner.s3()
             custom = "amazonaws.com" not in s3.meta.endpoint_url
+            signing: dict[str, Any] = ({"skip_signature": True} if self.owner.unsigned
+                                       else {"credential_provider": self._credentials})
             store = self._stores_mod.S3Store(where, endpoint=s3.meta.endpoint_url if custom else None,
                                              region=s3.meta.region_name or "us-east-1",
-                                             virtual_hosted_style_request=not custom,
-                                             credential_provider=self._credentials, client_options=options,
-                                             retry_config=no_retries)
+                                             virtual_hosted_style_request=not custom, client_options=options,
+                                             retry_config=no_retries, **signing)
         else:
             store = self._stores_mod.HTTPStore.from_url(where, client_options=options, retry_config=no_retries)
         with self._lock:
