@@ -139,13 +139,17 @@ def best_time(fn: Callable[[], Any], repeat: int) -> float:
 
 
 def interleaved_rounds(runs: dict[str, Callable[[], Any]], epochs: int, count: int | None = None,
-                       desc: str = "pipelines") -> tuple[dict[str, float], dict[str, str]]:
+                       desc: str = "pipelines", rounds: dict[str, list[float]] | None = None,
+                       settle: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, str]]:
     """Items/s of each competitor's fastest pass, and the error of each that failed.
     ``runs`` maps a name to a function that makes one pass, yielding batches (``shape[0]``
     items each). One untimed pass each first (workers, decoders and caches warm up), then
     ``epochs`` rounds that run every competitor once, so that drift of the machine hits
     them alike. A pass that does not yield ``count`` items (when given) fails; a
-    competitor that fails drops out with its whole error, the others go on."""
+    competitor that fails drops out with its whole error, the others go on. ``rounds``,
+    where given, gets each competitor's items/s of every timed pass, in round order.
+    ``settle`` maps a competitor to seconds of idle after each of its passes, so that work
+    it does ahead after its pass (DALI's prefetch) is over before the next pass is timed."""
     from tqdm import tqdm
 
     best, seen = dict.fromkeys(runs, float("inf")), {}
@@ -165,8 +169,11 @@ def interleaved_rounds(runs: dict[str, Callable[[], Any]], epochs: int, count: i
                 except Exception as exc:  # a competitor's failure is a result to report, not a crash
                     failed[name] = f"{type(exc).__name__}: {exc}"
                     continue
+                time.sleep((settle or {}).get(name, 0.0))
                 if timed:
                     best[name] = min(best[name], elapsed)
+                    if rounds is not None:
+                        rounds.setdefault(name, []).append(seen[name] / elapsed)
     return {name: seen[name] / t for name, t in best.items() if name not in failed}, failed
 
 

@@ -27,12 +27,15 @@ of the best epoch, page cache warm):
 - on a GPU machine also gpuio on the GPU (fused kernel) and torchvision's batched
   ``decode_jpeg(device="cuda")`` + torch ops.
 
-A competitor whose package is missing is a row saying so. For ``val`` it also prints the
-mean difference between gpuio's and DALI's outputs on the same images. For the
-competitors that run in this process it also prints the process CPU time per image of
-their cheapest pass, which a loaded machine moves less than images/s (the DataLoader's
-workers are other processes; DALI's work ahead of its pass falls partly in the next
-competitor's pass).
+A competitor whose package is missing is a row saying so. Each DALI pass is followed by
+0.5 s idle, so that its work ahead (two batches) is over before the next competitor's
+pass is timed. ``per round`` is the median over rounds of a row's pass
+against the ceiling's pass of the same round (drift between rounds cancels). For ``val``
+it also prints the mean difference between gpuio's and DALI's outputs on the same
+images. For the competitors that run in this process it also prints the process CPU time
+per image of their cheapest pass, which a loaded machine moves less than images/s (the
+DataLoader's workers are other processes; DALI's work ahead of its pass is counted in no
+pass).
 """
 
 from __future__ import annotations
@@ -480,11 +483,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except ImportError as exc:
                 row["note"] = f"not installed ({exc.name})"
             rows.append(row)
-    speeds, failed = interleaved_rounds(runs, args.epochs, count, desc="image pipelines")
+    per_round: dict[str, list[float]] = {}
+    # a pause after DALI's passes lets its work ahead (two batches) end before the next pass
+    speeds, failed = interleaved_rounds(runs, args.epochs, count, desc="image pipelines", rounds=per_round,
+                                        settle={k: 0.5 for k in runs if ": DALI" in k})
     for row in rows:
         key = f"{row['pipeline']}: {row['name']}"
         if key in speeds:
             row["images_s"] = speeds[key]
+            row["rounds"] = per_round[key]
         if len(cpu.get(key, [])) > 1:  # the first pass is the untimed warm-up
             row["cpu_ms"] = 1e3 * min(cpu[key][1:])
         if key in failed:
@@ -496,8 +503,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for r in group:
                 if r.get("images_s") and base:
                     r[col] = r["images_s"] / base
+        ceiling = next((r for r in group if r["name"].startswith(RATIOS[0][2]) and r.get("rounds")), None)
+        for r in group:  # the round's drift cancels: each pass against the ceiling's pass of the same round
+            if ceiling is not None and r.get("rounds"):
+                r["of_ceiling_per_round"] = float(np.median(np.divide(r["rounds"], ceiling["rounds"])))
     print_table(rows, [("pipeline", "pipeline", "s"), ("name", "competitor", "s"), ("images_s", "images/s", ".1f"),
-                       *((col, heading, ".2f") for col, heading, _ in RATIOS),
+                       *((col, heading, ".2f") for col, heading, _ in RATIOS[:1]),
+                       ("of_ceiling_per_round", "per round", ".2f"),
+                       *((col, heading, ".2f") for col, heading, _ in RATIOS[1:]),
                        ("cpu_ms", "CPU ms/image", ".3f"), ("note", "note", "s")])
     payload = {"benchmark": "images", "machine": info, "dataset": {"root": root, "images": count},
                "batch": args.batch, "epochs": args.epochs, "results": rows}
