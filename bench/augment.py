@@ -16,8 +16,8 @@ compares each augmentation of DALI's auto_aug policies (the TrivialAugment wide 
 the ImageNet AutoAugment policy's own ones) at magnitude bin ``--bin`` with a positive
 sign, DALI's against gpuio's; a third times the whole policies (auto_augment,
 rand_augment(n=2, m=9), trivial_augment_wide; their random draws differ, so only the time
-is compared): wall-clock, and process CPU time (all of DALI's threads), which a machine
-shared with other jobs moves less. DALI comes with the ``bench`` extra (``pip install
+is compared): the mean wall-clock and process CPU time (all of DALI's threads, which a
+machine shared with other jobs moves less) per batch. DALI comes with the ``bench`` extra (``pip install
 nvidia-dali-cuda120``); without it the command says so and stops (DALI's auto_aug prints
 deprecation warnings for aliases it calls itself).
 """
@@ -128,19 +128,20 @@ def policy_rows(images: list[np.ndarray], magnitude_bin: int) -> list[dict[str, 
     return rows
 
 
-def best_times(fn: Any, repeat: int) -> tuple[float, float]:
-    """Least wall-clock and least process CPU time (all threads) of the same ``repeat``
-    runs of ``fn``, in seconds (CPU time: what a machine shared with other jobs moves less)."""
-    wall = cpu = float("inf")
+def mean_times(fn: Any, repeat: int) -> tuple[float, float]:
+    """Mean wall-clock and mean process CPU time (all threads) of ``repeat`` runs of ``fn``
+    after one untimed run, in seconds: the mean, as each run draws other augmentations
+    (the least would time the lightest draws); CPU time, as a machine shared with other
+    jobs moves it less."""
+    fn()
+    w0, c0 = time.perf_counter(), time.process_time()
     for _ in range(repeat):
-        w0, c0 = time.perf_counter(), time.process_time()
         fn()
-        wall, cpu = min(wall, time.perf_counter() - w0), min(cpu, time.process_time() - c0)
-    return wall, cpu
+    return (time.perf_counter() - w0) / repeat, (time.process_time() - c0) / repeat
 
 
 def policy_times(images: list[np.ndarray], repeat: int) -> list[dict[str, Any]]:
-    """Best time and process CPU time per batch of each whole policy (random draws differ:
+    """Mean time and process CPU time per batch of each whole policy (random draws differ:
     time only)."""
     from nvidia.dali import fn, pipeline_def
     from nvidia.dali.auto_aug import auto_augment as dali_aa, rand_augment as dali_ra, trivial_augment as dali_ta
@@ -163,7 +164,7 @@ def policy_times(images: list[np.ndarray], repeat: int) -> list[dict[str, Any]]:
         def ours(op: Any = op, epochs: Any = epochs) -> None:  # new draws each run, as in training
             op(Batch({"image": list(images)}, index, sample_seeds(0, next(epochs), index)))
 
-        (gpuio_s, gpuio_cpu_s), (dali_s, dali_cpu_s) = best_times(ours, repeat), best_times(p.run, repeat)
+        (gpuio_s, gpuio_cpu_s), (dali_s, dali_cpu_s) = mean_times(ours, repeat), mean_times(p.run, repeat)
         rows.append(dict(op=name, gpuio_ms=1e3 * gpuio_s, dali_ms=1e3 * dali_s, gpuio_cpu_ms=1e3 * gpuio_cpu_s,
                          dali_cpu_ms=1e3 * dali_cpu_s))
     return rows
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(policy, [("op", "augmentation", ""), ("mean", "mean |diff|", ".3f"), ("max", "max", "d"),
                          ("share", "differing", ".2%")])
     times = policy_times(images, args.repeat)
-    print("\nwhole policies, best time per batch and best process CPU time (all threads) per batch:")
+    print(f"\nwhole policies, mean of {args.repeat} batches: time and process CPU time (all threads) per batch:")
     print_table(times, [("op", "policy", ""), ("gpuio_ms", "gpuio CPU ms/batch", ".1f"),
                         ("dali_ms", "DALI CPU ms/batch", ".1f"), ("gpuio_cpu_ms", "gpuio CPU time ms", ".1f"),
                         ("dali_cpu_ms", "DALI CPU time ms", ".1f")])
