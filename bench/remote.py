@@ -89,6 +89,8 @@ class SeaweedServer:
                 [self.weed, "server", f"-dir={os.path.join(self.folder, 'data')}", "-ip=127.0.0.1",
                  "-ip.bind=127.0.0.1", "-s3", f"-s3.port={s3}", f"-s3.config={self.config}", "-filer",
                  f"-filer.port={filer}", f"-master.port={master}", f"-volume.port={volume}",
+                 # each bucket grows volumes of its own: room for several buckets, volumes of 1 GiB
+                 "-volume.max=64", "-master.volumeSizeLimitMB=1024",
                  # listeners on fixed ports would keep a second server from starting
                  "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -280,18 +280,22 @@ class BlockCache:
         if not len(keys):
             return []
         names = objects.names(keys, self.root)
-        futures = [self._start(objects, key, path, pool) for key, path in zip(keys.tolist(), names)]
+        obj, block = objects.locate(keys)
+        futures = [self._start(objects, where, path, pool)
+                   for where, path in zip(zip(keys.tolist(), obj.tolist(), block.tolist()), names)]
         first = next((f.exception() for f in futures if f.exception() is not None), None)
         if first is not None:
             raise first
         return [f.result() for f in futures]
 
-    def _start(self, objects: Objects, key: int, path: str, pool: ThreadPoolExecutor) -> Future[bytearray | None]:
-        """The fetch of block ``key`` in this process: the one running, else one started on ``pool``."""
+    def _start(self, objects: Objects, where: tuple[int, int, int], path: str,
+               pool: ThreadPoolExecutor) -> Future[bytearray | None]:
+        """The fetch of a block (``where``: its key, object and block number) in this
+        process: the one running, else one started on ``pool``."""
         with self._lock:
             fut = self._inflight.get(path)
             if fut is None:
-                fut = self._inflight[path] = pool.submit(self._get, objects, key, path)
+                fut = self._inflight[path] = pool.submit(self._get, objects, where, path)
             return fut
 
     def prefetch(self, objects: Objects, file: np.ndarray, offset: np.ndarray, length: np.ndarray) -> int:
@@ -311,14 +315,15 @@ class BlockCache:
         want = np.minimum(self.block, objects.sizes[obj] - block * self.block).tolist()
         pool = self._pool("ahead")
         started = 0
-        for key, path, n in zip(keys.tolist(), objects.names(keys, self.root), want):
+        for where, path, n in zip(zip(keys.tolist(), obj.tolist(), block.tolist()), objects.names(keys, self.root),
+                                  want):
             with self._lock:
                 if path in self._inflight:
                     continue
                 if self._ahead + n > self.window:
                     break
                 self._ahead += n
-                fut = self._inflight[path] = pool.submit(self._get, objects, key, path)
+                fut = self._inflight[path] = pool.submit(self._get, objects, where, path)
             fut.add_done_callback(lambda _, n=n: self._ahead_done(n))
             started += n
         return started
@@ -334,13 +339,13 @@ class BlockCache:
                 self._changed.wait()
 
     # ---- fetching a block --------------------------------------------------------------
-    def _get(self, objects: Objects, key: int, path: str) -> bytearray | None:
-        """Make block ``key`` present: None when its file is whole, else its bytes
-        (downloaded now; the file is written behind, or not kept when the disk is full)."""
-        obj, block = objects.locate(np.array([key]))
-        info = objects.info(int(obj[0]))
+    def _get(self, objects: Objects, where: tuple[int, int, int], path: str) -> bytearray | None:
+        """Make a block (``where``: its key, object and block number) present: None when
+        its file is whole, else its bytes (downloaded now; the file is written behind, or
+        not kept when the disk is full)."""
+        key, obj, block = where
         try:
-            buf, fd = self._obtain(info, int(block[0]), path)
+            buf, fd = self._obtain(objects.info(obj), block, path)
         except BaseException:
             self._done(path, 0)
             raise
@@ -431,9 +436,10 @@ class BlockCache:
         part = path + ".part"
         kept = False
         try:
-            with os.fdopen(fd, "wb", closefd=False) as f:
-                f.write(buf)
-                f.write(_TRAILER.pack(_MAGIC, zlib.crc32(buf)))
+            data = memoryview(buf)
+            for piece in (data, memoryview(_TRAILER.pack(_MAGIC, zlib.crc32(buf)))):
+                while piece:
+                    piece = piece[os.write(fd, piece):]
             os.replace(part, path)
             kept = True
         except OSError as exc:
