@@ -8,7 +8,11 @@
  * built without fused multiply-add (pyproject.toml: -ffp-contract=off), so the CPU and
  * the GPU give the same levels. Loops that can run over a whole row run over it, so that
  * the compiler vectorizes them without changing any element's order of operations
- * (interleaved pixels are split into planes of one channel and joined again).
+ * (interleaved pixels are split into planes of one channel and joined again). On x86-64
+ * the per-image functions are built twice (target_clones: x86-64-v3, i.e. AVX2, and the
+ * baseline) and picked at run time; with no fused multiply-add and no reordering both
+ * give the same levels (tests/test_ops_augment.py builds the plain C, GPUIO_PORTABLE,
+ * and compares).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -17,6 +21,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__x86_64__) && !defined(GPUIO_PORTABLE)
+#define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
 
 /* The buffers of a list of HWC images (or their outputs). */
 typedef struct {
@@ -126,7 +136,7 @@ static inline float hold(float v, float lo, float hi) { return v >= lo ? (v < hi
 
 /* ---- colour: out = M @ rgb + offset -------------------------------------------------- */
 
-static void color_one(const uint8_t *src, uint8_t *dst, int64_t pixels, int c, const float *m) {
+CLONES static void color_one(const uint8_t *src, uint8_t *dst, int64_t pixels, int c, const float *m) {
     if (c < 3 || (m[1] == 0 && m[2] == 0 && m[3] == 0 && m[5] == 0 && m[6] == 0 && m[7] == 0)) {
         /* a * v + b per channel (M diagonal: the other two products add zeros, which
          * leaves the sum as it is): one table of 256 levels per channel */
@@ -291,7 +301,7 @@ static inline int reflect101(int j, int n) {
 
 /* acc = sum over (dy, dx) in row-major order of k[dy][dx] * pixel(y + dy - 1, x + dx - 1),
  * from 0, float32; `pad` holds 3 float rows of w + 2 pixels (scratch). */
-static void filter3x3_one(const uint8_t *src, uint8_t *dst, int h, int w, int c, const float *k, float *pad) {
+CLONES static void filter3x3_one(const uint8_t *src, uint8_t *dst, int h, int w, int c, const float *k, float *pad) {
     const int64_t row = (int64_t)(w + 2) * c;
     float *acc = pad + 3 * row;
     if (h == 0 || w == 0) return;
@@ -356,7 +366,7 @@ done:
 /* Separable blur of one image: rows with kx (into `mid`, float32 h x w x c), then columns
  * with ky, each tap's product added in tap order from 0 (BLUR_SOURCE's order). `line`:
  * scratch of (w + 2 rx) * c floats. Output uint8 (rounded half up, saturated) or float32. */
-static void blur_one(const void *src, int u8, void *dst, int h, int w, int c, const float *ky, int ry,
+CLONES static void blur_one(const void *src, int u8, void *dst, int h, int w, int c, const float *ky, int ry,
                      const float *kx, int rx, float *mid, float *line) {
     const int64_t n = (int64_t)w * c;
     if (h == 0 || w == 0) return;
@@ -549,6 +559,14 @@ static inline __attribute__((always_inline)) void warp_one(const uint8_t *src, i
     }
 }
 
+CLONES static void warp_image(const uint8_t *src, int ih, int iw, int c, uint8_t *dst, int oh, int ow,
+                              const float *m, const float *fill, int interp, int use_fill, float *scratch) {
+    if (c == 3)  /* RGB: the channel loops unrolled */
+        warp_one(src, ih, iw, 3, dst, oh, ow, m, fill, interp, use_fill, scratch);
+    else
+        warp_one(src, ih, iw, c, dst, oh, ow, m, fill, interp, use_fill, scratch);
+}
+
 static PyObject *warp(PyObject *self, PyObject *args) {
     PyObject *images_obj, *matrices_obj, *fills_obj, *outs_obj;
     int interp, use_fill;
@@ -581,13 +599,9 @@ static PyObject *warp(PyObject *self, PyObject *args) {
             failed = 1;
             break;
         }
-        const float *mi = (const float *)matrices.buf + 6 * i, *fi = (const float *)fills.buf + 4 * i;
-        if (v->shape[2] == 3)  /* RGB: the channel loops unrolled */
-            warp_one(v->buf, (int)v->shape[0], (int)v->shape[1], 3, o->buf, (int)o->shape[0], (int)o->shape[1], mi,
-                     fi, interp, use_fill, scratch);
-        else
-            warp_one(v->buf, (int)v->shape[0], (int)v->shape[1], (int)v->shape[2], o->buf, (int)o->shape[0],
-                     (int)o->shape[1], mi, fi, interp, use_fill, scratch);
+        warp_image(v->buf, (int)v->shape[0], (int)v->shape[1], (int)v->shape[2], o->buf, (int)o->shape[0],
+                   (int)o->shape[1], (const float *)matrices.buf + 6 * i, (const float *)fills.buf + 4 * i, interp,
+                   use_fill, scratch);
         free(scratch);
     }
     Py_END_ALLOW_THREADS

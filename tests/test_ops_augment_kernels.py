@@ -5,8 +5,11 @@ the kernels' indexing, borders and arithmetic where no GPU is present, and that 
 the same levels. Skips without a C++ compiler."""
 
 import ctypes
+import importlib.util
+import pathlib
 import shutil
 import subprocess
+import sysconfig
 
 import numpy as np
 import pytest
@@ -118,3 +121,58 @@ def test_warp_kernel_equals_the_cpu_path(lib, images, angle, fill, keep, interp)
              INT(fill is not None), ptr(out), LL(out.size))
     ref = ops.rotate(angle, fill_value=fill, keep_size=keep, interp_type=interp)(one_batch([img])).data["image"][0]
     assert np.array_equal(out, ref)
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory):
+    """``ops/_augment.c`` built with ``GPUIO_PORTABLE``: the plain C (no x86-64-v3 clone),
+    which CPUs without AVX2 run; the flags of pyproject.toml otherwise."""
+    cc = sysconfig.get_config_var("CC").split()[0]
+    path = tmp_path_factory.mktemp("portable") / ("_augment" + sysconfig.get_config_var("EXT_SUFFIX"))
+    source = pathlib.Path(__file__).resolve().parents[1] / "ops" / "_augment.c"
+    subprocess.run([cc, "-O3", "-ffp-contract=off", "-shared", "-fPIC", "-DGPUIO_PORTABLE",
+                    f"-I{sysconfig.get_paths()['include']}", "-o", str(path), str(source)], check=True,
+                   capture_output=True)
+    spec = importlib.util.spec_from_file_location("_augment", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_built_c_path_equals_its_plain_c_build(portable, images):
+    """The module as installed (its AVX2 clone where the CPU has it) and the plain C give
+    the same values for every function."""
+    from gpuio.ops import _augment
+
+    rng = np.random.default_rng(5)
+    src = [np.ascontiguousarray(img) for img in images] + [rng.integers(0, 256, (7, 1, 4), np.uint8)]
+    n = len(src)
+
+    def both(name, *args, outs=None):
+        got = []
+        for module in (_augment, portable):
+            out = [np.empty_like(o) for o in outs] if outs is not None else None
+            extra = [] if out is None else [out]
+            getattr(module, name)(*args, *extra)
+            got.append(out)
+        return got
+
+    table = rng.uniform(-1, 2, (n, 12)).astype(np.float32)
+    table[1, [1, 2, 3, 5, 6, 7]] = 0  # a diagonal matrix: the per-channel tables
+    mine, plain = both("color", src, table, outs=src)
+    assert all(np.array_equal(a, b) for a, b in zip(mine, plain))
+    mine, plain = both("filter3x3", src, rng.uniform(-1, 1, (n, 9)).astype(np.float32), outs=src)
+    assert all(np.array_equal(a, b) for a, b in zip(mine, plain))
+    ky = [gaussian_weights(1.3, 9)] * n
+    kx = [gaussian_weights(0.7, 5)] * n
+    floats = [img.astype(np.float32) / 7 for img in src]
+    for data in (src, floats):
+        mine, plain = both("blur", data, ky, kx, outs=data)
+        assert all(np.array_equal(a, b) for a, b in zip(mine, plain))
+    m = np.stack([rotation_matrix(a, img.shape[:2], (31, 45)) for a, img in zip((25, -70, 180, 3), src)])
+    fills = np.tile(np.array([99.5, 0, 255, 3], np.float32), (n, 1))
+    outs = [np.empty((31, 45, img.shape[2]), np.uint8) for img in src]
+    for interp in (0, 1):
+        for use_fill in (0, 1):
+            mine, plain = both("warp", src, m.astype(np.float32), fills, interp, use_fill, outs=outs)
+            assert all(np.array_equal(a, b) for a, b in zip(mine, plain))
