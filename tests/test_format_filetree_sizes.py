@@ -28,11 +28,19 @@ def tree(tmp_path):
     return root
 
 
+@pytest.fixture(params=["C", "os.stat"])
+def stat_with(request, monkeypatch):
+    """Sizes learned by the C accelerator's stat loop, or by os.stat where it was not built."""
+    if request.param == "os.stat":
+        monkeypatch.setattr("gpuio.storage.reader._readloop", None)
+    return request.param
+
+
 def _contents(index):
     return [open(path, "rb").read() for path in index.files]
 
 
-def test_reads_learn_the_sizes_of_a_walked_tree(tree):
+def test_reads_learn_the_sizes_of_a_walked_tree(tree, stat_with):
     index = filetree(tree)
     assert len(index) == len(SIZES) + 1 and (index.extents["data"].length == UNKNOWN_LENGTH).all()
     want = _contents(index)
@@ -47,7 +55,7 @@ def test_reads_learn_the_sizes_of_a_walked_tree(tree):
     assert [got[i] for i in range(len(index))] == want
 
 
-def test_unknown_sizes_save_load_and_learn(tree, tmp_path):
+def test_unknown_sizes_save_load_and_learn(tree, tmp_path, stat_with):
     index = filetree(tree)
     with pytest.raises(ConfigError, match="unknown length.*learn_lengths"):
         index.nbytes()
@@ -61,7 +69,7 @@ def test_unknown_sizes_save_load_and_learn(tree, tmp_path):
     assert SampleIndex.load(tmp_path / "sized.idx").extents["data"].length.tolist() == sizes
 
 
-def test_a_missing_file_stays_unknown_and_its_read_names_it(tree):
+def test_a_missing_file_stays_unknown_and_its_read_names_it(tree, stat_with):
     index = filetree(tree)
     gone = index.files[1]
     os.remove(gone)

@@ -31,6 +31,7 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -282,6 +283,42 @@ static PyObject *run(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* sizes(): stat(2) of files root + blob[starts[f]:ends[f]], the GIL released; out[f] is
+ * the size in bytes, or -errno where the file cannot be stat'ed. */
+static PyObject *sizes(PyObject *self, PyObject *args) {
+    const char *root;
+    Py_ssize_t root_len;
+    Py_buffer bufs[4]; /* blob, starts, ends | out (writable) */
+    if (!PyArg_ParseTuple(args, "y#y*y*y*w*", &root, &root_len, &bufs[0], &bufs[1], &bufs[2], &bufs[3]))
+        return NULL;
+    const char *blob = bufs[0].buf;
+    const int64_t *starts = bufs[1].buf, *ends = bufs[2].buf;
+    int64_t *out = bufs[3].buf;
+    Py_ssize_t n = bufs[1].len / 8;
+    if (bufs[2].len / 8 < n || bufs[3].len / 8 < n) {
+        for (int i = 0; i < 4; i++) PyBuffer_Release(&bufs[i]);
+        PyErr_SetString(PyExc_ValueError, "sizes: starts, ends and out differ in length");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    char path[PATH_MAX];
+    for (Py_ssize_t f = 0; f < n; f++) {
+        size_t len = (size_t)(ends[f] - starts[f]);
+        struct stat st;
+        if ((size_t)root_len + len >= sizeof path) {
+            out[f] = -ENAMETOOLONG;
+            continue;
+        }
+        memcpy(path, root, (size_t)root_len);
+        memcpy(path + root_len, blob + starts[f], len);
+        path[root_len + len] = '\0';
+        out[f] = stat(path, &st) ? -(int64_t)errno : (int64_t)st.st_size;
+    }
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < 4; i++) PyBuffer_Release(&bufs[i]);
+    Py_RETURN_NONE;
+}
+
 static PyObject *helpers(PyObject *self, PyObject *unused) {
     pthread_mutex_lock(&pool_mu);
     int n = pool_threads;
@@ -296,6 +333,8 @@ static PyMethodDef methods[] = {
      " read tasks on this thread and workers - 1 pool threads until none are left, GIL released;"
      " one result per thread that took part."},
     {"helpers", helpers, METH_NOARGS, "helpers() -> the helper threads run() has started in this process"},
+    {"sizes", sizes, METH_VARARGS,
+     "sizes(root, blob, starts, ends, out) -> None: out[f] = the size of file f, or -errno; GIL released"},
     {NULL, NULL, 0, NULL},
 };
 

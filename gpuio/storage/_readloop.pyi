@@ -1,8 +1,10 @@
 """Batched file reads for the posix backend (``gpuio/storage/_readloop.c``).
 
 Optional: built at install where a C compiler exists; else ``gpuio.storage._posix``
-reads with ``os.preadv`` on Python threads. Caller: ``gpuio.storage._posix`` only; the
-arrays come from a read plan and a ``PathTable`` and their sizes are not checked here.
+reads with ``os.preadv`` on Python threads and ``gpuio.storage.reader`` stats with
+``os.stat``. Callers: ``gpuio.storage._posix`` (``run``; the arrays come from a read plan
+and a ``PathTable`` and their sizes are not checked here) and ``gpuio.storage.reader``
+(``sizes``: the lengths of extents indexed without them).
 """
 from _typeshed import ReadableBuffer, WriteableBuffer
 
@@ -39,3 +41,11 @@ def run(root: bytes, blob: ReadableBuffer, starts: ReadableBuffer, ends: Readabl
 
 def helpers() -> int:
     """The helper threads ``run`` has started in this process (0 in a fresh forked child)."""
+
+def sizes(root: bytes, blob: ReadableBuffer, starts: ReadableBuffer, ends: ReadableBuffer, out: WriteableBuffer,
+          /) -> None:
+    """Stat files with the GIL released: file f's path is ``root + blob[starts[f]:ends[f]]``
+    (``starts``, ``ends`` int64 per file); ``out[f]`` (int64) becomes its size in bytes, or
+    ``-errno`` where it cannot be stat'ed. ValueError when ``starts``, ``ends`` and ``out``
+    differ in length; TypeError when an argument is not a buffer (or ``out`` not writable).
+    """

@@ -13,6 +13,7 @@ and one copy otherwise.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 from collections import OrderedDict
@@ -31,6 +32,11 @@ from gpuio.storage._fielddecode import Rows, decode, decoded_fields
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 from gpuio.storage.plan import build_plan
 from gpuio.storage.remote import SETTINGS as REMOTE_SETTINGS, is_remote
+
+try:
+    from gpuio.storage import _readloop
+except ImportError:  # built at install where a C compiler exists; os.stat otherwise
+    _readloop = None
 
 __all__ = ["Reader", "read", "read_fields", "read_sample", "learn_lengths"]
 
@@ -337,28 +343,34 @@ def _host_value(value: Any, raw: bool = True) -> Any:
 
 
 
-def _file_sizes(paths: list[str], missing_ok: bool = False) -> list[int]:
-    """The sizes of ``paths`` (bytes); one that cannot be stat'ed is the error its read
-    would be, or -1 with ``missing_ok``."""
-    sizes = []
-    for path in paths:
+def _file_sizes(files: PathTable, ids: np.ndarray) -> np.ndarray:
+    """The sizes of files ``ids`` in bytes, ``-errno`` where one cannot be stat'ed: in C
+    with the GIL released where ``_readloop`` was built (threads then stat in parallel)."""
+    out = np.empty(len(ids), dtype=np.int64)
+    if _readloop is not None:
+        _readloop.sizes(files.root, files.blob, files.offsets[ids], files.offsets[ids + 1], out)
+        return out
+    for k, path in enumerate(files.many(ids)):
         try:
-            sizes.append(os.stat(path).st_size)
+            out[k] = os.stat(path).st_size
         except OSError as exc:
-            if not missing_ok:
-                raise open_error(path, exc) from exc
-            sizes.append(-1)
-    return sizes
+            out[k] = -(exc.errno or errno.EIO)
+    return out
 
 
 def _known_lengths(files: PathTable, file: np.ndarray, offset: np.ndarray, length: np.ndarray) -> np.ndarray:
     """``length`` with each ``UNKNOWN_LENGTH`` replaced by the rest of its file from
-    ``offset`` (a stat() of the file; one that is missing is the error its read would be)."""
+    ``offset`` (a stat() of the file; one that cannot be stat'ed is the error its open
+    would be)."""
     unknown = np.flatnonzero(length < 0)
     if not len(unknown):
         return length
+    sizes = _file_sizes(files, file[unknown])
+    bad = np.flatnonzero(sizes < 0)
+    if len(bad):
+        err = -int(sizes[bad[0]])
+        raise open_error(files[file[unknown[bad[0]]]], OSError(err, os.strerror(err)))
     out = length.copy()
-    sizes = np.array(_file_sizes(files.many(file[unknown])), dtype=np.int64)
     out[unknown] = np.maximum(sizes - offset[unknown], 0)
     return out
 
@@ -379,10 +391,10 @@ def learn_lengths(index: SampleIndex, fields: Sequence[str] | None = None, *, th
         if not len(unknown):
             continue
         ids = np.unique(ext.file[unknown])
-        chunks = [index.files.many(ids[k: k + _LEARN_CHUNK]) for k in range(0, len(ids), _LEARN_CHUNK)]
+        chunks = [ids[k: k + _LEARN_CHUNK] for k in range(0, len(ids), _LEARN_CHUNK)]
         with ThreadPoolExecutor(max(1, min(threads, len(chunks))), thread_name_prefix="gpuio-stat") as pool:
-            sizes = np.concatenate([np.array(part, dtype=np.int64) for part in pool.map(functools.partial(_file_sizes, missing_ok=True), chunks)])
-        size_of = np.full(len(index.files), -1, dtype=np.int64)
+            sizes = np.concatenate(list(pool.map(functools.partial(_file_sizes, index.files), chunks)))
+        size_of = np.full(len(index.files), -1, dtype=np.int64)  # negative: not known
         size_of[ids] = sizes
         length = ext.length.copy()
         known = size_of[ext.file[unknown]] >= 0
