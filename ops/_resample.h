@@ -233,7 +233,42 @@ static inline __attribute__((always_inline)) void store(const Job *job, const Sa
         }
         return;
     }
+    if (C == 3 && !chw && to_uint8) { /* 4 pixels at a time: rounded, packed to bytes, 3 of each 4 kept */
+        uint8_t *restrict dst = (uint8_t *)job->out + s->offset + (int64_t)oy * ow * 3;
+        const __m128 lo = _mm_setzero_ps(), hi = _mm_set1_ps(255.0f), half = _mm_set1_ps(0.5f);
+        int ox = 0;
+        for (; ox + 4 < ow; ox += 4) { /* not the row's last pixel: each 4-byte store ends inside the row */
+            __m128i q[4];
+            for (int k = 0; k < 4; ++k) /* clipped (NaN to 0), + 0.5, truncated: as the loop below */
+                q[k] = _mm_cvttps_epi32(_mm_add_ps(_mm_min_ps(_mm_max_ps(_mm_loadu_ps(px + 4 * (ox + k)), lo), hi), half));
+            uint8_t bytes[16];
+            _mm_storeu_si128((__m128i *)bytes, _mm_packus_epi16(_mm_packs_epi32(q[0], q[1]), _mm_packs_epi32(q[2], q[3])));
+            for (int k = 0; k < 4; ++k) memcpy(dst + 3 * (ox + k), bytes + 4 * k, 4); /* the 4th byte: the next pixel's, rewritten next */
+        }
+        for (; ox < ow; ++ox)
+            for (int c = 0; c < 3; ++c) {
+                float v = px[4 * ox + c];
+                v = v > 0.0f ? v : 0.0f;
+                dst[3 * ox + c] = (uint8_t)(int)((v < 255.0f ? v : 255.0f) + 0.5f);
+            }
+        return;
+    }
 #endif
+    if (to_uint8 && !chw && C >= 3) { /* HWC bytes: a pixel's channels at once, rounded half up as below */
+        uint8_t *restrict dst = (uint8_t *)job->out + s->offset + (int64_t)oy * ow * C;
+        const v4f zero = {0.0f, 0.0f, 0.0f, 0.0f}, top = {255.0f, 255.0f, 255.0f, 255.0f};
+        const v4f half = {0.5f, 0.5f, 0.5f, 0.5f};
+        for (int ox = 0; ox < ow; ++ox) {
+            v4f v;
+            memcpy(&v, px + 4 * ox, sizeof v);
+            v = (v4f)((v4i)v & (v > zero)); /* clipped to 0-255 as in horizontal_taps() */
+            const v4i below = v < top;
+            v = (v4f)(((v4i)v & below) | ((v4i)top & ~below)) + half; /* >= 0.5: truncation is floor */
+            const v4i q = __builtin_convertvector(v, v4i);
+            for (int c = 0; c < C; ++c) dst[(int64_t)ox * C + c] = (uint8_t)q[c];
+        }
+        return;
+    }
     for (int c = 0; c < C; ++c) {
         const int64_t base = s->offset + (chw ? c * plane + (int64_t)oy * ow : (int64_t)oy * ow * C + c);
         const int64_t step = chw ? 1 : C;

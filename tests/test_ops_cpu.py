@@ -70,6 +70,7 @@ CHAINS = {
     "resize-area-hwc": lambda: [ops.resize((40, 56), interp="area"), ops.normalize(MEAN, STD, layout="HWC")],
     "nearest-vflip-u8": lambda: [ops.random_resized_crop(48, interp="nearest"), ops.flip(False, p=1.0),
                                  ops.normalize(0, 1, dtype="uint8")],
+    "hwc-u8": lambda: [ops.resize((40, 57)), ops.normalize(0, 1, layout="HWC", dtype="uint8")],
     "shorter-ragged": lambda: [ops.resize(shorter=50), ops.normalize(MEAN, STD)],
     "crop-resize-crop": lambda: [ops.center_crop(60), ops.resize(shorter=50), ops.center_crop((40, 50)),
                                  ops.normalize(MEAN, STD)],
