@@ -50,7 +50,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -60,7 +60,6 @@ from gpuio.errors import StorageError
 from gpuio.index import PathTable
 from gpuio.storage.buffers import Lease
 from gpuio.storage.plan import ReadPlan
-from gpuio.storage.remote import ObjectInfo
 
 __all__ = ["BlockCache", "Objects", "cache_folder", "flush"]
 
@@ -84,6 +83,14 @@ def cache_folder() -> str:
         base = config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio")
         folder = os.path.join(base, "remote")
     return folder
+
+
+class _Object(NamedTuple):
+    """What the cache needs of an object (``gpuio.storage.remote.ObjectInfo`` has the same fields)."""
+
+    url: str
+    size: int
+    etag: str
 
 
 def _tag(url: str, etag: str, size: int) -> bytes:
@@ -110,8 +117,9 @@ class Objects:
         self._digest = np.zeros((len(self.sizes), _TAG), dtype=np.uint8)
         self._named = np.zeros(len(self.sizes), dtype=bool)
 
-    def info(self, obj: int) -> ObjectInfo:
-        return ObjectInfo(self.paths[obj], int(self.sizes[obj]), self.etags[obj])
+    def info(self, obj: int) -> _Object:
+        """Object ``obj``'s URL, size in bytes and ETag."""
+        return _Object(self.paths[obj], int(self.sizes[obj]), self.etags[obj])
 
     def locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The object and the block number within it of each block key."""
