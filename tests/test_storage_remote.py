@@ -754,7 +754,8 @@ def test_loader_fetches_its_coming_batches_into_the_cache(s3, tmp_path, request,
     prefix = _prefix(request)
     upload_tree(s3, BUCKET, str(root), prefix)
     local, index = formats.filetree(root), formats.filetree(f"s3://{BUCKET}/{prefix}")
-    loader = gpuio.Loader(index, 2, output="numpy", shuffle=True, seed=5)
+    # one worker per stage and no prefetch: the stages themselves read at most 2 batches ahead
+    loader = gpuio.Loader(index, 2, output="numpy", shuffle=True, seed=5, threads=1, prefetch=0)
     try:
         it = iter(loader)
         first = next(it)
