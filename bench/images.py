@@ -9,9 +9,9 @@ Competitors (``COMPETITORS``), measured in one run, all in interleaved rounds (i
 of the best epoch, page cache warm):
 
 - the ceiling, ``decode only``: libjpeg-turbo decoding every image whole, as gpuio's C
-  decoder does it (``gpuio.ops.decode.decode_region``: accurate integer IDCT, fancy
-  upsampling), from bytes held in memory, a batch split over ``--workers`` threads, no
-  resize; every row shows its fraction of it;
+  decoder does it (its region decode over the whole image: accurate integer IDCT, fancy
+  upsampling), from bytes held in memory into a reused buffer, a batch split over
+  ``--workers`` threads, no resize; every row shows its fraction of it;
 - gpuio on the CPU (``gpuio.Loader`` + ``ops.Compose``);
 - ``torch.utils.data.DataLoader`` with Pillow doing the same ops (workers = cores);
 - SPDL (``pip install spdl``, with FFmpeg's shared libraries): a ``PipelineBuilder``
@@ -200,22 +200,31 @@ def _paths(root: str) -> list[str]:
 
 def decode_only(root: str, batch: int, threads: int, count: int) -> Any:
     """The decoder's own speed, the ceiling of the pipelines: each image decoded whole by
-    libjpeg-turbo as gpuio's C path decodes it (``decode.decode_region``: accurate IDCT,
-    fancy upsampling; the images it does not take by ``decode.decode_cpu``), from bytes
-    in memory, each batch split into ``threads`` runs of images on as many threads."""
+    libjpeg-turbo as gpuio's C path decodes it (``decode_region`` of
+    ``decode.native_jpeg()``: accurate IDCT, fancy upsampling; the images it does not
+    take by ``decode.decode_cpu``), from bytes in memory into one output buffer per thread
+    (no page faults of fresh arrays), each batch split into ``threads`` runs of images on
+    as many threads."""
+    import threading
+
     from gpuio.ops import decode
 
-    if decode.native_jpeg() is None:
+    jpeg = decode.native_jpeg()
+    if jpeg is None:
         raise ImportError("gpuio.ops._jpeg was not built", name="gpuio.ops._jpeg")
     bufs = [np.fromfile(path, np.uint8) for path in _paths(root)[:count]]
     facts = decode.jpeg_facts(bufs)
     whole = decode.region_decodable(facts).tolist()
-    pool = ThreadPoolExecutor(threads)
+    largest = int((facts[:, 3] * facts[:, 4]).max(initial=1)) * 3
+    pool, local = ThreadPoolExecutor(threads), threading.local()
 
     def decode_run(rows: range) -> int:
+        out = getattr(local, "out", None)
+        if out is None:
+            out = local.out = np.zeros(largest, np.uint8)
         for i in rows:
             if whole[i]:
-                decode.decode_region(bufs[i], int(facts[i, 0]), "rgb", (0, 0, int(facts[i, 3]), int(facts[i, 4])), 1, i)
+                jpeg.decode_region(bufs[i], facts[i, 0] == 1, 1, 0, 0, int(facts[i, 3]), int(facts[i, 4]), out)
             else:
                 decode.decode_cpu(bufs[i], "rgb", i, decode.facts_info(facts[i]))
         return len(rows)
