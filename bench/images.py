@@ -41,6 +41,7 @@ pass).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import random
@@ -233,7 +234,7 @@ def decode_only(root: str, batch: int, threads: int, count: int) -> Any:
         for start in range(0, count, batch):
             n = min(batch, count - start)
             cuts = np.linspace(start, start + n, threads + 1).astype(int).tolist()
-            yield np.empty((sum(pool.map(decode_run, [range(a, b) for a, b in zip(cuts, cuts[1:])])), 0))
+            yield np.empty((sum(pool.map(decode_run, [range(a, b) for a, b in itertools.pairwise(cuts)])), 0))
 
     return run
 

@@ -20,6 +20,7 @@ read at that figure.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import mmap
 import os
@@ -209,8 +210,11 @@ def _copy(src: np.ndarray, dst: np.ndarray, pool: ThreadPoolExecutor | None = No
     """``src`` into the front of ``dst``, in ``shares`` contiguous parts on ``pool``'s
     threads (NumPy's copy releases the GIL)."""
     cuts = np.linspace(0, len(src), shares + 1).astype(int).tolist()
-    parts = [(a, b) for a, b in zip(cuts, cuts[1:])]
-    copy = lambda part: np.copyto(dst[part[0]: part[1]], src[part[0]: part[1]])  # noqa: E731
+
+    def copy(part: tuple[int, int]) -> None:
+        np.copyto(dst[part[0]: part[1]], src[part[0]: part[1]])
+
+    parts = list(itertools.pairwise(cuts))
     list(pool.map(copy, parts) if pool is not None else map(copy, parts))
 
 
