@@ -87,6 +87,7 @@ class FusedCropResizeNormalize(Op):
         if len({op.field for op in ops}) != 1:
             raise ConfigError(f"the ops of a fused chain work on one field, got {sorted({op.field for op in ops})}")
         self.ops, self.field = ops, self.normalize.field
+        self.unfused = ops  # what runs where the fused path does not: without an implicit normalize (_fuse)
         sampler = next((op for op in self.geometry if _resamples(op)), None)
         self.interp = sampler.interp if sampler is not None else "linear"
         self.antialias = sampler.antialias if sampler is not None else True
@@ -132,7 +133,7 @@ class FusedCropResizeNormalize(Op):
         images = batch.data[self.field]
         if len(images) == 0 or any(img.dtype != np.uint8 for img in images) \
                 or not (batch.device.is_cuda or self.runs_in_c()):
-            for op in self.ops:
+            for op in self.unfused:
                 batch = op(batch)
                 batch.drop_rejected()
             return batch
@@ -409,6 +410,7 @@ def _fuse(ops: list[Op]) -> list[Op]:
             chain = [*out[start:], Normalize(0.0, 1.0, "HWC", "uint8", field=op.field)]
             if any(_resamples(o) for o in chain):
                 fused = FusedCropResizeNormalize(chain)
+                fused.unfused = chain[:-1]  # images that are not uint8 keep their dtype, as the ops leave it
                 if fused.runs_in_c():  # else the ops one by one (Pillow) are the faster CPU path
                     del out[start:]
                     out.append(fused)

@@ -338,3 +338,14 @@ def test_resampling_chain_without_normalize_fuses_to_uint8(monkeypatch, tree_jpe
     for g, s, w in zip(got, scaled, want):
         assert g.shape == s.shape == w.shape and g.dtype == s.dtype == w.dtype == np.uint8
         assert levels(g, w, u8).max() <= 1 and levels(s, w, u8).mean() < 1.5
+
+
+def test_resampling_chain_without_normalize_keeps_other_dtypes(jpegs):
+    """Images that are not uint8 (normalized first) skip the fused path and keep their
+    dtype through the chain, as the ops one by one leave it."""
+    chain = lambda: [ops.decode_image(), ops.normalize(MEAN, STD, layout="HWC"), ops.resize((16, 16))]  # noqa: E731
+    got = ops.Compose(chain())(make_batch(jpegs)).data["image"]
+    want = ops.Compose(chain(), fuse=False)(make_batch(jpegs)).data["image"]
+    assert all(g.dtype == np.float32 for g in got)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
