@@ -8,10 +8,11 @@ decode and resize to 224x224 uint8 HWC, no normalize (what SPDL's image example 
 Competitors (``COMPETITORS``), measured in one run, all in interleaved rounds (images/s
 of the best epoch, page cache warm):
 
-- the ceiling, ``decode only``: libjpeg-turbo decoding every image whole, as gpuio's C
-  decoder does it (its region decode over the whole image: accurate integer IDCT, fancy
-  upsampling), from bytes held in memory into a reused buffer, a batch split over
-  ``--workers`` threads, no resize; every row shows its fraction of it;
+- the ceiling, ``decode only``: libjpeg-turbo decoding the pixels each pipeline needs,
+  as gpuio's C decoder does it (accurate integer IDCT, fancy upsampling): every image
+  whole for ``val`` and ``resize``, a random resized crop's window at the DCT scale
+  gpuio's rule picks for ``train``; from bytes held in memory into a reused buffer, a
+  batch split over ``--workers`` threads, no resize; every row shows its fraction of it;
 - gpuio on the CPU (``gpuio.Loader`` + ``ops.Compose``);
 - ``torch.utils.data.DataLoader`` with Pillow doing the same ops (workers = cores);
 - SPDL (``pip install spdl``, with FFmpeg's shared libraries): a ``PipelineBuilder``
@@ -199,11 +200,14 @@ def _paths(root: str) -> list[str]:
     return list(gpuio.formats.filetree(root).files)  # absolute paths
 
 
-def decode_only(root: str, batch: int, threads: int, count: int) -> Any:
-    """The decoder's own speed, the ceiling of the pipelines: each image decoded whole by
-    libjpeg-turbo as gpuio's C path decodes it (``decode_region`` of
-    ``decode.native_jpeg()``: accurate IDCT, fancy upsampling; the images it does not
-    take by ``decode.decode_cpu``), from bytes in memory into one output buffer per thread
+def decode_only(root: str, batch: int, threads: int, count: int, pipeline: str = "val") -> Any:
+    """The decoder's own speed, the ceiling of the pipelines: libjpeg-turbo decoding, as
+    gpuio's C path decodes them (``decode_region`` of ``decode.native_jpeg()``: accurate
+    IDCT, fancy upsampling; the images it does not take by ``decode.decode_cpu``), the
+    pixels a pipeline needs: ``val`` and ``resize`` every image whole, ``train`` a random
+    resized crop's window per image and pass (``_rrc_box``'s draws), at the DCT scale that
+    keeps the window at least 1.5x the 224 output (gpuio's rule, which ``train`` also
+    decodes by), with no resample. From bytes in memory into one output buffer per thread
     (no page faults of fresh arrays), each batch split into ``threads`` runs of images on
     as many threads."""
     import threading
@@ -219,13 +223,22 @@ def decode_only(root: str, batch: int, threads: int, count: int) -> Any:
     largest = int((facts[:, 3] * facts[:, 4]).max(initial=1)) * 3
     pool, local = ThreadPoolExecutor(threads), threading.local()
 
+    def window(h: int, w: int) -> tuple[int, int, int, int, int]:
+        """``(denom, y0, x0, y1, x1)`` of the region to decode, in scaled pixels."""
+        if pipeline != "train":
+            return 1, 0, 0, h, w
+        y, x, ch, cw = _rrc_box(h, w)
+        d = next((d for d in (8, 4, 2) if ch >= 1.5 * d * 224 and cw >= 1.5 * d * 224), 1)
+        return d, y // d, x // d, -(-(y + ch) // d), -(-(x + cw) // d)
+
     def decode_run(rows: range) -> int:
         out = getattr(local, "out", None)
         if out is None:
             out = local.out = np.zeros(largest, np.uint8)
         for i in rows:
             if whole[i]:
-                jpeg.decode_region(bufs[i], facts[i, 0] == 1, 1, 0, 0, int(facts[i, 3]), int(facts[i, 4]), out)
+                d, y0, x0, y1, x1 = window(int(facts[i, 3]), int(facts[i, 4]))
+                jpeg.decode_region(bufs[i], facts[i, 0] == 1, d, y0, x0, y1, x1, out)
             else:
                 decode.decode_cpu(bufs[i], "rgb", i, decode.facts_info(facts[i]))
         return len(rows)
@@ -334,7 +347,7 @@ class Competitor:
 
 COMPETITORS = [
     Competitor("decode only: libjpeg-turbo, gpuio C decoder ({workers} threads)",
-               lambda s, p: decode_only(s.root, s.batch, s.workers, s.count)),
+               lambda s, p: decode_only(s.root, s.batch, s.workers, s.count, p)),
     Competitor("gpuio cpu (Loader + ops.Compose)", lambda s, p: gpuio_loader(s.root, s.batch, "cpu", p)),
     Competitor("torch DataLoader + Pillow ({workers} workers)",
                lambda s, p: torch_dataloader(s.root, s.batch, s.workers, p), in_process=False),
