@@ -771,3 +771,37 @@ def test_loader_fetches_its_coming_batches_into_the_cache(s3, tmp_path, request,
         assert got == {i: local[i]["data"] for i in range(len(local))}
     finally:
         loader.close()
+
+
+def _prefetch_then_exit(args):
+    url, cache, endpoint = args
+    os.environ.update(GPUIO_REMOTE_CACHE_DIR=cache, AWS_ENDPOINT_URL=endpoint, GPUIO_REMOTE_BLOCK="4KiB",
+                      GPUIO_REMOTE_REQUESTS="2")
+    remote.reset_client()
+    index = formats.numpy(url)
+    reader = gpuio.Reader("cpu")
+    assert reader.prefetch(index, [0]) > 0  # then the interpreter exits with the fetches under way
+
+
+def test_prefetches_under_way_at_interpreter_exit_are_written_whole(s3, s3server, tmp_path, request):
+    """The fetches ahead still running when the interpreter exits end with their blocks
+    written (the writer threads refuse new work by then): no .part claim is left for
+    the node's other processes to wait on, and no block file is partial."""
+    data = np.random.default_rng(27).integers(0, 256, 400_000, dtype=np.uint8)
+    np.save(tmp_path / "x.npy", data)
+    prefix = _prefix(request)
+    s3.upload_file(os.fspath(tmp_path / "x.npy"), BUCKET, f"{prefix}/x.npy")
+    url, cache = f"s3://{BUCKET}/{prefix}/x.npy", str(tmp_path / "exit-cache")
+    child = multiprocessing.get_context("spawn").Process(target=_prefetch_then_exit,
+                                                         args=((url, cache, s3server.endpoint),))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    left = _files(cache)
+    assert left and not [f for f in left if f.endswith(".part")]
+    raw = (tmp_path / "x.npy").read_bytes()
+    for f in left:
+        block = int(f.rsplit(".", 1)[1])
+        body = open(f, "rb").read()
+        assert body[:-8] == raw[block * 4096: (block + 1) * 4096]
+        assert body[-8:] == b"gpc1" + zlib.crc32(body[:-8]).to_bytes(4, "little")

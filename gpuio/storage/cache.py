@@ -363,7 +363,10 @@ class BlockCache:
         elif fd is None:
             self._done(path, len(buf))
         else:
-            self._pool("write").submit(self._write, objects, key, path, fd, buf)
+            try:
+                self._pool("write").submit(self._write, objects, key, path, fd, buf)
+            except RuntimeError:  # the interpreter is exiting (its thread pools take no more work): write here
+                self._write(objects, key, path, fd, buf)
         return buf
 
     def _obtain(self, info: Any, block: int, path: str) -> tuple[bytearray | None, int | None]:
