@@ -107,9 +107,13 @@ def _cmd_inspect(args: argparse.Namespace) -> None:
     print("fields:")
     for name in index.fields:
         if name in index.extents:
-            n = index.extents[name].length
+            ext = index.extents[name]
+            n = ext.length[ext.length >= 0]  # a file that cannot be stat'ed keeps its unknown length
             sizes = (f"{int(n.sum()):,} bytes: per sample min {int(n.min()):,}, median {int(np.median(n)):,}, "
-                     f"max {int(n.max()):,}") if len(n) else "no samples"
+                     f"max {int(n.max()):,}") if len(n) else "no sizes"
+            if len(n) < len(ext.length):
+                first = index.files[ext.file[np.flatnonzero(ext.length < 0)[0]]]
+                sizes += f"; {len(ext.length) - len(n):,} of unknown size (cannot be stat'ed: {first}, ...)"
             print(f"  {name:20s} bytes   {sizes}")
         elif name in index.values:
             col = index.values[name]

@@ -332,11 +332,14 @@ class SampleIndex:
     def nbytes(self, field: str = "data") -> int:
         """Total bytes of an extent field over all samples; a ``ConfigError`` where some
         lengths are not known yet (``gpuio.storage.learn_lengths`` learns them)."""
-        length = self.field_extents(field).length
-        if len(length) and length.min() < 0:
-            raise ConfigError(f"field {field!r} has extents of unknown length (a file tree lists its files "
-                              f"without their sizes); gpuio.storage.learn_lengths(index) reads them")
-        return int(length.sum())
+        ext = self.field_extents(field)
+        unknown = np.flatnonzero(ext.length < 0)
+        if len(unknown):
+            raise ConfigError(f"field {field!r} has {len(unknown):,} extents of unknown length, the first of file "
+                              f"{self.files[ext.file[unknown[0]]]} (a file tree lists its files without their "
+                              f"sizes); gpuio.storage.learn_lengths(index) reads them (a file that cannot be "
+                              f"stat'ed stays unknown)")
+        return int(ext.length.sum())
 
     def field_extents(self, field: str) -> Extents:
         """The extents of byte field ``field`` (a ``ConfigError`` naming the byte fields if it is none)."""

@@ -92,3 +92,20 @@ def test_a_file_list_records_the_sizes(tree, tmp_path):
     (tmp_path / "list.txt").write_text("class0/00.jpg 0\nclass0/04.jpg 3\nclass1/05.jpg 1\n")
     index = filetree(tree, file_list=tmp_path / "list.txt")
     assert index.extents["data"].length.tolist() == [SIZES[0], SIZES[4], SIZES[5]]
+
+
+def test_a_file_that_cannot_be_stated_is_named_by_nbytes_and_inspect(tree, tmp_path, capsys):
+    from gpuio.cli import main
+
+    index = filetree(tree)
+    gone = index.files[1]
+    os.remove(gone)
+    gpuio.storage.learn_lengths(index)
+    with pytest.raises(ConfigError, match=f"1 extents of unknown length, the first of file {gone}"):
+        index.nbytes()
+    index.save(tmp_path / "gone.idx")
+    assert main(["inspect", str(tmp_path / "gone.idx")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("data"))
+    sizes = [os.path.getsize(p) for p in index.files if p != gone]
+    assert f"{sum(sizes):,} bytes: per sample min {min(sizes):,}," in line  # the known sizes only
+    assert f"1 of unknown size (cannot be stat'ed: {gone}" in line
