@@ -426,7 +426,15 @@ class SampleIndex:
             meta = spec["meta"]
         except (KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"incomplete gpuio index file (no {exc})", path=os.fspath(path)) from exc
-        return cls(files, extents, values, parser, meta)
+        # the C read and stat loops take paths from these offsets unchecked: they must lie in the blob
+        ends = files.offsets
+        if not len(ends) or ends[0] < 0 or ends[-1] > len(files.blob) or (np.diff(ends) < 0).any():
+            raise FormatError(f"the file table's offsets do not cut its {len(files.blob)}-byte path blob into "
+                              f"paths (they must rise from 0 to at most its length)", path=os.fspath(path))
+        try:
+            return cls(files, extents, values, parser, meta)
+        except ConfigError as exc:  # arrays of other lengths, file ids past the file table
+            raise FormatError(f"inconsistent gpuio index file: {exc}", path=os.fspath(path)) from exc
 
     def take(self, rows: Sequence[int] | np.ndarray) -> SampleIndex:
         """A new index of the given samples, in that order (files shared)."""

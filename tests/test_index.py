@@ -251,3 +251,22 @@ def test_ragged_rows_equal_one_by_one(kind):
         else:
             assert g == w and type(g) is type(w)
     assert col.rows(np.array([], dtype=np.int64)) == []
+
+
+def test_load_of_an_index_whose_tables_do_not_fit_is_a_format_error(tmp_path):
+    """The C read loops take each path from the file table's offsets without a bound: a
+    saved index whose offsets run past the path blob, or whose extents name files past
+    the table, is refused at load, naming the file."""
+    index, _ = _shard(tmp_path / "a", "a", 2, 6)
+    index.save(tmp_path / "good.idx")
+    with np.load(tmp_path / "good.idx") as z:
+        good = dict(z)
+    bad_offsets = good["files.offsets"].copy()
+    bad_offsets[1] = len(good["files.blob"]) + 1_000_000
+    bad_ids = good["e.data.file"].copy()
+    bad_ids[0] = len(good["files.offsets"]) + 5
+    for name, key, value in [("offsets.npz", "files.offsets", bad_offsets), ("ids.npz", "e.data.file", bad_ids)]:
+        np.savez(tmp_path / name, **{**good, key: value})
+        with pytest.raises(FormatError) as err:
+            SampleIndex.load(tmp_path / name)
+        assert err.value.path == str(tmp_path / name)
