@@ -145,6 +145,9 @@ class _Shard:
         return out
 
 
+_WALK_FIELDS = 64  # the most fields the C walk takes (more: the full parser indexes the tar)
+
+
 def _index_shard(wanted: dict[str, int], skip: bool, path: str, advance: Callable[[int], None]) -> _Shard:
     """The samples of one tar: the C header walk (``_tar.shard``) where it indexes the
     tar exactly, else (and for every error, so that messages name the exact header) the
@@ -152,7 +155,8 @@ def _index_shard(wanted: dict[str, int], skip: bool, path: str, advance: Callabl
     f, size = open_regular_file(path, "tar file")
     with f:
         # an object in S3 or on HTTP has no descriptor: its headers are walked by ranged GETs (_scan)
-        if not is_url(path) and size >= 2 * _BLOCK and not f.read(6).startswith(tuple(_COMPRESSED)):
+        if (not is_url(path) and len(wanted) <= _WALK_FIELDS and size >= 2 * _BLOCK
+                and not f.read(6).startswith(tuple(_COMPRESSED))):
             got = _tar.shard(f.fileno(), size, tuple(w.encode("utf-8") for w in wanted), skip)
             if got is not None:
                 rows, keys, key_lengths, samples = got

@@ -136,3 +136,11 @@ def test_walk_reads_the_bytes_of_each_member(tmp_path):
     assert [index[i]["jpg"] for i in range(len(index))] == [payload[k + ".jpg"] for k in
                                                             (index[i]["__key__"] for i in range(len(index)))]
     assert gpuio.read(index, [3], "jpg")[0].tobytes() == index[3]["jpg"]
+
+
+def test_more_fields_than_the_walk_takes_are_indexed_by_the_parser(tmp_path):
+    fields = tuple(f"f{k}" for k in range(70))  # the C walk takes at most 64
+    members = [(f"s{j}.{f}", f"{j}{f}".encode()) for j in range(3) for f in fields]
+    _write(tmp_path / "wide.tar", members, tarfile.USTAR_FORMAT)
+    index = webdataset(tmp_path / "wide.tar", fields=fields, decode=False)
+    assert len(index) == 3 and index[2]["f69"] == b"2f69" and index[0]["f0"] == b"0f0"
