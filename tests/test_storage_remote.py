@@ -805,3 +805,32 @@ def test_prefetches_under_way_at_interpreter_exit_are_written_whole(s3, s3server
         body = open(f, "rb").read()
         assert body[:-8] == raw[block * 4096: (block + 1) * 4096]
         assert body[-8:] == b"gpc1" + zlib.crc32(body[:-8]).to_bytes(4, "little")
+
+
+def test_a_claim_taken_over_as_stale_is_left_to_its_new_owner(s3, tmp_path, request, monkeypatch):
+    """A process whose block waited past the stall limit may find its .part claim taken
+    over (removed, and made again by another process, which writes it now): it writes
+    its own bytes to no name, neither renaming the other's partial file into place nor
+    removing it."""
+    monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "4KiB")
+    data = np.random.default_rng(28).integers(0, 256, 20_000, dtype=np.uint8)
+    np.save(tmp_path / "c.npy", data)
+    prefix = _prefix(request)
+    s3.upload_file(os.fspath(tmp_path / "c.npy"), BUCKET, f"{prefix}/c.npy")
+    index = formats.numpy(f"s3://{BUCKET}/{prefix}/c.npy")
+    reader = gpuio.Reader("cpu")
+    try:
+        release = _hold_writers(reader)
+        assert reader.read(index, [0])[0].tobytes() == data.tobytes()
+        claims = _files(cache_folder())
+        taken = claims[0]
+        os.remove(taken)  # another process removes the claim as stale and makes its own
+        with open(taken, "wb") as f:
+            f.write(b"the other process's first bytes")
+        release.set()
+        flush()
+        assert open(taken, "rb").read() == b"the other process's first bytes"
+        assert not os.path.exists(taken[: -len(".part")])
+        assert sorted(_files(cache_folder())) == sorted([taken] + [c[: -len(".part")] for c in claims[1:]])
+    finally:
+        reader.close()

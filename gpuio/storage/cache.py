@@ -418,7 +418,8 @@ class BlockCache:
                 self._release(want)
                 raise
         except BaseException:
-            _unlink(part)
+            if _owns(fd, part):
+                _unlink(part)
             os.close(fd)
             raise
 
@@ -451,8 +452,9 @@ class BlockCache:
             for piece in (data, memoryview(_TRAILER.pack(_MAGIC, zlib.crc32(buf)))):
                 while piece:
                     piece = piece[os.write(fd, piece):]
-            os.replace(part, path)
-            kept = True
+            if _owns(fd, part):  # else another process took the claim over as stale: the name is its file now
+                os.replace(part, path)
+                kept = True
         except OSError as exc:
             if exc.errno in _FULL:
                 self._warn_full(path, exc)
@@ -460,10 +462,10 @@ class BlockCache:
                 self._warned_write = True
                 warnings.warn(f"{_cache_error(path, exc)}; reading on without caching", stacklevel=2)
         finally:
-            os.close(fd)
-            if not kept:
+            if not kept and _owns(fd, part):
                 _unlink(part)
-            else:
+            os.close(fd)
+            if kept:
                 objects.seen[key] = time.monotonic()
                 with self._lock:
                     self._added += len(buf)
@@ -586,6 +588,15 @@ class BlockCache:
         for pool in pools:
             pool.shutdown(wait=True)
         self._posix.close()
+
+
+def _owns(fd: int, part: str) -> bool:
+    """Whether the claim ``part`` is still the file open as ``fd``: a claim older than
+    the stall limit may have been removed by another process, which then made its own."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(part))
+    except OSError:  # gone, or not ours to look at
+        return False
 
 
 def _unlink(path: str) -> None:
