@@ -457,6 +457,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio.formats._tar", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio.formats._tar", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__tar(void) { return PyModule_Create(&module); }

@@ -246,6 +246,7 @@ static int pool_run(Batch *b, int want, Result *results) {
 }
 
 static PyObject *run(PyObject *self, PyObject *args) {
+    (void)self;
     const char *root;
     Py_ssize_t root_len;
     Py_buffer bufs[16];
@@ -286,6 +287,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
 /* sizes(): stat(2) of files root + blob[starts[f]:ends[f]], the GIL released; out[f] is
  * the size in bytes, or -errno where the file cannot be stat'ed. */
 static PyObject *sizes(PyObject *self, PyObject *args) {
+    (void)self;
     const char *root;
     Py_ssize_t root_len;
     Py_buffer bufs[4]; /* blob, starts, ends | out (writable) */
@@ -320,6 +322,8 @@ static PyObject *sizes(PyObject *self, PyObject *args) {
 }
 
 static PyObject *helpers(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
     pthread_mutex_lock(&pool_mu);
     int n = pool_threads;
     pthread_mutex_unlock(&pool_mu);
@@ -339,7 +343,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuio.storage._readloop",
-                                    "Batched preads with the GIL released.", -1, methods};
+                                    "Batched preads with the GIL released.", -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__readloop(void) {
     if (!pool_forksafe && pthread_atfork(NULL, NULL, pool_after_fork) == 0) pool_forksafe = 1;
