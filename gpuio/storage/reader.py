@@ -259,8 +259,8 @@ def read_sample(index: SampleIndex, i: int) -> dict[str, Any]:
     scalars for scalar values, decoded values as they are (``index[i]``).
 
     A sample in local files is read by itself: per extent field one open, one ``pread``
-    and one close, with no read plan, buffer lease or reader threads (they cost several
-    times the read of one small file). Values and errors are those of ``read_fields``.
+    and one close, with no read plan, buffer lease or reader threads (a batch's setup,
+    which one small file does not repay). Values and errors are those of ``read_fields``.
     """
     decoded = decoded_fields(index)  # decoded fields hold values, not bytes
     if is_remote(index.files):
