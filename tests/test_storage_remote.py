@@ -834,3 +834,43 @@ def test_a_claim_taken_over_as_stale_is_left_to_its_new_owner(s3, tmp_path, requ
         assert sorted(_files(cache_folder())) == sorted([taken] + [c[: -len(".part")] for c in claims[1:]])
     finally:
         reader.close()
+
+
+def _prefetch_from_a_silent_server_then_exit(args):
+    url, cache, endpoint, silent, started = args
+    os.environ.update(GPUIO_REMOTE_CACHE_DIR=cache, AWS_ENDPOINT_URL=endpoint, GPUIO_REMOTE_BLOCK="4KiB",
+                      GPUIO_REMOTE_REQUESTS="2", GPUIO_REMOTE_TIMEOUT="1", GPUIO_REMOTE_RETRIES="1")
+    remote.reset_client()
+    index = formats.numpy(url)  # the index records the object's size and ETag
+    os.environ["AWS_ENDPOINT_URL"] = silent  # then the server stops answering
+    remote.reset_client()
+    reader = gpuio.Reader("cpu")
+    assert reader.prefetch(index, [0]) > 0
+    with open(started, "w") as f:
+        f.write(repr(time.time()))
+
+
+def test_exit_does_not_wait_for_the_fetches_ahead_not_started(s3, s3server, tmp_path, request):
+    """At interpreter exit the fetches ahead that have not started are dropped (they are
+    hints): the process ends after the ones running, not after every block in the
+    read-ahead window has tried and timed out against a server that stopped answering."""
+    import socket
+
+    data = np.random.default_rng(29).integers(0, 256, 120_000, dtype=np.uint8)  # 30 blocks of 4 KiB
+    np.save(tmp_path / "s.npy", data)
+    prefix = _prefix(request)
+    s3.upload_file(os.fspath(tmp_path / "s.npy"), BUCKET, f"{prefix}/s.npy")
+    with socket.socket() as silent:  # accepts connections (the backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        started = tmp_path / "started"
+        child = multiprocessing.get_context("spawn").Process(
+            target=_prefetch_from_a_silent_server_then_exit,
+            args=((f"s3://{BUCKET}/{prefix}/s.npy", str(tmp_path / "silent-cache"), s3server.endpoint,
+                   f"http://127.0.0.1:{silent.getsockname()[1]}", str(started)),))
+        child.start()
+        child.join(120)
+    assert child.exitcode == 0
+    # two fetches running (one timeout each), not 30 queued behind them
+    assert time.time() - float(started.read_text()) < 10
+    assert not [f for f in _files(tmp_path / "silent-cache") if f.endswith(".part")]

@@ -18,8 +18,9 @@ Rules:
   the block from memory, other processes wait for the rename. At most
   ``remote_readahead`` bytes wait to be written: a download waits for room;
 - read-ahead (``prefetch``): the blocks of coming batches (a Loader knows its order)
-  are fetched in the background, at most ``remote_readahead`` bytes in flight; what
-  does not fit is fetched when read;
+  are fetched in the background (``remote_requests`` threads), at most
+  ``remote_readahead`` bytes in flight; what does not fit is fetched when read, and
+  what has not started when the interpreter exits is dropped;
 - a block file ends with an 8-byte trailer, the magic ``gpc1`` and the CRC-32 of the
   block's bytes, computed when it is written. When a process first meets a block
   file it checks the size and the CRC: a block cut short, overwritten or corrupted in
@@ -48,6 +49,7 @@ import time
 import warnings
 import weakref
 import zlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -211,6 +213,9 @@ class BlockCache:
         self._inflight: dict[str, Future[bytearray | None]] = {}  # block path -> its fetch in this process
         self._held = 0  # bytes downloaded, not yet written
         self._ahead = 0  # bytes of read-ahead fetches not finished
+        # fetches ahead not started yet: (objects, where, path, future, bytes), taken by _fetch_ahead threads
+        self._queued: deque[tuple[Objects, tuple[int, int, int], str, Future[bytearray | None], int]] = deque()
+        self._fetchers = 0  # _fetch_ahead threads running
         self._pools: dict[str, ThreadPoolExecutor] = {}
 
     def _after_fork(self) -> None:
@@ -221,8 +226,7 @@ class BlockCache:
         with self._lock:
             pool = self._pools.get(name)
             if pool is None:
-                workers = _WRITERS if name == "write" else self.requests
-                pool = self._pools[name] = ThreadPoolExecutor(workers, thread_name_prefix=f"gpuio-cache-{name}")
+                pool = self._pools[name] = ThreadPoolExecutor(_WRITERS, thread_name_prefix=f"gpuio-cache-{name}")
             return pool
 
     def path(self, info: Any, block: int) -> str:
@@ -321,7 +325,6 @@ class BlockCache:
             return 0
         obj, block = objects.locate(keys)
         want = np.minimum(self.block, objects.sizes[obj] - block * self.block).tolist()
-        pool = self._pool("ahead")
         started = 0
         for where, path, n in zip(zip(keys.tolist(), obj.tolist(), block.tolist()), objects.names(keys, self.root),
                                   want):
@@ -331,14 +334,41 @@ class BlockCache:
                 if self._ahead + n > self.window:
                     break
                 self._ahead += n
-                fut = self._inflight[path] = pool.submit(self._get, objects, where, path)
-            fut.add_done_callback(lambda _, n=n: self._ahead_done(n))
+                fut: Future[bytearray | None] = Future()
+                self._inflight[path] = fut
+                self._queued.append((objects, where, path, fut, n))
             started += n
+        with self._lock:
+            threads = min(self.requests - self._fetchers, len(self._queued))
+            self._fetchers += threads
+        for _ in range(threads):
+            threading.Thread(target=self._fetch_ahead, name="gpuio-cache-ahead").start()
         return started
 
-    def _ahead_done(self, n: int) -> None:
-        with self._lock:
-            self._ahead -= n
+    def _fetch_ahead(self) -> None:
+        """A thread of ``prefetch``: runs the queued fetches until none is left. Once the
+        main thread has ended (the interpreter is exiting) the queued ones are dropped:
+        they are hints, and each could take every try of a GET against a server that no
+        longer answers before the process may exit."""
+        while True:
+            with self._changed:
+                if not self._queued:
+                    self._fetchers -= 1
+                    self._changed.notify_all()
+                    return
+                objects, where, path, fut, n = self._queued.popleft()
+            try:
+                if not threading.main_thread().is_alive():
+                    self._done(path, 0)
+                    fut.set_exception(StorageError("not fetched ahead: the interpreter is exiting", path=path))
+                elif fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(self._get(objects, where, path))
+                    except BaseException as exc:  # the reader that joins this fetch raises it
+                        fut.set_exception(exc)
+            finally:
+                with self._lock:
+                    self._ahead -= n
 
     def wait(self) -> None:
         """Wait until every fetch ahead and every write behind started so far is done."""
@@ -583,6 +613,9 @@ class BlockCache:
     def close(self) -> None:
         """Finish the fetches ahead and the writes behind, and end the cache's threads."""
         self.wait()
+        with self._changed:
+            while self._fetchers:
+                self._changed.wait()
         with self._lock:
             pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
