@@ -874,3 +874,24 @@ def test_exit_does_not_wait_for_the_fetches_ahead_not_started(s3, s3server, tmp_
     # two fetches running (one timeout each), not 30 queued behind them
     assert time.time() - float(started.read_text()) < 10
     assert not [f for f in _files(tmp_path / "silent-cache") if f.endswith(".part")]
+
+
+def test_eviction_removes_claims_past_the_stall_limit(tmp_path, monkeypatch):
+    """A .part claim left by a process that died is removed by the next eviction once
+    it is past the stall limit (unless a read of its block takes it over first); a
+    younger one may still be written, and stays."""
+    monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("GPUIO_REMOTE_TIMEOUT", "1")
+    monkeypatch.setenv("GPUIO_REMOTE_RETRIES", "1")  # a stall limit of 2 s
+    folder = tmp_path / "cache" / "ab"
+    folder.mkdir(parents=True)
+    old, young, block = folder / "ab00.0.part", folder / "ab01.0.part", folder / "ab02.0"
+    for f in (old, young, block):
+        f.write_bytes(b"x" * 100)
+    os.utime(old, (time.time() - 60, time.time() - 60))
+    cache = BlockCache()
+    try:
+        assert cache.evict() == 100
+    finally:
+        cache.close()
+    assert not old.exists() and young.exists() and block.exists()

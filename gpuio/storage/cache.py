@@ -580,9 +580,10 @@ class BlockCache:
 
     def evict(self, keep: set[str] = frozenset()) -> int:
         """Remove the least recently used blocks until the cache holds at most its
-        budget; returns the bytes it holds after."""
+        budget, and the ``.part`` claims older than the stall limit (left by processes
+        that died); returns the bytes the blocks hold after."""
         blocks = []
-        total = 0
+        total, now = 0, time.time()
         try:
             folders = list(os.scandir(self.root))
         except FileNotFoundError:
@@ -591,12 +592,13 @@ class BlockCache:
             if not folder.is_dir():
                 continue
             for entry in os.scandir(folder.path):
-                name = entry.name
-                if name.endswith(".part"):
-                    continue
                 try:
                     st = entry.stat()
                 except FileNotFoundError:
+                    continue
+                if entry.name.endswith(".part"):
+                    if now - st.st_mtime > self.stale_s:  # a claim of a process that died: no one takes it over
+                        _unlink(entry.path)
                     continue
                 blocks.append((st.st_mtime, entry.path, st.st_size))
                 total += st.st_size
