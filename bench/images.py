@@ -1,7 +1,10 @@
 """Image pipeline benchmark over ImageNet-like JPEGs from ``gpuio.sample``, batches of
 64: ``train`` (decode, random resized crop 224, flip, normalize to float32 CHW) and
 ``val`` (decode, resize to 224x224, normalize to float32 CHW); ``--pipeline resize``:
-decode and resize to 224x224 uint8 HWC, no normalize (what SPDL's image example makes).
+decode and resize to 224x224 uint8 HWC, no normalize (what SPDL's image example makes);
+``--pipeline randaugment``: ``train`` with RandAugment on the uint8 crops before normalize
+(gpuio's ``ops.rand_augment(2, 9)``, DALI's ``nvidia.dali.auto_aug.rand_augment(n=2, m=9)``
+after its resize; the ceiling, gpuio's and DALI's rows only).
 
     python bench/images.py [--root TREE | --count 2000] [--batch 64] [--epochs 2] [--pipeline both] [--out images.json]
 
@@ -65,14 +68,17 @@ STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 PIPELINES = {"train": "decode, random resized crop 224, flip, normalize to float32 CHW",
              "val": "decode, resize 224x224, normalize to float32 CHW",
-             "resize": "decode, resize 224x224, uint8 HWC (no normalize)"}
+             "resize": "decode, resize 224x224, uint8 HWC (no normalize)",
+             "randaugment": "train with rand_augment(n=2, m=9) before normalize"}
+TRAIN = ("train", "randaugment")  # the pipelines that crop at random
 BOTH = ("train", "val")  # --pipeline both (the default)
 
 
 def gpuio_ops(pipeline: str) -> Any:
-    geometry = [ops.random_resized_crop(224), ops.flip()] if pipeline == "train" else [ops.resize((224, 224))]
+    geometry = [ops.random_resized_crop(224), ops.flip()] if pipeline in TRAIN else [ops.resize((224, 224))]
+    augment = [ops.rand_augment(2, 9)] if pipeline == "randaugment" else []
     normalize = [ops.normalize(MEAN, STD)] if pipeline != "resize" else []
-    return ops.Compose([ops.decode_image(), *geometry, *normalize])
+    return ops.Compose([ops.decode_image(), *geometry, *augment, *normalize])
 
 
 def gpuio_loader(root: str, batch: int, device: str, pipeline: str = "train") -> Any:
@@ -161,19 +167,24 @@ def torch_dataloader(root: str, batch: int, workers: int, pipeline: str = "train
 
 def dali_pipeline(root: str, batch: int, threads: int, pipeline: str, shuffle: bool = True) -> Any:
     """DALI's CPU pipeline (built): ``train`` decodes only a random crop window
-    (``image_random_crop``, as DALI's ImageNet examples), ``val`` the whole image."""
+    (``image_random_crop``, as DALI's ImageNet examples), ``val`` the whole image;
+    ``randaugment`` is ``train`` with ``nvidia.dali.auto_aug.rand_augment`` after the resize."""
     from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.auto_aug import rand_augment
 
-    @pipeline_def(batch_size=batch, num_threads=threads, device_id=None)
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=None,
+                  enable_conditionals=pipeline == "randaugment")  # auto_aug picks an op per sample
     def pipe():
         jpegs, labels = fn.readers.file(file_root=root, random_shuffle=shuffle, name="reader")
-        if pipeline == "train":
+        if pipeline in TRAIN:
             images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
             mirror = fn.random.coin_flip()
         else:
             images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
             mirror = 0
         images = fn.resize(images, resize_x=224, resize_y=224)
+        if pipeline == "randaugment":
+            images = rand_augment.rand_augment(images, n=2, m=9)
         if pipeline == "resize":
             return images, labels
         return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mean=MEAN, std=STD,
@@ -225,7 +236,7 @@ def decode_only(root: str, batch: int, threads: int, count: int, pipeline: str =
 
     def window(h: int, w: int) -> tuple[int, int, int, int, int]:
         """``(denom, y0, x0, y1, x1)`` of the region to decode, in scaled pixels."""
-        if pipeline != "train":
+        if pipeline not in TRAIN:
             return 1, 0, 0, h, w
         y, x, ch, cw = _rrc_box(h, w)
         d = next((d for d in (8, 4, 2) if ch >= 1.5 * d * 224 and cw >= 1.5 * d * 224), 1)
@@ -350,8 +361,10 @@ COMPETITORS = [
                lambda s, p: decode_only(s.root, s.batch, s.workers, s.count, p)),
     Competitor("gpuio cpu (Loader + ops.Compose)", lambda s, p: gpuio_loader(s.root, s.batch, "cpu", p)),
     Competitor("torch DataLoader + Pillow ({workers} workers)",
-               lambda s, p: torch_dataloader(s.root, s.batch, s.workers, p), in_process=False),
-    Competitor("SPDL pipeline ({workers} threads)", lambda s, p: spdl_loader(s.root, s.batch, s.workers, p)),
+               lambda s, p: torch_dataloader(s.root, s.batch, s.workers, p), in_process=False,
+               pipelines=("train", "val", "resize")),
+    Competitor("SPDL pipeline ({workers} threads)", lambda s, p: spdl_loader(s.root, s.batch, s.workers, p),
+               pipelines=("train", "val", "resize")),
     Competitor("DALI cpu pipeline ({workers} threads)", lambda s, p: dali_cpu(s.root, s.batch, s.workers, s.count, p)),
     Competitor("gpuio cuda (fused kernel)", lambda s, p: gpuio_loader(s.root, s.batch, "cuda", p), gpu=True),
     Competitor("torchvision decode_jpeg cuda + torch ops", lambda s, p: torchvision_gpu(s.root, s.batch), gpu=True,
