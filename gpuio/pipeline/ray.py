@@ -39,7 +39,6 @@ position rests on.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -214,21 +213,28 @@ class Collate(NumpyBatchCollateFn):
             raise ConfigError(f"a gpuio.ray.Collate batch needs the 'index' column of gpuio.ray.read; "
                               f"it has {list(batch)}")
         index = np.asarray(batch["index"], dtype=np.int64)
-        cuda = self.device.is_cuda
-        cp = require("cupy") if cuda else None
-        xp = cp if cuda else np
-        with cp.cuda.Device(self.device.index) if cuda else contextlib.nullcontext():
-            data = {name: _on_device(col, xp) for name, col in batch.items() if name != "index"}
-            b = Batch(data, index, sample_seeds(self.seed, self.epoch, index), self.device)
-            if cuda:
-                b.stream = cp.cuda.get_current_stream()
-            for op in self.ops:
-                b = op(b) or b
-            out = {name: _stacked(col, xp) for name, col in b.data.items()}
-            out["index"] = xp.asarray(b.index)
-            if cuda:
-                b.stream.synchronize()
+        if not self.device.is_cuda:
+            out = self._run(batch, index, np, None)
+        else:
+            cp = require("cupy")
+            with cp.cuda.Device(self.device.index):
+                stream = cp.cuda.get_current_stream()
+                out = self._run(batch, index, cp, stream)
+                stream.synchronize()
         return {name: _frameworks.convert(v, self.output, self.framework) for name, v in out.items()}
+
+    def _run(self, batch: dict[str, np.ndarray], index: np.ndarray, xp: Any, stream: Any) -> dict[str, Any]:
+        """The ops on one batch, on the device of ``xp`` (on a GPU inside its device, on
+        ``stream``): the columns after them, with ``index``."""
+        data = {name: _on_device(col, xp) for name, col in batch.items() if name != "index"}
+        b = Batch(data, index, sample_seeds(self.seed, self.epoch, index), self.device)
+        if stream is not None:
+            b.stream = stream
+        for op in self.ops:
+            b = op(b) or b
+        out = {name: _stacked(col, xp) for name, col in b.data.items()}
+        out["index"] = xp.asarray(b.index)
+        return out
 
 
 def _on_device(col: np.ndarray, xp: Any) -> Any:
