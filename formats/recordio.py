@@ -23,6 +23,10 @@ error, never fewer samples. MXNet's ``MXIndexedRecordIO`` and DALI's reader serv
 the indexed records; gpuio differs on purpose, since a cut index (an interrupted
 ``im2rec``, a partial copy) is far likelier than a deliberate subset. For a subset,
 index the whole file and keep rows with ``SampleIndex.take``.
+
+A ``.rec`` and its ``.idx`` may be URLs (``s3://``, ``http(s)://``): the ``.idx`` is
+read by one GET and only the last record's bytes of the ``.rec`` are fetched; without
+an ``.idx`` the whole object is fetched for the scan.
 """
 
 from __future__ import annotations
@@ -31,14 +35,16 @@ import mmap
 import os
 import struct
 from array import array
+from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError
-from gpuio.formats._files import each_shard, int_table, regular_file_size, shard_paths, size_or_zero
-from gpuio.storage.remote import refuse_url
+from gpuio.formats._files import (each_shard, full_path, int_table, open_regular_file, regular_file_size,
+                                  shard_paths, size_or_zero)
+from gpuio.storage.remote import is_url, object_versions
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
 
 __all__ = ["recordio", "RecordIOParser", "MAGIC"]
@@ -60,8 +66,6 @@ def recordio(rec_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     the record's position in its file), and, parsed after the read, ``data``,
     ``label`` and ``id``.
     """
-    for p in [rec_paths] if isinstance(rec_paths, (str, os.PathLike)) else rec_paths:
-        refuse_url(os.fspath(p), "RecordIO from object storage is not supported yet")
     paths = shard_paths(rec_paths, ".rec file")
     if not paths:
         raise DataError("no samples: an empty list of .rec files was given")
@@ -80,9 +84,11 @@ def recordio(rec_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
         offsets.append(off)
         lengths.append(length)
         keys.append(key)
-    return SampleIndex(PathTable.from_paths([os.path.abspath(p) for p in paths]),
+    paths = [full_path(p) for p in paths]
+    meta: dict[str, Any] = {"format": "recordio", **object_versions(paths)}
+    return SampleIndex(PathTable.from_paths(paths),
                        {"record": Extents(np.concatenate(files), np.concatenate(offsets), np.concatenate(lengths))},
-                       {"key": np.concatenate(keys)}, RecordIOParser(), meta={"format": "recordio"})
+                       {"key": np.concatenate(keys)}, RecordIOParser(), meta=meta)
 
 
 def _records(paths: tuple[str, str | None], advance: Callable[[int], None]
@@ -127,8 +133,15 @@ def _check_covers(idx: str, path: str, size: int, key: np.ndarray, offset: np.nd
             raise FormatError(f"index file {idx} lists no records, the file has {size} bytes; {hint}", path=path)
         return
     k = int(np.flatnonzero(offset == starts[-1])[0])
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        end = _record_end(mm, size, int(starts[-1]), path, f"record {k}")
+    last = int(starts[-1])
+    if is_url(path):  # the last record's bytes only: it runs to the end of the object
+        f, size = open_regular_file(path, ".rec file")
+        with f:
+            tail = f.pread(size - last, last)
+        end = last + _record_end(tail, size - last, 0, path, f"record {k}", last)
+    else:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            end = _record_end(mm, size, last, path, f"record {k}")
     if (end + 3) & ~3 < size:
         raise FormatError(f"index file {idx} does not cover the data file ({size} bytes): its last record "
                           f"(line {k + 1}, key {int(key[k])}) ends at byte {end}; {hint}", path=path,
@@ -140,7 +153,9 @@ def _scan(path: str, size: int, advance: Callable[[int], None]) -> tuple[np.ndar
     starts, lengths = array("q"), array("q")
     done = 0
     if size:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        f, size = open_regular_file(path, ".rec file")
+        with f, (nullcontext(f.pread(size, 0)) if is_url(path)  # an object: fetched whole for the scan
+                 else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) as mm:
             pos = 0
             while pos < size:
                 end = _record_end(mm, size, pos, path, f"record {len(starts)}")
@@ -155,22 +170,24 @@ def _scan(path: str, size: int, advance: Callable[[int], None]) -> tuple[np.ndar
     return np.arange(len(off), dtype=np.int64), off, np.frombuffer(lengths, dtype=np.int64)
 
 
-def _record_end(buf: Any, size: int, pos: int, path: str, sample: object) -> int:
-    """End (before padding) of the record whose first part is at ``pos`` of the file
-    mapped as ``buf`` (``size`` bytes), after checking its parts' flags."""
+def _record_end(buf: Any, size: int, pos: int, path: str, sample: object, base: int = 0) -> int:
+    """End (before padding) of the record whose first part is at ``pos`` of ``buf``
+    (``size`` bytes), the file's bytes from byte ``base`` on, after checking its parts'
+    flags."""
     start = pos
-    cflag, n = _part(buf, size, pos, path, sample)
+    cflag, n = _part(buf, size, pos, path, sample, base)
     if cflag in (2, 3):
         raise FormatError(f"a continuation part (cflag {cflag}) where a record should start", path=path,
-                          sample=sample, offset=pos)
+                          sample=sample, offset=base + pos)
     while cflag in (1, 2):
         pos += 8 + ((n + 3) & ~3)
         if pos >= size:
-            raise FormatError("the file ends inside a multi-part record", path=path, sample=sample, offset=start)
-        cflag, n = _part(buf, size, pos, path, sample)
+            raise FormatError("the file ends inside a multi-part record", path=path, sample=sample,
+                              offset=base + start)
+        cflag, n = _part(buf, size, pos, path, sample, base)
         if cflag in (0, 1):
             raise FormatError(f"a new record (cflag {cflag}) inside the multi-part record that starts at byte "
-                              f"{start}", path=path, sample=sample, offset=pos)
+                              f"{base + start}", path=path, sample=sample, offset=base + pos)
     return pos + 8 + n
 
 

@@ -10,6 +10,7 @@ import gc
 import multiprocessing
 import os
 import tarfile
+import struct
 import time
 import zlib
 
@@ -19,6 +20,7 @@ import pytest
 import gpuio
 from gpuio import formats
 from gpuio.errors import DataError, StorageError
+from gpuio.formats.recordio import MAGIC as REC_MAGIC
 from gpuio.storage import remote
 from gpuio.storage.cache import BlockCache, cache_folder, flush
 
@@ -138,6 +140,28 @@ def _tfrecords(folder, rng, files=2, per=9):
     return paths
 
 
+def _recs(folder, rng, files=2, per=8):
+    """MXNet RecordIO files with their .idx (lines in shuffled order); every third
+    payload held the magic after its header, so its record is written in two parts."""
+    magic = struct.pack("<I", REC_MAGIC)
+    paths = []
+    for s in range(files):
+        path, lines = folder / f"part-{s}.rec", []
+        with open(path, "wb") as f:
+            for k in range(per):
+                data = bytearray(rng.integers(0, 256, int(rng.integers(8, 3000)), dtype=np.uint8).tobytes())
+                payload = struct.pack("<IfQQ", 0, float(k), k, 0) + bytes(data)
+                parts = [payload[:24], payload[24:]] if k % 3 == 0 else [payload]  # read as a magic between
+                lines.append(f"{k}\t{f.tell()}\n")
+                for j, part in enumerate(parts):
+                    cflag = 0 if len(parts) == 1 else 1 if j == 0 else 3 if j == len(parts) - 1 else 2
+                    f.write(struct.pack("<II", REC_MAGIC, cflag << 29 | len(part)) + part
+                            + b"\0" * (-len(part) % 4))
+        (folder / f"part-{s}.idx").write_text("".join(rng.permutation(lines)))
+        paths.append(path)
+    return paths
+
+
 def _npys(folder, rng, n=6):
     for k in range(n):
         np.save(folder / f"a{k}.npy", rng.standard_normal((k + 1, 3)).astype(np.float32))
@@ -217,6 +241,39 @@ def test_tfrecord_from_s3_equals_local(s3, tmp_path, request):
         _same_loader(local, index, fields=["image", "label"])
 
 
+def test_recordio_from_s3_equals_local(s3, tmp_path, request):
+    paths = _recs(tmp_path, np.random.default_rng(20))
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(tmp_path), prefix)
+    local_idx = [os.fspath(p.with_suffix(".idx")) for p in paths]
+    urls = [f"s3://{BUCKET}/{prefix}/{p.name}" for p in paths]
+    for idx in (None, [u.replace(".rec", ".idx") for u in urls]):
+        local = formats.recordio([os.fspath(p) for p in paths], None if idx is None else local_idx)
+        index = formats.recordio(urls, idx)
+        assert list(index.files) == urls
+        np.testing.assert_array_equal(index.values["key"], local.values["key"])
+        assert index.meta["remote"]["sizes"] == [p.stat().st_size for p in paths]
+        _same_reads(local, index, "record")
+        _same_reads(local, index, "data")
+        _same_loader(local, index, fields=["data", "label", "id"])
+
+
+def test_recordio_missing_object_names_the_url(s3, tmp_path, request):
+    paths = _recs(tmp_path, np.random.default_rng(21), files=1)
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(tmp_path), prefix)
+    rec, idx = f"s3://{BUCKET}/{prefix}/part-0.rec", f"s3://{BUCKET}/{prefix}/part-0.idx"
+    with pytest.raises(StorageError, match="HTTP 404") as err:
+        formats.recordio(rec, f"s3://{BUCKET}/{prefix}/nothing.idx")
+    assert f"s3://{BUCKET}/{prefix}/nothing.idx" in str(err.value)
+    index = formats.recordio(rec, idx)
+    s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/part-0.rec")
+    for call in (lambda: formats.recordio(rec, idx), lambda: gpuio.read(index, [0], "data")):
+        with pytest.raises(StorageError, match="HTTP 404") as err:
+            call()
+        assert rec in str(err.value)
+
+
 def test_numpy_from_s3_equals_local(s3, tmp_path, request):
     folder = _npys(tmp_path / "arrays", np.random.default_rng(3)) if (tmp_path / "arrays").mkdir() is None else None
     prefix = _prefix(request)
@@ -249,7 +306,7 @@ def test_formats_needing_a_local_file_say_why(s3):
     with pytest.raises(DataError, match="object storage"):
         formats.video([f"s3://{BUCKET}/clip.mp4"], sequence_length=2)
     for call in (lambda: formats.coco(f"s3://{BUCKET}/img", f"s3://{BUCKET}/ann.json"),
-                 lambda: formats.recordio(f"s3://{BUCKET}/a.rec"), lambda: formats.manifest(f"s3://{BUCKET}/m.json")):
+                 lambda: formats.manifest(f"s3://{BUCKET}/m.json")):
         with pytest.raises(DataError, match="not supported yet; copy the data to a local disk"):
             call()
 
