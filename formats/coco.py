@@ -40,6 +40,10 @@ keeps it as written and ``"pixelwise"`` rasterizes it like pycocotools; with eit
 differs on purpose: pycocotools' ``frPyObjects`` takes a list whose *first* polygon has
 4 numbers for a box ``[x, y, w, h]`` (and then fails), so a polygon's meaning would
 depend on its place in the list; gpuio reads every polygon as a polygon.
+
+In object storage, ``annotations`` is an object URL (``s3://``, ``http(s)://``) read by
+one GET, and ``image_root`` an ``s3://`` prefix: an image is the object
+``image_root/file_name``, its size and ETag from one listing of the prefix.
 """
 
 from __future__ import annotations
@@ -52,8 +56,10 @@ from typing import Any
 import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
+from gpuio.formats._files import full_path, open_regular_file
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
-from gpuio.storage.remote import refuse_url
+from gpuio.storage.remote import ObjectInfo, is_url
+from gpuio.storage.remote import client as remote_client
 
 __all__ = ["coco", "decode_masks"]
 
@@ -67,13 +73,13 @@ def coco(image_root: str | os.PathLike[str], annotations: str | os.PathLike[str]
     ``include_crowd=False`` drops ``iscrowd`` annotations; ``skip_empty=True`` then
     drops images left without annotations.
     """
-    for p in (image_root, annotations):
-        refuse_url(os.fspath(p), "COCO from object storage is not supported yet")
     if box_format not in ("xywh", "ltrb"):
         raise ConfigError(f"box_format {box_format!r}; choose 'xywh' or 'ltrb'")
     if masks not in (None, "polygons", "pixelwise"):
         raise ConfigError(f"masks {masks!r}; choose None, 'polygons' or 'pixelwise'")
-    root = os.path.abspath(os.fspath(image_root))
+    root = full_path(image_root)
+    if is_url(root):
+        root = root.rstrip("/")
     ann_path = os.fspath(annotations)
     doc = _load_json(ann_path)
 
@@ -171,7 +177,7 @@ def coco(image_root: str | os.PathLike[str], annotations: str | os.PathLike[str]
         "width": widths,
         "height": heights,
     }
-    meta: dict[str, Any] = {"format": "coco", "root": root, "annotations": os.path.abspath(ann_path),
+    meta: dict[str, Any] = {"format": "coco", "root": root, "annotations": full_path(ann_path),
                             "box_format": box_format, "normalized": normalized, "masks": masks,
                             "category_ids": cat_ids.tolist()}
     if masks == "polygons":
@@ -183,14 +189,19 @@ def coco(image_root: str | os.PathLike[str], annotations: str | os.PathLike[str]
                                                          heights, ann_path)
         values.update(mask_values)
 
-    sizes = np.empty(len(names), dtype=np.int64)
-    for k, name in enumerate(names):
-        full = os.path.join(root, name)
-        try:
-            sizes[k] = os.stat(full).st_size
-        except OSError as exc:
-            raise StorageError(f"image id {img_ids[k]}: cannot read image file: {exc.strerror or exc}",
-                               path=full) from exc
+    if is_url(root):
+        infos = _listed_images(root, names, img_ids)
+        sizes = np.array([i.size for i in infos], dtype=np.int64)
+        meta["remote"] = {"etags": [i.etag for i in infos], "sizes": sizes.tolist()}
+    else:
+        sizes = np.empty(len(names), dtype=np.int64)
+        for k, name in enumerate(names):
+            full = os.path.join(root, name)
+            try:
+                sizes[k] = os.stat(full).st_size
+            except OSError as exc:
+                raise StorageError(f"image id {img_ids[k]}: cannot read image file: {exc.strerror or exc}",
+                                   path=full) from exc
     n = len(names)
     index = SampleIndex(PathTable.from_paths(names, root=root),
                         {"data": Extents(np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int64), sizes)},
@@ -219,12 +230,31 @@ def decode_masks(sample: Mapping[str, Any]) -> np.ndarray:
 
 # ---- helpers ---------------------------------------------------------------------------
 
+def _listed_images(root: str, names: list[str], img_ids: np.ndarray) -> list[ObjectInfo]:
+    """The objects ``root/name`` of the images, from one listing of the prefix ``root``;
+    an image with no object is a ``StorageError`` naming its URL."""
+    objects = {info.url: info for info in remote_client().list(root + "/")}
+    out = []
+    for k, name in enumerate(names):
+        info = objects.get(f"{root}/{name}")
+        if info is None:
+            raise StorageError(f"image id {img_ids[k]}: no such object in the listing of {root}/",
+                               path=f"{root}/{name}")
+        out.append(info)
+    return out
+
+
 def _load_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
+    if is_url(path):  # one GET of the whole object
+        f, _ = open_regular_file(path, "annotation file")
+        with f:
             raw = f.read()
-    except OSError as exc:
-        raise StorageError(f"cannot read annotation file: {exc.strerror or exc}", path=path) from exc
+    else:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as exc:
+            raise StorageError(f"cannot read annotation file: {exc.strerror or exc}", path=path) from exc
     try:
         text = raw.decode("utf-8")
         doc = json.loads(text)

@@ -7,6 +7,7 @@ cache files, processes racing on one block), each a recovery or a named gpuio er
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing
 import os
 import tarfile
@@ -162,6 +163,22 @@ def _recs(folder, rng, files=2, per=8):
     return paths
 
 
+def _coco(folder, rng, n=7):
+    """A COCO dataset: images (some in a subfolder) and its annotation file, ids out of order."""
+    images, anns = [], []
+    for k in range(n):
+        name = f"{'sub/' if k % 3 else ''}im{k:03d}.jpg"
+        (folder / "images" / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / "images" / name).write_bytes(rng.integers(0, 256, int(rng.integers(1, 4000)), dtype=np.uint8)
+                                               .tobytes())
+        images.append({"id": 100 - k, "file_name": name, "width": 64, "height": 48})
+        anns += [{"id": 10 * k + j, "image_id": 100 - k, "category_id": 3 + j % 2, "iscrowd": 0,
+                  "bbox": [float(j), 2.0, 10.0, 5.0 + k]} for j in range(k % 3)]
+    doc = {"images": images, "annotations": anns, "categories": [{"id": 4, "name": "b"}, {"id": 3, "name": "a"}]}
+    (folder / "ann.json").write_text(json.dumps(doc))
+    return folder
+
+
 def _npys(folder, rng, n=6):
     for k in range(n):
         np.save(folder / f"a{k}.npy", rng.standard_normal((k + 1, 3)).astype(np.float32))
@@ -274,6 +291,41 @@ def test_recordio_missing_object_names_the_url(s3, tmp_path, request):
         assert rec in str(err.value)
 
 
+def test_coco_from_s3_equals_local(s3, tmp_path, request):
+    folder = _coco(tmp_path, np.random.default_rng(22))
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(folder), prefix)
+    local = formats.coco(folder / "images", folder / "ann.json")
+    index = formats.coco(f"s3://{BUCKET}/{prefix}/images/", f"s3://{BUCKET}/{prefix}/ann.json")
+    assert list(index.files) == [f"s3://{BUCKET}/{prefix}/images/{p[len(str(folder / 'images')) + 1:]}"
+                                 for p in local.files]
+    for name in ("image_id", "width", "height"):
+        np.testing.assert_array_equal(index.values[name], local.values[name])
+    for i in range(len(local)):
+        for name in ("boxes", "labels", "category_ids"):
+            np.testing.assert_array_equal(index[i][name], local[i][name])
+    _same_reads(local, index)
+    _same_loader(local, index, fields=["data", "boxes", "labels"])
+
+
+def test_coco_missing_object_names_the_url(s3, tmp_path, request):
+    folder = _coco(tmp_path, np.random.default_rng(23), n=3)
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(folder), prefix)
+    root, ann = f"s3://{BUCKET}/{prefix}/images", f"s3://{BUCKET}/{prefix}/ann.json"
+    with pytest.raises(StorageError, match="HTTP 404") as err:
+        formats.coco(root, f"s3://{BUCKET}/{prefix}/nothing.json")
+    assert f"s3://{BUCKET}/{prefix}/nothing.json" in str(err.value)
+    index = formats.coco(root, ann)
+    s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/images/sub/im001.jpg")
+    with pytest.raises(StorageError, match="image id 99: no such object") as err:
+        formats.coco(root, ann)
+    assert f"{root}/sub/im001.jpg" in str(err.value)
+    with pytest.raises(StorageError, match="HTTP 404") as err:
+        gpuio.read(index, [1])  # image id 99, sorted after 98
+    assert f"{root}/sub/im001.jpg" in str(err.value)
+
+
 def test_numpy_from_s3_equals_local(s3, tmp_path, request):
     folder = _npys(tmp_path / "arrays", np.random.default_rng(3)) if (tmp_path / "arrays").mkdir() is None else None
     prefix = _prefix(request)
@@ -305,10 +357,8 @@ def test_formats_needing_a_local_file_say_why(s3):
         formats.lmdb(f"s3://{BUCKET}/some.lmdb")
     with pytest.raises(DataError, match="object storage"):
         formats.video([f"s3://{BUCKET}/clip.mp4"], sequence_length=2)
-    for call in (lambda: formats.coco(f"s3://{BUCKET}/img", f"s3://{BUCKET}/ann.json"),
-                 lambda: formats.manifest(f"s3://{BUCKET}/m.json")):
-        with pytest.raises(DataError, match="not supported yet; copy the data to a local disk"):
-            call()
+    with pytest.raises(DataError, match="not supported yet; copy the data to a local disk"):
+        formats.manifest(f"s3://{BUCKET}/m.json")
 
 
 # ---- the cache tier ----------------------------------------------------------------
