@@ -12,19 +12,27 @@ The ``data`` extent is the whole file, not the segment's bytes: compressed forma
 header. ``ops.decode_audio`` applies ``offset`` and ``duration`` after the read: it
 seeks the decoder to ``offset`` and decodes ``duration`` seconds (as NeMo does). A
 long recording split into many segments is therefore read once per segment.
+
+The manifest may be a URL (``s3://``, ``http(s)://``), read by one GET; its audio paths
+then resolve as URL references do: a relative path against the manifest's folder, a
+path from ``/`` against the bucket (or host), a URL as it is. Each audio object's size
+and ETag come from a HEAD request, many in flight.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from gpuio.errors import DataError, FormatError, StorageError
 from gpuio.formats._files import open_regular_file, regular_file_size
-from gpuio.storage.remote import refuse_url
+from gpuio.storage.remote import is_url, object_versions
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["manifest"]
@@ -36,19 +44,23 @@ def manifest(path: str | os.PathLike[str]) -> SampleIndex:
     (when present) is a ``FormatError`` naming the line and its byte offset; the
     manifest or an audio file that cannot be read is a ``StorageError``, one that is
     not a regular file (a directory, a FIFO) a ``DataError``, naming the file."""
-    refuse_url(os.fspath(path), "speech manifests from object storage are not supported yet")
-    path = os.path.abspath(os.fspath(path))
-    folder = os.path.dirname(path)
+    path = os.fspath(path)
+    remote = is_url(path)
+    if not remote:
+        path = os.path.abspath(path)
     file_ids: dict[str, int] = {}
     ids, texts, durations, offsets = [], [], [], []
     pos = 0
     f, _ = open_regular_file(path, "manifest")
+    if remote:  # one GET, then read as a local file
+        with f:
+            f = io.BytesIO(f.read())
     try:
         with f:
             for lineno, raw in enumerate(f, 1):
                 if raw.strip():
                     rel, text, duration, offset = _entry(raw, path, lineno, pos)
-                    full = os.path.normpath(os.path.join(folder, rel))
+                    full = _resolve(path, rel, remote)
                     ids.append(file_ids.setdefault(full, len(file_ids)))
                     texts.append(text)
                     durations.append(duration)
@@ -59,8 +71,9 @@ def manifest(path: str | os.PathLike[str]) -> SampleIndex:
     if not ids:
         raise DataError("no samples: the manifest has no entries", path=path)
     files = list(file_ids)
-    sizes = np.array([regular_file_size(full, f"sound file named in manifest {path}") for full in files],
-                     dtype=np.int64)
+    what = f"sound file named in manifest {path}"
+    with ThreadPoolExecutor(max_workers=16) as pool:  # a HEAD request per object: many in flight
+        sizes = np.array(list(pool.map(lambda full: regular_file_size(full, what), files)), dtype=np.int64)
     file_id = np.asarray(ids, dtype=np.int32)
     extents = Extents(file_id, np.zeros(len(ids), dtype=np.int64), sizes[file_id])
     values = {
@@ -69,7 +82,20 @@ def manifest(path: str | os.PathLike[str]) -> SampleIndex:
         "offset": np.asarray(offsets, dtype=np.float64),
     }
     return SampleIndex(PathTable.from_paths(files), {"data": extents}, values,
-                       meta={"format": "manifest", "manifest": path})
+                       meta={"format": "manifest", "manifest": path, **object_versions(files)})
+
+
+def _resolve(manifest: str, rel: str, remote: bool) -> str:
+    """The audio file ``rel`` named in ``manifest``: a local path against the
+    manifest's folder, or, in a URL manifest, a URL reference (see the module docstring)."""
+    if not remote:
+        return os.path.normpath(os.path.join(os.path.dirname(manifest), rel))
+    if is_url(rel):
+        return rel
+    scheme, _, rest = manifest.partition("://")
+    host, _, key = rest.partition("/")
+    key = posixpath.join(posixpath.dirname("/" + key), rel)
+    return f"{scheme}://{host}{posixpath.normpath(key)}"
 
 
 def _entry(raw: bytes, path: str, lineno: int, pos: int) -> tuple[str, str, float, float]:

@@ -179,6 +179,26 @@ def _coco(folder, rng, n=7):
     return folder
 
 
+def _speech(folder, rng, n=5):
+    """A NeMo manifest naming WAV files (written by the wave module) by relative paths, one
+    of them twice (two segments of one recording)."""
+    import wave
+
+    lines = []
+    for k in range(n):
+        rel = f"{'wavs/' if k % 2 else ''}u{k}.wav"
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        with wave.open(os.fspath(folder / rel), "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(8000)
+            w.writeframes(rng.integers(-3000, 3000, 800 * (k + 1), dtype=np.int16).tobytes())
+        lines.append({"audio_filepath": rel, "duration": 0.1 * (k + 1), "text": f"utterance {k}"})
+    lines.append({"audio_filepath": "wavs/../u0.wav", "duration": 0.05, "offset": 0.02, "text": "again"})
+    (folder / "m.json").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return folder
+
+
 def _npys(folder, rng, n=6):
     for k in range(n):
         np.save(folder / f"a{k}.npy", rng.standard_normal((k + 1, 3)).astype(np.float32))
@@ -326,6 +346,36 @@ def test_coco_missing_object_names_the_url(s3, tmp_path, request):
     assert f"{root}/sub/im001.jpg" in str(err.value)
 
 
+def test_manifest_from_s3_equals_local(s3, tmp_path, request):
+    folder = _speech(tmp_path / "speech", np.random.default_rng(24))
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(folder), prefix)
+    local = formats.manifest(folder / "m.json")
+    index = formats.manifest(f"s3://{BUCKET}/{prefix}/m.json")
+    assert list(index.files) == [f"s3://{BUCKET}/{prefix}/{p[len(str(folder)) + 1:]}" for p in local.files]
+    for name in ("duration", "offset"):
+        np.testing.assert_array_equal(index.values[name], local.values[name])
+    assert [index[i]["text"] for i in range(len(index))] == [local[i]["text"] for i in range(len(local))]
+    _same_reads(local, index)
+    _same_loader(local, index, fields=["data", "duration"])
+
+
+def test_manifest_missing_object_names_the_url(s3, tmp_path, request):
+    folder = _speech(tmp_path / "speech", np.random.default_rng(25), n=2)
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(folder), prefix)
+    url = f"s3://{BUCKET}/{prefix}/m.json"
+    with pytest.raises(StorageError, match="HTTP 404") as err:
+        formats.manifest(f"s3://{BUCKET}/{prefix}/nothing.json")
+    assert f"s3://{BUCKET}/{prefix}/nothing.json" in str(err.value)
+    index = formats.manifest(url)
+    s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/wavs/u1.wav")
+    for call in (lambda: formats.manifest(url), lambda: gpuio.read(index, [1])):
+        with pytest.raises(StorageError, match="HTTP 404") as err:
+            call()
+        assert f"s3://{BUCKET}/{prefix}/wavs/u1.wav" in str(err.value)
+
+
 def test_numpy_from_s3_equals_local(s3, tmp_path, request):
     folder = _npys(tmp_path / "arrays", np.random.default_rng(3)) if (tmp_path / "arrays").mkdir() is None else None
     prefix = _prefix(request)
@@ -357,8 +407,6 @@ def test_formats_needing_a_local_file_say_why(s3):
         formats.lmdb(f"s3://{BUCKET}/some.lmdb")
     with pytest.raises(DataError, match="object storage"):
         formats.video([f"s3://{BUCKET}/clip.mp4"], sequence_length=2)
-    with pytest.raises(DataError, match="not supported yet; copy the data to a local disk"):
-        formats.manifest(f"s3://{BUCKET}/m.json")
 
 
 # ---- the cache tier ----------------------------------------------------------------
