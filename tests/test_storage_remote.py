@@ -144,7 +144,6 @@ def _tfrecords(folder, rng, files=2, per=9):
 def _recs(folder, rng, files=2, per=8):
     """MXNet RecordIO files with their .idx (lines in shuffled order); every third
     payload held the magic after its header, so its record is written in two parts."""
-    magic = struct.pack("<I", REC_MAGIC)
     paths = []
     for s in range(files):
         path, lines = folder / f"part-{s}.rec", []
@@ -296,7 +295,7 @@ def test_recordio_from_s3_equals_local(s3, tmp_path, request):
 
 
 def test_recordio_missing_object_names_the_url(s3, tmp_path, request):
-    paths = _recs(tmp_path, np.random.default_rng(21), files=1)
+    _recs(tmp_path, np.random.default_rng(21), files=1)
     prefix = _prefix(request)
     upload_tree(s3, BUCKET, str(tmp_path), prefix)
     rec, idx = f"s3://{BUCKET}/{prefix}/part-0.rec", f"s3://{BUCKET}/{prefix}/part-0.idx"
