@@ -131,4 +131,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Ends without interpreter finalization: gloo's C++ worker threads may still hold work
+    # objects after destroy_process_group, and destroying those while the interpreter is torn
+    # down aborts the rank ('terminate called without an active exception') after it is done.
+    os._exit(code)

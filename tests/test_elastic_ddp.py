@@ -104,3 +104,6 @@ def test_torchrun_save_at_4_resume_at_2_and_3(tmp_path):
 
 if __name__ == "__main__":
     _rank_main(*sys.argv[1:5])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter finalization: gloo's threads can abort a finished rank there
