@@ -337,19 +337,21 @@ static PyObject *filter3x3(PyObject *self, PyObject *args) {
             || check_outs(&images, &outs, 1) < 0
             || get_param(kernels_obj, "kernels", 'f', 9 * images.n, 0, &kernels) < 0)
         goto done;
+    size_t need = 1; /* one scratch for the batch, of the largest image's size */
+    for (Py_ssize_t i = 0; i < images.n; ++i) {
+        const size_t w = (size_t)images.v[i].shape[1], c = (size_t)images.v[i].shape[2];
+        if ((3 * (w + 2) + w) * c > need) need = (3 * (w + 2) + w) * c;
+    }
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
+    float *pad = malloc(sizeof(float) * need);
+    failed = !pad;
     for (Py_ssize_t i = 0; i < images.n && !failed; ++i) {
         const Py_buffer *v = &images.v[i];
         const int h = (int)v->shape[0], w = (int)v->shape[1], c = (int)v->shape[2];
-        float *pad = malloc(sizeof(float) * ((size_t)(3 * (w + 2) + w) * c));
-        if (!pad) {
-            failed = 1;
-            break;
-        }
         filter3x3_one(v->buf, outs.v[i].buf, h, w, c, (const float *)kernels.buf + 9 * i, pad);
-        free(pad);
     }
+    free(pad);
     Py_END_ALLOW_THREADS
     if (failed) {
         PyErr_NoMemory();
@@ -440,21 +442,25 @@ static PyObject *blur(PyObject *self, PyObject *args) {
         }
         weights[a] = k->v;
     }
+    size_t need = 1; /* one scratch for the batch, of the largest image's size */
+    for (Py_ssize_t i = 0; i < images.n; ++i) {
+        const Py_buffer *v = &images.v[i];
+        const size_t h = (size_t)v->shape[0], w = (size_t)v->shape[1], c = (size_t)v->shape[2];
+        const size_t rx = (size_t)(weights[1][i].len / 4 / 2);
+        if (h * w * c + (w + 2 * rx) * c > need) need = h * w * c + (w + 2 * rx) * c;
+    }
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
+    float *mid = malloc(sizeof(float) * need);
+    failed = !mid;
     for (Py_ssize_t i = 0; i < images.n && !failed; ++i) {
         const Py_buffer *v = &images.v[i];
         const int h = (int)v->shape[0], w = (int)v->shape[1], c = (int)v->shape[2];
         const int ry = (int)(weights[0][i].len / 4 / 2), rx = (int)(weights[1][i].len / 4 / 2);
-        float *mid = malloc(sizeof(float) * ((size_t)h * w * c + (size_t)(w + 2 * rx) * c));
-        if (!mid) {
-            failed = 1;
-            break;
-        }
         blur_one(v->buf, code(v) == 'B', outs.v[i].buf, h, w, c, weights[0][i].buf, ry, weights[1][i].buf, rx, mid,
                  mid + (size_t)h * w * c);
-        free(mid);
     }
+    free(mid);
     Py_END_ALLOW_THREADS
     if (failed) {
         PyErr_NoMemory();
@@ -589,21 +595,21 @@ static PyObject *warp(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "images[%zd]: warp takes 1-4 channels", i);
             goto done;
         }
+    size_t need = 1; /* one scratch for the batch, of the widest output's size */
+    for (Py_ssize_t i = 0; i < images.n; ++i)
+        if (23 * (size_t)outs.v[i].shape[1] > need) need = 23 * (size_t)outs.v[i].shape[1];
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
+    float *scratch = malloc(sizeof(float) * need);
+    failed = !scratch;
     for (Py_ssize_t i = 0; i < images.n && !failed; ++i) {
         const Py_buffer *v = &images.v[i], *o = &outs.v[i];
         if (v->shape[0] == 0 || v->shape[1] == 0 || o->shape[0] == 0 || o->shape[1] == 0) continue;
-        float *scratch = malloc(sizeof(float) * 23 * (size_t)o->shape[1]);
-        if (!scratch) {
-            failed = 1;
-            break;
-        }
         warp_image(v->buf, (int)v->shape[0], (int)v->shape[1], (int)v->shape[2], o->buf, (int)o->shape[0],
                    (int)o->shape[1], (const float *)matrices.buf + 6 * i, (const float *)fills.buf + 4 * i, interp,
                    use_fill, scratch);
-        free(scratch);
     }
+    free(scratch);
     Py_END_ALLOW_THREADS
     if (failed) {
         PyErr_NoMemory();
