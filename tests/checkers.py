@@ -20,7 +20,9 @@ corrupt bytes (the fuzz tests of each format call it).
 
 from __future__ import annotations
 
+import io
 import os
+import tarfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -355,3 +357,18 @@ class RejectSamples(gpuio.batch.Op):
             if i in self.bad:
                 batch.reject(row, gpuio.errors.DataError("cannot decode", sample=i))
         return batch
+
+
+def write_tar(path: Any, members: Sequence[tuple[str, bytes | None]], fmt: int = tarfile.GNU_FORMAT) -> Any:
+    """A tar at ``path`` of ``members``: (name, bytes) in order; a None payload makes a
+    directory. Returns ``path``."""
+    with tarfile.open(path, "w", format=fmt) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tf.addfile(info)
+            else:
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    return path

@@ -17,21 +17,7 @@ import gpuio
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
 from gpuio.formats import webdataset
 
-from checkers import check_index_or_gpuio_error, index_on_a_process_pool
-
-
-def _write_tar(path, members, fmt=tarfile.GNU_FORMAT):
-    """members: (name, bytes) in order; a None payload makes a directory."""
-    with tarfile.open(path, "w", format=fmt) as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            if data is None:
-                info.type = tarfile.DIRTYPE
-                tf.addfile(info)
-            else:
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
-    return path
+from checkers import check_index_or_gpuio_error, index_on_a_process_pool, write_tar
 
 
 def _samples(n, start=0, prefix="shard/"):
@@ -47,7 +33,7 @@ def _samples(n, start=0, prefix="shard/"):
 
 def test_fields_keys_and_exact_bytes(tmp_path):
     members = [("shard", None), *_samples(20)]
-    tar = _write_tar(tmp_path / "a.tar", members)
+    tar = write_tar(tmp_path / "a.tar", members)
     index = webdataset(tar, fields=("jpg", "cls", "seg.png"))
     assert len(index) == 20
     assert set(index.fields) == {"jpg", "cls", "seg.png", "__key__"}
@@ -73,7 +59,7 @@ def test_long_names_and_formats(tmp_path, fmt):
     members = [(f"{deep}x{k}.txt", f"text {k}".encode()) for k in range(3)]
     if fmt != tarfile.USTAR_FORMAT:
         members.append(("ü/" + "k" * 120 + ".txt", "unicode ✓".encode()))
-    tar = _write_tar(tmp_path / "a.tar", members, fmt)
+    tar = write_tar(tmp_path / "a.tar", members, fmt)
     index = webdataset(tar, fields=("txt",))
     assert [index[i]["__key__"] for i in range(len(index))] == [m[0].rsplit(".", 1)[0] for m in members]
     assert [index[i]["txt"] for i in range(len(index))] == [m[1].decode() for m in members]
@@ -106,7 +92,7 @@ def test_decoded_fields_match_the_webdataset_package(tmp_path):
     """The common extensions decode as webdataset's default decoders
     decode them; undeclared extensions stay bytes."""
     import webdataset as wds  # the reference reader (test extra)
-    tar = _write_tar(tmp_path / "d.tar", _decodable_samples(7))
+    tar = write_tar(tmp_path / "d.tar", _decodable_samples(7))
     index = webdataset(tar, fields=DECODED)
     ref = list(wds.WebDataset(os.fspath(tar), shardshuffle=False).decode())
     assert len(ref) == len(index) == 7
@@ -129,7 +115,7 @@ def test_loader_stacks_decoded_labels_and_arrays(tmp_path, device):
     one [B, ...] array; str, JSON objects, ragged arrays and bytes stay lists."""
     from conftest import to_host
 
-    tar = _write_tar(tmp_path / "d.tar", _decodable_samples(7))
+    tar = write_tar(tmp_path / "d.tar", _decodable_samples(7))
     index = webdataset(tar, fields=DECODED)
     fields = [f for f in DECODED if f != "index"]  # the Loader's own "index" field takes that name
     batches = list(gpuio.Loader(index, 4, fields=fields, device=device, output="numpy", threads=1))
@@ -149,7 +135,7 @@ def test_loader_stacks_decoded_labels_and_arrays(tmp_path, device):
 
 
 def test_undecodable_value_names_tar_sample_and_offset(tmp_path):
-    tar = _write_tar(tmp_path / "a.tar", [("0.cls", b"1"), ("1.cls", b"one"), ("2.json", b"{"), ("3.pyd", b"x")])
+    tar = write_tar(tmp_path / "a.tar", [("0.cls", b"1"), ("1.cls", b"one"), ("2.json", b"{"), ("3.pyd", b"x")])
     index = webdataset(tar, fields=("cls",), missing="skip")
     assert index[0]["cls"] == 1
     with pytest.raises(FormatError, match="cannot decode 'cls' as int") as err:
@@ -164,7 +150,7 @@ def test_undecodable_value_names_tar_sample_and_offset(tmp_path):
 
 
 def test_key_field_split_rules(tmp_path):
-    tar = _write_tar(tmp_path / "a.tar", [
+    tar = write_tar(tmp_path / "a.tar", [
         ("a.b/c/000123.seg.png", b"seg"),  # dots in folders do not count
         ("a.b/c/000123.JPG", b"jpg"),  # extensions are lowercased
         ("a.b/c/.hidden", b"skip"),  # dot files and names without a dot are skipped
@@ -181,7 +167,7 @@ def test_key_field_split_rules(tmp_path):
 def test_missing_field_error_or_skip(tmp_path):
     members = _samples(5)
     del members[7]  # sample 2 loses its .cls
-    tar = _write_tar(tmp_path / "a.tar", members)
+    tar = write_tar(tmp_path / "a.tar", members)
     with pytest.raises(FormatError, match=r"key 'shard/000002'.*'cls'") as err:
         webdataset(tar)
     assert err.value.path == str(tar)
@@ -192,8 +178,8 @@ def test_missing_field_error_or_skip(tmp_path):
 
 
 def test_several_tars_concatenate_in_order(tmp_path):
-    t1 = _write_tar(tmp_path / "b.tar", _samples(3, 0))
-    t2 = _write_tar(tmp_path / "a.tar", _samples(4, 3))
+    t1 = write_tar(tmp_path / "b.tar", _samples(3, 0))
+    t2 = write_tar(tmp_path / "a.tar", _samples(4, 3))
     index = webdataset([t1, t2])
     assert len(index) == 7 and list(index.files) == [str(t1), str(t2)]
     assert index.extents["jpg"].file.tolist() == [0] * 3 + [1] * 4
@@ -208,7 +194,7 @@ def test_several_tars_concatenate_in_order(tmp_path):
 
 
 def test_save_load(tmp_path):
-    tar = _write_tar(tmp_path / "a.tar", _samples(6))
+    tar = write_tar(tmp_path / "a.tar", _samples(6))
     index = webdataset(tar, fields=("cls", "jpg"))
     index.save(tmp_path / "a.idx")
     back = gpuio.SampleIndex.load(tmp_path / "a.idx")
@@ -227,14 +213,14 @@ def test_non_utf8_member_name(tmp_path):
 
 
 def test_duplicate_field_in_a_sample(tmp_path):
-    tar = _write_tar(tmp_path / "a.tar", [("k1.jpg", b"a"), ("k1.cls", b"1"), ("k1.jpg", b"b")])
+    tar = write_tar(tmp_path / "a.tar", [("k1.jpg", b"a"), ("k1.cls", b"1"), ("k1.jpg", b"b")])
     with pytest.raises(FormatError, match="'jpg' appears twice") as err:
         webdataset(tar)
     assert err.value.offset == 2 * 1024  # third member's header
 
 
 def test_compressed_tar_refused(tmp_path):
-    tar = _write_tar(tmp_path / "a.tar", _samples(2))
+    tar = write_tar(tmp_path / "a.tar", _samples(2))
     gz = tmp_path / "a.tar.gz"
     gz.write_bytes(gzip.compress(tar.read_bytes()))
     with pytest.raises(FormatError, match="gzip-compressed") as err:
@@ -243,7 +229,7 @@ def test_compressed_tar_refused(tmp_path):
 
 
 def test_truncated_and_bad_headers(tmp_path):
-    tar = _write_tar(tmp_path / "a.tar", _samples(4))
+    tar = write_tar(tmp_path / "a.tar", _samples(4))
     raw = tar.read_bytes()
     index = webdataset(tar)
     last = index.extent(3, "jpg")
@@ -273,7 +259,7 @@ def test_cut_at_a_header_boundary_is_reported(tmp_path):
     """A tar cut exactly where a member's header starts lacks its
     end-of-archive blocks; that is an error, not a shorter dataset (tarfile itself
     reads such a file silently as 9 of 16 samples)."""
-    tar = _write_tar(tmp_path / "a.tar", _samples(16))
+    tar = write_tar(tmp_path / "a.tar", _samples(16))
     assert len(webdataset(tar, fields=("jpg", "cls"))) == 16
     header_at = webdataset(tar).extent(9, "jpg").offset - 512  # sample 9's first member
     cut = tmp_path / "cut.tar"
@@ -287,7 +273,7 @@ def test_cut_at_a_header_boundary_is_reported(tmp_path):
 
 
 def test_argument_and_file_errors(tmp_path):
-    tar = _write_tar(tmp_path / "a.tar", _samples(1))
+    tar = write_tar(tmp_path / "a.tar", _samples(1))
     with pytest.raises(ConfigError):
         webdataset(tar, missing="drop")
     with pytest.raises(ConfigError):
@@ -299,7 +285,7 @@ def test_argument_and_file_errors(tmp_path):
     assert err.value.path == str(tmp_path / "none.tar")
     with pytest.raises(DataError, match="no samples"):
         webdataset(tar, fields=("npy",), missing="skip")
-    empty = _write_tar(tmp_path / "empty.tar", [])
+    empty = write_tar(tmp_path / "empty.tar", [])
     with pytest.raises(DataError, match="no samples"):
         webdataset(empty)
 
@@ -460,7 +446,7 @@ def test_index_matches_tarfile_for_every_writer(tmp_path, writer):
         else:
             fmt = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}[writer]
             members = [m for k in ks for m in _odd_members(k, long_names=writer != "ustar" and shard != 1)]
-            _write_tar(path, members, fmt)
+            write_tar(path, members, fmt)
         paths.append(path)
     index = webdataset(paths, fields=("jpg", "cls"), missing="skip")
     expected = _expected(paths, ("jpg", "cls"), skip=True)
@@ -476,7 +462,7 @@ def test_index_matches_tarfile_for_every_writer(tmp_path, writer):
 
 
 def test_shards_on_a_process_pool_match_one_process(tmp_path, monkeypatch):
-    paths = [_write_tar(tmp_path / f"{s}.tar", _samples(30, start=30 * s), tarfile.USTAR_FORMAT) for s in range(4)]
+    paths = [write_tar(tmp_path / f"{s}.tar", _samples(30, start=30 * s), tarfile.USTAR_FORMAT) for s in range(4)]
     here = webdataset(paths, fields=("jpg", "seg.png"))
     pooled, report = index_on_a_process_pool(tmp_path, f"formats.webdataset({[str(p) for p in paths]!r}, "
                                                        f"fields=('jpg', 'seg.png'))")
@@ -494,7 +480,7 @@ def test_shards_on_a_process_pool_match_one_process(tmp_path, monkeypatch):
 
 
 def test_progress_bar_only_for_long_indexing(tmp_path, capfd, monkeypatch):
-    paths = [_write_tar(tmp_path / f"{s}.tar", _samples(5, start=5 * s)) for s in range(2)]
+    paths = [write_tar(tmp_path / f"{s}.tar", _samples(5, start=5 * s)) for s in range(2)]
     webdataset(paths, fields=("jpg",))
     assert capfd.readouterr().err == ""  # quick: silent
     monkeypatch.setattr("gpuio.formats._files.PROGRESS_DELAY_S", 0.0)  # as if it had run for a second
@@ -508,7 +494,7 @@ def test_progress_bar_only_for_long_indexing(tmp_path, capfd, monkeypatch):
 def test_corrupted_plain_tars_raise_only_gpuio_errors(tmp_path, edits, cut):
     members = [("a/k1.txt", b"one"), ("a/k1.cls", b"1"), ("a/k2.txt", b"two" * 300), ("dir", None)]
     # plain ustar headers only: the bulk header walk reads them
-    raw = bytearray(_write_tar(tmp_path / "plain.tar", members, tarfile.USTAR_FORMAT).read_bytes())
+    raw = bytearray(write_tar(tmp_path / "plain.tar", members, tarfile.USTAR_FORMAT).read_bytes())
     for pos, byte in edits:
         raw[pos % len(raw)] = byte
     path = tmp_path / "c.tar"

@@ -5,7 +5,6 @@ every writer and on corrupted ones, both give the same index or the same error."
 from __future__ import annotations
 
 import importlib
-import io
 import os
 import tarfile
 
@@ -17,6 +16,8 @@ from hypothesis import strategies as st
 import gpuio
 from gpuio.errors import GpuioError
 from gpuio.formats import webdataset
+
+from checkers import write_tar
 
 FIELDS = ("jpg", "cls", "seg.png")
 _tar = importlib.import_module("gpuio.formats._tar")
@@ -48,19 +49,6 @@ def _members(n, long_names):
     return out
 
 
-def _write(path, members, fmt):
-    with tarfile.open(path, "w", format=fmt) as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            if data is None:
-                info.type = tarfile.DIRTYPE
-                tf.addfile(info)
-            else:
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
-    return path
-
-
 def _outcome(paths, skip):
     """The index as comparable lists, or the error's type and message."""
     try:
@@ -83,7 +71,7 @@ def _assert_walk_equals_parser(paths, monkeypatch, skip=True):
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 def test_walk_indexes_every_writer_s_tars_as_the_parser(tmp_path, monkeypatch, fmt):
     long_names = fmt != tarfile.USTAR_FORMAT
-    path = _write(tmp_path / "a.tar", _members(60, long_names), fmt)
+    path = write_tar(tmp_path / "a.tar", _members(60, long_names), fmt)
     walked = _assert_walk_equals_parser([path], monkeypatch)
     assert len(walked[1]) == 60 - 30  # every odd sample has all three fields
     with open(path, "rb") as f:  # the C walk itself took these: long names, pax records, non-ASCII keys
@@ -94,7 +82,7 @@ def test_walk_indexes_every_writer_s_tars_as_the_parser(tmp_path, monkeypatch, f
 
 
 def test_walk_declines_what_only_the_parser_reads(tmp_path):
-    path = _write(tmp_path / "a.tar", _members(6, False), tarfile.USTAR_FORMAT)
+    path = write_tar(tmp_path / "a.tar", _members(6, False), tarfile.USTAR_FORMAT)
     raw = bytearray(path.read_bytes())
     fields = tuple(x.encode() for x in FIELDS)
 
@@ -120,7 +108,7 @@ def test_walk_declines_what_only_the_parser_reads(tmp_path):
        edits=st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 255)), min_size=1, max_size=6),
        cut=st.one_of(st.none(), st.integers(0, 20_000)), skip=st.booleans())
 def test_corrupted_tars_give_the_parser_s_index_or_error(tmp_path, monkeypatch, fmt, edits, cut, skip):
-    raw = bytearray(_write(tmp_path / "t.tar", _members(8, fmt != tarfile.USTAR_FORMAT), fmt).read_bytes())
+    raw = bytearray(write_tar(tmp_path / "t.tar", _members(8, fmt != tarfile.USTAR_FORMAT), fmt).read_bytes())
     for pos, byte in edits:
         raw[pos % len(raw)] = byte
     path = tmp_path / "c.tar"
@@ -130,7 +118,7 @@ def test_corrupted_tars_give_the_parser_s_index_or_error(tmp_path, monkeypatch, 
 
 def test_walk_reads_the_bytes_of_each_member(tmp_path):
     members = _members(20, True)
-    path = _write(tmp_path / "a.tar", members, tarfile.GNU_FORMAT)
+    path = write_tar(tmp_path / "a.tar", members, tarfile.GNU_FORMAT)
     index = webdataset(path, fields=("jpg",), missing="skip")
     payload = {name: data for name, data in members if name.endswith(".jpg")}
     assert [index[i]["jpg"] for i in range(len(index))] == [payload[k + ".jpg"] for k in
@@ -141,6 +129,6 @@ def test_walk_reads_the_bytes_of_each_member(tmp_path):
 def test_more_fields_than_the_walk_takes_are_indexed_by_the_parser(tmp_path):
     fields = tuple(f"f{k}" for k in range(70))  # the C walk takes at most 64
     members = [(f"s{j}.{f}", f"{j}{f}".encode()) for j in range(3) for f in fields]
-    _write(tmp_path / "wide.tar", members, tarfile.USTAR_FORMAT)
+    write_tar(tmp_path / "wide.tar", members, tarfile.USTAR_FORMAT)
     index = webdataset(tmp_path / "wide.tar", fields=fields, decode=False)
     assert len(index) == 3 and index[2]["f69"] == b"2f69" and index[0]["f0"] == b"0f0"
