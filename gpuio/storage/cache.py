@@ -428,12 +428,7 @@ class BlockCache:
             except OSError as exc:
                 if exc.errno in _FULL:
                     self._warn_full(path, exc)
-                    self._reserve(want)
-                    try:
-                        return self._download(info, block, want), None
-                    except BaseException:
-                        self._release(want)
-                        raise
+                    return self._download_reserved(info, block, want), None
                 raise _cache_error(path, exc) from exc
             break
         try:
@@ -441,12 +436,7 @@ class BlockCache:
                 _unlink(part)
                 os.close(fd)
                 return None, None
-            self._reserve(want)
-            try:
-                return self._download(info, block, want), fd
-            except BaseException:
-                self._release(want)
-                raise
+            return self._download_reserved(info, block, want), fd
         except BaseException:
             if _owns(fd, part):
                 _unlink(part)
@@ -507,6 +497,15 @@ class BlockCache:
             warnings.warn(f"{path}: cannot write the remote cache ({exc.strerror or exc}); reading on without "
                           f"caching. Lower remote_cache_budget (GPUIO_REMOTE_CACHE_BUDGET) or free space",
                           stacklevel=2)
+
+    def _download_reserved(self, info: Any, block: int, want: int) -> bytearray:
+        """``_download`` with ``want`` bytes of memory reserved for it, given back if it fails."""
+        self._reserve(want)
+        try:
+            return self._download(info, block, want)
+        except BaseException:
+            self._release(want)
+            raise
 
     def _download(self, info: Any, block: int, want: int) -> bytearray:
         if self.fetch is None:
