@@ -16,12 +16,13 @@ a few large objects read in 8 MiB ranges), and times in one run, each the fastes
   cache, a second epoch from the cache, and the same files read from local disk;
 - a shard format: the small objects packed into WebDataset tar shards, read by gpuio's
   ``Loader`` (first epoch into an empty cache, with read-ahead from its order; second
-  epoch from the cache; the shards on local disk) and by the competitors that install:
+  epoch from the cache; the cache off; the shards on local disk) and by the competitors that install:
   a boto3 thread-pool loop, s3fs (fsspec), webdataset over HTTP (curl on presigned
   URLs), litdata (its own chunk format, written by ``litdata.optimize``) and
   mosaicml-streaming (MDS shards); one that does not import is a row saying so.
 
-Every first epoch starts from an empty cache, each of ``--repeat`` passes.
+Every first epoch starts from an empty cache, each of ``--repeat`` passes. ``--only``
+runs the rows whose "dataset: method" contains a text (the datasets are uploaded all the same).
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ def _ranges(sizes: dict[str, int]) -> list[tuple[str, int, int]]:
     return [(key, a, min(RANGE, size - a)) for key, size in sizes.items() for a in range(0, size, RANGE)]
 
 
-def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | None) -> list[dict[str, Any]]:
+def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | None,
+        only: str = "") -> list[dict[str, Any]]:
     folder = tempfile.mkdtemp(prefix="gpuio-bench-remote-")
     server = None if endpoint else SeaweedServer(folder, _KEY, _SECRET)
     if server is not None:
@@ -219,6 +221,8 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
 
         def row(dataset: str, method: str, fn: Callable[[], int], items: int, reps: int = repeat,
                 setup: Callable[[], None] | None = None) -> None:
+            if only not in f"{dataset}: {method}":
+                return
             try:
                 t, nbytes = _timed(fn, reps, setup)
             except Exception as exc:  # a candidate that fails is reported, the others go on
@@ -245,7 +249,7 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
                 lambda r=ranges: sum(pool.map(lambda x: _urllib3_get(http, sign, *x), r)), items)
             row(dataset, "boto3 get_object, thread pool",
                 lambda r=ranges: sum(pool.map(lambda x: _boto_get(s3, *x), r)), items)
-        if not gpuio.cuda_available():
+        if not gpuio.cuda_available() and only in "-: kvikio RemoteFile":
             rows.append({"dataset": "-", "method": "kvikio RemoteFile", "error": "reads into GPU memory only; no GPU"})
 
         # gpuio: the small objects as a file tree, the large ones as .npy arrays
@@ -262,7 +266,7 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
                 row(dataset, "gpuio.read, cache off", lambda r=reader, i=index, b=batch: _epoch(r, i, b), n)
                 reader.close()
             _gpuio_rows(row, os.path.join(folder, "cache"), dataset, index, local, batch, loader=index is tree)
-        _shards(rows, row, folder, s3, small_keys, pool)
+        _shards(rows, row, folder, s3, small_keys, pool, only)
         pool.shutdown()
     finally:
         if server is not None:
@@ -292,7 +296,8 @@ def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio
 
     row(dataset, "gpuio.read epoch 1 (empty cache)", lambda: _epoch(readers[0], index, batch), n, setup=empty)
     row(dataset, "gpuio.read epoch 2 (cache)", lambda: _epoch(readers[0], index, batch), n)
-    readers[0].close()
+    for old in readers:
+        old.close()
     with gpuio.Reader("cpu") as reader:
         row(dataset, "gpuio.read, the same files on local disk (page cache warm)",
             lambda: _epoch(reader, local, batch), n)
@@ -309,7 +314,8 @@ def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio
     row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", lambda: _loader_epoch(loaders[0], "data"), n,
         setup=loader_empty)
     row(dataset, "gpuio Loader epoch 2 (cache)", lambda: _loader_epoch(loaders[0], "data"), n)
-    loaders[0].close()
+    for old in loaders:
+        old.close()
     on_disk = gpuio.Loader(local, batch, output="numpy")
     row(dataset, "gpuio Loader, the same files on local disk (page cache warm)",
         lambda: _loader_epoch(on_disk, "data"), n)
@@ -320,7 +326,7 @@ SHARD_SAMPLES = 100  # samples per tar shard
 
 
 def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s3: Any, small_keys: list[str],
-            pool: ThreadPoolExecutor) -> None:
+            pool: ThreadPoolExecutor, only: str) -> None:
     """The shard-format rows: the small objects packed into tar shards, read whole by
     gpuio's Loader and by each competitor, first and second epoch."""
     dataset = "webdataset shards"
@@ -357,10 +363,15 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
 
     row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", lambda: _loader_epoch(loaders[0]), n, setup=empty)
     row(dataset, "gpuio Loader epoch 2 (cache)", lambda: _loader_epoch(loaders[0]), n)
-    loaders[0].close()
+    for old in loaders:
+        old.close()
     on_disk = gpuio.Loader(local, 256, output="numpy")
     row(dataset, "gpuio Loader, the same shards on local disk (page cache warm)", lambda: _loader_epoch(on_disk), n)
     on_disk.close()
+    with gpuio.config.override(remote_cache=False):
+        uncached = gpuio.Loader(index, 256, output="numpy")
+        row(dataset, "gpuio Loader, cache off", lambda: _loader_epoch(uncached), n)
+        uncached.close()
 
     readers: list[gpuio.Reader] = []
 
@@ -372,16 +383,20 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
 
     row(dataset, "gpuio.read epoch 1 (empty cache, no read-ahead)", lambda: _epoch(readers[0], index, 256, "jpg"),
         n, setup=empty_for_read)
-    readers[0].close()
-    _competitor(rows, row, dataset, "s3fs (fsspec) cat of whole shards", lambda: _s3fs_epoch(shard_keys), n)
-    _competitor(rows, row, dataset, "webdataset over HTTP (curl, presigned URLs)",
-                lambda: _webdataset_epoch(s3, shard_keys), n, second=False)
-    _competitor(rows, row, dataset, "litdata StreamingDataset (its chunk format)",
-                lambda: _litdata(folder, tree, names, s3), n)
-    _competitor(rows, row, dataset, "mosaicml-streaming StreamingDataset (MDS)",
-                lambda: _mosaic(folder, tree, names, s3), n)
-    _competitor(rows, row, "small objects", "s3fs (fsspec) cat, one call for all objects",
-                lambda: _s3fs_epoch(small_keys), len(small_keys))
+    for old in readers:
+        old.close()
+    competitors = [(dataset, "s3fs (fsspec) cat of whole shards", lambda: _s3fs_epoch(shard_keys), n, True),
+                   (dataset, "webdataset over HTTP (curl, presigned URLs)", lambda: _webdataset_epoch(s3, shard_keys),
+                    n, False),
+                   (dataset, "litdata StreamingDataset (its chunk format)", lambda: _litdata(folder, tree, names, s3),
+                    n, True),
+                   (dataset, "mosaicml-streaming StreamingDataset (MDS)", lambda: _mosaic(folder, tree, names, s3),
+                    n, True),
+                   ("small objects", "s3fs (fsspec) cat, one call for all objects", lambda: _s3fs_epoch(small_keys),
+                    len(small_keys), True)]
+    for where, method, make, items, second in competitors:
+        if only in f"{where}: {method}":  # not made otherwise (litdata's and mosaic's make write their shards)
+            _competitor(rows, row, where, method, make, items, second=second)
 
 
 def _competitor(rows: list[dict[str, Any]], row: Callable[..., None], dataset: str, method: str,
@@ -554,9 +569,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--requests", type=int, default=32, help="requests in flight for every candidate")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--only", default="", help="run only the rows whose 'dataset: method' contains this text, "
+                                                   "e.g. 'webdataset shards: gpuio' or 'shards: ceiling'")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    run(args.endpoint, args.size, args.repeat, args.requests, args.out)
+    run(args.endpoint, args.size, args.repeat, args.requests, args.out, args.only)
     print(f"done in {time.perf_counter() - t0:.1f} s")
 
 
