@@ -183,10 +183,11 @@ def flush() -> None:
 class BlockCache:
     """Blocks of remote objects on local disk, read through the posix backend."""
 
-    def __init__(self, fetch: Callable[[str, int, memoryview, str | None], Any] | None = None) -> None:
-        """``fetch(url, offset, out, etag)`` fills ``out`` with the object's bytes from
-        ``offset`` (``gpuio.storage.remote``'s ranged GET); None for a cache that only
-        reads and evicts."""
+    def __init__(self, fetch: Callable[[str, int, int, str | None], Any] | None = None) -> None:
+        """``fetch(url, offset, n, etag)`` gives the object's ``n`` bytes from ``offset``
+        as a bytes-like buffer (``gpuio.storage.remote``'s ranged GET): the batch is
+        served and the block file written from that buffer, with no copy of its own.
+        None for a cache that only reads and evicts."""
         from gpuio.storage._posix import PosixBackend, native_available
 
         self.fetch = fetch
@@ -210,11 +211,11 @@ class BlockCache:
     def _fresh(self) -> None:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._inflight: dict[str, Future[bytearray | None]] = {}  # block path -> its fetch in this process
+        self._inflight: dict[str, Future[Any]] = {}  # block path -> its fetch in this process
         self._held = 0  # bytes downloaded, not yet written
         self._ahead = 0  # bytes of read-ahead fetches not finished
         # fetches ahead not started yet: (objects, where, path, future, bytes), taken by _fetch_ahead threads
-        self._queued: deque[tuple[Objects, tuple[int, int, int], str, Future[bytearray | None], int]] = deque()
+        self._queued: deque[tuple[Objects, tuple[int, int, int], str, Future[Any], int]] = deque()
         self._fetchers = 0  # _fetch_ahead threads running
         self._pools: dict[str, ThreadPoolExecutor] = {}
 
@@ -263,7 +264,7 @@ class BlockCache:
             todo = np.flatnonzero(objects.seen[ukeys] == 0) if not attempt else np.arange(len(ukeys))
             if attempt:
                 objects.seen[ukeys] = 0
-            bufs: list[bytearray | None] = [None] * len(ukeys)
+            bufs: list[Any] = [None] * len(ukeys)
             got = np.zeros(len(ukeys), dtype=bool)
             for k, buf in zip(todo.tolist(), self._fetched(objects, ukeys[todo], pool)):
                 bufs[k], got[k] = buf, buf is not None
@@ -286,7 +287,7 @@ class BlockCache:
         self._touch_stale(objects, ukeys)
         self._maybe_evict(objects, ukeys)
 
-    def _fetched(self, objects: Objects, keys: np.ndarray, pool: ThreadPoolExecutor) -> list[bytearray | None]:
+    def _fetched(self, objects: Objects, keys: np.ndarray, pool: ThreadPoolExecutor) -> list[Any]:
         """Per block of ``keys``: its bytes when downloaded just now (or still waiting to
         be written), None when its file is whole. Raises the first block's error."""
         if not len(keys):
@@ -301,7 +302,7 @@ class BlockCache:
         return [f.result() for f in futures]
 
     def _start(self, objects: Objects, where: tuple[int, int, int], path: str,
-               pool: ThreadPoolExecutor) -> Future[bytearray | None]:
+               pool: ThreadPoolExecutor) -> Future[Any]:
         """The fetch of a block (``where``: its key, object and block number) in this
         process: the one running, else one started on ``pool``."""
         with self._lock:
@@ -334,7 +335,7 @@ class BlockCache:
                 if self._ahead + n > self.window:
                     break
                 self._ahead += n
-                fut: Future[bytearray | None] = Future()
+                fut: Future[Any] = Future()
                 self._inflight[path] = fut
                 self._queued.append((objects, where, path, fut, n))
             started += n
@@ -377,7 +378,7 @@ class BlockCache:
                 self._changed.wait()
 
     # ---- fetching a block --------------------------------------------------------------
-    def _get(self, objects: Objects, where: tuple[int, int, int], path: str) -> bytearray | None:
+    def _get(self, objects: Objects, where: tuple[int, int, int], path: str) -> Any:
         """Make a block (``where``: its key, object and block number) present: None when
         its file is whole, else its bytes (downloaded now; the file is written behind, or
         not kept when the disk is full)."""
@@ -399,7 +400,7 @@ class BlockCache:
                 self._write(objects, key, path, fd, buf)
         return buf
 
-    def _obtain(self, info: Any, block: int, path: str) -> tuple[bytearray | None, int | None]:
+    def _obtain(self, info: Any, block: int, path: str) -> tuple[Any, int | None]:
         """(None, None) when the block file is whole; else the block's bytes and the
         descriptor of its ``.part`` file (claimed with ``O_EXCL``: this process writes
         it), or None when the cache disk is full (the bytes are not kept)."""
@@ -462,16 +463,13 @@ class BlockCache:
             self._held -= held
             self._changed.notify_all()
 
-    def _write(self, objects: Objects, key: int, path: str, fd: int, buf: bytearray) -> None:
+    def _write(self, objects: Objects, key: int, path: str, fd: int, buf: Any) -> None:
         """Write a downloaded block to its ``.part`` file and rename it into place (the
         writer thread); a failure leaves the block uncached, with a warning."""
         part = path + ".part"
         kept = False
         try:
-            data = memoryview(buf)
-            for piece in (data, memoryview(_TRAILER.pack(_MAGIC, zlib.crc32(buf)))):
-                while piece:
-                    piece = piece[os.write(fd, piece):]
+            _write_all(fd, [memoryview(buf).cast("B"), memoryview(_TRAILER.pack(_MAGIC, zlib.crc32(buf)))])
             if _owns(fd, part):  # else another process took the claim over as stale: the name is its file now
                 os.replace(part, path)
                 kept = True
@@ -498,7 +496,7 @@ class BlockCache:
                           f"caching. Lower remote_cache_budget (GPUIO_REMOTE_CACHE_BUDGET) or free space",
                           stacklevel=2)
 
-    def _download_reserved(self, info: Any, block: int, want: int) -> bytearray:
+    def _download_reserved(self, info: Any, block: int, want: int) -> Any:
         """``_download`` with ``want`` bytes of memory reserved for it, given back if it fails."""
         self._reserve(want)
         try:
@@ -507,13 +505,11 @@ class BlockCache:
             self._release(want)
             raise
 
-    def _download(self, info: Any, block: int, want: int) -> bytearray:
+    def _download(self, info: Any, block: int, want: int) -> Any:
         if self.fetch is None:
             raise StorageError(f"block {block} of {info.url} is not in the cache, and this cache has no "
                                f"fetch to download it", path=self.path(info, block))
-        buf = bytearray(want)
-        self.fetch(info.url, block * self.block, memoryview(buf), info.etag)
-        return buf
+        return self.fetch(info.url, block * self.block, want, info.etag)
 
     @staticmethod
     def _present(path: str, want: int) -> bool:
@@ -622,6 +618,18 @@ class BlockCache:
         for pool in pools:
             pool.shutdown(wait=True)
         self._posix.close()
+
+
+def _write_all(fd: int, pieces: list[memoryview]) -> None:
+    """Write ``pieces`` (byte views) one after another: one ``writev`` call unless the
+    file takes fewer bytes at a time."""
+    while pieces:
+        n = os.writev(fd, pieces)
+        while pieces and n >= len(pieces[0]):
+            n -= len(pieces[0])
+            pieces.pop(0)
+        if pieces:
+            pieces[0] = pieces[0][n:]
 
 
 def _owns(fd: int, part: str) -> bool:

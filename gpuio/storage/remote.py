@@ -184,6 +184,12 @@ class Client:
         5xx, 429, a dropped connection or a short body, ``remote_retries`` tries in all."""
         return self.transport.get_into(url, start, out, etag)
 
+    def get(self, url: str, start: int, n: int, etag: str | None) -> Any:
+        """The object's ``n`` bytes from ``start`` as a buffer (bytes-like), checked and
+        retried as ``get_into``: the one the transport received them in (obstore's), so
+        that a caller that keeps them (the cache) makes no copy."""
+        return self.transport.get(url, start, n, etag)
+
     def backoff(self, attempt: int) -> None:
         """Wait before try ``attempt`` (0: the first, no wait)."""
         if attempt:
@@ -292,7 +298,16 @@ class _Obstore:
     def get_into(self, url: str, start: int, out: memoryview, etag: str | None) -> tuple[str, int]:
         """Fill ``out`` with the object's bytes from ``start``; returns the object's
         (ETag, size). ``etag``: the version the index recorded, or None."""
-        n = len(out)
+        data, got_etag, total = self._get(url, start, len(out), etag)
+        out[:] = memoryview(data)
+        return got_etag, total
+
+    def get(self, url: str, start: int, n: int, etag: str | None) -> Any:
+        """The object's ``n`` bytes from ``start``, in the buffer obstore received them in."""
+        return self._get(url, start, n, etag)[0]
+
+    def _get(self, url: str, start: int, n: int, etag: str | None) -> tuple[Any, str, int]:
+        """(the bytes, the object's ETag, its size) of a ranged GET, with the retries and checks."""
         end = start + n - 1
         what = f"GET bytes {start}-{end}"
         store, path = self._store(url)
@@ -318,8 +333,7 @@ class _Obstore:
                                        f"after indexing?)", path=url, offset=start)
                 last = f"body of {len(data)} bytes, {n} asked for"
                 continue
-            out[:] = memoryview(data)
-            return got_etag, total
+            return data, got_etag, total
         raise StorageError(f"{what}: {last} after {self.owner.retries} tries", path=url, offset=start)
 
 
@@ -368,6 +382,12 @@ class _Urllib3:
                 raise
             return ObjectInfo(url, 0, self._empty_etag(url))  # an empty object has no byte 0
         return ObjectInfo(url, total, etag)
+
+    def get(self, url: str, start: int, n: int, etag: str | None) -> Any:
+        """The object's ``n`` bytes from ``start``, read from the socket into a new array."""
+        buf = np.empty(n, dtype=np.uint8)
+        self.get_into(url, start, memoryview(buf), etag)
+        return buf
 
     def _empty_etag(self, url: str) -> str:
         resp = self._request("GET", url, {}, 0, 0)
@@ -601,7 +621,7 @@ class RemoteBackend:
         if self.use_cache:
             from gpuio.storage.cache import BlockCache
 
-            self._cache = BlockCache(lambda *args: client().get_into(*args))
+            self._cache = BlockCache(lambda *args: client().get(*args))
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         # per index file table, the cache's view of its objects: (the table, its versions, Objects)
