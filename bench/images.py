@@ -4,7 +4,8 @@
 decode and resize to 224x224 uint8 HWC, no normalize (what SPDL's image example makes);
 ``--pipeline randaugment``: ``train`` with RandAugment on the uint8 crops before normalize
 (gpuio's ``ops.rand_augment(2, 9)``, DALI's ``nvidia.dali.auto_aug.rand_augment(n=2, m=9)``
-after its resize; the ceiling, gpuio's and DALI's rows only).
+after its resize, torchvision v2's ``RandAugment(2, 9)`` in a DataLoader; the ceiling,
+gpuio's, DALI's and torchvision's rows only).
 
     python bench/images.py [--root TREE | --count 2000] [--batch 64] [--epochs 2] [--pipeline both] [--out images.json]
 
@@ -18,6 +19,9 @@ of the best epoch, page cache warm):
   batch split over ``--workers`` threads, no resize; every row shows its fraction of it;
 - gpuio on the CPU (``gpuio.Loader`` + ``ops.Compose``);
 - ``torch.utils.data.DataLoader`` with Pillow doing the same ops (workers = cores);
+  for ``randaugment`` instead torchvision v2's ImageNet train transform as its
+  classification reference writes it (``TorchvisionRandAugment``: ``decode_jpeg``,
+  RandomResizedCrop, RandomHorizontalFlip, RandAugment, ToDtype, Normalize);
 - SPDL (``pip install spdl``, with FFmpeg's shared libraries): a ``PipelineBuilder``
   source -> ``aggregate(batch)`` -> ``pipe(decode, concurrency=workers)`` ->
   ``add_sink``, built with ``num_threads=workers``, as SPDL's image examples write it;
@@ -151,11 +155,41 @@ def _rrc_box(h: int, w: int) -> tuple[int, int, int, int]:
     return (h - side) // 2, (w - side) // 2, side, side
 
 
+class TorchvisionRandAugment:
+    """torchvision's ImageNet train transform with RandAugment, as its classification
+    reference writes it (``ClassificationPresetTrain``, tensor backend):
+    ``decode_jpeg`` (RGB), ``RandomResizedCrop(224)`` (bilinear, antialias),
+    ``RandomHorizontalFlip``, ``RandAugment(num_ops=2, magnitude=9)`` (bilinear) on the
+    uint8 crop, ``ToDtype(float32, scale=True)``, ``Normalize``."""
+
+    def __init__(self, root: str) -> None:
+        import torch
+        from torchvision.transforms import v2
+
+        index = gpuio.formats.filetree(root)
+        self.paths = list(index.files)  # absolute paths
+        self.labels = np.asarray(index.values["label"])
+        bilinear = v2.InterpolationMode.BILINEAR
+        self.transform = v2.Compose([v2.RandomResizedCrop(224, interpolation=bilinear, antialias=True),
+                                     v2.RandomHorizontalFlip(), v2.RandAugment(2, 9, interpolation=bilinear),
+                                     v2.ToDtype(torch.float32, scale=True),
+                                     v2.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        from torchvision.io import ImageReadMode, decode_jpeg, read_file
+
+        return self.transform(decode_jpeg(read_file(self.paths[i]), mode=ImageReadMode.RGB)), int(self.labels[i])
+
+
 def torch_dataloader(root: str, batch: int, workers: int, pipeline: str = "train") -> Any:
     import torch
 
-    loader = torch.utils.data.DataLoader(PillowImageFolder(root, pipeline == "train", pipeline != "resize"),
-                                         batch_size=batch, shuffle=True,
+    dataset = (TorchvisionRandAugment(root) if pipeline == "randaugment"
+               else PillowImageFolder(root, pipeline == "train", pipeline != "resize"))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True,
                                          num_workers=workers, persistent_workers=workers > 0, drop_last=True)
 
     def run():
@@ -363,6 +397,9 @@ COMPETITORS = [
     Competitor("torch DataLoader + Pillow ({workers} workers)",
                lambda s, p: torch_dataloader(s.root, s.batch, s.workers, p), in_process=False,
                pipelines=("train", "val", "resize")),
+    Competitor("torch DataLoader + torchvision v2 (RandAugment, {workers} workers)",
+               lambda s, p: torch_dataloader(s.root, s.batch, s.workers, p), in_process=False,
+               pipelines=("randaugment",)),
     Competitor("SPDL pipeline ({workers} threads)", lambda s, p: spdl_loader(s.root, s.batch, s.workers, p),
                pipelines=("train", "val", "resize")),
     Competitor("DALI cpu pipeline ({workers} threads)", lambda s, p: dali_cpu(s.root, s.batch, s.workers, s.count, p)),
