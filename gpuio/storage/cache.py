@@ -21,8 +21,9 @@ Rules:
   are fetched in the background (``remote_requests`` threads), at most
   ``remote_readahead`` bytes in flight; what does not fit is fetched when read, and
   what has not started when the interpreter exits is dropped;
-- a block file ends with an 8-byte trailer, the magic ``gpc1`` and the CRC-32 of the
-  block's bytes, computed when it is written. When a process first meets a block
+- a block file ends with an 8-byte trailer, the magic ``gpc2`` and the CRC-32C of the
+  block's bytes (the ``crc32c`` package: the CPU's CRC instruction where it has one),
+  computed when it is written. When a process first meets a block
   file it checks the size and the CRC: a block cut short, overwritten or corrupted in
   place (same size) is removed and downloaded again. A block that fails a later read
   (evicted or cut short by another process) makes the batch look at its blocks again,
@@ -48,13 +49,13 @@ import threading
 import time
 import warnings
 import weakref
-import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
+from crc32c import crc32c
 
 from gpuio import config
 from gpuio._fork import renew_after_fork
@@ -74,7 +75,7 @@ _EVICT_SHARE = 8  # the folder is scanned for eviction after downloads of budget
 _TAG = 20  # bytes of an object's sha256 that name its blocks (40 hex digits)
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _WRITERS = 2  # threads writing blocks behind the reads
-_MAGIC = b"gpc1"  # a block file's trailer: this, then the CRC-32 of the block's bytes (little-endian)
+_MAGIC = b"gpc2"  # a block file's trailer: this, then the CRC-32C of the block's bytes (little-endian)
 _TRAILER = struct.Struct("<4sI")
 
 
@@ -469,7 +470,7 @@ class BlockCache:
         part = path + ".part"
         kept = False
         try:
-            _write_all(fd, [memoryview(buf).cast("B"), memoryview(_TRAILER.pack(_MAGIC, zlib.crc32(buf)))])
+            _write_all(fd, [memoryview(buf).cast("B"), memoryview(_TRAILER.pack(_MAGIC, crc32c(buf)))])
             if _owns(fd, part):  # else another process took the claim over as stale: the name is its file now
                 os.replace(part, path)
                 kept = True
@@ -514,7 +515,7 @@ class BlockCache:
     @staticmethod
     def _present(path: str, want: int) -> bool:
         """Whether the block file is there and whole: ``want`` bytes and a trailer whose
-        CRC-32 they match (touched: it is in use). Another file is removed (cut short,
+        CRC-32C they match (touched: it is in use). Another file is removed (cut short,
         overwritten, corrupted)."""
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -525,7 +526,7 @@ class BlockCache:
         finally:
             os.close(fd)
         whole = len(got) == want + _TRAILER.size and _TRAILER.unpack_from(got, want) == (
-            _MAGIC, zlib.crc32(memoryview(got)[:want]))
+            _MAGIC, crc32c(memoryview(got)[:want]))
         if not whole:
             _unlink(path)
             return False
