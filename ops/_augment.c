@@ -136,7 +136,8 @@ static inline float hold(float v, float lo, float hi) { return v >= lo ? (v < hi
 
 /* ---- colour: out = M @ rgb + offset -------------------------------------------------- */
 
-CLONES static void color_one(const uint8_t *src, uint8_t *dst, int64_t pixels, int c, const float *m) {
+static inline __attribute__((always_inline)) void color_pixels(const uint8_t *src, uint8_t *dst, int64_t pixels,
+                                                              int c, const float *m) {
     if (c < 3 || (m[1] == 0 && m[2] == 0 && m[3] == 0 && m[5] == 0 && m[6] == 0 && m[7] == 0)) {
         /* a * v + b per channel (M diagonal: the other two products add zeros, which
          * leaves the sum as it is): one table of 256 levels per channel */
@@ -163,6 +164,10 @@ CLONES static void color_one(const uint8_t *src, uint8_t *dst, int64_t pixels, i
     enum { BLOCK = 256 };
     float in[3][BLOCK], out[3][BLOCK];
     uint8_t level[3][BLOCK];
+    /* the same row and offset for the three channels (grey): one sum serves them all */
+    const int planes = m[0] == m[3] && m[3] == m[6] && m[1] == m[4] && m[4] == m[7] && m[2] == m[5]
+                       && m[5] == m[8] && m[9] == m[10] && m[10] == m[11] ? 1 : 3;
+    const uint8_t *l1 = level[planes == 1 ? 0 : 1], *l2 = level[planes == 1 ? 0 : 2];
     for (int64_t start = 0; start < pixels; start += BLOCK) {
         const int n = pixels - start < BLOCK ? (int)(pixels - start) : BLOCK;
         const uint8_t *s = src + start * c;
@@ -172,19 +177,26 @@ CLONES static void color_one(const uint8_t *src, uint8_t *dst, int64_t pixels, i
             in[1][k] = s[k * c + 1];
             in[2][k] = s[k * c + 2];
         }
-        for (int ch = 0; ch < 3; ++ch) {
+        for (int ch = 0; ch < planes; ++ch) {
             const float a = m[ch * 3], b = m[ch * 3 + 1], e = m[ch * 3 + 2], off = m[9 + ch];
             for (int k = 0; k < n; ++k) out[ch][k] = a * in[0][k] + b * in[1][k] + e * in[2][k] + off;
         }
-        for (int ch = 0; ch < 3; ++ch)
+        for (int ch = 0; ch < planes; ++ch)
             for (int k = 0; k < n; ++k) level[ch][k] = to_level(out[ch][k]);
         for (int k = 0; k < n; ++k) {
             d[k * c] = level[0][k];
-            d[k * c + 1] = level[1][k];
-            d[k * c + 2] = level[2][k];
+            d[k * c + 1] = l1[k];
+            d[k * c + 2] = l2[k];
             for (int ch = 3; ch < c; ++ch) d[k * c + ch] = s[k * c + ch];
         }
     }
+}
+
+CLONES static void color_one(const uint8_t *src, uint8_t *dst, int64_t pixels, int c, const float *m) {
+    if (c == 3)  /* RGB: the (de)interleaving loops vectorized */
+        color_pixels(src, dst, pixels, 3, m);
+    else
+        color_pixels(src, dst, pixels, c, m);
 }
 
 static PyObject *color(PyObject *self, PyObject *args) {

@@ -38,7 +38,7 @@ __all__ = ["BrightnessContrast", "Hsv", "ColorTwist", "RandomGrayscale", "Gaussi
            "JpegCompressionDistortion", "erase", "jpeg_compression_distortion", "brightness_contrast", "hsv",
            "color_twist", "random_grayscale", "gaussian_blur", "random_erasing",
            "Range", "param_range", "draw", "yiq_matrix", "apply_color", "apply_levels", "histograms",
-           "reflect101_index", "LUMA",
+           "reflect101_index", "host_outputs", "LUMA",
            "COLOR_SOURCE", "BLUR_SOURCE", "REFLECT101_SOURCE"]
 
 Range = float | tuple[float, float]
@@ -184,9 +184,17 @@ def apply_color(batch: Batch, field: str, matrices: np.ndarray, offsets: np.ndar
                 batch.data[field] = _container(images, out, cp)
         return
     src = [np.ascontiguousarray(rows[r]) for r in rows_to_do]
-    dst = [np.empty_like(img) for img in src]
+    dst = host_outputs(src)
     _augment.color(src, np.ascontiguousarray(table[rows_to_do]), dst)
     batch.data[field] = _container(images, _place(out, rows_to_do, dst), np)
+
+
+def host_outputs(images: list[np.ndarray]) -> list[np.ndarray]:
+    """Uninitialized outputs of the images' shapes and types for a C call: the rows of one
+    new array when the shapes agree (one allocation per batch), else one array each."""
+    if images and all(img.shape == images[0].shape and img.dtype == images[0].dtype for img in images):
+        return list(np.empty((len(images), *images[0].shape), images[0].dtype))
+    return [np.empty_like(img) for img in images]
 
 
 def apply_levels(batch: Batch, images: list[Any], tables: np.ndarray) -> list[Any]:

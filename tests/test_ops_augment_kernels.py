@@ -81,13 +81,15 @@ def one_batch(images):
 
 def test_colour_kernel_equals_the_cpu_path(lib, images):
     rgba = np.concatenate([images[0], np.full((40, 52, 1), 77, np.uint8)], axis=2)
+    # the last matrix has three equal rows and offsets (grey), which the CPU path sums once
     matrices = [yiq_matrix(h, s, v) for h, s, v in [(20, 1.2, 0.9), (-40, 0.5, 1.1), (0, 1, 1)]]
-    for stack in (np.stack(images), rgba[None], images[1][None, ..., :1].copy()):
+    matrices.append(np.tile([0.299, 0.587, 0.114], (3, 1)))
+    for stack in (np.stack(images + images[:1]), np.stack([rgba, rgba]), images[1][None, ..., :1].copy()):
         n, h, w, c = stack.shape
         table = np.zeros((n, 12), np.float32)
         for k in range(n):
-            table[k, :9] = (matrices[k] if c >= 3 else 1.3 * np.eye(3)).ravel()
-            table[k, 9:] = (5, -3, 2) if c >= 3 else -7
+            table[k, :9] = (matrices[k - n] if c >= 3 else 1.3 * np.eye(3)).ravel()
+            table[k, 9:] = (1.5, 1.5, 1.5) if k == n - 1 else (5, -3, 2) if c >= 3 else -7
         out = np.empty_like(stack)
         lib.color(ptr(np.ascontiguousarray(stack)), ptr(table), LL(h * w), LL(c), ptr(out), LL(out.size))
         batch = one_batch(list(stack))
@@ -159,6 +161,7 @@ def test_the_built_c_path_equals_its_plain_c_build(portable, images):
 
     table = rng.uniform(-1, 2, (n, 12)).astype(np.float32)
     table[1, [1, 2, 3, 5, 6, 7]] = 0  # a diagonal matrix: the per-channel tables
+    table[2, 3:9], table[2, 10:] = np.tile(table[2, :3], 2), table[2, 9]  # equal rows: one sum for all
     mine, plain = both("color", src, table, outs=src)
     assert all(np.array_equal(a, b) for a, b in zip(mine, plain))
     mine, plain = both("filter3x3", src, rng.uniform(-1, 1, (n, 9)).astype(np.float32), outs=src)
