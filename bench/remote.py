@@ -289,9 +289,9 @@ def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio
     readers: list[gpuio.Reader] = []
 
     def empty() -> None:
-        shutil.rmtree(cache, ignore_errors=True)
-        for old in readers:
+        for old in readers:  # its writes behind end before the cache is emptied
             old.close()
+        shutil.rmtree(cache, ignore_errors=True)
         readers[:] = [gpuio.Reader("cpu")]
 
     row(dataset, "gpuio.read epoch 1 (empty cache)", lambda: _epoch(readers[0], index, batch), n, setup=empty)
@@ -306,9 +306,9 @@ def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio
     loaders: list[gpuio.Loader] = []
 
     def loader_empty() -> None:
-        shutil.rmtree(cache, ignore_errors=True)
-        for old in loaders:
+        for old in loaders:  # its writes behind end before the cache is emptied
             old.close()
+        shutil.rmtree(cache, ignore_errors=True)
         loaders[:] = [gpuio.Loader(index, batch, output="numpy")]
 
     row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", lambda: _loader_epoch(loaders[0], "data"), n,
@@ -356,9 +356,9 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
     loaders: list[gpuio.Loader] = []
 
     def empty() -> None:
-        shutil.rmtree(cache, ignore_errors=True)
-        for old in loaders:
+        for old in loaders:  # its writes behind end before the cache is emptied
             old.close()
+        shutil.rmtree(cache, ignore_errors=True)
         loaders[:] = [gpuio.Loader(index, 256, output="numpy")]
 
     row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", lambda: _loader_epoch(loaders[0]), n, setup=empty)
@@ -368,17 +368,23 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
     on_disk = gpuio.Loader(local, 256, output="numpy")
     row(dataset, "gpuio Loader, the same shards on local disk (page cache warm)", lambda: _loader_epoch(on_disk), n)
     on_disk.close()
+
+    def fresh() -> None:  # a new Loader each pass, as in the first-epoch rows (fresh batch buffers)
+        for old in loaders:
+            old.close()
+        loaders[:] = [gpuio.Loader(index, 256, output="numpy")]
+
     with gpuio.config.override(remote_cache=False):
-        uncached = gpuio.Loader(index, 256, output="numpy")
-        row(dataset, "gpuio Loader, cache off", lambda: _loader_epoch(uncached), n)
-        uncached.close()
+        row(dataset, "gpuio Loader, cache off", lambda: _loader_epoch(loaders[0]), n, setup=fresh)
+    for old in loaders:
+        old.close()
 
     readers: list[gpuio.Reader] = []
 
     def empty_for_read() -> None:
-        shutil.rmtree(cache, ignore_errors=True)
-        for old in readers:
+        for old in readers:  # its writes behind end before the cache is emptied
             old.close()
+        shutil.rmtree(cache, ignore_errors=True)
         readers[:] = [gpuio.Reader("cpu")]
 
     row(dataset, "gpuio.read epoch 1 (empty cache, no read-ahead)", lambda: _epoch(readers[0], index, 256, "jpg"),
