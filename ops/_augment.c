@@ -107,12 +107,12 @@ static int get_param(PyObject *obj, const char *name, char type, Py_ssize_t coun
                                                  | (writable ? PyBUF_WRITABLE : 0)) == 0;
     const char c = taken ? code(b) : 0;
     const int ok = taken && (type == 'q' ? ((c == 'q' || c == 'l') && b->itemsize == 8)
-                                         : (c == type && b->itemsize == (type == 'f' ? 4 : 1)));
+                                         : (c == type && b->itemsize == (type == 'f' ? 4 : type == 'd' ? 8 : 1)));
     if (!ok || b->len / b->itemsize < count) {
         if (taken) PyBuffer_Release(b);
         else PyErr_Clear();  /* not a buffer, not contiguous or not writable: said below */
         PyErr_Format(PyExc_ValueError, "%s: want a C-contiguous%s %s buffer of at least %zd items", name,
-                     writable ? ", writable" : "", type == 'f' ? "float32" : type == 'q' ? "int64" : "uint8", count);
+                     writable ? ", writable" : "", type == 'f' ? "float32" : type == 'd' ? "float64" : type == 'q' ? "int64" : "uint8", count);
         return -1;
     }
     return 0;
@@ -300,6 +300,262 @@ static PyObject *histogram(PyObject *self, PyObject *args) {
 done:
     if (counts.obj) PyBuffer_Release(&counts);
     release_views(&images);
+    return result;
+}
+
+/* ---- colour jitter: torchvision's steps in float32, as ops/color.py's array code ------- */
+
+/* The float32 luma of ops/color.py (_gray): 0.299 r + 0.587 g + 0.114 b, summed left to right. */
+static inline float grey_of(float r, float g, float b) { return r * 0.299f + g * 0.587f + b * 0.114f; }
+
+/* The interleaved uint8 pixels as c float planes of `pixels` values, and back as levels
+ * (RGB written out, so that the loops vectorize). */
+static void to_planes(const uint8_t *src, float *v, int64_t pixels, int c) {
+    if (c == 3) {
+        float *r = v, *g = v + pixels, *b = v + 2 * pixels;
+        for (int64_t p = 0; p < pixels; ++p) {
+            r[p] = src[3 * p];
+            g[p] = src[3 * p + 1];
+            b[p] = src[3 * p + 2];
+        }
+        return;
+    }
+    for (int64_t p = 0; p < pixels; ++p)
+        for (int ch = 0; ch < c; ++ch) v[ch * pixels + p] = src[p * c + ch];
+}
+
+static void from_planes(const float *v, uint8_t *dst, int64_t pixels, int c) {
+    if (c == 3) {
+        const float *r = v, *g = v + pixels, *b = v + 2 * pixels;
+        for (int64_t p = 0; p < pixels; ++p) {
+            dst[3 * p] = to_level(r[p]);
+            dst[3 * p + 1] = to_level(g[p]);
+            dst[3 * p + 2] = to_level(b[p]);
+        }
+        return;
+    }
+    for (int64_t p = 0; p < pixels; ++p)
+        for (int ch = 0; ch < c; ++ch) dst[p * c + ch] = to_level(v[ch * pixels + p]);
+}
+
+/* prm: the 4 steps in the order to apply them (0 brightness, 1 contrast, 2 saturation, 3
+ * hue; -1 skipped) then the 4 factors (float64). v: (c + 1) planes of scratch. */
+CLONES static void jitter_one(const uint8_t *src, uint8_t *dst, int64_t pixels, int c, const double *prm, float *v) {
+    const int64_t n = pixels * c;
+    float *r = v, *g = v + pixels, *b = v + 2 * pixels, *grey = v + n;
+    to_planes(src, v, pixels, c);
+    for (int k = 0; k < 4; ++k) {
+        const int step = (int)prm[k];
+        if (step < 0) continue;
+        const double f = prm[4 + step];
+        const float ff = (float)f;
+        if (step == 0) {  /* v * f, held to 0-255 */
+            for (int64_t j = 0; j < n; ++j) v[j] = hold(v[j] * ff, 0.0f, 255.0f);
+        } else if (step == 1) {  /* v * f + mean grey * (1 - f): the mean summed in double */
+            double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sum = 0.0;
+            const int64_t count = c >= 3 ? pixels : n;
+            if (c >= 3)
+                for (int64_t p = 0; p < pixels; ++p) grey[p] = grey_of(r[p], g[p], b[p]);
+            const float *vals = c >= 3 ? grey : v;
+            int64_t j = 0;
+            for (; j + 8 <= count; j += 8)
+                for (int q = 0; q < 8; ++q) acc[q] += vals[j + q];
+            for (; j < count; ++j) sum += vals[j];
+            for (int q = 0; q < 8; ++q) sum += acc[q];
+            const float add = (float)(sum / (double)(count ? count : 1) * (1.0 - f));
+            for (j = 0; j < n; ++j) v[j] = hold(v[j] * ff + add, 0.0f, 255.0f);
+        } else if (step == 2) {  /* v * f + grey * (1 - f) on every channel */
+            const float rest = (float)(1.0 - f);
+            for (int64_t p = 0; p < pixels; ++p) grey[p] = grey_of(r[p], g[p], b[p]) * rest;
+            for (int ch = 0; ch < c; ++ch) {
+                float *plane = v + ch * pixels;
+                for (int64_t p = 0; p < pixels; ++p) plane[p] = hold(plane[p] * ff + grey[p], 0.0f, 255.0f);
+            }
+        } else {  /* RGB -> HSV, H + f turns (mod 1), -> RGB (ops/color.py _shift_hue) */
+            /* two loops that vectorize: (max, s, h) into the r, g and grey planes; then
+               the RGB of each. Every branch is computed, then picked (selects). */
+            for (int64_t p = 0; p < pixels; ++p) {
+                const float R = r[p], G = g[p], B = b[p];
+                const float mx0 = R > G ? R : G, mn0 = R < G ? R : G;
+                const float mx = mx0 > B ? mx0 : B, mn = mn0 < B ? mn0 : B, delta = mx - mn;
+                const float safe = delta > 0.0f ? delta : 1.0f, mx1 = mx > 0.0f ? mx : 1.0f;
+                const float h0 = (G - B) / safe, h1 = 2.0f + (B - R) / safe, h2 = 4.0f + (R - G) / safe;
+                float hh = h2;
+                hh = mx == G ? h1 : hh;
+                hh = mx == R ? h0 : hh;
+                /* |x| < 2, where x - trunc(x) is fmodf(x, 1) exactly; NumPy's % then adds 1
+                   to a negative remainder */
+                const float x = hh / 6.0f + ff;
+                const float rem = x - (float)(int)x, up = rem + 1.0f;
+                const float wrapped = rem < 0.0f ? up : rem;
+                const float sq = delta / mx1;
+                r[p] = mx;
+                g[p] = mx > 0.0f ? sq : 0.0f;
+                grey[p] = delta > 0.0f ? wrapped : 0.0f;
+            }
+            for (int64_t p = 0; p < pixels; ++p) {
+                const float mx = r[p], s = g[p], h = grey[p];
+                const float i = (float)(int)(h * 6.0f);  /* h >= 0: the cast floors */
+                const float fr = h * 6.0f - i;
+                const float P = mx * (1.0f - s), Q = mx * (1.0f - s * fr), T = mx * (1.0f - s * (1.0f - fr));
+                /* sector i's (r, g, b); i = 6 (h rounded up to 1) gives 0, np.select's default */
+                float ro = 0.0f, go = 0.0f, bo = 0.0f;
+                ro = i == 0.0f ? mx : ro;
+                ro = i == 1.0f ? Q : ro;
+                ro = i == 2.0f ? P : ro;
+                ro = i == 3.0f ? P : ro;
+                ro = i == 4.0f ? T : ro;
+                ro = i == 5.0f ? mx : ro;
+                go = i == 0.0f ? T : go;
+                go = i == 1.0f ? mx : go;
+                go = i == 2.0f ? mx : go;
+                go = i == 3.0f ? Q : go;
+                go = i == 4.0f ? P : go;
+                go = i == 5.0f ? P : go;
+                bo = i == 0.0f ? P : bo;
+                bo = i == 1.0f ? P : bo;
+                bo = i == 2.0f ? T : bo;
+                bo = i == 3.0f ? mx : bo;
+                bo = i == 4.0f ? mx : bo;
+                bo = i == 5.0f ? Q : bo;
+                r[p] = ro;
+                g[p] = go;
+                b[p] = bo;
+            }
+        }
+    }
+    from_planes(v, dst, pixels, c);
+}
+
+static PyObject *jitter(PyObject *self, PyObject *args) {
+    PyObject *images_obj, *params_obj, *outs_obj;
+    if (!PyArg_ParseTuple(args, "OOO", &images_obj, &params_obj, &outs_obj)) return NULL;
+    Views images, outs = {0};
+    Py_buffer params = {0};
+    PyObject *result = NULL;
+    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
+            || check_outs(&images, &outs, 1) < 0 || get_param(params_obj, "params", 'd', 8 * images.n, 0, &params) < 0)
+        goto done;
+    const double *prm = params.buf;
+    for (Py_ssize_t i = 0; i < images.n; ++i)
+        for (int k = 0; k < 4; ++k) {
+            const double step = prm[8 * i + k];
+            if (!(step == -1 || step == 0 || step == 1 || step == 2 || step == 3)
+                    || (images.v[i].shape[2] < 3 && (step == 2 || step == 3))) {
+                PyErr_Format(PyExc_ValueError, "params[%zd, %d]: a step is -1 or 0-3 (2 and 3 need 3 channels)", i, k);
+                goto done;
+            }
+        }
+    size_t need = 1; /* one scratch for the batch: the largest image's planes and a grey plane */
+    for (Py_ssize_t i = 0; i < images.n; ++i) {
+        const size_t pixels = (size_t)images.v[i].shape[0] * (size_t)images.v[i].shape[1];
+        if (pixels * ((size_t)images.v[i].shape[2] + 1) > need) need = pixels * ((size_t)images.v[i].shape[2] + 1);
+    }
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    float *scratch = malloc(sizeof(float) * need);
+    failed = !scratch;
+    for (Py_ssize_t i = 0; i < images.n && !failed; ++i)
+        jitter_one(images.v[i].buf, outs.v[i].buf, images.v[i].shape[0] * images.v[i].shape[1],
+                   (int)images.v[i].shape[2], prm + 8 * i, scratch);
+    free(scratch);
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    if (params.obj) PyBuffer_Release(&params);
+    release_views(&images);
+    release_views(&outs);
+    return result;
+}
+
+/* ---- batch mixing: MixUp's weighted sum and CutMix's box, with the row before ---------- */
+
+/* out = w * a + (1 - w) * b per value, float32 (ops/mix.py), rounded half up. */
+CLONES static void mix_one(const uint8_t *a, const uint8_t *b, uint8_t *dst, int64_t n, float w, float rest) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = to_level(w * (float)a[j] + rest * (float)b[j]);
+}
+
+/* The images of a batch, all of one shape (CutMix and MixUp mix each with the one before). */
+static int same_shapes(const Views *images) {
+    for (Py_ssize_t i = 1; i < images->n; ++i)
+        if (memcmp(images->v[i].shape, images->v[0].shape, 3 * sizeof(Py_ssize_t)) != 0) {
+            PyErr_Format(PyExc_ValueError, "images[%zd]: want the shape of images[0]", i);
+            return -1;
+        }
+    return 0;
+}
+
+static PyObject *mix(PyObject *self, PyObject *args) {
+    PyObject *images_obj, *weights_obj, *outs_obj;
+    if (!PyArg_ParseTuple(args, "OOO", &images_obj, &weights_obj, &outs_obj)) return NULL;
+    Views images, outs = {0};
+    Py_buffer weights = {0};
+    PyObject *result = NULL;
+    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
+            || check_outs(&images, &outs, 1) < 0 || same_shapes(&images) < 0
+            || get_param(weights_obj, "weights", 'f', 2 * images.n, 0, &weights) < 0)
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    const float *w = weights.buf;
+    for (Py_ssize_t i = 0; i < images.n; ++i) {
+        const Py_buffer *v = &images.v[i];
+        mix_one(v->buf, images.v[(i + images.n - 1) % images.n].buf, outs.v[i].buf, v->len, w[2 * i],
+                w[2 * i + 1]);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    if (weights.obj) PyBuffer_Release(&weights);
+    release_views(&images);
+    release_views(&outs);
+    return result;
+}
+
+static PyObject *paste(PyObject *self, PyObject *args) {
+    PyObject *images_obj, *boxes_obj, *outs_obj;
+    if (!PyArg_ParseTuple(args, "OOO", &images_obj, &boxes_obj, &outs_obj)) return NULL;
+    Views images, outs = {0};
+    Py_buffer boxes = {0};
+    PyObject *result = NULL;
+    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
+            || check_outs(&images, &outs, 1) < 0 || same_shapes(&images) < 0
+            || get_param(boxes_obj, "boxes", 'q', 4 * images.n, 0, &boxes) < 0)
+        goto done;
+    const int64_t *box = boxes.buf;
+    for (Py_ssize_t i = 0; i < images.n; ++i) {
+        const int64_t *q = box + 4 * i, h = images.v[i].shape[0], w = images.v[i].shape[1];
+        if (!(0 <= q[0] && q[0] <= q[2] && q[2] <= h && 0 <= q[1] && q[1] <= q[3] && q[3] <= w)) {
+            PyErr_Format(PyExc_ValueError, "boxes[%zd]: want 0 <= y0 <= y1 <= height and 0 <= x0 <= x1 <= width", i);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < images.n; ++i) {
+        const Py_buffer *v = &images.v[i];
+        const uint8_t *a = v->buf, *prev = images.v[(i + images.n - 1) % images.n].buf;
+        uint8_t *d = outs.v[i].buf;
+        const int64_t *q = box + 4 * i, row = v->shape[1] * v->shape[2], c = v->shape[2];
+        for (int64_t y = 0; y < v->shape[0]; ++y) {
+            const int64_t at = y * row;
+            if (y < q[0] || y >= q[2] || q[1] == q[3]) {
+                memcpy(d + at, a + at, (size_t)row);
+                continue;
+            }
+            memcpy(d + at, a + at, (size_t)(q[1] * c));
+            memcpy(d + at + q[1] * c, prev + at + q[1] * c, (size_t)((q[3] - q[1]) * c));
+            memcpy(d + at + q[3] * c, a + at + q[3] * c, (size_t)(row - q[3] * c));
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    if (boxes.obj) PyBuffer_Release(&boxes);
+    release_views(&images);
+    release_views(&outs);
     return result;
 }
 
@@ -642,6 +898,9 @@ static PyMethodDef methods[] = {
     {"histogram", histogram, METH_VARARGS, "histogram(images, counts): see ops/_augment.pyi"},
     {"filter3x3", filter3x3, METH_VARARGS, "filter3x3(images, kernels, outs): see ops/_augment.pyi"},
     {"blur", blur, METH_VARARGS, "blur(images, ky, kx, outs): see ops/_augment.pyi"},
+    {"jitter", jitter, METH_VARARGS, "jitter(images, params, outs): see ops/_augment.pyi"},
+    {"mix", mix, METH_VARARGS, "mix(images, weights, outs): see ops/_augment.pyi"},
+    {"paste", paste, METH_VARARGS, "paste(images, boxes, outs): see ops/_augment.pyi"},
     {"warp", warp, METH_VARARGS, "warp(images, matrices, fills, interp, use_fill, outs): see ops/_augment.pyi"},
     {NULL, NULL, 0, NULL}};
 

@@ -2,7 +2,8 @@
 
 Required (no other CPU implementation): built at install. Callers: ``gpuio.ops.augment``
 (``apply_color``, ``apply_levels``, ``histograms``, ``GaussianBlur``),
-``gpuio.ops.warp.warp`` and ``gpuio.ops.auto_aug`` (sharpness).
+``gpuio.ops.warp.warp``, ``gpuio.ops.auto_aug`` (sharpness), ``gpuio.ops.color``
+(``ColorJitter`` of uint8 images) and ``gpuio.ops.mix`` (MixUp, CutMix of uint8 images).
 
 Images are C-contiguous HWC arrays in a list (sizes may differ); ``outs`` are arrays the
 caller allocated, one per image, written in place. Per-sample parameters are C-contiguous
@@ -54,3 +55,24 @@ def warp(images: list[ReadableBuffer], matrices: ReadableBuffer, fills: Readable
     ``+ 0.5``), bilinear (``interp`` 0) or nearest (1). A tap outside the image reads
     ``fills[k, c]`` (float32 ``[N, 4]``) when ``use_fill``, else the nearest border pixel.
     As ``gpuio.ops.warp.WARP_SOURCE``. Raises ValueError when ``interp`` is not 0 or 1."""
+
+def jitter(images: list[ReadableBuffer], params: ReadableBuffer, outs: list[WriteableBuffer], /) -> None:
+    """torchvision's ColorJitter steps per uint8 image, in float32 as
+    ``gpuio.ops.color.ColorJitter``'s array code: ``params`` float64 ``[N, 8]`` holds the
+    four steps in the order applied (0 brightness ``v * f``, 1 contrast ``v * f + mean
+    grey * (1 - f)``, 2 saturation ``v * f + grey * (1 - f)``, 3 hue: H of HSV plus ``f``
+    turns; -1 skips; 2 and 3 need 3 or more channels) then the factors of steps 0-3. Each
+    step but hue holds values to 0-255; levels are rounded once at the end. The mean grey
+    is summed in double. ``outs``: uint8, the images' shapes. Raises ValueError for a
+    step that is not -1 or 0-3, or 2-3 on a 1-2 channel image."""
+
+def mix(images: list[ReadableBuffer], weights: ReadableBuffer, outs: list[WriteableBuffer], /) -> None:
+    """MixUp: ``out[k] = w[k, 0] * images[k] + w[k, 1] * images[k - 1]`` (row 0 with the
+    last), float32 ``weights [N, 2]``, rounded half up; uint8 images of one shape (else
+    ValueError). ``outs``: uint8, the images' shapes."""
+
+def paste(images: list[ReadableBuffer], boxes: ReadableBuffer, outs: list[WriteableBuffer], /) -> None:
+    """CutMix: ``out[k]`` is ``images[k]`` with the box ``boxes[k]`` (int64 ``[N, 4]``:
+    y0, x0, y1, x1, end exclusive) taken from ``images[k - 1]`` (row 0 from the last);
+    uint8 images of one shape. ValueError for a box outside its image. ``outs``: uint8,
+    the images' shapes."""

@@ -2,7 +2,8 @@
 
 Both take HWC images (uint8 pixels, 0-255) and run the same array code on NumPy and
 CuPy; on a GPU batch ``normalize`` of uint8 images is the fused kernel with an
-identity crop (one launch per batch).
+identity crop (one launch per batch), and ``color_jitter`` of host uint8 images is one
+C call per batch (``gpuio.ops._augment.jitter``).
 """
 
 from __future__ import annotations
@@ -144,7 +145,9 @@ class ColorJitter(Op):
     saturation factors uniform in ``[max(0, 1 - x), 1 + x]``, a hue shift uniform in
     ``[-hue, hue]`` turns (``hue <= 0.5``), applied in a random order per image.
     Values stay float between steps (clipped to 0-255) and are rounded once at the end.
-    Saturation and hue leave 1-channel images unchanged."""
+    Saturation and hue leave 1-channel images unchanged. Host uint8 images take one C
+    call per batch (``_augment.jitter``, the same float32 steps); others, and GPU
+    batches, the array code."""
 
     salt = 0x434A4954
 
@@ -168,26 +171,52 @@ class ColorJitter(Op):
         return order, factors
 
     def __call__(self, batch: Batch) -> Batch:
+        images = batch.data[self.field]
+        if not batch.device.is_cuda and all(img.dtype == np.uint8 and img.ndim == 3 for img in images):
+            batch.data[self.field] = self._jitter_host(batch, list(images))
+            return batch
         xp = batch.xp
         out = []
-        for row, img in enumerate(batch.data[self.field]):
+        for row, img in enumerate(images):
             order, factors = self.params(batch, row)
-            v = img.astype(xp.float32)
-            color = img.shape[2] >= 3
-            for step in order.tolist():
-                f = float(factors[step])
-                if step == 0 and self.amounts[0]:
-                    v = xp.clip(v * f, 0, 255)
-                elif step == 1 and self.amounts[1]:
-                    m = float(_gray(xp, v[..., :3]).mean()) if color else float(v.mean())
-                    v = xp.clip(v * f + m * (1 - f), 0, 255)
-                elif step == 2 and self.amounts[2] and color:
-                    v = xp.clip(v * f + _gray(xp, v[..., :3]) * (1 - f), 0, 255)
-                elif step == 3 and self.amounts[3] and color:
-                    v = xp.concatenate([_shift_hue(xp, v[..., :3], f), v[..., 3:]], axis=-1)
-            out.append(cast(xp, v, "uint8"))
+            out.append(self._jitter_array(xp, img, order, factors))
         batch.data[self.field] = out
         return batch
+
+    def _steps(self, order: np.ndarray, channels: int) -> list[int]:
+        """The steps in ``order`` that change an image of ``channels`` channels, -1 for the others."""
+        return [k if self.amounts[k] and (k < 2 or channels >= 3) else -1 for k in order.tolist()]
+
+    def _jitter_host(self, batch: Batch, images: list[np.ndarray]) -> list[np.ndarray]:
+        """uint8 HWC images in host memory: one C call for the batch (``_augment.jitter``),
+        the steps of ``_jitter_array`` in float32 (the mean grey summed in double)."""
+        from gpuio.ops import _augment
+        from gpuio.ops.augment import host_outputs
+
+        params = np.empty((len(images), 8))
+        for row, img in enumerate(images):
+            order, factors = self.params(batch, row)
+            params[row, :4], params[row, 4:] = self._steps(order, img.shape[2]), factors
+        src = [np.ascontiguousarray(img) for img in images]
+        out = host_outputs(src)
+        _augment.jitter(src, params, out)
+        return out
+
+    def _jitter_array(self, xp: Any, img: Any, order: np.ndarray, factors: np.ndarray) -> Any:
+        """One HWC image through the steps in ``order`` with the array module ``xp``."""
+        v = img.astype(xp.float32)
+        for step in self._steps(order, img.shape[2]):
+            f = float(factors[step])
+            if step == 0:
+                v = xp.clip(v * f, 0, 255)
+            elif step == 1:
+                m = float(_gray(xp, v[..., :3]).mean()) if img.shape[2] >= 3 else float(v.mean())
+                v = xp.clip(v * f + m * (1 - f), 0, 255)
+            elif step == 2:
+                v = xp.clip(v * f + _gray(xp, v[..., :3]) * (1 - f), 0, 255)
+            elif step == 3:
+                v = xp.concatenate([_shift_hue(xp, v[..., :3], f), v[..., 3:]], axis=-1)
+        return cast(xp, v, "uint8")
 
 
 def normalize(mean: float | Sequence[float] = 0.0, std: float | Sequence[float] = 1.0, layout: str = "CHW",

@@ -8,7 +8,9 @@ depend on (seed, epoch, sample) only and a resumed epoch mixes the same way. Ima
 HWC of one shape (a list or one array ``[N, H, W, C]``); the result is one array of the
 input dtype (uint8 rounded half up). Labels (``label_field``) are class indices ``[N]``
 (made one-hot with ``num_classes``) or soft labels ``[N, K]``; they come out float32
-``[N, K]``. The same array code runs on NumPy and CuPy.
+``[N, K]``. Host uint8 images are mixed by one C call per batch (``_augment.mix`` and
+``paste``: the array code's float32 sums, one output array, no float copy of the batch);
+other images and GPU batches run the same array code on NumPy and CuPy.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 
 from gpuio.batch import Batch, Op
 from gpuio.device import require
+from gpuio.ops import _augment
 from gpuio.errors import ConfigError, DataError
 
 __all__ = ["MixUp", "CutMix", "mixup", "cutmix"]
@@ -71,19 +74,30 @@ class _Mix(Op):
     def __call__(self, batch: Batch) -> Batch:
         if len(batch) == 0:
             return batch
-        lam = self.weights(batch)
         if batch.device.is_cuda:
             cp = require("cupy")
             with cp.cuda.Device(batch.device.index):
                 stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
                 with stream:
-                    self._mix(cp, batch, lam)
+                    self._mix(cp, batch)
         else:
-            self._mix(np, batch, lam)
+            self._mix(np, batch)
         return batch
 
-    def _mix(self, xp: Any, batch: Batch, lam: np.ndarray) -> None:  # pragma: no cover - interface
+    def _mix(self, xp: Any, batch: Batch) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def _host_uint8(xp: Any, images: Any) -> list[np.ndarray] | None:
+    """Host uint8 HWC images of one shape as C-contiguous arrays for ``_augment``, else
+    None (the array code takes them, and names a batch of mixed shapes)."""
+    if xp is not np or len(images) == 0:
+        return None
+    rows = [np.ascontiguousarray(img) for img in images]
+    if rows[0].dtype != np.uint8 or rows[0].ndim != 3 or any(r.shape != rows[0].shape or r.dtype != np.uint8
+                                                             for r in rows):
+        return None
+    return rows
 
 
 def _like(xp: Any, v: Any, dtype: Any) -> Any:
@@ -105,7 +119,16 @@ class MixUp(_Mix):
                  label_field: str = "label") -> None:
         super().__init__(alpha, num_classes, field, label_field)
 
-    def _mix(self, xp: Any, batch: Batch, lam: np.ndarray) -> None:
+    def _mix(self, xp: Any, batch: Batch) -> None:
+        lam = self.weights(batch)
+        src = _host_uint8(xp, batch.data[self.field])
+        if src is not None:  # one C call: the same float32 sums
+            w = lam.astype(np.float32)
+            out = np.empty((len(src), *src[0].shape), np.uint8)
+            _augment.mix(src, np.ascontiguousarray(np.stack([w, 1 - w], axis=1)), list(out))
+            batch.data[self.label_field] = self._labels(xp, batch, lam)
+            batch.data[self.field] = out
+            return
         images = self._stacked(xp, batch)
         w = xp.asarray(lam.astype(np.float32)).reshape((-1,) + (1,) * (images.ndim - 1))
         mixed = w * images.astype(xp.float32) + (1 - w) * xp.roll(images, 1, axis=0).astype(xp.float32)
@@ -130,22 +153,35 @@ class CutMix(_Mix):
     def boxes(self, batch: Batch, lam: np.ndarray, h: int, w: int) -> np.ndarray:
         """Per row the pasted box (y0, x0, y1, x1), int64 ``[N, 4]``: after ``lam``, the
         row's generator draws the centre's x then y."""
-        out = np.zeros((len(batch), 4), np.int64)
+        return self._draws(batch, h, w, lam)[1]
+
+    def _draws(self, batch: Batch, h: int, w: int, lam: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(``weights``, ``boxes``) from one generator per row (``lam`` given: the box
+        around it, its draw skipped over)."""
+        weights, out = np.empty(len(batch)), np.zeros((len(batch), 4), np.int64)
         for row in range(len(batch)):
             rng = batch.rng(row, self.salt)
-            rng.beta(self.alpha, self.alpha)  # lam, drawn by weights()
+            drawn = rng.beta(self.alpha, self.alpha)
+            weights[row] = drawn if lam is None else lam[row]
             cx, cy = int(rng.integers(0, w)), int(rng.integers(0, h))
-            r = 0.5 * np.sqrt(1.0 - lam[row])
+            r = 0.5 * np.sqrt(1.0 - weights[row])
             rh, rw = int(r * h), int(r * w)
             out[row] = (max(cy - rh, 0), max(cx - rw, 0), min(cy + rh, h), min(cx + rw, w))
-        return out
+        return weights, out
 
-    def _mix(self, xp: Any, batch: Batch, lam: np.ndarray) -> None:
-        images = self._stacked(xp, batch)
-        n, h, w = images.shape[:3]
-        box = self.boxes(batch, lam, h, w)
+    def _mix(self, xp: Any, batch: Batch) -> None:
+        src = _host_uint8(xp, batch.data[self.field])
+        images = src if src is not None else self._stacked(xp, batch)
+        h, w = images[0].shape[:2]
+        _, box = self._draws(batch, h, w)
         area = (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
         kept = 1.0 - area / float(h * w)
+        if src is not None:  # one C call: rows copied, the boxes pasted from the row before
+            out = np.empty((len(src), h, w, src[0].shape[2]), np.uint8)
+            _augment.paste(src, box, list(out))
+            batch.data[self.label_field] = self._labels(xp, batch, kept)
+            batch.data[self.field] = out
+            return
         b = xp.asarray(box)
         ys, xs = xp.arange(h)[None, :, None], xp.arange(w)[None, None, :]
         inside = ((ys >= b[:, 0, None, None]) & (ys < b[:, 2, None, None])

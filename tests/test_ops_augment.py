@@ -330,6 +330,28 @@ def test_cutmix_pastes_torchvision_boxes_and_soft_labels(images):
         np.testing.assert_allclose(got["label"][row], kept * soft[row] + (1 - kept) * soft[(row - 1) % 3], atol=1e-6)
 
 
+def test_mixup_c_path_is_the_float32_formula(images):
+    imgs = [images[0], images[2], 255 - images[0], images[2][::-1].copy()]
+    op = ops.mixup(alpha=0.4, num_classes=3)
+    out, _ = run(op, imgs, label=np.array([0, 1, 2, 1]))
+    w = op.weights(make_batch(imgs)).astype(np.float32)[:, None, None, None]
+    stack = np.stack(imgs).astype(np.float32)
+    assert np.array_equal(out, round_u8(w * stack + (1 - w) * np.roll(stack, 1, axis=0)))
+
+
+def test_color_jitter_c_path_agrees_with_the_array_path(images):
+    """uint8 images take one C call; float32 ones (the same levels) the array code that
+    the GPU runs: the same draws and steps, the mean grey summed in another precision."""
+    rgba = np.concatenate([images[0], images[2][..., :1]], axis=2)
+    imgs = [images[0], images[1], rgba, images[3][..., :1].copy(), 255 - images[2]]
+    for op in (ops.color_jitter(0.4, 0.4, 0.4, 0.1), ops.color_jitter(hue=0.5), ops.color_jitter(0.2, 0.9)):
+        got, _ = run(op, imgs)
+        ref, _ = run(op, [img.astype(np.float32) for img in imgs])
+        for a, b in zip(got, ref):
+            assert a.dtype == b.dtype == np.uint8 and a.shape == b.shape
+            close(a, b, max_diff=1, mean_diff=0.001)
+
+
 def test_mixing_errors(images):
     with pytest.raises(DataError, match="one shape"):
         ops.mixup(num_classes=3)(make_batch([images[0], images[1]], label=np.array([0, 1])))

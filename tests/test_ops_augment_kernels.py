@@ -172,6 +172,13 @@ def test_the_built_c_path_equals_its_plain_c_build(portable, images):
     for data in (src, floats):
         mine, plain = both("blur", data, ky, kx, outs=data)
         assert all(np.array_equal(a, b) for a, b in zip(mine, plain))
+    params = np.array([[3, 0, 1, 2], [1, -1, 0, 3], [2, 3, 1, 0], [1, 0, 2, -1]], np.float64)
+    params = np.concatenate([params, rng.uniform(0.3, 1.7, (n, 4)) - [0, 0, 0, 1.1]], axis=1)
+    mine, plain = both("jitter", src, params, outs=src)
+    assert all(np.array_equal(a, b) for a, b in zip(mine, plain))
+    same = [src[0], src[2], 255 - src[0]]
+    mine, plain = both("mix", same, rng.uniform(0, 1, (3, 2)).astype(np.float32), outs=same)
+    assert all(np.array_equal(a, b) for a, b in zip(mine, plain))
     m = np.stack([rotation_matrix(a, img.shape[:2], (31, 45)) for a, img in zip((25, -70, 180, 3), src)])
     fills = np.tile(np.array([99.5, 0, 255, 3], np.float32), (n, 1))
     outs = [np.empty((31, 45, img.shape[2]), np.uint8) for img in src]
