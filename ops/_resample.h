@@ -7,10 +7,12 @@
  * (nearest, linear, area). With such weights the horizontal pass of the reference never
  * leaves 0-255, so the two passes commute: this runs the vertical pass first, over
  * contiguous rows (vectorizable), then the horizontal pass with the 3 or 4 channels of a
- * pixel as one 4-lane vector, and differs from the reference by float rounding only. A flip reverses the window tables, so the
- * loops have no flip branch. On x86-64 the resampler is built twice (target_clones: for
- * AVX2 + FMA and for the baseline) and picks one at run time; GPUIO_PORTABLE builds only
- * the plain C (tests/test_ops_cpu.py checks it against the fast path).
+ * pixel as one 4-lane vector (with AVX2 two output pixels per 8-lane vector, and 3-channel
+ * float CHW rows written as planes straight from it), and differs from the reference by
+ * float rounding only. A flip reverses the window tables, so the loops have no flip branch.
+ * On x86-64 the resampler is built twice (target_clones: for AVX2 + FMA and for the
+ * baseline) and picks one at run time; GPUIO_PORTABLE builds only the plain C
+ * (tests/test_ops_cpu.py checks it against the fast path).
  */
 #ifndef GPUIO_RESAMPLE_H
 #define GPUIO_RESAMPLE_H
@@ -135,27 +137,150 @@ static inline __attribute__((always_inline)) void vertical(float *restrict row, 
 #include <immintrin.h>
 #define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 
-/* vertical() with AVX2: 16 values at a time, all taps summed in registers (GCC 12
- * vectorizes the plain loops one tap at a time at best). */
-__attribute__((target("avx2,fma"))) static void vertical_avx2(float *restrict row, const uint8_t *const *src,
-                                                              const float *w, int taps, int n) {
+/* vertical() with AVX2: 32 values at a time, all taps summed in registers (GCC 12
+ * vectorizes the plain loops one tap at a time at best); a constant `taps` unrolls the
+ * sum and keeps the broadcast weights in registers. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+vertical_avx2_taps(float *restrict row, const uint8_t *const *src, const float *w, const int taps, int n) {
     int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int k = 0; k < taps; ++k) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(src[k] + i));
+            const uint8_t *q = src[k] + i;
             const __m256 wk = _mm256_set1_ps(w[k]);
-            lo = _mm256_fmadd_ps(wk, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), lo);
-            hi = _mm256_fmadd_ps(wk, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), hi);
+#define WIDEN(at) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + (at)))))
+            a0 = _mm256_fmadd_ps(wk, WIDEN(0), a0);
+            a1 = _mm256_fmadd_ps(wk, WIDEN(8), a1);
+            a2 = _mm256_fmadd_ps(wk, WIDEN(16), a2);
+            a3 = _mm256_fmadd_ps(wk, WIDEN(24), a3);
         }
-        _mm256_storeu_ps(row + i, lo);
-        _mm256_storeu_ps(row + i + 8, hi);
+        _mm256_storeu_ps(row + i, a0);
+        _mm256_storeu_ps(row + i + 8, a1);
+        _mm256_storeu_ps(row + i + 16, a2);
+        _mm256_storeu_ps(row + i + 24, a3);
+    }
+    for (; i + 8 <= n; i += 8) {
+        __m256 a0 = _mm256_setzero_ps();
+        for (int k = 0; k < taps; ++k) {
+            const uint8_t *q = src[k] + i;
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(w[k]), WIDEN(0), a0);
+        }
+#undef WIDEN
+        _mm256_storeu_ps(row + i, a0);
     }
     for (; i < n; ++i) {
         float acc = 0.0f;
-        for (int k = 0; k < taps; ++k) acc += w[k] * src[k][i];
+        for (int k = 0; k < taps; ++k) acc = fmaf(w[k], src[k][i], acc);
         row[i] = acc;
     }
+}
+
+__attribute__((target("avx2,fma"))) static void vertical_avx2(float *restrict row, const uint8_t *const *src,
+                                                              const float *w, int taps, int n) {
+    switch (taps) { /* the tap counts of scales from 1/3 up */
+    case 1: vertical_avx2_taps(row, src, w, 1, n); break;
+    case 2: vertical_avx2_taps(row, src, w, 2, n); break;
+    case 3: vertical_avx2_taps(row, src, w, 3, n); break;
+    case 4: vertical_avx2_taps(row, src, w, 4, n); break;
+    case 5: vertical_avx2_taps(row, src, w, 5, n); break;
+    case 6: vertical_avx2_taps(row, src, w, 6, n); break;
+    case 7: vertical_avx2_taps(row, src, w, 7, n); break;
+    default: vertical_avx2_taps(row, src, w, taps, n);
+    }
+}
+/* The horizontal pass (as horizontal_taps()) of 3- or 4-channel rows with AVX2, output
+ * pixels in blocks of 8: pixel i of a block and pixel i + 4 share one 8-lane vector, summed
+ * over `taps` = x->most taps with the weights of pair_weights(). Then clipped and
+ * normalized, and stored into `px` (4 floats per pixel) or, where `planes` is given
+ * (3-channel float CHW), as 8 values per plane after an in-lane 4x4 transpose. The pixels
+ * after the last whole block take the 4-lane loop. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+horizontal_avx2_taps(float *restrict px, float *const *planes, const float *restrict row, const int C, int ow,
+                     const Windows *x, const float *restrict pw, v4f mean4, v4f inv_std4, const int taps) {
+    const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(255.0f);
+    const __m128 m4 = _mm_loadu_ps((const float *)&mean4), s4 = _mm_loadu_ps((const float *)&inv_std4);
+    const __m256 mean = _mm256_set_m128(m4, m4), inv_std = _mm256_set_m128(s4, s4);
+    const int blocks = ow / 8;
+    const float *w = pw;
+    for (int b = 0; b < blocks; ++b, w += 32 * taps) {
+        const int *first = x->first + 8 * b;
+#define PAIR(i)                                                                                                 \
+    ({                                                                                                          \
+        const float *pa = row + (size_t)first[i] * C, *pb = row + (size_t)first[(i) + 4] * C;                 \
+        const float *wi = w + (i) * 8 * taps;                                                                   \
+        __m256 v = zero;                                                                                        \
+        for (int k = 0; k < taps; ++k)                                                                          \
+            v = _mm256_fmadd_ps(_mm256_loadu_ps(wi + 8 * k), _mm256_loadu2_m128(pb + k * C, pa + k * C), v);   \
+        v = _mm256_min_ps(_mm256_max_ps(v, zero), top); /* as horizontal_taps(): NaN and -0 to 0 */           \
+        _mm256_mul_ps(_mm256_sub_ps(v, mean), inv_std);                                                         \
+    })
+        const __m256 q[4] = {PAIR(0), PAIR(1), PAIR(2), PAIR(3)};
+#undef PAIR
+        if (planes) {
+            const __m256 t0 = _mm256_unpacklo_ps(q[0], q[1]), t1 = _mm256_unpacklo_ps(q[2], q[3]);
+            const __m256 t2 = _mm256_unpackhi_ps(q[0], q[1]), t3 = _mm256_unpackhi_ps(q[2], q[3]);
+            _mm256_storeu_ps(planes[0] + 8 * b, _mm256_shuffle_ps(t0, t1, 0x44));
+            _mm256_storeu_ps(planes[1] + 8 * b, _mm256_shuffle_ps(t0, t1, 0xEE));
+            _mm256_storeu_ps(planes[2] + 8 * b, _mm256_shuffle_ps(t2, t3, 0x44));
+        } else {
+            for (int i = 0; i < 4; ++i) {
+                _mm_storeu_ps(px + 4 * (8 * b + i), _mm256_castps256_ps128(q[i]));
+                _mm_storeu_ps(px + 4 * (8 * b + i + 4), _mm256_extractf128_ps(q[i], 1));
+            }
+        }
+    }
+    const v4f zero4 = {0.0f, 0.0f, 0.0f, 0.0f}, top4 = {255.0f, 255.0f, 255.0f, 255.0f};
+    for (int ox = 8 * blocks; ox < ow; ++ox) {
+        const float *p = row + (size_t)x->first[ox] * C, *w = x->w + (size_t)ox * x->taps;
+        v4f v = zero4;
+        for (int k = 0; k < taps; ++k) {
+            v4f pixel;
+            memcpy(&pixel, p + k * C, sizeof pixel);
+            v += w[k] * pixel;
+        }
+        v = (v4f)((v4i)v & (v > zero4));
+        const v4i below = v < top4;
+        v = (v4f)(((v4i)v & below) | ((v4i)top4 & ~below));
+        v = (v - mean4) * inv_std4;
+        if (planes)
+            for (int c = 0; c < 3; ++c) planes[c][ox] = v[c];
+        else
+            memcpy(px + 4 * ox, &v, sizeof v);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void horizontal_avx2(float *restrict px, float *const *planes,
+                                                                 const float *restrict row, int C, int ow,
+                                                                 const Windows *x, const float *restrict pw,
+                                                                 v4f mean, v4f inv_std) {
+    switch (x->most) {
+    case 1: horizontal_avx2_taps(px, planes, row, C, ow, x, pw, mean, inv_std, 1); break;
+    case 2: horizontal_avx2_taps(px, planes, row, C, ow, x, pw, mean, inv_std, 2); break;
+    case 3: horizontal_avx2_taps(px, planes, row, C, ow, x, pw, mean, inv_std, 3); break;
+    case 4: horizontal_avx2_taps(px, planes, row, C, ow, x, pw, mean, inv_std, 4); break;
+    case 5: horizontal_avx2_taps(px, planes, row, C, ow, x, pw, mean, inv_std, 5); break;
+    case 6: horizontal_avx2_taps(px, planes, row, C, ow, x, pw, mean, inv_std, 6); break;
+    case 7: horizontal_avx2_taps(px, planes, row, C, ow, x, pw, mean, inv_std, 7); break;
+    default: horizontal_avx2_taps(px, planes, row, C, ow, x, pw, mean, inv_std, x->most);
+    }
+}
+
+/* x's weights in the order horizontal_avx2() reads them: per block of 8 output pixels,
+ * pair i (pixels i and i + 4) and tap k, pixel i's weight 4 times, then pixel i + 4's;
+ * NULL when out of memory. */
+static float *pair_weights(const Windows *x, int ow) {
+    const int taps = x->most, blocks = ow / 8;
+    float *pw = malloc(sizeof(float) * ((size_t)blocks * 32 * taps + 1));
+    if (!pw) return NULL;
+    for (int b = 0; b < blocks; ++b)
+        for (int i = 0; i < 4; ++i)
+            for (int k = 0; k < taps; ++k)
+                for (int h = 0; h < 2; ++h) {
+                    const float w = x->w[(size_t)(8 * b + i + 4 * h) * x->taps + k];
+                    float *at = pw + ((size_t)(4 * b + i) * taps + k) * 8 + 4 * h;
+                    at[0] = at[1] = at[2] = at[3] = w;
+                }
+    return pw;
 }
 #define VERTICAL(row, src, w, taps, n) \
     (avx2 ? vertical_avx2(row, src, w, taps, n) : vertical(row, src, w, taps, n))
@@ -287,12 +412,17 @@ static inline __attribute__((always_inline)) void store(const Job *job, const Sa
 }
 
 static inline __attribute__((always_inline)) void rows(const Job *job, const Sample *s, const Windows *y,
-                                                       const Windows *x, float *restrict row, float *restrict px,
-                                                       const int C, const int chw, const int to_uint8) {
+                                                       const Windows *x, const float *pw, float *restrict row,
+                                                       float *restrict px, const int C, const int chw,
+                                                       const int to_uint8) {
     const int width = (int)(s->clip[3] - s->clip[1]);
     const int packed = s->cs == C && s->chs == 1;
 #if defined(__x86_64__) && !defined(GPUIO_PORTABLE)
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int direct = C == 3 && chw && !to_uint8; /* horizontal_avx2() writes the planes itself */
+    const int64_t plane = s->out_hw[0] * s->out_hw[1];
+#else
+    (void)pw;
 #endif
     v4f mean = {0}, inv_std = {0};
     for (int c = 0; c < C && c < 4; ++c) {
@@ -315,6 +445,15 @@ static inline __attribute__((always_inline)) void rows(const Job *job, const Sam
                     row[i * C + c] = acc;
                 }
         }
+#if defined(__x86_64__) && !defined(GPUIO_PORTABLE)
+        if (pw) {
+            const int ow = (int)s->out_hw[1];
+            float *r = (float *)job->out + s->offset + (int64_t)oy * ow, *planes[3] = {r, r + plane, r + 2 * plane};
+            horizontal_avx2(px, direct ? planes : NULL, row, C, ow, x, pw, mean, inv_std);
+            if (!direct) store(job, s, px, C, chw, to_uint8, oy);
+            continue;
+        }
+#endif
         horizontal(px, row, C, (int)s->out_hw[1], x, mean, inv_std);
         store(job, s, px, C, chw, to_uint8, oy);
     }
@@ -325,7 +464,7 @@ CLONES static int resample_one(const Job *job, const Sample *s) {
     const int C = job->channels, oh = (int)s->out_hw[0], ow = (int)s->out_hw[1];
     const int width = (int)(s->clip[3] - s->clip[1]);
     Windows y = {0}, x = {0};
-    float *row = NULL, *px = NULL;
+    float *row = NULL, *px = NULL, *pw = NULL;
     int ok = -1;
     if (windows(job->interp, job->antialias, s->box[0], s->box[2], oh, (int)s->clip[0], (int)s->clip[2],
                 (int)(s->flip & 2), &y) < 0
@@ -335,16 +474,21 @@ CLONES static int resample_one(const Job *job, const Sample *s) {
     row = calloc((size_t)(width + x.most) * C + 4, sizeof(float));
     px = malloc(sizeof(float) * 4 * (size_t)ow);
     if (!row || !px) goto done;
-    if (C == 3 && job->chw && !job->to_uint8) rows(job, s, &y, &x, row, px, 3, 1, 0); /* the common case */
-    else if (C == 3) rows(job, s, &y, &x, row, px, 3, job->chw, job->to_uint8);
-    else if (C == 1) rows(job, s, &y, &x, row, px, 1, job->chw, job->to_uint8);
-    else rows(job, s, &y, &x, row, px, C, job->chw, job->to_uint8);
+#if defined(__x86_64__) && !defined(GPUIO_PORTABLE)
+    if (C >= 3 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !(pw = pair_weights(&x, ow)))
+        goto done;
+#endif
+    if (C == 3 && job->chw && !job->to_uint8) rows(job, s, &y, &x, pw, row, px, 3, 1, 0); /* the common case */
+    else if (C == 3) rows(job, s, &y, &x, pw, row, px, 3, job->chw, job->to_uint8);
+    else if (C == 1) rows(job, s, &y, &x, pw, row, px, 1, job->chw, job->to_uint8);
+    else rows(job, s, &y, &x, pw, row, px, C, job->chw, job->to_uint8);
     ok = 0;
 done:
     free_windows(&y);
     free_windows(&x);
     free(row);
     free(px);
+    free(pw);
     return ok;
 }
 
