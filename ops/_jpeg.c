@@ -14,6 +14,7 @@
  */
 #include "_resample.h"
 
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdio.h>
 #include <time.h>
@@ -256,6 +257,34 @@ static void free_decoder(Decoder *d) {
     jpeg_destroy_decompress(&d->cinfo);
     free(d->scratch);
     free(d->rows);
+    free(d);
+}
+
+/* Each thread keeps one decoder from call to call (freed when the thread ends): its
+ * scratch stays at the largest window decoded so far, so that the batches after the
+ * first write memory already mapped instead of page-faulting in a fresh buffer. */
+static pthread_key_t decoder_key;
+static int decoder_key_made;
+
+static void drop_decoder(void *d) { free_decoder(d); }
+
+static void make_decoder_key(void) { decoder_key_made = pthread_key_create(&decoder_key, drop_decoder) == 0; }
+
+/* This thread's decoder; NULL when out of memory. `*owned`: the caller frees it with
+ * free_decoder() (where no thread key could be made). */
+static Decoder *thread_decoder(int *owned) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, make_decoder_key);
+    Decoder *d = decoder_key_made ? pthread_getspecific(decoder_key) : NULL;
+    *owned = 0;
+    if (d) return d;
+    if (!(d = calloc(1, sizeof *d))) return NULL;
+    if (new_decompressor(&d->cinfo, &d->err) < 0) {
+        free(d);
+        return NULL;
+    }
+    if (!decoder_key_made || pthread_setspecific(decoder_key, d) != 0) *owned = 1;
+    return d;
 }
 
 static PyObject *decode_region(PyObject *self, PyObject *args) {
@@ -270,23 +299,23 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
     } else if (want_h < 1 || want_w < 1 || out.len < (Py_ssize_t)want_h * want_w * C) {
         PyErr_Format(PyExc_ValueError, "an empty region, or one that does not fit in `out`");
     } else {
-        int failed;
-        Decoder d = {0};
+        int failed, owned;
+        char message[JMSG_LENGTH_MAX] = "out of memory";
         Py_BEGIN_ALLOW_THREADS
         const uint8_t *origin;
         size_t stride;
-        failed = new_decompressor(&d.cinfo, &d.err) < 0 ? -1 : 0;
-        if (failed) snprintf(d.err.message, sizeof d.err.message, "out of memory");
-        else failed = decode_window(&d, data.buf, (size_t)data.len, gray, denom, win, &origin, &stride);
+        Decoder *d = thread_decoder(&owned);
+        failed = !d || decode_window(d, data.buf, (size_t)data.len, gray, denom, win, &origin, &stride) < 0;
+        if (failed && d) memcpy(message, d->err.message, sizeof message);
         if (!failed && (win[2] - win[0] != want_h || win[3] - win[1] != want_w)) {
-            snprintf(d.err.message, sizeof d.err.message, "the region ends outside the image");
+            snprintf(message, sizeof message, "the region ends outside the image");
             failed = 1;
         }
         for (int r = 0; !failed && r < want_h; ++r)
             memcpy((uint8_t *)out.buf + (size_t)r * want_w * C, origin + r * stride, (size_t)want_w * C);
-        free_decoder(&d);
+        if (owned) free_decoder(d);
         Py_END_ALLOW_THREADS
-        if (failed) PyErr_Format(PyExc_ValueError, "%s", d.err.message);
+        if (failed) PyErr_Format(PyExc_ValueError, "%s", message);
         else result = Py_NewRef(Py_None);
     }
     PyBuffer_Release(&data);
@@ -351,18 +380,18 @@ static PyObject *decode_resample(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "image %zd: want a denom of 1, 2, 4 or 8 and an output inside `out`", bad);
         } else {
             Py_BEGIN_ALLOW_THREADS
-            Decoder d = {0};
-            const int created = new_decompressor(&d.cinfo, &d.err) == 0;
-            if (!created) snprintf(d.err.message, sizeof d.err.message, "out of memory");
+            int owned;
+            Decoder *d = thread_decoder(&owned);
             const int timed = __atomic_load_n(&timing, __ATOMIC_RELAXED);
             int64_t ns[2] = {0, 0}, start = timed ? thread_ns() : 0;
             for (Py_ssize_t i = 0; i < n; ++i) {
                 Sample s;
                 sample_args(&a, i, &s);
-                const int decoded = !created ? -1 : decode_sample(&d, views[i].buf, (size_t)views[i].len, gray, (int)denoms[i], &s);
+                const int decoded = !d ? -1 : decode_sample(d, views[i].buf, (size_t)views[i].len, gray, (int)denoms[i], &s);
                 const int64_t middle = timed ? thread_ns() : 0;
                 if (decoded < 0) {
-                    memcpy(messages[i], d.err.message, JMSG_LENGTH_MAX);
+                    if (d) memcpy(messages[i], d->err.message, JMSG_LENGTH_MAX);
+                    else snprintf(messages[i], JMSG_LENGTH_MAX, "out of memory");
                     status[i] = 1;
                 } else if (resample_one(&a.job, &s) < 0) {
                     snprintf(messages[i], JMSG_LENGTH_MAX, "out of memory");
@@ -375,7 +404,7 @@ static PyObject *decode_resample(PyObject *self, PyObject *args) {
             }
             __atomic_fetch_add(&stage_ns[0], ns[0], __ATOMIC_RELAXED);
             __atomic_fetch_add(&stage_ns[1], ns[1], __ATOMIC_RELAXED);
-            free_decoder(&d);
+            if (owned) free_decoder(d);
             Py_END_ALLOW_THREADS
             result = PyList_New(0);
             for (Py_ssize_t i = 0; result && i < n; ++i) {
