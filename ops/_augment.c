@@ -1,5 +1,6 @@
 /* CPU augmentations of gpuio.ops: colour matrices, level tables, histograms, 3x3 filters,
- * the separable Gaussian blur and the affine warp sampler. Each call takes a whole batch
+ * the separable Gaussian blur, the affine warp sampler, colour jitter, and MixUp / CutMix
+ * (their mixing and their draws). Each call takes a whole batch
  * (per-sample parameters as arrays, outputs allocated by the caller) and runs with the GIL
  * released.
  *
@@ -559,6 +560,144 @@ done:
     return result;
 }
 
+/* ---- the draws of MixUp and CutMix: NumPy's Generator on PCG64, written out ------------ */
+
+/* batch.rng(row, salt) is Generator(PCG64(SeedSequence([seed, salt]))); these are the
+ * algorithms NumPy documents and keeps stable (as ops/_rng.py): SeedSequence's hash of the
+ * entropy words into a pool of 4 and its generate_state(4, uint64), PCG64's 128-bit LCG
+ * with the XSL-RR output, Generator.random (53 bits), integers(0, n) (Lemire's method on
+ * 32-bit draws, the high half of an output kept for the next one) and beta(a, a) for a
+ * <= 1 (Johnk's method, with libm's pow as NumPy calls it). */
+typedef struct {
+    __uint128_t state, inc;
+    uint32_t half;
+    int has_half;
+} Pcg64;
+
+static const __uint128_t PCG_MULT = ((__uint128_t)0x2360ED051FC65DA4ULL << 64) | 0x4385DF649FCCF645ULL;
+
+static uint32_t hashmix(uint32_t value, uint32_t *hash_const) {
+    value ^= *hash_const;
+    *hash_const *= 0x931E8875U;
+    value *= *hash_const;
+    return value ^ (value >> 16);
+}
+
+static uint32_t mix32(uint32_t x, uint32_t y) {
+    const uint32_t result = 0xCA01F9DDU * x - 0x4973F715U * y;
+    return result ^ (result >> 16);
+}
+
+static void pcg_seed(Pcg64 *g, uint64_t seed, uint32_t salt) {
+    const int wide = (seed >> 32) != 0;  /* the seed takes two 32-bit entropy words, else one */
+    const uint32_t entropy[4] = {(uint32_t)seed, wide ? (uint32_t)(seed >> 32) : salt, wide ? salt : 0, 0};
+    uint32_t pool[4], hash_const = 0x43B0D7E5U;
+    for (int i = 0; i < 4; ++i) pool[i] = hashmix(entropy[i], &hash_const);
+    for (int src = 0; src < 4; ++src)
+        for (int dst = 0; dst < 4; ++dst)
+            if (src != dst) pool[dst] = mix32(pool[dst], hashmix(pool[src], &hash_const));
+    uint32_t words[8], const_b = 0x8B51F9DDU;
+    for (int k = 0; k < 8; ++k) {
+        uint32_t value = pool[k % 4] ^ const_b;
+        const_b *= 0x58F38DEDU;
+        value *= const_b;
+        words[k] = value ^ (value >> 16);
+    }
+    uint64_t w64[4];
+    for (int k = 0; k < 4; ++k) w64[k] = words[2 * k] | ((uint64_t)words[2 * k + 1] << 32);
+    const __uint128_t init = ((__uint128_t)w64[0] << 64) | w64[1], seq = ((__uint128_t)w64[2] << 64) | w64[3];
+    g->state = 0;
+    g->inc = (seq << 1) | 1;
+    g->state = g->state * PCG_MULT + g->inc;
+    g->state += init;
+    g->state = g->state * PCG_MULT + g->inc;
+    g->has_half = 0;
+}
+
+static uint64_t pcg_next64(Pcg64 *g) {
+    g->state = g->state * PCG_MULT + g->inc;
+    const uint64_t hi = (uint64_t)(g->state >> 64), value = hi ^ (uint64_t)g->state;
+    const unsigned rot = (unsigned)(hi >> 58);
+    return (value >> rot) | (value << ((64 - rot) & 63));
+}
+
+static uint32_t pcg_next32(Pcg64 *g) {
+    if (g->has_half) {
+        g->has_half = 0;
+        return g->half;
+    }
+    const uint64_t next = pcg_next64(g);
+    g->has_half = 1;
+    g->half = (uint32_t)(next >> 32);
+    return (uint32_t)next;
+}
+
+static double pcg_random(Pcg64 *g) { return (double)(pcg_next64(g) >> 11) * (1.0 / 9007199254740992.0); }
+
+/* integers(0, n), 1 <= n <= 2**32 */
+static int64_t pcg_below(Pcg64 *g, uint64_t n) {
+    if (n <= 1) return 0;
+    uint64_t m = (uint64_t)pcg_next32(g) * n;
+    uint32_t leftover = (uint32_t)m;
+    if (leftover < n) {
+        const uint32_t threshold = (uint32_t)((UINT32_MAX - (n - 1)) % n);
+        while (leftover < threshold) {
+            m = (uint64_t)pcg_next32(g) * n;
+            leftover = (uint32_t)m;
+        }
+    }
+    return (int64_t)(m >> 32);
+}
+
+static double pcg_beta_johnk(Pcg64 *g, double a) {
+    for (;;) {
+        const double u = pcg_random(g), v = pcg_random(g);
+        const double x = pow(u, 1.0 / a), y = pow(v, 1.0 / a), sum = x + y;
+        if (sum <= 1.0 && u + v > 0.0) {
+            if (sum > 0) return x / sum;
+            double lx = log(u) / a, ly = log(v) / a;
+            const double lm = lx > ly ? lx : ly;
+            lx -= lm;
+            ly -= lm;
+            return exp(lx - log(exp(lx) + exp(ly)));
+        }
+    }
+}
+
+static PyObject *mix_draws(PyObject *self, PyObject *args) {
+    PyObject *seeds_obj, *out_obj;
+    unsigned long salt;
+    double alpha;
+    long long h, w;
+    if (!PyArg_ParseTuple(args, "OkdLLO", &seeds_obj, &salt, &alpha, &h, &w, &out_obj)) return NULL;
+    if (!(alpha > 0.0 && alpha <= 1.0) || h < 0 || w < 0 || h > 0xFFFFFFFFLL || w > 0xFFFFFFFFLL
+            || salt > 0xFFFFFFFFUL) {
+        PyErr_Format(PyExc_ValueError, "mix_draws takes 0 < alpha <= 1, 0 <= h, w <= 2**32 and a 32-bit salt");
+        return NULL;
+    }
+    Py_buffer seeds = {0}, out = {0};
+    PyObject *result = NULL;
+    if (get_param(seeds_obj, "seeds", 'q', 0, 0, &seeds) < 0) return NULL;
+    const Py_ssize_t n = seeds.len / 8;
+    if (get_param(out_obj, "out", 'd', 3 * n, 1, &out) < 0) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    const uint64_t *s = seeds.buf;
+    double *o = out.buf;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        Pcg64 g;
+        pcg_seed(&g, s[i], (uint32_t)salt);
+        o[3 * i] = pcg_beta_johnk(&g, alpha);
+        o[3 * i + 1] = h && w ? (double)pcg_below(&g, (uint64_t)w) : 0.0;
+        o[3 * i + 2] = h && w ? (double)pcg_below(&g, (uint64_t)h) : 0.0;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    if (seeds.obj) PyBuffer_Release(&seeds);
+    if (out.obj) PyBuffer_Release(&out);
+    return result;
+}
+
 /* ---- filters: borders mirrored without repeating the edge pixel (dcb|abcd|cba) -------- */
 
 static inline int reflect101(int j, int n) {
@@ -901,6 +1040,7 @@ static PyMethodDef methods[] = {
     {"jitter", jitter, METH_VARARGS, "jitter(images, params, outs): see ops/_augment.pyi"},
     {"mix", mix, METH_VARARGS, "mix(images, weights, outs): see ops/_augment.pyi"},
     {"paste", paste, METH_VARARGS, "paste(images, boxes, outs): see ops/_augment.pyi"},
+    {"mix_draws", mix_draws, METH_VARARGS, "mix_draws(seeds, salt, alpha, h, w, out): see ops/_augment.pyi"},
     {"warp", warp, METH_VARARGS, "warp(images, matrices, fills, interp, use_fill, outs): see ops/_augment.pyi"},
     {NULL, NULL, 0, NULL}};
 

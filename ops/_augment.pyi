@@ -3,7 +3,8 @@
 Required (no other CPU implementation): built at install. Callers: ``gpuio.ops.augment``
 (``apply_color``, ``apply_levels``, ``histograms``, ``GaussianBlur``),
 ``gpuio.ops.warp.warp``, ``gpuio.ops.auto_aug`` (sharpness), ``gpuio.ops.color``
-(``ColorJitter`` of uint8 images) and ``gpuio.ops.mix`` (MixUp, CutMix of uint8 images).
+(``ColorJitter`` of uint8 images) and ``gpuio.ops.mix`` (MixUp and CutMix: their draws, and the
+mixing of uint8 images).
 
 Images are C-contiguous HWC arrays in a list (sizes may differ); ``outs`` are arrays the
 caller allocated, one per image, written in place. Per-sample parameters are C-contiguous
@@ -76,3 +77,12 @@ def paste(images: list[ReadableBuffer], boxes: ReadableBuffer, outs: list[Writea
     y0, x0, y1, x1, end exclusive) taken from ``images[k - 1]`` (row 0 from the last);
     uint8 images of one shape. ValueError for a box outside its image. ``outs``: uint8,
     the images' shapes."""
+
+def mix_draws(seeds: ReadableBuffer, salt: int, alpha: float, h: int, w: int, out: WriteableBuffer, /) -> None:
+    """The draws of MixUp and CutMix: per seed (int64 ``[N]``, the bits of the uint64
+    sample seeds) the numbers of ``Generator(PCG64(SeedSequence([seed, salt])))``:
+    ``beta(alpha, alpha)``, then, where ``h`` and ``w`` are > 0, ``integers(0, w)`` and
+    ``integers(0, h)``, into ``out`` (float64 ``[N, 3]``; 0 for what is not drawn).
+    NumPy's algorithms written out (``gpuio.ops._rng``'s, and Johnk's beta, which NumPy
+    takes for ``alpha <= 1``). Raises ValueError unless ``0 < alpha <= 1``, ``0 <= h, w <=
+    2**32`` and ``salt`` fits 32 bits."""

@@ -350,7 +350,10 @@ class RandomGrayscale(Op):
         self.field = field
 
     def chosen(self, batch: Batch) -> np.ndarray:
-        """Per row whether it turns grey, bool ``[N]``."""
+        """Per row whether it turns grey, bool ``[N]`` (a draw in [0, 1) below ``p``:
+        every row for ``p = 1``, none for ``p = 0``, with no draws)."""
+        if self.p in (0.0, 1.0):
+            return np.full(len(batch), self.p == 1.0)
         return Streams(batch.seeds, self.salt).random() < self.p
 
     def __call__(self, batch: Batch) -> Batch:

@@ -41,7 +41,24 @@ class _Mix(Op):
 
     def weights(self, batch: Batch) -> np.ndarray:
         """Per row ``lam ~ Beta(alpha, alpha)``, float64 ``[N]``."""
-        return np.array([batch.rng(row, self.salt).beta(self.alpha, self.alpha) for row in range(len(batch))])
+        return self._draws(batch, 0, 0)[:, 0]
+
+    def _draws(self, batch: Batch, h: int, w: int) -> np.ndarray:
+        """Per row ``lam``, then with an ``h`` x ``w`` image a pixel's x and y (0 else),
+        float64 ``[N, 3]``, drawn in that order by ``batch.rng(row, salt)``: for ``alpha
+        <= 1`` by one C call (``_augment.mix_draws``, the same numbers), else by the
+        generators."""
+        out = np.zeros((len(batch), 3))
+        if self.alpha <= 1.0:
+            seeds = np.ascontiguousarray(batch.seeds, np.uint64).view(np.int64)
+            _augment.mix_draws(seeds, self.salt, self.alpha, h, w, out)
+            return out
+        for row in range(len(batch)):
+            rng = batch.rng(row, self.salt)
+            out[row, 0] = rng.beta(self.alpha, self.alpha)
+            if h and w:
+                out[row, 1:] = rng.integers(0, w), rng.integers(0, h)
+        return out
 
     def _stacked(self, xp: Any, batch: Batch) -> Any:
         images = batch.data[self.field]
@@ -153,27 +170,22 @@ class CutMix(_Mix):
     def boxes(self, batch: Batch, lam: np.ndarray, h: int, w: int) -> np.ndarray:
         """Per row the pasted box (y0, x0, y1, x1), int64 ``[N, 4]``: after ``lam``, the
         row's generator draws the centre's x then y."""
-        return self._draws(batch, h, w, lam)[1]
+        return self._box(self._draws(batch, h, w), np.asarray(lam, np.float64), h, w)
 
-    def _draws(self, batch: Batch, h: int, w: int, lam: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(``weights``, ``boxes``) from one generator per row (``lam`` given: the box
-        around it, its draw skipped over)."""
-        weights, out = np.empty(len(batch)), np.zeros((len(batch), 4), np.int64)
-        for row in range(len(batch)):
-            rng = batch.rng(row, self.salt)
-            drawn = rng.beta(self.alpha, self.alpha)
-            weights[row] = drawn if lam is None else lam[row]
-            cx, cy = int(rng.integers(0, w)), int(rng.integers(0, h))
-            r = 0.5 * np.sqrt(1.0 - weights[row])
-            rh, rw = int(r * h), int(r * w)
-            out[row] = (max(cy - rh, 0), max(cx - rw, 0), min(cy + rh, h), min(cx + rw, w))
-        return weights, out
+    @staticmethod
+    def _box(draws: np.ndarray, lam: np.ndarray, h: int, w: int) -> np.ndarray:
+        cx, cy = draws[:, 1].astype(np.int64), draws[:, 2].astype(np.int64)
+        r = 0.5 * np.sqrt(1.0 - lam)
+        rh, rw = (r * h).astype(np.int64), (r * w).astype(np.int64)
+        return np.stack([np.maximum(cy - rh, 0), np.maximum(cx - rw, 0), np.minimum(cy + rh, h),
+                         np.minimum(cx + rw, w)], axis=1)
 
     def _mix(self, xp: Any, batch: Batch) -> None:
         src = _host_uint8(xp, batch.data[self.field])
         images = src if src is not None else self._stacked(xp, batch)
         h, w = images[0].shape[:2]
-        _, box = self._draws(batch, h, w)
+        draws = self._draws(batch, h, w)
+        box = self._box(draws, draws[:, 0], h, w)
         area = (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
         kept = 1.0 - area / float(h * w)
         if src is not None:  # one C call: rows copied, the boxes pasted from the row before

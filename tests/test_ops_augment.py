@@ -339,6 +339,24 @@ def test_mixup_c_path_is_the_float32_formula(images):
     assert np.array_equal(out, round_u8(w * stack + (1 - w) * np.roll(stack, 1, axis=0)))
 
 
+@pytest.mark.parametrize("alpha", [0.05, 0.4, 1.0, 2.5])
+def test_mixing_draws_are_the_batch_generators(images, alpha):
+    """Weights and boxes (one C call for alpha <= 1) are exactly the numbers of
+    ``batch.rng(row, salt)``: beta, then the box centre's x and y."""
+    batch = make_batch([images[0]] * 40, index=np.arange(40) * 7919, seed=2**40 + 3)
+    mix, cut = ops.mixup(alpha), ops.cutmix(alpha)
+    assert mix.weights(batch).tolist() == [batch.rng(r, mix.salt).beta(alpha, alpha) for r in range(40)]
+    lam = cut.weights(batch)
+    boxes = cut.boxes(batch, lam, 33, 57)
+    for row in range(40):
+        rng = batch.rng(row, cut.salt)
+        assert lam[row] == rng.beta(alpha, alpha)
+        cx, cy = rng.integers(0, 57), rng.integers(0, 33)
+        r = 0.5 * math.sqrt(1 - lam[row])
+        assert boxes[row].tolist() == [max(cy - int(r * 33), 0), max(cx - int(r * 57), 0), min(cy + int(r * 33), 33),
+                                       min(cx + int(r * 57), 57)]
+
+
 def test_color_jitter_c_path_agrees_with_the_array_path(images):
     """uint8 images take one C call; float32 ones (the same levels) the array code that
     the GPU runs: the same draws and steps, the mean grey summed in another precision."""
