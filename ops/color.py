@@ -16,6 +16,8 @@ import numpy as np
 from gpuio.storage.buffers import pooled_empty
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError
+from gpuio.ops import _augment
+from gpuio.ops.augment import host_outputs
 
 __all__ = ["ColorJitter", "Normalize", "color_jitter", "normalize", "cast", "stack_or_list", "DTYPES", "LAYOUTS"]
 
@@ -190,9 +192,6 @@ class ColorJitter(Op):
     def _jitter_host(self, batch: Batch, images: list[np.ndarray]) -> list[np.ndarray]:
         """uint8 HWC images in host memory: one C call for the batch (``_augment.jitter``),
         the steps of ``_jitter_array`` in float32 (the mean grey summed in double)."""
-        from gpuio.ops import _augment
-        from gpuio.ops.augment import host_outputs
-
         params = np.empty((len(images), 8))
         for row, img in enumerate(images):
             order, factors = self.params(batch, row)

@@ -21,8 +21,8 @@ import numpy as np
 
 from gpuio.batch import Batch, Op
 from gpuio.device import require
-from gpuio.ops import _augment
 from gpuio.errors import ConfigError, DataError
+from gpuio.ops import _augment
 
 __all__ = ["MixUp", "CutMix", "mixup", "cutmix"]
 
