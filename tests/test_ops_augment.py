@@ -218,6 +218,17 @@ def test_the_c_calls_check_their_buffers(images):
     with pytest.raises(ValueError, match="interp"):
         _augment.warp(src[:1], np.zeros((1, 6), np.float32), np.zeros((1, 4), np.float32), 2, 0,
                       [np.empty_like(images[0])])
+    outs = [np.empty_like(img) for img in src]
+    with pytest.raises(ValueError, match=r"images\[1\]: want the shape of images\[0\]"):
+        _augment.mix(src, np.zeros((2, 2), np.float32), outs)
+    same, same_outs = [images[0]] * 2, [np.empty_like(images[0])] * 2
+    with pytest.raises(ValueError, match=r"boxes\[1\]: want 0 <= y0 <= y1 <= height"):
+        _augment.paste(same, np.array([[0, 0, 1, 1], [0, 0, 1, 99]], np.int64), same_outs)
+    with pytest.raises(ValueError, match=r"params\[0, 0\]: a step is -1 or 0-3"):
+        _augment.jitter([images[0][..., :1].copy()], np.array([[2, -1, -1, -1, 1, 1, 1, 0]], np.float64),
+                        [np.empty_like(images[0][..., :1])])
+    with pytest.raises(ValueError, match="0 < alpha <= 1"):
+        _augment.mix_draws(np.zeros(2, np.int64), 1, 1.5, 0, 0, np.zeros((2, 3)))
 
 
 def erasing_reference(rng, h, w, p, scale, ratio):

@@ -179,6 +179,13 @@ def test_the_built_c_path_equals_its_plain_c_build(portable, images):
     same = [src[0], src[2], 255 - src[0]]
     mine, plain = both("mix", same, rng.uniform(0, 1, (3, 2)).astype(np.float32), outs=same)
     assert all(np.array_equal(a, b) for a, b in zip(mine, plain))
+    boxes = np.array([[3, 5, 20, 30], [0, 0, 40, 52], [7, 9, 7, 40]], np.int64)
+    mine, plain = both("paste", same, boxes, outs=same)
+    assert all(np.array_equal(a, b) for a, b in zip(mine, plain))
+    ref = [img.copy() for img in same]
+    for k, (y0, x0, y1, x1) in enumerate(boxes.tolist()):
+        ref[k][y0:y1, x0:x1] = same[k - 1][y0:y1, x0:x1]
+    assert all(np.array_equal(a, b) for a, b in zip(mine, ref))
     m = np.stack([rotation_matrix(a, img.shape[:2], (31, 45)) for a, img in zip((25, -70, 180, 3), src)])
     fills = np.tile(np.array([99.5, 0, 255, 3], np.float32), (n, 1))
     outs = [np.empty((31, 45, img.shape[2]), np.uint8) for img in src]
