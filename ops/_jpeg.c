@@ -8,9 +8,10 @@
  * decode_resample(): per image, the rows a fused chain reads of the 1/denom-scaled
  * image (rows above skipped, rows below never decoded; columns cropped to the iMCUs
  * covering them), then crop -> resize -> flip -> normalize into the batch output, one
- * call per batch. One decompressor and one scratch buffer serve the whole batch, so the
- * decoded window is still in the cache when the resampler reads it. libjpeg's defaults
- * stay: the accurate integer IDCT (JDCT_ISLOW) and fancy upsampling.
+ * call per batch; a grayscale JPEG in an RGB batch is decoded and resampled as one channel
+ * and written as three. One decompressor and one scratch buffer (kept per thread) serve
+ * the whole batch, so the decoded window is still in the cache when the resampler reads
+ * it. libjpeg's defaults stay: the accurate integer IDCT (JDCT_ISLOW) and fancy upsampling.
  */
 #include "_resample.h"
 
@@ -184,9 +185,11 @@ static int reserve(void **buf, size_t *have, size_t need, size_t size) {
 
 /* Decode rows win[0]..win[2], columns win[1]..win[3] of the 1/denom-scaled image of
  * `data` (win[2] and win[3] are clipped to it) into d->scratch: *origin is pixel (win[0],
- * win[1]), rows `*stride` bytes apart. 0, or -1 with d->err.message saying why. */
+ * win[1]), rows `*stride` bytes apart. `*channels`: on entry 1 where a grayscale JPEG may
+ * stay gray though RGB is asked (else 0), on return the channels decoded (1 or 3). 0, or
+ * -1 with d->err.message saying why. */
 static int decode_window(Decoder *d, const uint8_t *data, size_t size, int gray, int denom, int win[4],
-                         const uint8_t **origin, size_t *stride) {
+                         const uint8_t **origin, size_t *stride, int *channels) {
     struct jpeg_decompress_struct *cinfo = &d->cinfo;
     if (setjmp(d->err.jump)) {
         jpeg_abort_decompress(cinfo);
@@ -194,13 +197,14 @@ static int decode_window(Decoder *d, const uint8_t *data, size_t size, int gray,
     }
     jpeg_mem_src(cinfo, data, (unsigned long)size);
     jpeg_read_header(cinfo, TRUE);
+    if (*channels == 1) gray = gray || cinfo->jpeg_color_space == JCS_GRAYSCALE;
     cinfo->out_color_space = gray ? JCS_GRAYSCALE : JCS_RGB;
     cinfo->scale_num = 1;
     cinfo->scale_denom = (unsigned int)denom;
     cinfo->dct_method = JDCT_ISLOW; /* DALI's and simplejpeg's choices, whatever this libjpeg's defaults */
     cinfo->do_fancy_upsampling = TRUE;
     jpeg_start_decompress(cinfo);
-    const int C = gray ? 1 : 3, h = (int)cinfo->output_height, w = (int)cinfo->output_width;
+    const int C = *channels = gray ? 1 : 3, h = (int)cinfo->output_height, w = (int)cinfo->output_width;
     const int y0 = win[0], x0 = win[1];
     const int y1 = win[2] = win[2] < h ? win[2] : h, x1 = win[3] = win[3] < w ? win[3] : w;
     if (y0 < 0 || x0 < 0 || y0 >= y1 || x0 >= x1) {
@@ -237,12 +241,13 @@ static int decode_sample(Decoder *d, const uint8_t *data, size_t size, int gray,
                   (int)((c[3] + denom - 1) / denom)};
     const uint8_t *origin;
     size_t stride;
-    if (decode_window(d, data, size, gray, denom, win, &origin, &stride) < 0) return -1;
-    const int C = gray ? 1 : 3;
+    int channels = 1; /* a grayscale JPEG stays gray: the resampler writes its one channel as three */
+    if (decode_window(d, data, size, gray, denom, win, &origin, &stride, &channels) < 0) return -1;
     s->src = origin;
     s->rs = (ptrdiff_t)stride;
-    s->cs = C;
+    s->cs = channels;
     s->chs = 1;
+    s->gray = channels == 1 && !gray;
     s->box[0] = s->box[0] / denom - win[0];
     s->box[1] = s->box[1] / denom - win[1];
     s->box[2] /= denom;
@@ -305,7 +310,8 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         const uint8_t *origin;
         size_t stride;
         Decoder *d = thread_decoder(&owned);
-        failed = !d || decode_window(d, data.buf, (size_t)data.len, gray, denom, win, &origin, &stride) < 0;
+        int channels = 0;
+        failed = !d || decode_window(d, data.buf, (size_t)data.len, gray, denom, win, &origin, &stride, &channels) < 0;
         if (failed && d) memcpy(message, d->err.message, sizeof message);
         if (!failed && (win[2] - win[0] != want_h || win[3] - win[1] != want_w)) {
             snprintf(message, sizeof message, "the region ends outside the image");

@@ -113,6 +113,7 @@ typedef struct {
     ptrdiff_t rs, cs, chs; /* strides in bytes: row, column, channel */
     double box[4]; /* y0, x0, h, w in source pixels */
     int64_t clip[4], out_hw[2], offset, flip; /* clip: y0, x0, y1, x1; offset: in output items */
+    int gray; /* one source channel written as the job's three (a grayscale JPEG decoded as gray) */
 } Sample;
 
 typedef struct {
@@ -414,7 +415,7 @@ static inline __attribute__((always_inline)) void store(const Job *job, const Sa
 static inline __attribute__((always_inline)) void rows(const Job *job, const Sample *s, const Windows *y,
                                                        const Windows *x, const float *pw, float *restrict row,
                                                        float *restrict px, const int C, const int chw,
-                                                       const int to_uint8) {
+                                                       const int to_uint8, const int expand) {
     const int width = (int)(s->clip[3] - s->clip[1]);
     const int packed = s->cs == C && s->chs == 1;
 #if defined(__x86_64__) && !defined(GPUIO_PORTABLE)
@@ -425,7 +426,7 @@ static inline __attribute__((always_inline)) void rows(const Job *job, const Sam
     (void)pw;
 #endif
     v4f mean = {0}, inv_std = {0};
-    for (int c = 0; c < C && c < 4; ++c) {
+    for (int c = 0; c < job->channels && c < 4; ++c) {
         mean[c] = job->mean[c];
         inv_std[c] = job->inv_std[c];
     }
@@ -444,6 +445,19 @@ static inline __attribute__((always_inline)) void rows(const Job *job, const Sam
                     for (int k = 0; k < taps; ++k) acc += wy[k] * src[k][i * s->cs + c * s->chs];
                     row[i * C + c] = acc;
                 }
+        }
+        if (expand) { /* clipped, not normalized (mean 0, 1/std 1: exact), then normalized per channel */
+            const v4f zero = {0.0f, 0.0f, 0.0f, 0.0f}, one = {1.0f, 1.0f, 1.0f, 1.0f};
+            const int ow = (int)s->out_hw[1];
+            horizontal(px, row, 1, ow, x, zero, one);
+            for (int ox = 0; ox < ow; ++ox) {
+                const float g = px[4 * ox];
+                v4f v = {g, g, g, g};
+                v = (v - mean) * inv_std;
+                memcpy(px + 4 * ox, &v, sizeof v);
+            }
+            store(job, s, px, 3, chw, to_uint8, oy);
+            continue;
         }
 #if defined(__x86_64__) && !defined(GPUIO_PORTABLE)
         if (pw) {
@@ -474,14 +488,17 @@ CLONES static int resample_one(const Job *job, const Sample *s) {
     row = calloc((size_t)(width + x.most) * C + 4, sizeof(float));
     px = malloc(sizeof(float) * 4 * (size_t)ow);
     if (!row || !px) goto done;
+    const int expand = s->gray && C == 3;
 #if defined(__x86_64__) && !defined(GPUIO_PORTABLE)
-    if (C >= 3 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !(pw = pair_weights(&x, ow)))
+    if (C >= 3 && !expand && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+            && !(pw = pair_weights(&x, ow)))
         goto done;
 #endif
-    if (C == 3 && job->chw && !job->to_uint8) rows(job, s, &y, &x, pw, row, px, 3, 1, 0); /* the common case */
-    else if (C == 3) rows(job, s, &y, &x, pw, row, px, 3, job->chw, job->to_uint8);
-    else if (C == 1) rows(job, s, &y, &x, pw, row, px, 1, job->chw, job->to_uint8);
-    else rows(job, s, &y, &x, pw, row, px, C, job->chw, job->to_uint8);
+    if (expand) rows(job, s, &y, &x, NULL, row, px, 1, job->chw, job->to_uint8, 1);
+    else if (C == 3 && job->chw && !job->to_uint8) rows(job, s, &y, &x, pw, row, px, 3, 1, 0, 0); /* the common case */
+    else if (C == 3) rows(job, s, &y, &x, pw, row, px, 3, job->chw, job->to_uint8, 0);
+    else if (C == 1) rows(job, s, &y, &x, pw, row, px, 1, job->chw, job->to_uint8, 0);
+    else rows(job, s, &y, &x, pw, row, px, C, job->chw, job->to_uint8, 0);
     ok = 0;
 done:
     free_windows(&y);
@@ -555,6 +572,7 @@ static int sample_args(const BatchArgs *a, Py_ssize_t i, Sample *s) {
     memcpy(s->out_hw, hw, sizeof s->out_hw);
     s->offset = a->offsets[i];
     s->flip = a->flips[i];
+    s->gray = 0;
     return 0;
 }
 

@@ -201,6 +201,24 @@ def test_decode_fused_matches_decode_then_ops(monkeypatch, tree_jpegs, jpegs, na
         assert levels(s, w, CHAINS[name]()[-1]).mean() < 1.5
 
 
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_decode_fused_gray_jpeg_equals_rgb_decode(monkeypatch, name):
+    """A grayscale JPEG in an RGB chain is decoded and resampled as one channel and
+    written as three: equal to decoding it as RGB and resampling three channels, in
+    every layout and type."""
+    require_built(decode.native_jpeg(), "gpuio.ops._jpeg", "are libjpeg's headers installed (libjpeg-turbo / libjpeg-dev)")
+    rng = np.random.default_rng(5)
+    bufs = [encode(sample_image(rng, h, w)[:, :, 0], quality=q) for h, w, q in [(120, 160, 90), (97, 131, 75),
+                                                                               (333, 517, 95)]]
+    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw: np.ones(len(box), np.int64))
+    got = run(CHAINS[name](), bufs, fuse=True).data["image"]
+    rgb = [decode_cpu(b, "rgb", i) for i, b in enumerate(bufs)]
+    want = ops.Compose(CHAINS[name]())(make_batch(rgb, field="image")).data["image"]
+    assert len(got) == len(want) == len(bufs)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("missing", [("_resample", "_jpeg"), ("_jpeg",)])
 def test_decode_fused_without_c_modules_matches(monkeypatch, tree_jpegs, missing):
     """Where neither C module was built the same pipeline decodes whole images and runs
