@@ -189,12 +189,14 @@ __attribute__((target("avx2,fma"))) static void vertical_avx2(float *restrict ro
     default: vertical_avx2_taps(row, src, w, taps, n);
     }
 }
-/* The horizontal pass (as horizontal_taps()) of 3- or 4-channel rows with AVX2, output
- * pixels in blocks of 8: pixel i of a block and pixel i + 4 share one 8-lane vector, summed
- * over `taps` = x->most taps with the weights of pair_weights(). Then clipped and
- * normalized, and stored into `px` (4 floats per pixel) or, where `planes` is given
- * (3-channel float CHW), as 8 values per plane after an in-lane 4x4 transpose. The pixels
- * after the last whole block take the 4-lane loop. */
+
+/* The horizontal pass (as horizontal_taps()) of rows of 3 or 4 channels (or of 1: lane 0 of
+ * each pixel's 4 is its value, the others sum its neighbours) with AVX2, output pixels in
+ * blocks of 8: pixel i of a block and pixel i + 4 share one 8-lane vector, summed over
+ * `taps` = x->most taps with the weights of pair_weights(). Then clipped and normalized,
+ * and stored into `px` (4 floats per pixel) or, where `planes` is given (3-channel float
+ * CHW), as 8 values per plane after an in-lane 4x4 transpose. The pixels after the last
+ * whole block take the 4-lane loop. */
 __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
 horizontal_avx2_taps(float *restrict px, float *const *planes, const float *restrict row, const int C, int ow,
                      const Windows *x, const float *restrict pw, v4f mean4, v4f inv_std4, const int taps) {
@@ -449,7 +451,11 @@ static inline __attribute__((always_inline)) void rows(const Job *job, const Sam
         if (expand) { /* clipped, not normalized (mean 0, 1/std 1: exact), then normalized per channel */
             const v4f zero = {0.0f, 0.0f, 0.0f, 0.0f}, one = {1.0f, 1.0f, 1.0f, 1.0f};
             const int ow = (int)s->out_hw[1];
-            horizontal(px, row, 1, ow, x, zero, one);
+#if defined(__x86_64__) && !defined(GPUIO_PORTABLE)
+            if (pw) horizontal_avx2(px, NULL, row, 1, ow, x, pw, zero, one); /* lane 0 of each pixel's 4 */
+            else
+#endif
+                horizontal(px, row, 1, ow, x, zero, one);
             for (int ox = 0; ox < ow; ++ox) {
                 const float g = px[4 * ox];
                 v4f v = {g, g, g, g};
@@ -490,11 +496,10 @@ CLONES static int resample_one(const Job *job, const Sample *s) {
     if (!row || !px) goto done;
     const int expand = s->gray && C == 3;
 #if defined(__x86_64__) && !defined(GPUIO_PORTABLE)
-    if (C >= 3 && !expand && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-            && !(pw = pair_weights(&x, ow)))
+    if (C >= 3 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !(pw = pair_weights(&x, ow)))
         goto done;
 #endif
-    if (expand) rows(job, s, &y, &x, NULL, row, px, 1, job->chw, job->to_uint8, 1);
+    if (expand) rows(job, s, &y, &x, pw, row, px, 1, job->chw, job->to_uint8, 1);
     else if (C == 3 && job->chw && !job->to_uint8) rows(job, s, &y, &x, pw, row, px, 3, 1, 0, 0); /* the common case */
     else if (C == 3) rows(job, s, &y, &x, pw, row, px, 3, job->chw, job->to_uint8, 0);
     else if (C == 1) rows(job, s, &y, &x, pw, row, px, 1, job->chw, job->to_uint8, 0);
