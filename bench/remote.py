@@ -21,7 +21,10 @@ a few large objects read in 8 MiB ranges), and times in one run, each the fastes
   URLs), litdata (its own chunk format, written by ``litdata.optimize``) and
   mosaicml-streaming (MDS shards); one that does not import is a row saying so.
 
-Every first epoch starts from an empty cache, each of ``--repeat`` passes. ``--only``
+Every first epoch starts from an empty cache, each of ``--repeat`` passes. Beside MB/s each
+row gives the CPU per byte of the client (this process and the children it waited for) and
+of the local server in the fastest pass: on a machine shared with other jobs those move less
+than the throughput. ``--only``
 runs the rows whose "dataset: method" contains a text (the datasets are uploaded all the same).
 """
 
@@ -105,6 +108,14 @@ class SeaweedServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(grace)
 
+    def cpu(self) -> float:
+        """CPU seconds the server process has used so far."""
+        if self.proc is None:
+            return 0.0
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def kill(self) -> None:
         """Stop at once (SIGKILL), as a crash would."""
         if self.proc is not None and self.proc.poll() is None:
@@ -181,16 +192,27 @@ def _upload(s3: Any, folder: str, size: str) -> tuple[str, list[str], list[str]]
     return root, small_keys, large_keys
 
 
-def _timed(fn: Callable[[], int], repeat: int, setup: Callable[[], None] | None = None) -> tuple[float, int]:
-    """The fastest of ``repeat`` passes of ``fn`` (each after ``setup``, untimed) and its bytes."""
-    best, nbytes = float("inf"), 0
+def _timed(fn: Callable[[], int], repeat: int, setup: Callable[[], None] | None = None,
+           server: SeaweedServer | None = None) -> tuple[float, int, float, float]:
+    """The fastest of ``repeat`` passes of ``fn`` (each after ``setup``, untimed): its
+    seconds, its bytes, and the CPU seconds of this process (with its waited-for children)
+    and of the server during it (0 with no local server)."""
+    best, nbytes, cpu, server_cpu = float("inf"), 0, 0.0, 0.0
     for _ in range(repeat):
         if setup is not None:
             setup()
-        t0 = time.perf_counter()
-        nbytes = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, nbytes
+        c0, s0, t0 = _cpu(), server.cpu() if server else 0.0, time.perf_counter()
+        got = fn()
+        t = time.perf_counter() - t0
+        if t < best:
+            best, nbytes, cpu = t, got, _cpu() - c0
+            server_cpu = server.cpu() - s0 if server else 0.0
+    return best, nbytes, cpu, server_cpu
+
+
+def _cpu() -> float:
+    t = os.times()
+    return time.process_time() + t.children_user + t.children_system
 
 
 def _ranges(sizes: dict[str, int]) -> list[tuple[str, int, int]]:
@@ -224,13 +246,14 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
             if only not in f"{dataset}: {method}":
                 return
             try:
-                t, nbytes = _timed(fn, reps, setup)
+                t, nbytes, cpu, server_cpu = _timed(fn, reps, setup, server)
             except Exception as exc:  # a candidate that fails is reported, the others go on
                 reason = f"{type(exc).__name__}: {exc}".split("\n", 1)[0][:300]
                 rows.append({"dataset": dataset, "method": method, "error": reason})
                 return
             rows.append({"dataset": dataset, "method": method, "seconds": t, "MB/s": nbytes / t / 1e6,
-                         "items/s": items / t})
+                         "items/s": items / t, "client ns/B": cpu / nbytes * 1e9,
+                         "server ns/B": server_cpu / nbytes * 1e9 if server is not None else None})
             print(f"  {dataset}: {method}: {nbytes / t / 1e6:.0f} MB/s", file=sys.stderr)
 
         pool = ThreadPoolExecutor(requests)
@@ -276,7 +299,8 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
     print(f"machine: {info['cpu']}, {info['cores']} cores; server: {'SeaweedFS on loopback' if server else endpoint}; "
           f"dataset: {size}; {requests} requests in flight")
     print_table(rows, [("dataset", "dataset", "s"), ("method", "method", "s"), ("MB/s", "MB/s", ".0f"),
-                       ("items/s", "items/s", ".0f"), ("error", "error", "s")])
+                       ("items/s", "items/s", ".0f"), ("client ns/B", "client ns/B", ".2f"),
+                       ("server ns/B", "server ns/B", ".2f"), ("error", "error", "s")])
     write_json(out, {"machine": info, "size": size, "requests": requests, "rows": rows})
     return rows
 
