@@ -267,7 +267,10 @@ static void free_decoder(Decoder *d) {
 
 /* Each thread keeps one decoder from call to call (freed when the thread ends): its
  * scratch stays at the largest window decoded so far, so that the batches after the
- * first write memory already mapped instead of page-faulting in a fresh buffer. */
+ * first write memory already mapped instead of page-faulting in a fresh buffer. A scratch
+ * larger than KEEP_SCRATCH (a window of some 3000x3700 RGB pixels) is freed after its
+ * call, so that one huge image does not pin its size in every thread. */
+#define KEEP_SCRATCH ((size_t)32 << 20)
 static pthread_key_t decoder_key;
 static int decoder_key_made;
 
@@ -275,8 +278,19 @@ static void drop_decoder(void *d) { free_decoder(d); }
 
 static void make_decoder_key(void) { decoder_key_made = pthread_key_create(&decoder_key, drop_decoder) == 0; }
 
-/* This thread's decoder; NULL when out of memory. `*owned`: the caller frees it with
- * free_decoder() (where no thread key could be made). */
+/* The end of a call's use of thread_decoder()'s `d`. */
+static void release_decoder(Decoder *d, int owned) {
+    if (owned) {
+        free_decoder(d);
+    } else if (d && d->capacity > KEEP_SCRATCH) {
+        free(d->scratch);
+        d->scratch = NULL;
+        d->capacity = 0;
+    }
+}
+
+/* This thread's decoder; NULL when out of memory. `*owned`: it is the caller's alone
+ * (where no thread key could be made); release_decoder() ends its use either way. */
 static Decoder *thread_decoder(int *owned) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, make_decoder_key);
@@ -319,7 +333,7 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         }
         for (int r = 0; !failed && r < want_h; ++r)
             memcpy((uint8_t *)out.buf + (size_t)r * want_w * C, origin + r * stride, (size_t)want_w * C);
-        if (owned) free_decoder(d);
+        release_decoder(d, owned);
         Py_END_ALLOW_THREADS
         if (failed) PyErr_Format(PyExc_ValueError, "%s", message);
         else result = Py_NewRef(Py_None);
@@ -410,7 +424,7 @@ static PyObject *decode_resample(PyObject *self, PyObject *args) {
             }
             __atomic_fetch_add(&stage_ns[0], ns[0], __ATOMIC_RELAXED);
             __atomic_fetch_add(&stage_ns[1], ns[1], __ATOMIC_RELAXED);
-            if (owned) free_decoder(d);
+            release_decoder(d, owned);
             Py_END_ALLOW_THREADS
             result = PyList_New(0);
             for (Py_ssize_t i = 0; result && i < n; ++i) {
