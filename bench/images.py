@@ -473,7 +473,7 @@ def profile_stages(root: str, pipeline: str, count: int = 512, batch: int = 64) 
                         ("resample + normalize (C)", ("_resample.resample",)),
                         ("JPEG headers (libjpeg, C)", ("_jpeg.headers",)),
                         ("whole decode, other images (simplejpeg, Pillow)", ("decode_jpeg", "'decode'")),
-                        ("random draws, crop plan (Python)", ("geometry.py", "_rng.py"))]}
+                        ("random draws, crop plan (Python)", ("geometry.py", "_rng.py", "_augment.rng_"))]}
     rows = []
     n = len(bufs) // batch * batch
     if decode.native_jpeg() is not None:

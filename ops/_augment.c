@@ -1,8 +1,8 @@
 /* CPU augmentations of gpuio.ops: colour matrices, level tables, histograms, 3x3 filters,
- * the separable Gaussian blur, the affine warp sampler, colour jitter, and MixUp / CutMix
- * (their mixing and their draws). Each call takes a whole batch
- * (per-sample parameters as arrays, outputs allocated by the caller) and runs with the GIL
- * released.
+ * the separable Gaussian blur, the affine warp sampler, colour jitter, MixUp / CutMix
+ * (their mixing and their draws), and the per-sample random streams of ops/_rng.py. Each
+ * call takes a whole batch (per-sample parameters as arrays, outputs allocated by the
+ * caller) and runs with the GIL released, but for the streams' draws (microseconds).
  *
  * The float32 arithmetic is the CUDA kernels' (ops/augment.py COLOR_SOURCE and
  * BLUR_SOURCE, ops/warp.py WARP_SOURCE): the same products summed in the same order,
@@ -102,18 +102,23 @@ static int check_outs(const Views *images, const Views *outs, int same_hw) {
     return 0;
 }
 
-/* A C-contiguous parameter buffer of type `type` and at least `count` items. */
+/* A C-contiguous parameter buffer of type `type` ('f' float32, 'd' float64, 'q' int64, 'Q' 64-bit
+ * words: int64 or uint64, '?' bool or uint8, 'B' uint8) and at least `count` items. */
 static int get_param(PyObject *obj, const char *name, char type, Py_ssize_t count, int writable, Py_buffer *b) {
     const int taken = PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
                                                  | (writable ? PyBUF_WRITABLE : 0)) == 0;
     const char c = taken ? code(b) : 0;
     const int ok = taken && (type == 'q' ? ((c == 'q' || c == 'l') && b->itemsize == 8)
-                                         : (c == type && b->itemsize == (type == 'f' ? 4 : type == 'd' ? 8 : 1)));
+                             : type == 'Q' ? ((c == 'q' || c == 'l' || c == 'Q' || c == 'L') && b->itemsize == 8)
+                             : type == '?' ? ((c == '?' || c == 'B') && b->itemsize == 1)
+                                           : (c == type && b->itemsize == (type == 'f' ? 4 : type == 'd' ? 8 : 1)));
     if (!ok || b->len / b->itemsize < count) {
         if (taken) PyBuffer_Release(b);
         else PyErr_Clear();  /* not a buffer, not contiguous or not writable: said below */
         PyErr_Format(PyExc_ValueError, "%s: want a C-contiguous%s %s buffer of at least %zd items", name,
-                     writable ? ", writable" : "", type == 'f' ? "float32" : type == 'd' ? "float64" : type == 'q' ? "int64" : "uint8", count);
+                     writable ? ", writable" : "",
+                     type == 'f' ? "float32" : type == 'd' ? "float64" : type == 'q' ? "int64"
+                     : type == 'Q' ? "uint64" : type == '?' ? "bool" : "uint8", count);
         return -1;
     }
     return 0;
@@ -560,11 +565,11 @@ done:
     return result;
 }
 
-/* ---- the draws of MixUp and CutMix: NumPy's Generator on PCG64, written out ------------ */
+/* ---- NumPy's Generator on PCG64, written out: batch streams, MixUp and CutMix's draws -- */
 
 /* batch.rng(row, salt) is Generator(PCG64(SeedSequence([seed, salt]))); these are the
- * algorithms NumPy documents and keeps stable (as ops/_rng.py): SeedSequence's hash of the
- * entropy words into a pool of 4 and its generate_state(4, uint64), PCG64's 128-bit LCG
+ * algorithms NumPy documents and keeps stable, the one copy of them in gpuio (ops/_rng.py
+ * wraps them for batches): SeedSequence's hash of the entropy words into a pool of 4 and its generate_state(4, uint64), PCG64's 128-bit LCG
  * with the XSL-RR output, Generator.random (53 bits), integers(0, n) (Lemire's method on
  * 32-bit draws, the high half of an output kept for the next one) and beta(a, a) for a
  * <= 1 (Johnk's method, with libm's pow as NumPy calls it). */
@@ -662,6 +667,162 @@ static double pcg_beta_johnk(Pcg64 *g, double a) {
             return exp(lx - log(exp(lx) + exp(ly)));
         }
     }
+}
+
+/* Streams for ops/_rng.py: one generator per row of a uint64 [N, 6] state array (the
+ * 128-bit state and increment, high words first, then the kept 32-bit half and its flag),
+ * drawn one kind of number over the rows at a time. The calls are microseconds: they keep
+ * the GIL. */
+enum { PCG_WORDS = 6 };
+
+static void pcg_load(Pcg64 *g, const uint64_t *w) {
+    g->state = ((__uint128_t)w[0] << 64) | w[1];
+    g->inc = ((__uint128_t)w[2] << 64) | w[3];
+    g->half = (uint32_t)w[4];
+    g->has_half = w[5] != 0;
+}
+
+static void pcg_store(const Pcg64 *g, uint64_t *w) {
+    w[0] = (uint64_t)(g->state >> 64);
+    w[1] = (uint64_t)g->state;
+    w[2] = (uint64_t)(g->inc >> 64);
+    w[3] = (uint64_t)g->inc;
+    w[4] = g->half;
+    w[5] = (uint64_t)g->has_half;
+}
+
+/* The state array (writable) and its rows; `rows` (None: all, else bool [N]) and `out`
+ * (`out_type` per get_param, N items) beside it. */
+typedef struct {
+    Py_buffer state, rows, out;
+    Py_ssize_t n;
+} Draw;
+
+static void draw_release(Draw *d) {
+    if (d->state.obj) PyBuffer_Release(&d->state);
+    if (d->rows.obj) PyBuffer_Release(&d->rows);
+    if (d->out.obj) PyBuffer_Release(&d->out);
+}
+
+static int draw_get(PyObject *state, PyObject *rows, PyObject *out, char out_type, Draw *d) {
+    memset(d, 0, sizeof *d);
+    if (get_param(state, "state", 'Q', 0, 1, &d->state) < 0) return -1;
+    d->n = d->state.len / (8 * PCG_WORDS);
+    if (d->state.len != d->n * 8 * PCG_WORDS) {
+        PyErr_Format(PyExc_ValueError, "state: want %d words per stream, got %zd words", PCG_WORDS, d->state.len / 8);
+        return -1;
+    }
+    if (rows != Py_None && get_param(rows, "rows", '?', d->n, 0, &d->rows) < 0) return -1;
+    return get_param(out, "out", out_type, d->n, 1, &d->out);
+}
+
+static int draw_row(const Draw *d, Py_ssize_t i) { return !d->rows.obj || ((const uint8_t *)d->rows.buf)[i]; }
+
+static PyObject *rng_seed(PyObject *self, PyObject *args) {
+    PyObject *seeds_obj, *state_obj;
+    unsigned long long salt;
+    if (!PyArg_ParseTuple(args, "OKO", &seeds_obj, &salt, &state_obj)) return NULL;
+    if (salt > 0xFFFFFFFFULL) {
+        PyErr_Format(PyExc_ValueError, "salt %#llx: 32 bits at most", salt);
+        return NULL;
+    }
+    Py_buffer seeds = {0}, state = {0};
+    PyObject *result = NULL;
+    if (get_param(seeds_obj, "seeds", 'Q', 0, 0, &seeds) < 0) return NULL;
+    const Py_ssize_t n = seeds.len / 8;
+    if (get_param(state_obj, "state", 'Q', PCG_WORDS * n, 1, &state) < 0) goto done;
+    const uint64_t *s = seeds.buf;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        Pcg64 g;
+        pcg_seed(&g, s[i], (uint32_t)salt);
+        pcg_store(&g, (uint64_t *)state.buf + PCG_WORDS * i);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&seeds);
+    if (state.obj) PyBuffer_Release(&state);
+    return result;
+}
+
+static PyObject *rng_next64(PyObject *self, PyObject *args) {
+    PyObject *state, *rows, *out;
+    if (!PyArg_ParseTuple(args, "OOO", &state, &rows, &out)) return NULL;
+    Draw d;
+    if (draw_get(state, rows, out, 'Q', &d) < 0) {
+        draw_release(&d);
+        return NULL;
+    }
+    uint64_t *w = d.state.buf, *o = d.out.buf;
+    for (Py_ssize_t i = 0; i < d.n; ++i) {
+        Pcg64 g;
+        if (!draw_row(&d, i)) {
+            o[i] = 0;
+            continue;
+        }
+        pcg_load(&g, w + PCG_WORDS * i);
+        o[i] = pcg_next64(&g);
+        pcg_store(&g, w + PCG_WORDS * i);
+    }
+    draw_release(&d);
+    Py_RETURN_NONE;
+}
+
+static PyObject *rng_uniform(PyObject *self, PyObject *args) {
+    PyObject *state, *rows, *out;
+    double low, high;
+    if (!PyArg_ParseTuple(args, "OOddO", &state, &rows, &low, &high, &out)) return NULL;
+    Draw d;
+    if (draw_get(state, rows, out, 'd', &d) < 0) {
+        draw_release(&d);
+        return NULL;
+    }
+    const double span = high - low;
+    uint64_t *w = d.state.buf;
+    double *o = d.out.buf;
+    for (Py_ssize_t i = 0; i < d.n; ++i) {
+        Pcg64 g;
+        if (!draw_row(&d, i)) {
+            o[i] = low;
+            continue;
+        }
+        pcg_load(&g, w + PCG_WORDS * i);
+        o[i] = low + span * pcg_random(&g);
+        pcg_store(&g, w + PCG_WORDS * i);
+    }
+    draw_release(&d);
+    Py_RETURN_NONE;
+}
+
+static PyObject *rng_integers(PyObject *self, PyObject *args) {
+    PyObject *state, *rows, *high_obj, *out;
+    if (!PyArg_ParseTuple(args, "OOOO", &state, &rows, &high_obj, &out)) return NULL;
+    Draw d;
+    Py_buffer high = {0};
+    PyObject *result = NULL;
+    if (draw_get(state, rows, out, 'q', &d) < 0 || get_param(high_obj, "high", 'q', d.n, 0, &high) < 0) goto done;
+    const int64_t *hi = high.buf;
+    for (Py_ssize_t i = 0; i < d.n; ++i)
+        if (draw_row(&d, i) && (hi[i] < 1 || hi[i] > 0x100000000LL)) {  /* before any stream moves */
+            PyErr_Format(PyExc_ValueError, "high[%zd] = %lld: want 1 <= high <= 2**32", i, (long long)hi[i]);
+            goto done;
+        }
+    uint64_t *w = d.state.buf;
+    int64_t *o = d.out.buf;
+    for (Py_ssize_t i = 0; i < d.n; ++i) {
+        Pcg64 g;
+        if (!draw_row(&d, i)) {
+            o[i] = 0;
+            continue;
+        }
+        pcg_load(&g, w + PCG_WORDS * i);
+        o[i] = pcg_below(&g, (uint64_t)hi[i]);
+        pcg_store(&g, w + PCG_WORDS * i);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    draw_release(&d);
+    if (high.obj) PyBuffer_Release(&high);
+    return result;
 }
 
 static PyObject *mix_draws(PyObject *self, PyObject *args) {
@@ -1041,6 +1202,10 @@ static PyMethodDef methods[] = {
     {"mix", mix, METH_VARARGS, "mix(images, weights, outs): see ops/_augment.pyi"},
     {"paste", paste, METH_VARARGS, "paste(images, boxes, outs): see ops/_augment.pyi"},
     {"mix_draws", mix_draws, METH_VARARGS, "mix_draws(seeds, salt, alpha, h, w, out): see ops/_augment.pyi"},
+    {"rng_seed", rng_seed, METH_VARARGS, "rng_seed(seeds, salt, state): see ops/_augment.pyi"},
+    {"rng_next64", rng_next64, METH_VARARGS, "rng_next64(state, rows, out): see ops/_augment.pyi"},
+    {"rng_uniform", rng_uniform, METH_VARARGS, "rng_uniform(state, rows, low, high, out): see ops/_augment.pyi"},
+    {"rng_integers", rng_integers, METH_VARARGS, "rng_integers(state, rows, high, out): see ops/_augment.pyi"},
     {"warp", warp, METH_VARARGS, "warp(images, matrices, fills, interp, use_fill, outs): see ops/_augment.pyi"},
     {NULL, NULL, 0, NULL}};
 

@@ -3,12 +3,13 @@
 Required (no other CPU implementation): built at install. Callers: ``gpuio.ops.augment``
 (``apply_color``, ``apply_levels``, ``histograms``, ``GaussianBlur``),
 ``gpuio.ops.warp.warp``, ``gpuio.ops.auto_aug`` (sharpness), ``gpuio.ops.color``
-(``ColorJitter`` of uint8 images) and ``gpuio.ops.mix`` (MixUp and CutMix: their draws, and the
-mixing of uint8 images).
+(``ColorJitter`` of uint8 images), ``gpuio.ops.mix`` (MixUp and CutMix: their draws, and the
+mixing of uint8 images) and ``gpuio.ops._rng`` (the per-sample random streams: ``rng_*``).
 
 Images are C-contiguous HWC arrays in a list (sizes may differ); ``outs`` are arrays the
 caller allocated, one per image, written in place. Per-sample parameters are C-contiguous
-arrays with one row per image. Every function releases the GIL for the whole batch. The
+arrays with one row per image. Every function but ``rng_*`` (microseconds) releases the
+GIL for the whole batch. The
 float32 arithmetic is the CUDA kernels' of the same op (the same products summed in the
 same order, no fused multiply-add), so CPU and GPU give the same levels; levels are
 rounded half up and saturated to 0-255. A list argument that is not a list raises
@@ -83,6 +84,33 @@ def mix_draws(seeds: ReadableBuffer, salt: int, alpha: float, h: int, w: int, ou
     sample seeds) the numbers of ``Generator(PCG64(SeedSequence([seed, salt])))``:
     ``beta(alpha, alpha)``, then, where ``h`` and ``w`` are > 0, ``integers(0, w)`` and
     ``integers(0, h)``, into ``out`` (float64 ``[N, 3]``; 0 for what is not drawn).
-    NumPy's algorithms written out (``gpuio.ops._rng``'s, and Johnk's beta, which NumPy
+    NumPy's algorithms written out (those of ``rng_*``, and Johnk's beta, which NumPy
     takes for ``alpha <= 1``). Raises ValueError unless ``0 < alpha <= 1``, ``0 <= h, w <=
     2**32`` and ``salt`` fits 32 bits."""
+
+def rng_seed(seeds: ReadableBuffer, salt: int, state: WriteableBuffer, /) -> None:
+    """Seeds one stream per seed (int64 or uint64 ``[N]``, the bits of the uint64 sample
+    seeds) as ``Generator(PCG64(SeedSequence([seed, salt])))`` into ``state`` (uint64
+    ``[N, 6]``: per stream the 128-bit state and increment, high words first, the 32-bit
+    half kept from the last 32-bit draw and whether one is kept). ValueError for a salt
+    over 32 bits."""
+
+def rng_next64(state: WriteableBuffer, rows: ReadableBuffer | None, out: WriteableBuffer, /) -> None:
+    """The next 64-bit output of each stream of ``state`` (``rng_seed``) where ``rows``
+    (bool ``[N]``; None: all) into ``out`` (uint64 ``[N]``; 0 elsewhere, those streams
+    stay)."""
+
+def rng_uniform(state: WriteableBuffer, rows: ReadableBuffer | None, low: float, high: float,
+                out: WriteableBuffer, /) -> None:
+    """``Generator.uniform(low, high)`` (``low + (high - low) * random()``, ``random()``
+    ``(next64 >> 11) * 2**-53``) of each stream where ``rows`` into ``out`` (float64
+    ``[N]``; ``low`` elsewhere, those streams stay). ``random()`` is ``uniform(0, 1)``."""
+
+def rng_integers(state: WriteableBuffer, rows: ReadableBuffer | None, high: ReadableBuffer,
+                 out: WriteableBuffer, /) -> None:
+    """``Generator.integers(0, high[k])`` of each stream ``k`` where ``rows`` into ``out``
+    (int64 ``[N]``; 0 elsewhere, those streams stay): Lemire's method on 32-bit draws (a
+    fresh output's low half, its high half kept for the stream's next 32-bit draw),
+    redrawing where it rejects; ``high`` 1 draws nothing. ``high`` int64 ``[N]``;
+    ValueError, before any stream moves, unless ``1 <= high <= 2**32`` on every row
+    drawn."""

@@ -292,6 +292,46 @@ def test_batch_draws_equal_per_row_generators(scale, ratio):
                                                   for r in range(len(hw))]
 
 
+@pytest.mark.parametrize("salt", [0, 1, 0x52524331, 0xFFFFFFFF])
+def test_streams_give_each_row_its_generator_s_numbers(salt):
+    """``ops._rng.Streams`` (the C generator of ``gpuio.ops._augment``) gives row ``r``
+    the numbers of ``Generator(PCG64(SeedSequence([seed, salt])))``: raw outputs,
+    ``random``, ``uniform`` and ``integers`` of bounds 1 to 2**32 in any order (a 32-bit
+    half kept across other draws), on the rows a mask picks (the others stay), for seeds
+    of one and two 32-bit words; bad bounds and salts are a ValueError."""
+    from gpuio.ops._rng import Streams
+
+    rng = np.random.default_rng(7)
+    seeds = np.concatenate([rng.integers(0, 2**32, 16, dtype=np.uint64),
+                            rng.integers(2**32, 2**64 - 1, 16, dtype=np.uint64, endpoint=True),
+                            np.array([0, 1, 2**32 - 1, 2**32, 2**64 - 1], np.uint64)])
+    gens = [np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(s), salt]))) for s in seeds]
+    streams = Streams(seeds, salt)
+    bounds = np.array([1, 2, 3, 7, 224, 1000, 12345, 2**31 - 1, 2**31, 2**32])
+    for step in range(40):
+        rows = rng.random(len(seeds)) < 0.7
+        kind, high = step % 4, rng.choice(bounds, len(seeds))
+        if kind == 0:
+            got = streams.integers(high, rows).tolist()
+            want = [int(g.integers(0, h)) if r else 0 for g, h, r in zip(gens, high.tolist(), rows)]
+        elif kind == 1:
+            got = streams.random(rows).tolist()
+            want = [g.random() if r else 0.0 for g, r in zip(gens, rows)]
+        elif kind == 2:
+            got = streams.uniform(-3.5, 2.25, rows).tolist()
+            want = [g.uniform(-3.5, 2.25) if r else -3.5 for g, r in zip(gens, rows)]
+        else:
+            got = streams.next64(rows if step % 8 == 3 else None).tolist()
+            want = [int(g.bit_generator.random_raw()) if r or step % 8 == 7 else 0 for g, r in zip(gens, rows)]
+        assert got == want, (step, kind)
+    before = streams.state.copy()
+    with pytest.raises(ValueError, match=r"high\[1\] = 0"):
+        streams.integers(np.array([5, 0] + [1] * (len(seeds) - 2)), None)
+    assert (streams.state == before).all()  # nothing drawn
+    with pytest.raises(ValueError, match="32 bits"):
+        Streams(seeds, 2**32)
+
+
 def test_decode_resample_checks_its_arguments(jpegs):
     """Arguments that do not fit are a ValueError before any decoding; a window outside
     the image is that image's failure (the others are decoded)."""
