@@ -825,6 +825,76 @@ done:
     return result;
 }
 
+/* torchvision's box tries (RandomResizedCrop, RandomErasing) from a stream: up to 10 of
+ * an area of uniform(scale) x the image's and an aspect exp(uniform(log ratio)) (libm's
+ * exp and log, which Python's math calls), sides rounded half to even; the first box that
+ * fits draws its top, then its left. A crop's width is sqrt(area * aspect) and may reach
+ * the image's sides; an erased box's height is, and it stays inside them. No fit: a crop
+ * takes the centered box of the ratio closest to the image's, an erase none (`out`, which
+ * holds zeros, stays). */
+static void pcg_box(Pcg64 *g, int64_t h, int64_t w, const double *scale, const double *log_ratio,
+                    const double *ratio, int erase, int64_t *out) {
+    const double area = (double)(h * w);
+    for (int t = 0; t < 10; ++t) {
+        const double target = area * (scale[0] + (scale[1] - scale[0]) * pcg_random(g));
+        const double aspect = exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * pcg_random(g));
+        const int64_t a = (int64_t)rint(sqrt(target * aspect)), b = (int64_t)rint(sqrt(target / aspect));
+        const int64_t bh = erase ? a : b, bw = erase ? b : a;
+        if (erase ? (bh > 0 && bh < h && bw > 0 && bw < w) : (bh > 0 && bh <= h && bw > 0 && bw <= w)) {
+            out[0] = pcg_below(g, (uint64_t)(h - bh + 1));
+            out[1] = pcg_below(g, (uint64_t)(w - bw + 1));
+            out[2] = bh;
+            out[3] = bw;
+            return;
+        }
+    }
+    if (erase) return;  /* out stays zeros */
+    int64_t ch = h, cw = w;
+    if ((double)w / (double)h < ratio[0]) {
+        ch = (int64_t)rint((double)w / ratio[0]);
+    } else if ((double)w / (double)h > ratio[1]) {
+        cw = (int64_t)rint((double)h * ratio[1]);
+    }
+    out[0] = (h - ch) >> 1;  /* floor division, as Python's // */
+    out[1] = (w - cw) >> 1;
+    out[2] = ch;
+    out[3] = cw;
+}
+
+static PyObject *rng_boxes(PyObject *self, PyObject *args) {
+    PyObject *state, *rows, *hw_obj, *out;
+    double scale[2], ratio[2];
+    int erase;
+    if (!PyArg_ParseTuple(args, "OOO(dd)(dd)pO", &state, &rows, &hw_obj, &scale[0], &scale[1], &ratio[0], &ratio[1],
+                          &erase, &out))
+        return NULL;
+    Draw d;
+    Py_buffer hw = {0};
+    PyObject *result = NULL;
+    if (draw_get(state, rows, out, 'q', &d) < 0 || get_param(hw_obj, "hw", 'q', 2 * d.n, 0, &hw) < 0) goto done;
+    if (d.out.len < 4 * 8 * d.n) {
+        PyErr_Format(PyExc_ValueError, "out: want a C-contiguous, writable int64 buffer of at least %zd items", 4 * d.n);
+        goto done;
+    }
+    const double log_ratio[2] = {log(ratio[0]), log(ratio[1])};
+    const int64_t *size = hw.buf;
+    uint64_t *w = d.state.buf;
+    int64_t *o = d.out.buf;
+    for (Py_ssize_t i = 0; i < d.n; ++i) {
+        Pcg64 g;
+        o[4 * i] = o[4 * i + 1] = o[4 * i + 2] = o[4 * i + 3] = 0;
+        if (!draw_row(&d, i) || size[2 * i] <= 0 || size[2 * i + 1] <= 0) continue;
+        pcg_load(&g, w + PCG_WORDS * i);
+        pcg_box(&g, size[2 * i], size[2 * i + 1], scale, log_ratio, ratio, erase, o + 4 * i);
+        pcg_store(&g, w + PCG_WORDS * i);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    draw_release(&d);
+    if (hw.obj) PyBuffer_Release(&hw);
+    return result;
+}
+
 static PyObject *mix_draws(PyObject *self, PyObject *args) {
     PyObject *seeds_obj, *out_obj;
     unsigned long salt;
@@ -1206,6 +1276,7 @@ static PyMethodDef methods[] = {
     {"rng_next64", rng_next64, METH_VARARGS, "rng_next64(state, rows, out): see ops/_augment.pyi"},
     {"rng_uniform", rng_uniform, METH_VARARGS, "rng_uniform(state, rows, low, high, out): see ops/_augment.pyi"},
     {"rng_integers", rng_integers, METH_VARARGS, "rng_integers(state, rows, high, out): see ops/_augment.pyi"},
+    {"rng_boxes", rng_boxes, METH_VARARGS, "rng_boxes(state, rows, hw, scale, ratio, erase, out): see ops/_augment.pyi"},
     {"warp", warp, METH_VARARGS, "warp(images, matrices, fills, interp, use_fill, outs): see ops/_augment.pyi"},
     {NULL, NULL, 0, NULL}};
 

@@ -114,3 +114,18 @@ def rng_integers(state: WriteableBuffer, rows: ReadableBuffer | None, high: Read
     redrawing where it rejects; ``high`` 1 draws nothing. ``high`` int64 ``[N]``;
     ValueError, before any stream moves, unless ``1 <= high <= 2**32`` on every row
     drawn."""
+
+def rng_boxes(state: WriteableBuffer, rows: ReadableBuffer | None, hw: ReadableBuffer, scale: tuple[float, float],
+              ratio: tuple[float, float], erase: bool, out: WriteableBuffer, /) -> None:
+    """torchvision's random boxes (``RandomResizedCrop`` and, with ``erase``,
+    ``RandomErasing``) of images of sizes ``hw`` (int64 ``[N, 2]``) from each stream
+    where ``rows`` into ``out`` (int64 ``[N, 4]``: top, left, height, width): up to 10
+    tries of an area ``uniform(*scale)`` x the image's and an aspect
+    ``exp(uniform(log(ratio[0]), log(ratio[1])))`` (libm's exp and log, as Python's
+    ``math``), sides ``sqrt(area * aspect)`` and ``sqrt(area / aspect)`` rounded half to
+    even (a crop's width and height, an erased box's height and width); the first box
+    that fits (a crop within the image, an erased box smaller than it on both sides)
+    draws ``integers(0, h - height + 1)`` then ``integers(0, w - width + 1)``. No fit: a
+    crop takes the centered box of the ratio closest to the image's (sides rounded half
+    to even, offsets floored), an erase zeros. Rows not drawn or without a size: zeros,
+    their streams stay."""

@@ -56,3 +56,17 @@ class Streams:
         out = np.empty(len(self.state), np.int64)
         _augment.rng_integers(self.state, rows, np.ascontiguousarray(high, np.int64), out)
         return out
+
+    def boxes(self, hw: np.ndarray, scale: tuple[float, float], ratio: tuple[float, float], *, erase: bool = False,
+              rows: np.ndarray | None = None) -> np.ndarray:
+        """torchvision's random boxes of images of sizes ``hw`` (int64 ``[N, 2]``), int64
+        ``[N, 4]`` (top, left, height, width): up to 10 tries of ``uniform(*scale)`` x the
+        image's area and an aspect ``exp(uniform(log ratio))``, the first that fits
+        drawing its top then its left. ``RandomResizedCrop`` (``erase`` False): the
+        aspect is w/h, the box may reach the image's sides, none fits: the centered box
+        of the ratio closest to the image's. ``RandomErasing``: the aspect is h/w, the
+        box stays inside, none fits: zeros. Rows without a size, or not in ``rows``: zeros
+        (no draws)."""
+        out = np.empty((len(self.state), 4), np.int64)
+        _augment.rng_boxes(self.state, rows, np.ascontiguousarray(hw, np.int64), scale, ratio, erase, out)
+        return out

@@ -492,27 +492,10 @@ class RandomErasing(Op):
 
     def boxes(self, batch: Batch, hw: np.ndarray) -> np.ndarray:
         """Per row (top, left, height, width), int64 ``[N, 4]``; height 0 where nothing
-        is erased."""
-        hw = np.asarray(hw, np.int64).reshape(-1, 2)
-        h, w = hw[:, 0], hw[:, 1]
+        is erased. A draw below ``p``, then the tries (``ops._rng.Streams.boxes``)."""
         streams = Streams(batch.seeds, self.salt)
-        trying = streams.random() < self.p
-        out = np.zeros((len(hw), 4), np.int64)
-        area = (h * w).astype(np.float64)
-        log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
-        for _ in range(10):
-            if not trying.any():
-                break
-            target = area * streams.uniform(self.scale[0], self.scale[1], trying)
-            aspect = np.array([math.exp(v) for v in streams.uniform(log_lo, log_hi, trying).tolist()])
-            eh = np.round(np.sqrt(target * aspect)).astype(np.int64)
-            ew = np.round(np.sqrt(target / aspect)).astype(np.int64)
-            fits = trying & (eh < h) & (ew < w) & (eh > 0) & (ew > 0)
-            top = streams.integers(np.where(fits, h - eh + 1, 1), fits)
-            left = streams.integers(np.where(fits, w - ew + 1, 1), fits)
-            out[fits] = np.stack([top, left, eh, ew], axis=1)[fits]
-            trying &= ~fits
-        return out
+        erasing = streams.random() < self.p
+        return streams.boxes(hw, self.scale, self.ratio, erase=True, rows=erasing)
 
     def __call__(self, batch: Batch) -> Batch:
         images = batch.data[self.field]

@@ -23,7 +23,6 @@ output pixel.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -285,40 +284,14 @@ class RandomResizedCrop(Crop):
         self.interp, self.antialias, self.field = _check_interp(interp), bool(antialias), field
 
     def boxes(self, batch: Batch, hw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """As ``Crop.boxes``, drawn for the whole batch at once (``ops._rng``: the
-        numbers of ``batch.rng(row, salt)``). Per row: up to 10 tries of a target area
-        and a log-uniform aspect, then the top and left offsets of the first box that
-        fits; no fit: the centered box of the ratio closest to the image's."""
-        hw = np.asarray(hw, np.int64).reshape(-1, 2)
-        h, w = hw[:, 0], hw[:, 1]
-        out = np.zeros((len(hw), 4), dtype=np.int64)
-        ok = (h > 0) & (w > 0)  # rows rejected by an earlier crop of the same chain have no size
-        streams = Streams(batch.seeds, self.salt)
-        area = (h * w).astype(np.float64)
-        log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
-        trying = ok.copy()
-        for _ in range(10):
-            if not trying.any():
-                break
-            target = area * streams.uniform(self.scale[0], self.scale[1], trying)
-            # math.exp, as the generator's users call it (NumPy's SIMD exp may differ in the last bit)
-            aspect = np.array([math.exp(v) for v in streams.uniform(log_lo, log_hi, trying).tolist()])
-            with np.errstate(divide="ignore", invalid="ignore"):  # rows not trying have aspect 1, target 0
-                cw = np.round(np.sqrt(target * aspect)).astype(np.int64)
-                ch = np.round(np.sqrt(target / aspect)).astype(np.int64)
-            fits = trying & (cw > 0) & (cw <= w) & (ch > 0) & (ch <= h)
-            top = streams.integers(np.where(fits, h - ch + 1, 1), fits)
-            left = streams.integers(np.where(fits, w - cw + 1, 1), fits)
-            out[fits] = np.stack([top, left, ch, cw], axis=1)[fits]
-            trying &= ~fits
-        if trying.any():
-            in_ratio = w / np.maximum(h, 1)
-            narrow, wide = in_ratio < self.ratio[0], in_ratio > self.ratio[1]
-            cw = np.where(narrow, w, np.where(wide, np.round(h * self.ratio[1]).astype(np.int64), w))
-            ch = np.where(narrow, np.round(w / self.ratio[0]).astype(np.int64), h)
-            centered = np.stack([(h - ch) // 2, (w - cw) // 2, ch, cw], axis=1)
-            out[trying] = centered[trying]
-        return out, ok
+        """As ``Crop.boxes``, drawn for the whole batch at once in one C call
+        (``ops._rng.Streams.boxes``: the numbers of ``batch.rng(row, salt)``). Per row:
+        up to 10 tries of a target area and a log-uniform aspect, then the top and left
+        offsets of the first box that fits; no fit: the centered box of the ratio
+        closest to the image's."""
+        hw = np.ascontiguousarray(hw, np.int64).reshape(-1, 2)
+        ok = (hw[:, 0] > 0) & (hw[:, 1] > 0)  # rows rejected by an earlier crop of the same chain have no size
+        return Streams(batch.seeds, self.salt).boxes(hw, self.scale, self.ratio), ok
 
     def __call__(self, batch: Batch) -> Batch:
         images = batch.data[self.field]

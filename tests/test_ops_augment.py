@@ -232,14 +232,15 @@ def test_the_c_calls_check_their_buffers(images):
 
 
 def erasing_reference(rng, h, w, p, scale, ratio):
-    """torchvision's RandomErasing.get_params with NumPy's generator."""
+    """torchvision's RandomErasing.get_params with NumPy's generator (a box of no pixels,
+    which would erase nothing, is tried again as one that does not fit)."""
     if not rng.random() < p:
         return None
     for _ in range(10):
         area = h * w * rng.uniform(scale[0], scale[1])
         aspect = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
         eh, ew = int(round(math.sqrt(area * aspect))), int(round(math.sqrt(area / aspect)))
-        if not (eh < h and ew < w):
+        if not (0 < eh < h and 0 < ew < w):
             continue
         return int(rng.integers(0, h - eh + 1)), int(rng.integers(0, w - ew + 1)), eh, ew
     return None
@@ -261,6 +262,22 @@ def test_random_erasing_follows_torchvision(images):
             erased += 1
         assert np.array_equal(got, ref), row
     assert 10 < erased < 30
+
+
+@pytest.mark.parametrize("scale, ratio", [((0.02, 0.33), (0.3, 3.3)), ((0.0, 1.0), (1e-3, 1e3))])
+def test_random_erasing_boxes_are_the_per_row_generators(scale, ratio):
+    """The boxes drawn for the whole batch in one C call equal ``erasing_reference`` on
+    ``batch.rng(row, salt)`` for seeds of one and two 32-bit words and images where a
+    box fits at once, after retries, or never (1-pixel sides: nothing erased)."""
+    rng = np.random.default_rng(9)
+    hw = np.concatenate([rng.integers(1, 700, (300, 2)), [[1, 1], [1, 400], [400, 1], [2, 2], [3, 900]]])
+    index = np.arange(len(hw))
+    op = ops.random_erasing(p=0.8, scale=scale, ratio=ratio)
+    for seeds in (sample_seeds(5, 1, index), index.astype(np.uint64)):
+        batch = Batch({"image": [None] * len(hw)}, index, seeds)
+        want = [erasing_reference(batch.rng(r, op.salt), h, w, 0.8, scale, ratio) or (0, 0, 0, 0)
+                for r, (h, w) in enumerate(hw.tolist())]
+        assert [tuple(box) for box in op.boxes(batch, hw).tolist()] == want
 
 
 def test_erase_places_regions_as_dali(images):
