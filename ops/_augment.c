@@ -124,6 +124,70 @@ static int get_param(PyObject *obj, const char *name, char type, Py_ssize_t coun
     return 0;
 }
 
+/* The images of a batch, all of one shape (CutMix and MixUp mix each with the one before). */
+static int same_shapes(const Views *images) {
+    for (Py_ssize_t i = 1; i < images->n; ++i)
+        if (memcmp(images->v[i].shape, images->v[0].shape, 3 * sizeof(Py_ssize_t)) != 0) {
+            PyErr_Format(PyExc_ValueError, "images[%zd]: want the shape of images[0]", i);
+            return -1;
+        }
+    return 0;
+}
+
+/* One batch call's buffers: its images, their outputs and one per-image parameter buffer. */
+typedef struct {
+    Views images, outs;
+    Py_buffer param;
+} Batch;
+
+enum {
+    SAME_SHAPES = 1,  /* the images all of one shape (checked after the outs) */
+    ANY_HW = 2,       /* outs[i] of any height and width (else of images[i]'s shape) */
+    PARAM_OUT = 4,    /* open_batch: the call is (images, param), param written and no outs */
+};
+
+/* The views of `images` (of type `type`, as get_views) and of `outs` (NULL: none), checked
+ * (check_outs, same_shapes per `flags`). 0, or -1 with an exception set; close_batch
+ * releases what was taken either way. */
+static int open_views(Batch *b, PyObject *images, PyObject *outs, char type, int flags) {
+    *b = (Batch){0};
+    if (get_views(images, "images", 0, type, &b->images) < 0) return -1;
+    if (outs && (get_views(outs, "outs", 1, type, &b->outs) < 0
+                 || check_outs(&b->images, &b->outs, !(flags & ANY_HW)) < 0))
+        return -1;
+    return flags & SAME_SHAPES ? same_shapes(&b->images) : 0;
+}
+
+/* args (images, param, outs), or (images, param) with PARAM_OUT: uint8 images and outs
+ * (open_views) and `param` of type `type` (get_param, named `name`), `per_image` items an
+ * image. 0, or -1 with an exception set; close_batch releases either way. */
+static int open_batch(Batch *b, PyObject *args, const char *name, char type, Py_ssize_t per_image, int flags) {
+    PyObject *images, *param, *outs = NULL;
+    *b = (Batch){0};
+    if (!PyArg_ParseTuple(args, flags & PARAM_OUT ? "OO" : "OOO", &images, &param, &outs)
+            || open_views(b, images, outs, 'B', flags) < 0)
+        return -1;
+    return get_param(param, name, type, per_image * b->images.n, flags & PARAM_OUT, &b->param);
+}
+
+/* Releases the batch's buffers; None when `status` is 0, NULL (the exception set) when -1. */
+static PyObject *close_batch(Batch *b, int status) {
+    if (b->param.obj) PyBuffer_Release(&b->param);
+    release_views(&b->images);
+    release_views(&b->outs);
+    return status < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+/* images[i] of 1-4 channels, `op` naming the call in the error. */
+static int up_to_4_channels(const Views *images, const char *op) {
+    for (Py_ssize_t i = 0; i < images->n; ++i)
+        if (images->v[i].shape[2] > 4) {
+            PyErr_Format(PyExc_ValueError, "images[%zd]: %s takes 1-4 channels", i, op);
+            return -1;
+        }
+    return 0;
+}
+
 /* floor(v + 0.5) saturated to 0-255 (NaN: 0), as the kernels' fminf(fmaxf(floorf(..))),
  * without calls into libm: truncation is the floor of a positive number. */
 static inline uint8_t to_level(float v) {
@@ -206,50 +270,28 @@ CLONES static void color_one(const uint8_t *src, uint8_t *dst, int64_t pixels, i
 }
 
 static PyObject *color(PyObject *self, PyObject *args) {
-    PyObject *images_obj, *table_obj, *outs_obj;
-    if (!PyArg_ParseTuple(args, "OOO", &images_obj, &table_obj, &outs_obj)) return NULL;
-    Views images, outs = {0};
-    Py_buffer table = {0};
-    PyObject *result = NULL;
-    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
-            || check_outs(&images, &outs, 1) < 0 || get_param(table_obj, "table", 'f', 12 * images.n, 0, &table) < 0)
-        goto done;
+    Batch b;
+    if (open_batch(&b, args, "table", 'f', 12, 0) < 0) return close_batch(&b, -1);
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < images.n; ++i)
-        color_one(images.v[i].buf, outs.v[i].buf, images.v[i].shape[0] * images.v[i].shape[1],
-                  (int)images.v[i].shape[2], (const float *)table.buf + 12 * i);
+    for (Py_ssize_t i = 0; i < b.images.n; ++i)
+        color_one(b.images.v[i].buf, b.outs.v[i].buf, b.images.v[i].shape[0] * b.images.v[i].shape[1],
+                  (int)b.images.v[i].shape[2], (const float *)b.param.buf + 12 * i);
     Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    if (table.obj) PyBuffer_Release(&table);
-    release_views(&images);
-    release_views(&outs);
-    return result;
+    return close_batch(&b, 0);
 }
 
 /* ---- level tables and histograms ------------------------------------------------------ */
 
 static PyObject *lut(PyObject *self, PyObject *args) {
-    PyObject *images_obj, *tables_obj, *outs_obj;
-    if (!PyArg_ParseTuple(args, "OOO", &images_obj, &tables_obj, &outs_obj)) return NULL;
-    Views images, outs = {0};
-    Py_buffer tables = {0};
-    PyObject *result = NULL;
-    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
-            || check_outs(&images, &outs, 1) < 0
-            || get_param(tables_obj, "tables", 'B', 4 * 256 * images.n, 0, &tables) < 0)
-        goto done;
-    for (Py_ssize_t i = 0; i < images.n; ++i)
-        if (images.v[i].shape[2] > 4) {
-            PyErr_Format(PyExc_ValueError, "images[%zd]: lut takes 1-4 channels", i);
-            goto done;
-        }
+    Batch b;
+    if (open_batch(&b, args, "tables", 'B', 4 * 256, 0) < 0 || up_to_4_channels(&b.images, "lut") < 0)
+        return close_batch(&b, -1);
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < images.n; ++i) {
-        const uint8_t *src = images.v[i].buf, *t = (const uint8_t *)tables.buf + 1024 * i;
-        uint8_t *dst = outs.v[i].buf;
-        const int c = (int)images.v[i].shape[2];
-        const int64_t pixels = images.v[i].shape[0] * images.v[i].shape[1];
+    for (Py_ssize_t i = 0; i < b.images.n; ++i) {
+        const uint8_t *src = b.images.v[i].buf, *t = (const uint8_t *)b.param.buf + 1024 * i;
+        uint8_t *dst = b.outs.v[i].buf;
+        const int c = (int)b.images.v[i].shape[2];
+        const int64_t pixels = b.images.v[i].shape[0] * b.images.v[i].shape[1];
         if (c == 3) {
             for (int64_t p = 0; p < pixels; ++p) {
                 dst[3 * p] = t[src[3 * p]];
@@ -262,34 +304,19 @@ static PyObject *lut(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    if (tables.obj) PyBuffer_Release(&tables);
-    release_views(&images);
-    release_views(&outs);
-    return result;
+    return close_batch(&b, 0);
 }
 
 static PyObject *histogram(PyObject *self, PyObject *args) {
-    PyObject *images_obj, *counts_obj;
-    if (!PyArg_ParseTuple(args, "OO", &images_obj, &counts_obj)) return NULL;
-    Views images;
-    Py_buffer counts = {0};
-    PyObject *result = NULL;
-    if (get_views(images_obj, "images", 0, 'B', &images) < 0
-            || get_param(counts_obj, "counts", 'q', 4 * 256 * images.n, 1, &counts) < 0)
-        goto done;
-    for (Py_ssize_t i = 0; i < images.n; ++i)
-        if (images.v[i].shape[2] > 4) {
-            PyErr_Format(PyExc_ValueError, "images[%zd]: histogram takes 1-4 channels", i);
-            goto done;
-        }
+    Batch b;
+    if (open_batch(&b, args, "counts", 'q', 4 * 256, PARAM_OUT) < 0 || up_to_4_channels(&b.images, "histogram") < 0)
+        return close_batch(&b, -1);
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < images.n; ++i) {
-        const uint8_t *src = images.v[i].buf;
-        int64_t *h = (int64_t *)counts.buf + 1024 * i;
-        const int c = (int)images.v[i].shape[2];
-        const int64_t items = images.v[i].shape[0] * images.v[i].shape[1] * c;
+    for (Py_ssize_t i = 0; i < b.images.n; ++i) {
+        const uint8_t *src = b.images.v[i].buf;
+        int64_t *h = (int64_t *)b.param.buf + 1024 * i;
+        const int c = (int)b.images.v[i].shape[2];
+        const int64_t items = b.images.v[i].shape[0] * b.images.v[i].shape[1] * c;
         memset(h, 0, 1024 * sizeof(int64_t));
         if (c == 3) {
             for (int64_t j = 0; j + 2 < items; j += 3) {
@@ -302,11 +329,7 @@ static PyObject *histogram(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    if (counts.obj) PyBuffer_Release(&counts);
-    release_views(&images);
-    return result;
+    return close_batch(&b, 0);
 }
 
 /* ---- colour jitter: torchvision's steps in float32, as ops/color.py's array code ------- */
@@ -434,48 +457,35 @@ CLONES static void jitter_one(const uint8_t *src, uint8_t *dst, int64_t pixels, 
 }
 
 static PyObject *jitter(PyObject *self, PyObject *args) {
-    PyObject *images_obj, *params_obj, *outs_obj;
-    if (!PyArg_ParseTuple(args, "OOO", &images_obj, &params_obj, &outs_obj)) return NULL;
-    Views images, outs = {0};
-    Py_buffer params = {0};
-    PyObject *result = NULL;
-    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
-            || check_outs(&images, &outs, 1) < 0 || get_param(params_obj, "params", 'd', 8 * images.n, 0, &params) < 0)
-        goto done;
-    const double *prm = params.buf;
-    for (Py_ssize_t i = 0; i < images.n; ++i)
+    Batch b;
+    if (open_batch(&b, args, "params", 'd', 8, 0) < 0) return close_batch(&b, -1);
+    const Views *images = &b.images;
+    const double *prm = b.param.buf;
+    for (Py_ssize_t i = 0; i < images->n; ++i)
         for (int k = 0; k < 4; ++k) {
             const double step = prm[8 * i + k];
             if (!(step == -1 || step == 0 || step == 1 || step == 2 || step == 3)
-                    || (images.v[i].shape[2] < 3 && (step == 2 || step == 3))) {
+                    || (images->v[i].shape[2] < 3 && (step == 2 || step == 3))) {
                 PyErr_Format(PyExc_ValueError, "params[%zd, %d]: a step is -1 or 0-3 (2 and 3 need 3 channels)", i, k);
-                goto done;
+                return close_batch(&b, -1);
             }
         }
     size_t need = 1; /* one scratch for the batch: the largest image's planes and a grey plane */
-    for (Py_ssize_t i = 0; i < images.n; ++i) {
-        const size_t pixels = (size_t)images.v[i].shape[0] * (size_t)images.v[i].shape[1];
-        if (pixels * ((size_t)images.v[i].shape[2] + 1) > need) need = pixels * ((size_t)images.v[i].shape[2] + 1);
+    for (Py_ssize_t i = 0; i < images->n; ++i) {
+        const size_t pixels = (size_t)images->v[i].shape[0] * (size_t)images->v[i].shape[1];
+        if (pixels * ((size_t)images->v[i].shape[2] + 1) > need) need = pixels * ((size_t)images->v[i].shape[2] + 1);
     }
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
     float *scratch = malloc(sizeof(float) * need);
     failed = !scratch;
-    for (Py_ssize_t i = 0; i < images.n && !failed; ++i)
-        jitter_one(images.v[i].buf, outs.v[i].buf, images.v[i].shape[0] * images.v[i].shape[1],
-                   (int)images.v[i].shape[2], prm + 8 * i, scratch);
+    for (Py_ssize_t i = 0; i < images->n && !failed; ++i)
+        jitter_one(images->v[i].buf, b.outs.v[i].buf, images->v[i].shape[0] * images->v[i].shape[1],
+                   (int)images->v[i].shape[2], prm + 8 * i, scratch);
     free(scratch);
     Py_END_ALLOW_THREADS
-    if (failed) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
-done:
-    if (params.obj) PyBuffer_Release(&params);
-    release_views(&images);
-    release_views(&outs);
-    return result;
+    if (failed) PyErr_NoMemory();
+    return close_batch(&b, failed ? -1 : 0);
 }
 
 /* ---- batch mixing: MixUp's weighted sum and CutMix's box, with the row before ---------- */
@@ -485,65 +495,38 @@ CLONES static void mix_one(const uint8_t *a, const uint8_t *b, uint8_t *dst, int
     for (int64_t j = 0; j < n; ++j) dst[j] = to_level(w * (float)a[j] + rest * (float)b[j]);
 }
 
-/* The images of a batch, all of one shape (CutMix and MixUp mix each with the one before). */
-static int same_shapes(const Views *images) {
-    for (Py_ssize_t i = 1; i < images->n; ++i)
-        if (memcmp(images->v[i].shape, images->v[0].shape, 3 * sizeof(Py_ssize_t)) != 0) {
-            PyErr_Format(PyExc_ValueError, "images[%zd]: want the shape of images[0]", i);
-            return -1;
-        }
-    return 0;
-}
-
 static PyObject *mix(PyObject *self, PyObject *args) {
-    PyObject *images_obj, *weights_obj, *outs_obj;
-    if (!PyArg_ParseTuple(args, "OOO", &images_obj, &weights_obj, &outs_obj)) return NULL;
-    Views images, outs = {0};
-    Py_buffer weights = {0};
-    PyObject *result = NULL;
-    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
-            || check_outs(&images, &outs, 1) < 0 || same_shapes(&images) < 0
-            || get_param(weights_obj, "weights", 'f', 2 * images.n, 0, &weights) < 0)
-        goto done;
+    Batch b;
+    if (open_batch(&b, args, "weights", 'f', 2, SAME_SHAPES) < 0) return close_batch(&b, -1);
     Py_BEGIN_ALLOW_THREADS
-    const float *w = weights.buf;
-    for (Py_ssize_t i = 0; i < images.n; ++i) {
-        const Py_buffer *v = &images.v[i];
-        mix_one(v->buf, images.v[(i + images.n - 1) % images.n].buf, outs.v[i].buf, v->len, w[2 * i],
+    const float *w = b.param.buf;
+    const Views *images = &b.images;
+    for (Py_ssize_t i = 0; i < images->n; ++i) {
+        const Py_buffer *v = &images->v[i];
+        mix_one(v->buf, images->v[(i + images->n - 1) % images->n].buf, b.outs.v[i].buf, v->len, w[2 * i],
                 w[2 * i + 1]);
     }
     Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    if (weights.obj) PyBuffer_Release(&weights);
-    release_views(&images);
-    release_views(&outs);
-    return result;
+    return close_batch(&b, 0);
 }
 
 static PyObject *paste(PyObject *self, PyObject *args) {
-    PyObject *images_obj, *boxes_obj, *outs_obj;
-    if (!PyArg_ParseTuple(args, "OOO", &images_obj, &boxes_obj, &outs_obj)) return NULL;
-    Views images, outs = {0};
-    Py_buffer boxes = {0};
-    PyObject *result = NULL;
-    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
-            || check_outs(&images, &outs, 1) < 0 || same_shapes(&images) < 0
-            || get_param(boxes_obj, "boxes", 'q', 4 * images.n, 0, &boxes) < 0)
-        goto done;
-    const int64_t *box = boxes.buf;
-    for (Py_ssize_t i = 0; i < images.n; ++i) {
-        const int64_t *q = box + 4 * i, h = images.v[i].shape[0], w = images.v[i].shape[1];
+    Batch b;
+    if (open_batch(&b, args, "boxes", 'q', 4, SAME_SHAPES) < 0) return close_batch(&b, -1);
+    const Views *images = &b.images;
+    const int64_t *box = b.param.buf;
+    for (Py_ssize_t i = 0; i < images->n; ++i) {
+        const int64_t *q = box + 4 * i, h = images->v[i].shape[0], w = images->v[i].shape[1];
         if (!(0 <= q[0] && q[0] <= q[2] && q[2] <= h && 0 <= q[1] && q[1] <= q[3] && q[3] <= w)) {
             PyErr_Format(PyExc_ValueError, "boxes[%zd]: want 0 <= y0 <= y1 <= height and 0 <= x0 <= x1 <= width", i);
-            goto done;
+            return close_batch(&b, -1);
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < images.n; ++i) {
-        const Py_buffer *v = &images.v[i];
-        const uint8_t *a = v->buf, *prev = images.v[(i + images.n - 1) % images.n].buf;
-        uint8_t *d = outs.v[i].buf;
+    for (Py_ssize_t i = 0; i < images->n; ++i) {
+        const Py_buffer *v = &images->v[i];
+        const uint8_t *a = v->buf, *prev = images->v[(i + images->n - 1) % images->n].buf;
+        uint8_t *d = b.outs.v[i].buf;
         const int64_t *q = box + 4 * i, row = v->shape[1] * v->shape[2], c = v->shape[2];
         for (int64_t y = 0; y < v->shape[0]; ++y) {
             const int64_t at = y * row;
@@ -557,12 +540,7 @@ static PyObject *paste(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    if (boxes.obj) PyBuffer_Release(&boxes);
-    release_views(&images);
-    release_views(&outs);
-    return result;
+    return close_batch(&b, 0);
 }
 
 /* ---- NumPy's Generator on PCG64, written out: batch streams, MixUp and CutMix's draws -- */
@@ -966,41 +944,27 @@ CLONES static void filter3x3_one(const uint8_t *src, uint8_t *dst, int h, int w,
 }
 
 static PyObject *filter3x3(PyObject *self, PyObject *args) {
-    PyObject *images_obj, *kernels_obj, *outs_obj;
-    if (!PyArg_ParseTuple(args, "OOO", &images_obj, &kernels_obj, &outs_obj)) return NULL;
-    Views images, outs = {0};
-    Py_buffer kernels = {0};
-    PyObject *result = NULL;
-    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
-            || check_outs(&images, &outs, 1) < 0
-            || get_param(kernels_obj, "kernels", 'f', 9 * images.n, 0, &kernels) < 0)
-        goto done;
+    Batch b;
+    if (open_batch(&b, args, "kernels", 'f', 9, 0) < 0) return close_batch(&b, -1);
+    const Views *images = &b.images;
     size_t need = 1; /* one scratch for the batch, of the largest image's size */
-    for (Py_ssize_t i = 0; i < images.n; ++i) {
-        const size_t w = (size_t)images.v[i].shape[1], c = (size_t)images.v[i].shape[2];
+    for (Py_ssize_t i = 0; i < images->n; ++i) {
+        const size_t w = (size_t)images->v[i].shape[1], c = (size_t)images->v[i].shape[2];
         if ((3 * (w + 2) + w) * c > need) need = (3 * (w + 2) + w) * c;
     }
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
     float *pad = malloc(sizeof(float) * need);
     failed = !pad;
-    for (Py_ssize_t i = 0; i < images.n && !failed; ++i) {
-        const Py_buffer *v = &images.v[i];
+    for (Py_ssize_t i = 0; i < images->n && !failed; ++i) {
+        const Py_buffer *v = &images->v[i];
         const int h = (int)v->shape[0], w = (int)v->shape[1], c = (int)v->shape[2];
-        filter3x3_one(v->buf, outs.v[i].buf, h, w, c, (const float *)kernels.buf + 9 * i, pad);
+        filter3x3_one(v->buf, b.outs.v[i].buf, h, w, c, (const float *)b.param.buf + 9 * i, pad);
     }
     free(pad);
     Py_END_ALLOW_THREADS
-    if (failed) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
-done:
-    if (kernels.obj) PyBuffer_Release(&kernels);
-    release_views(&images);
-    release_views(&outs);
-    return result;
+    if (failed) PyErr_NoMemory();
+    return close_batch(&b, failed ? -1 : 0);
 }
 
 /* Separable blur of one image: rows with kx (into `mid`, float32 h x w x c), then columns
@@ -1049,30 +1013,30 @@ CLONES static void blur_one(const void *src, int u8, void *dst, int h, int w, in
 static PyObject *blur(PyObject *self, PyObject *args) {
     PyObject *images_obj, *ky_obj, *kx_obj, *outs_obj;
     if (!PyArg_ParseTuple(args, "OOOO", &images_obj, &ky_obj, &kx_obj, &outs_obj)) return NULL;
-    Views images, outs = {0}, ky = {0}, kx = {0};
-    PyObject *result = NULL;
+    Batch b;
+    Views ky = {0}, kx = {0};
+    int status = -1;
     Py_buffer *weights[2] = {NULL, NULL};
-    if (get_views(images_obj, "images", 0, 0, &images) < 0 || get_views(outs_obj, "outs", 1, 0, &outs) < 0
-            || check_outs(&images, &outs, 1) < 0)
-        goto done;
-    if (!PyList_Check(ky_obj) || !PyList_Check(kx_obj) || PyList_GET_SIZE(ky_obj) != images.n
-            || PyList_GET_SIZE(kx_obj) != images.n) {
+    if (open_views(&b, images_obj, outs_obj, 0, 0) < 0) goto done;
+    const Views *images = &b.images;
+    if (!PyList_Check(ky_obj) || !PyList_Check(kx_obj) || PyList_GET_SIZE(ky_obj) != images->n
+            || PyList_GET_SIZE(kx_obj) != images->n) {
         PyErr_SetString(PyExc_ValueError, "ky and kx must be lists of one float32 kernel per image");
         goto done;
     }
     for (int a = 0; a < 2; ++a) {
         Views *k = a ? &kx : &ky;
         PyObject *list = a ? kx_obj : ky_obj;
-        k->n = images.n;
-        k->v = calloc(images.n ? images.n : 1, sizeof(Py_buffer));
+        k->n = images->n;
+        k->v = calloc(images->n ? images->n : 1, sizeof(Py_buffer));
         if (!k->v) {
             PyErr_NoMemory();
             goto done;
         }
         for (; k->got < k->n; ++k->got) {
-            Py_buffer *b = &k->v[k->got];
-            if (get_param(PyList_GET_ITEM(list, k->got), a ? "kx" : "ky", 'f', 1, 0, b) < 0) goto done;
-            if (b->len / 4 % 2 == 0) {
+            Py_buffer *w = &k->v[k->got];
+            if (get_param(PyList_GET_ITEM(list, k->got), a ? "kx" : "ky", 'f', 1, 0, w) < 0) goto done;
+            if (w->len / 4 % 2 == 0) {
                 ++k->got;
                 PyErr_Format(PyExc_ValueError, "%s[%zd]: want an odd number of taps", a ? "kx" : "ky", k->got - 1);
                 goto done;
@@ -1081,8 +1045,8 @@ static PyObject *blur(PyObject *self, PyObject *args) {
         weights[a] = k->v;
     }
     size_t need = 1; /* one scratch for the batch, of the largest image's size */
-    for (Py_ssize_t i = 0; i < images.n; ++i) {
-        const Py_buffer *v = &images.v[i];
+    for (Py_ssize_t i = 0; i < images->n; ++i) {
+        const Py_buffer *v = &images->v[i];
         const size_t h = (size_t)v->shape[0], w = (size_t)v->shape[1], c = (size_t)v->shape[2];
         const size_t rx = (size_t)(weights[1][i].len / 4 / 2);
         if (h * w * c + (w + 2 * rx) * c > need) need = h * w * c + (w + 2 * rx) * c;
@@ -1091,26 +1055,21 @@ static PyObject *blur(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     float *mid = malloc(sizeof(float) * need);
     failed = !mid;
-    for (Py_ssize_t i = 0; i < images.n && !failed; ++i) {
-        const Py_buffer *v = &images.v[i];
+    for (Py_ssize_t i = 0; i < images->n && !failed; ++i) {
+        const Py_buffer *v = &images->v[i];
         const int h = (int)v->shape[0], w = (int)v->shape[1], c = (int)v->shape[2];
         const int ry = (int)(weights[0][i].len / 4 / 2), rx = (int)(weights[1][i].len / 4 / 2);
-        blur_one(v->buf, code(v) == 'B', outs.v[i].buf, h, w, c, weights[0][i].buf, ry, weights[1][i].buf, rx, mid,
+        blur_one(v->buf, code(v) == 'B', b.outs.v[i].buf, h, w, c, weights[0][i].buf, ry, weights[1][i].buf, rx, mid,
                  mid + (size_t)h * w * c);
     }
     free(mid);
     Py_END_ALLOW_THREADS
-    if (failed) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    if (failed) PyErr_NoMemory();
+    status = failed ? -1 : 0;
 done:
-    release_views(&images);
-    release_views(&outs);
     release_views(&ky);
     release_views(&kx);
-    return result;
+    return close_batch(&b, status);
 }
 
 /* ---- affine warp ---------------------------------------------------------------------- */
@@ -1216,50 +1175,39 @@ static PyObject *warp(PyObject *self, PyObject *args) {
     int interp, use_fill;
     if (!PyArg_ParseTuple(args, "OOOiiO", &images_obj, &matrices_obj, &fills_obj, &interp, &use_fill, &outs_obj))
         return NULL;
-    Views images, outs = {0};
-    Py_buffer matrices = {0}, fills = {0};
-    PyObject *result = NULL;
     if (interp != 0 && interp != 1) {
         PyErr_Format(PyExc_ValueError, "interp is 0 (linear) or 1 (nearest), got %d", interp);
         return NULL;
     }
-    if (get_views(images_obj, "images", 0, 'B', &images) < 0 || get_views(outs_obj, "outs", 1, 'B', &outs) < 0
-            || check_outs(&images, &outs, 0) < 0
-            || get_param(matrices_obj, "matrices", 'f', 6 * images.n, 0, &matrices) < 0
-            || get_param(fills_obj, "fills", 'f', 4 * images.n, 0, &fills) < 0)
+    Batch b;
+    Py_buffer fills = {0};
+    int status = -1;
+    if (open_views(&b, images_obj, outs_obj, 'B', ANY_HW) < 0
+            || get_param(matrices_obj, "matrices", 'f', 6 * b.images.n, 0, &b.param) < 0
+            || get_param(fills_obj, "fills", 'f', 4 * b.images.n, 0, &fills) < 0
+            || up_to_4_channels(&b.images, "warp") < 0)
         goto done;
-    for (Py_ssize_t i = 0; i < images.n; ++i)
-        if (images.v[i].shape[2] > 4) {
-            PyErr_Format(PyExc_ValueError, "images[%zd]: warp takes 1-4 channels", i);
-            goto done;
-        }
     size_t need = 1; /* one scratch for the batch, of the widest output's size */
-    for (Py_ssize_t i = 0; i < images.n; ++i)
-        if (23 * (size_t)outs.v[i].shape[1] > need) need = 23 * (size_t)outs.v[i].shape[1];
+    for (Py_ssize_t i = 0; i < b.images.n; ++i)
+        if (23 * (size_t)b.outs.v[i].shape[1] > need) need = 23 * (size_t)b.outs.v[i].shape[1];
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
     float *scratch = malloc(sizeof(float) * need);
     failed = !scratch;
-    for (Py_ssize_t i = 0; i < images.n && !failed; ++i) {
-        const Py_buffer *v = &images.v[i], *o = &outs.v[i];
+    for (Py_ssize_t i = 0; i < b.images.n && !failed; ++i) {
+        const Py_buffer *v = &b.images.v[i], *o = &b.outs.v[i];
         if (v->shape[0] == 0 || v->shape[1] == 0 || o->shape[0] == 0 || o->shape[1] == 0) continue;
         warp_image(v->buf, (int)v->shape[0], (int)v->shape[1], (int)v->shape[2], o->buf, (int)o->shape[0],
-                   (int)o->shape[1], (const float *)matrices.buf + 6 * i, (const float *)fills.buf + 4 * i, interp,
+                   (int)o->shape[1], (const float *)b.param.buf + 6 * i, (const float *)fills.buf + 4 * i, interp,
                    use_fill, scratch);
     }
     free(scratch);
     Py_END_ALLOW_THREADS
-    if (failed) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    if (failed) PyErr_NoMemory();
+    status = failed ? -1 : 0;
 done:
-    if (matrices.obj) PyBuffer_Release(&matrices);
     if (fills.obj) PyBuffer_Release(&fills);
-    release_views(&images);
-    release_views(&outs);
-    return result;
+    return close_batch(&b, status);
 }
 
 static PyMethodDef methods[] = {
