@@ -594,6 +594,7 @@ static void pcg_seed(Pcg64 *g, uint64_t seed, uint32_t salt) {
     g->state = g->state * PCG_MULT + g->inc;
     g->state += init;
     g->state = g->state * PCG_MULT + g->inc;
+    g->half = 0;
     g->has_half = 0;
 }
 
