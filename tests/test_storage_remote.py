@@ -98,6 +98,16 @@ def _prefix(request):
 # ---- datasets, written by their real writers ---------------------------------------
 
 
+def _random_npy_on_s3(s3, tmp_path, request, name, seed, n):
+    """``n`` random bytes saved as ``name``.npy and uploaded under the test's prefix:
+    (the array, its s3:// URL)."""
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    np.save(tmp_path / f"{name}.npy", data)
+    key = f"{_prefix(request)}/{name}.npy"
+    s3.upload_file(os.fspath(tmp_path / f"{name}.npy"), BUCKET, key)
+    return data, f"s3://{BUCKET}/{key}"
+
+
 def _tree(root, rng, classes=("cat", "dog", "dog-x"), n=5):
     for c in classes:
         for k in range(n):
@@ -414,11 +424,8 @@ def test_formats_needing_a_local_file_say_why(s3):
 def test_second_epoch_reads_the_cache_only(s3, tmp_path, request, monkeypatch):
     """Large objects are cached in aligned blocks; a later read needs no server."""
     monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "64KiB")
-    data = np.random.default_rng(6).integers(0, 256, 300_000, dtype=np.uint8)
-    np.save(tmp_path / "big.npy", data)
-    prefix = _prefix(request)
-    s3.upload_file(os.fspath(tmp_path / "big.npy"), BUCKET, f"{prefix}/big.npy")
-    index = formats.numpy(f"s3://{BUCKET}/{prefix}/big.npy")
+    data, url = _random_npy_on_s3(s3, tmp_path, request, "big", 6, 300_000)
+    index = formats.numpy(url)
     first = gpuio.read(index, [0])[0].tobytes()
     flush()  # the blocks are written behind the read
     blocks = [f for _, _, fs in os.walk(cache_folder()) for f in fs]
@@ -524,13 +531,10 @@ def _race(args):
 
 
 def test_processes_racing_on_one_block_download_it_once(s3, s3server, tmp_path, request):
-    data = np.random.default_rng(9).integers(0, 256, 2_000_000, dtype=np.uint8)
-    np.save(tmp_path / "x.npy", data)
-    prefix = _prefix(request)
-    s3.upload_file(os.fspath(tmp_path / "x.npy"), BUCKET, f"{prefix}/x.npy")
+    data, url = _random_npy_on_s3(s3, tmp_path, request, "x", 9, 2_000_000)
     proxy = FaultProxy(("127.0.0.1", int(s3server.endpoint.rsplit(":", 1)[1])))
     try:
-        url, cache = f"s3://{BUCKET}/{prefix}/x.npy", str(tmp_path / "shared-cache")
+        cache = str(tmp_path / "shared-cache")
         with multiprocessing.get_context("spawn").Pool(4) as pool:
             got = pool.map(_race, [(url, cache, proxy.url)] * 4, chunksize=1)
         assert all(g == data.tobytes() for g in got)
@@ -816,11 +820,8 @@ def _files(folder):
 
 def test_write_behind_serves_the_batch_first_and_never_shows_a_partial_block(s3, tmp_path, request, monkeypatch):
     monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "4KiB")
-    data = np.random.default_rng(23).integers(0, 256, 50_000, dtype=np.uint8)
-    np.save(tmp_path / "w.npy", data)
-    prefix = _prefix(request)
-    s3.upload_file(os.fspath(tmp_path / "w.npy"), BUCKET, f"{prefix}/w.npy")
-    index = formats.numpy(f"s3://{BUCKET}/{prefix}/w.npy")
+    data, url = _random_npy_on_s3(s3, tmp_path, request, "w", 23, 50_000)
+    index = formats.numpy(url)
     reader = gpuio.Reader("cpu")
     try:
         release = _hold_writers(reader)
@@ -856,11 +857,8 @@ def _read_then_die(args):
 
 def test_a_writer_killed_before_its_writes_leaves_nothing_served_partial(s3, s3server, tmp_path, request,
                                                                           monkeypatch):
-    data = np.random.default_rng(24).integers(0, 256, 30_000, dtype=np.uint8)
-    np.save(tmp_path / "k.npy", data)
-    prefix = _prefix(request)
-    s3.upload_file(os.fspath(tmp_path / "k.npy"), BUCKET, f"{prefix}/k.npy")
-    url, cache, done = f"s3://{BUCKET}/{prefix}/k.npy", str(tmp_path / "killed-cache"), str(tmp_path / "done")
+    data, url = _random_npy_on_s3(s3, tmp_path, request, "k", 24, 30_000)
+    cache, done = str(tmp_path / "killed-cache"), str(tmp_path / "done")
     child = multiprocessing.get_context("spawn").Process(target=_read_then_die,
                                                          args=((url, cache, s3server.endpoint, done),))
     child.start()
@@ -941,11 +939,8 @@ def test_prefetches_under_way_at_interpreter_exit_are_written_whole(s3, s3server
     """The fetches ahead still running when the interpreter exits end with their blocks
     written (the writer threads refuse new work by then): no .part claim is left for
     the node's other processes to wait on, and no block file is partial."""
-    data = np.random.default_rng(27).integers(0, 256, 400_000, dtype=np.uint8)
-    np.save(tmp_path / "x.npy", data)
-    prefix = _prefix(request)
-    s3.upload_file(os.fspath(tmp_path / "x.npy"), BUCKET, f"{prefix}/x.npy")
-    url, cache = f"s3://{BUCKET}/{prefix}/x.npy", str(tmp_path / "exit-cache")
+    data, url = _random_npy_on_s3(s3, tmp_path, request, "x", 27, 400_000)
+    cache = str(tmp_path / "exit-cache")
     child = multiprocessing.get_context("spawn").Process(target=_prefetch_then_exit,
                                                          args=((url, cache, s3server.endpoint),))
     child.start()
@@ -967,11 +962,8 @@ def test_a_claim_taken_over_as_stale_is_left_to_its_new_owner(s3, tmp_path, requ
     its own bytes to no name, neither renaming the other's partial file into place nor
     removing it."""
     monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "4KiB")
-    data = np.random.default_rng(28).integers(0, 256, 20_000, dtype=np.uint8)
-    np.save(tmp_path / "c.npy", data)
-    prefix = _prefix(request)
-    s3.upload_file(os.fspath(tmp_path / "c.npy"), BUCKET, f"{prefix}/c.npy")
-    index = formats.numpy(f"s3://{BUCKET}/{prefix}/c.npy")
+    data, url = _random_npy_on_s3(s3, tmp_path, request, "c", 28, 20_000)
+    index = formats.numpy(url)
     reader = gpuio.Reader("cpu")
     try:
         release = _hold_writers(reader)
@@ -1010,17 +1002,14 @@ def test_exit_does_not_wait_for_the_fetches_ahead_not_started(s3, s3server, tmp_
     read-ahead window has tried and timed out against a server that stopped answering."""
     import socket
 
-    data = np.random.default_rng(29).integers(0, 256, 120_000, dtype=np.uint8)  # 30 blocks of 4 KiB
-    np.save(tmp_path / "s.npy", data)
-    prefix = _prefix(request)
-    s3.upload_file(os.fspath(tmp_path / "s.npy"), BUCKET, f"{prefix}/s.npy")
+    data, url = _random_npy_on_s3(s3, tmp_path, request, "s", 29, 120_000)  # 30 blocks of 4 KiB
     with socket.socket() as silent:  # accepts connections (the backlog), never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(64)
         started = tmp_path / "started"
         child = multiprocessing.get_context("spawn").Process(
             target=_prefetch_from_a_silent_server_then_exit,
-            args=((f"s3://{BUCKET}/{prefix}/s.npy", str(tmp_path / "silent-cache"), s3server.endpoint,
+            args=((url, str(tmp_path / "silent-cache"), s3server.endpoint,
                    f"http://127.0.0.1:{silent.getsockname()[1]}", str(started)),))
         child.start()
         child.join(120)
