@@ -697,6 +697,21 @@ static int draw_get(PyObject *state, PyObject *rows, PyObject *out, char out_typ
 
 static int draw_row(const Draw *d, Py_ssize_t i) { return !d->rows.obj || ((const uint8_t *)d->rows.buf)[i]; }
 
+/* out[i] = EXPR of the row's stream g (loaded, drawn from, stored back) where the row is
+ * drawn, FILL elsewhere (that stream stays). */
+#define DRAW_ROWS(d, o, FILL, EXPR)                                                  \
+    for (Py_ssize_t i = 0; i < (d).n; ++i) {                                         \
+        uint64_t *words_ = (uint64_t *)(d).state.buf + PCG_WORDS * i;                \
+        Pcg64 g;                                                                     \
+        if (!draw_row(&(d), i)) {                                                    \
+            (o)[i] = (FILL);                                                         \
+            continue;                                                                \
+        }                                                                            \
+        pcg_load(&g, words_);                                                        \
+        (o)[i] = (EXPR);                                                             \
+        pcg_store(&g, words_);                                                       \
+    }
+
 static PyObject *rng_seed(PyObject *self, PyObject *args) {
     PyObject *seeds_obj, *state_obj;
     unsigned long long salt;
@@ -731,17 +746,8 @@ static PyObject *rng_next64(PyObject *self, PyObject *args) {
         draw_release(&d);
         return NULL;
     }
-    uint64_t *w = d.state.buf, *o = d.out.buf;
-    for (Py_ssize_t i = 0; i < d.n; ++i) {
-        Pcg64 g;
-        if (!draw_row(&d, i)) {
-            o[i] = 0;
-            continue;
-        }
-        pcg_load(&g, w + PCG_WORDS * i);
-        o[i] = pcg_next64(&g);
-        pcg_store(&g, w + PCG_WORDS * i);
-    }
+    uint64_t *o = d.out.buf;
+    DRAW_ROWS(d, o, 0, pcg_next64(&g))
     draw_release(&d);
     Py_RETURN_NONE;
 }
@@ -756,18 +762,8 @@ static PyObject *rng_uniform(PyObject *self, PyObject *args) {
         return NULL;
     }
     const double span = high - low;
-    uint64_t *w = d.state.buf;
     double *o = d.out.buf;
-    for (Py_ssize_t i = 0; i < d.n; ++i) {
-        Pcg64 g;
-        if (!draw_row(&d, i)) {
-            o[i] = low;
-            continue;
-        }
-        pcg_load(&g, w + PCG_WORDS * i);
-        o[i] = low + span * pcg_random(&g);
-        pcg_store(&g, w + PCG_WORDS * i);
-    }
+    DRAW_ROWS(d, o, low, low + span * pcg_random(&g))
     draw_release(&d);
     Py_RETURN_NONE;
 }
@@ -785,18 +781,8 @@ static PyObject *rng_integers(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "high[%zd] = %lld: want 1 <= high <= 2**32", i, (long long)hi[i]);
             goto done;
         }
-    uint64_t *w = d.state.buf;
     int64_t *o = d.out.buf;
-    for (Py_ssize_t i = 0; i < d.n; ++i) {
-        Pcg64 g;
-        if (!draw_row(&d, i)) {
-            o[i] = 0;
-            continue;
-        }
-        pcg_load(&g, w + PCG_WORDS * i);
-        o[i] = pcg_below(&g, (uint64_t)hi[i]);
-        pcg_store(&g, w + PCG_WORDS * i);
-    }
+    DRAW_ROWS(d, o, 0, (int64_t)pcg_below(&g, (uint64_t)hi[i]))
     result = Py_NewRef(Py_None);
 done:
     draw_release(&d);
@@ -874,38 +860,23 @@ done:
     return result;
 }
 
-static PyObject *mix_draws(PyObject *self, PyObject *args) {
-    PyObject *seeds_obj, *out_obj;
-    unsigned long salt;
+static PyObject *rng_beta(PyObject *self, PyObject *args) {
+    PyObject *state, *rows, *out;
     double alpha;
-    long long h, w;
-    if (!PyArg_ParseTuple(args, "OkdLLO", &seeds_obj, &salt, &alpha, &h, &w, &out_obj)) return NULL;
-    if (!(alpha > 0.0 && alpha <= 1.0) || h < 0 || w < 0 || h > 0xFFFFFFFFLL || w > 0xFFFFFFFFLL
-            || salt > 0xFFFFFFFFUL) {
-        PyErr_Format(PyExc_ValueError, "mix_draws takes 0 < alpha <= 1, 0 <= h, w <= 2**32 and a 32-bit salt");
+    if (!PyArg_ParseTuple(args, "OOdO", &state, &rows, &alpha, &out)) return NULL;
+    if (!(alpha > 0.0 && alpha <= 1.0)) {
+        PyErr_Format(PyExc_ValueError, "rng_beta takes 0 < alpha <= 1 (Johnk's method), got %g", alpha);
         return NULL;
     }
-    Py_buffer seeds = {0}, out = {0};
-    PyObject *result = NULL;
-    if (get_param(seeds_obj, "seeds", 'q', 0, 0, &seeds) < 0) return NULL;
-    const Py_ssize_t n = seeds.len / 8;
-    if (get_param(out_obj, "out", 'd', 3 * n, 1, &out) < 0) goto done;
-    Py_BEGIN_ALLOW_THREADS
-    const uint64_t *s = seeds.buf;
-    double *o = out.buf;
-    for (Py_ssize_t i = 0; i < n; ++i) {
-        Pcg64 g;
-        pcg_seed(&g, s[i], (uint32_t)salt);
-        o[3 * i] = pcg_beta_johnk(&g, alpha);
-        o[3 * i + 1] = h && w ? (double)pcg_below(&g, (uint64_t)w) : 0.0;
-        o[3 * i + 2] = h && w ? (double)pcg_below(&g, (uint64_t)h) : 0.0;
+    Draw d;
+    if (draw_get(state, rows, out, 'd', &d) < 0) {
+        draw_release(&d);
+        return NULL;
     }
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    if (seeds.obj) PyBuffer_Release(&seeds);
-    if (out.obj) PyBuffer_Release(&out);
-    return result;
+    double *o = d.out.buf;
+    DRAW_ROWS(d, o, 0.0, pcg_beta_johnk(&g, alpha))
+    draw_release(&d);
+    Py_RETURN_NONE;
 }
 
 /* ---- filters: borders mirrored without repeating the edge pixel (dcb|abcd|cba) -------- */
@@ -1220,11 +1191,11 @@ static PyMethodDef methods[] = {
     {"jitter", jitter, METH_VARARGS, "jitter(images, params, outs): see ops/_augment.pyi"},
     {"mix", mix, METH_VARARGS, "mix(images, weights, outs): see ops/_augment.pyi"},
     {"paste", paste, METH_VARARGS, "paste(images, boxes, outs): see ops/_augment.pyi"},
-    {"mix_draws", mix_draws, METH_VARARGS, "mix_draws(seeds, salt, alpha, h, w, out): see ops/_augment.pyi"},
     {"rng_seed", rng_seed, METH_VARARGS, "rng_seed(seeds, salt, state): see ops/_augment.pyi"},
     {"rng_next64", rng_next64, METH_VARARGS, "rng_next64(state, rows, out): see ops/_augment.pyi"},
     {"rng_uniform", rng_uniform, METH_VARARGS, "rng_uniform(state, rows, low, high, out): see ops/_augment.pyi"},
     {"rng_integers", rng_integers, METH_VARARGS, "rng_integers(state, rows, high, out): see ops/_augment.pyi"},
+    {"rng_beta", rng_beta, METH_VARARGS, "rng_beta(state, rows, alpha, out): see ops/_augment.pyi"},
     {"rng_boxes", rng_boxes, METH_VARARGS, "rng_boxes(state, rows, hw, scale, ratio, erase, out): see ops/_augment.pyi"},
     {"warp", warp, METH_VARARGS, "warp(images, matrices, fills, interp, use_fill, outs): see ops/_augment.pyi"},
     {NULL, NULL, 0, NULL}};

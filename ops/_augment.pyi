@@ -79,15 +79,6 @@ def paste(images: list[ReadableBuffer], boxes: ReadableBuffer, outs: list[Writea
     uint8 images of one shape. ValueError for a box outside its image. ``outs``: uint8,
     the images' shapes."""
 
-def mix_draws(seeds: ReadableBuffer, salt: int, alpha: float, h: int, w: int, out: WriteableBuffer, /) -> None:
-    """The draws of MixUp and CutMix: per seed (int64 ``[N]``, the bits of the uint64
-    sample seeds) the numbers of ``Generator(PCG64(SeedSequence([seed, salt])))``:
-    ``beta(alpha, alpha)``, then, where ``h`` and ``w`` are > 0, ``integers(0, w)`` and
-    ``integers(0, h)``, into ``out`` (float64 ``[N, 3]``; 0 for what is not drawn).
-    NumPy's algorithms written out (those of ``rng_*``, and Johnk's beta, which NumPy
-    takes for ``alpha <= 1``). Raises ValueError unless ``0 < alpha <= 1``, ``0 <= h, w <=
-    2**32`` and ``salt`` fits 32 bits."""
-
 def rng_seed(seeds: ReadableBuffer, salt: int, state: WriteableBuffer, /) -> None:
     """Seeds one stream per seed (int64 or uint64 ``[N]``, the bits of the uint64 sample
     seeds) as ``Generator(PCG64(SeedSequence([seed, salt])))`` into ``state`` (uint64
@@ -114,6 +105,11 @@ def rng_integers(state: WriteableBuffer, rows: ReadableBuffer | None, high: Read
     redrawing where it rejects; ``high`` 1 draws nothing. ``high`` int64 ``[N]``;
     ValueError, before any stream moves, unless ``1 <= high <= 2**32`` on every row
     drawn."""
+
+def rng_beta(state: WriteableBuffer, rows: ReadableBuffer | None, alpha: float, out: WriteableBuffer, /) -> None:
+    """``Generator.beta(alpha, alpha)`` of each stream where ``rows`` into ``out`` (float64
+    ``[N]``; 0 elsewhere, those streams stay): Johnk's method on ``random()`` draws (libm's
+    ``pow``), which NumPy takes for ``alpha <= 1``. ValueError unless ``0 < alpha <= 1``."""
 
 def rng_boxes(state: WriteableBuffer, rows: ReadableBuffer | None, hw: ReadableBuffer, scale: tuple[float, float],
               ratio: tuple[float, float], erase: bool, out: WriteableBuffer, /) -> None:

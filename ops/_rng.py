@@ -57,6 +57,13 @@ class Streams:
         _augment.rng_integers(self.state, rows, np.ascontiguousarray(high, np.int64), out)
         return out
 
+    def beta(self, alpha: float, rows: np.ndarray | None = None) -> np.ndarray:
+        """``Generator.beta(alpha, alpha)`` of the streams for ``0 < alpha <= 1`` (Johnk's
+        method, NumPy's there; else ValueError), float64 ``[N]``."""
+        out = np.empty(len(self.state))
+        _augment.rng_beta(self.state, rows, alpha, out)
+        return out
+
     def boxes(self, hw: np.ndarray, scale: tuple[float, float], ratio: tuple[float, float], *, erase: bool = False,
               rows: np.ndarray | None = None) -> np.ndarray:
         """torchvision's random boxes of images of sizes ``hw`` (int64 ``[N, 2]``), int64

@@ -23,6 +23,7 @@ from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, DataError
 from gpuio.ops import _augment
+from gpuio.ops._rng import Streams
 
 __all__ = ["MixUp", "CutMix", "mixup", "cutmix"]
 
@@ -46,12 +47,15 @@ class _Mix(Op):
     def _draws(self, batch: Batch, h: int, w: int) -> np.ndarray:
         """Per row ``lam``, then with an ``h`` x ``w`` image a pixel's x and y (0 else),
         float64 ``[N, 3]``, drawn in that order by ``batch.rng(row, salt)``: for ``alpha
-        <= 1`` by one C call (``_augment.mix_draws``, the same numbers), else by the
-        generators."""
+        <= 1`` by the batch's streams (``ops._rng``, the same numbers), else by the
+        generators (NumPy's beta for ``alpha > 1`` is not written out)."""
         out = np.zeros((len(batch), 3))
         if self.alpha <= 1.0:
-            seeds = np.ascontiguousarray(batch.seeds, np.uint64).view(np.int64)
-            _augment.mix_draws(seeds, self.salt, self.alpha, h, w, out)
+            streams = Streams(batch.seeds, self.salt)
+            out[:, 0] = streams.beta(self.alpha)
+            if h and w:
+                out[:, 1] = streams.integers(np.full(len(batch), w))
+                out[:, 2] = streams.integers(np.full(len(batch), h))
             return out
         for row in range(len(batch)):
             rng = batch.rng(row, self.salt)

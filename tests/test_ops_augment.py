@@ -228,7 +228,7 @@ def test_the_c_calls_check_their_buffers(images):
         _augment.jitter([images[0][..., :1].copy()], np.array([[2, -1, -1, -1, 1, 1, 1, 0]], np.float64),
                         [np.empty_like(images[0][..., :1])])
     with pytest.raises(ValueError, match="0 < alpha <= 1"):
-        _augment.mix_draws(np.zeros(2, np.int64), 1, 1.5, 0, 0, np.zeros((2, 3)))
+        _augment.rng_beta(np.zeros((2, 6), np.uint64), None, 1.5, np.zeros(2))
 
 
 def erasing_reference(rng, h, w, p, scale, ratio):
