@@ -405,6 +405,25 @@ def test_readers_on_many_threads_at_once(tmp_path):
     assert failures == []
 
 
+def test_cold_check_of_long_reads_looks_at_their_middle(tmp_path):
+    """Of a long read the cold check looks up the middle MiB only: a file whose head the
+    page cache holds (as after an index read its header) is still read around the cache,
+    and one whose middle it holds is copied from the cache."""
+    from gpuio.storage._posix import _DIRECT_PROBE
+
+    size = 32 * _DIRECT_PROBE
+    paths, _ = write_files(tmp_path, [size])
+    files = SampleIndex(paths, {"data": Extents(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([size]))}).files
+    plan = gpuio.storage.plan.build_plan(np.arange(1), np.zeros(1, np.int64), np.array([size]), task_size=size)
+    assert drop_from_page_cache(paths) == 0, "this filesystem keeps no page cache to look up (tmpfs?)"
+    with Reader("cpu") as reader, open(paths[0], "rb") as f:
+        f.read(_DIRECT_PROBE)  # the head, with the kernel's readahead after it
+        assert reader.backend.reads_cold_direct(plan, files)
+        f.seek(size // 2 - _DIRECT_PROBE)
+        f.read(2 * _DIRECT_PROBE)
+        assert not reader.backend.reads_cold_direct(plan, files)
+
+
 def test_cold_large_reads_go_around_the_page_cache(tmp_path):
     """A batch of long reads that the page cache does not hold is read with O_DIRECT (it
     stays out of the page cache), unaligned extents of odd sizes exactly; once the files
