@@ -11,6 +11,7 @@ import os
 import re
 import stat
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -165,6 +166,52 @@ def full_path(path: str | os.PathLike[str]) -> str:
     """``path`` made absolute; a URL as it is."""
     path = os.fspath(path)
     return path if is_url(path) else os.path.abspath(path)
+
+
+_COPY_BATCH = 8  # blocks read per batch while copying a remote object
+
+
+@contextmanager
+def local_copy(url: str, what: str) -> Iterator[str]:
+    """The remote object ``url`` (a ``what``, e.g. ``"LMDB data file"``) as a local file,
+    for a library that needs one at index time (LMDB's memory map, FFmpeg's seeks). The
+    object is read whole through the storage core in ``remote_block`` pieces, so with the
+    node-local cache on its blocks stay cached and the epoch's reads of the same bytes
+    download nothing more. The copy is a temporary file at the top of the cache folder
+    (beside the block folders, as large as the object), removed when the block ends; a
+    ``DataError`` inside the block that names the copy is raised again naming ``url``."""
+    from gpuio import config
+    from gpuio.index import Extents, PathTable, SampleIndex
+    from gpuio.storage import Reader
+    from gpuio.storage.cache import cache_folder
+    from gpuio.storage.remote import object_versions
+
+    info = remote_client().head(url)
+    block = max(4096, config.get("remote_block"))
+    starts = np.arange(0, info.size, block, dtype=np.int64)
+    pieces = SampleIndex(PathTable.from_paths([url]),
+                         {"data": Extents(np.zeros(len(starts), np.int32), starts, np.minimum(block, info.size - starts))},
+                         meta=object_versions([url]))
+    folder = cache_folder()
+    os.makedirs(folder, exist_ok=True)
+    fd, copy = tempfile.mkstemp(prefix=".copy-", suffix=os.path.splitext(url)[1], dir=folder)
+    try:
+        batches = [starts[k: k + _COPY_BATCH] // block for k in range(0, len(starts), _COPY_BATCH)]
+        with os.fdopen(fd, "wb") as f, Reader("cpu") as reader, progress(f"copying {what}", info.size, "B") as advance:
+            for k, rows in enumerate(batches):
+                if k + 1 < len(batches):
+                    reader.prefetch(pieces, batches[k + 1])
+                for piece in reader.read(pieces, rows):
+                    f.write(piece)
+                    advance(len(piece))
+        try:
+            yield copy
+        except DataError as exc:
+            if exc.path != copy:
+                raise
+            raise type(exc)(exc.reason, path=url, offset=exc.offset, sample=exc.sample) from exc
+    finally:
+        os.unlink(copy)
 
 
 # An indexing shows its bar only once it has run this long, so small datasets stay silent.

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import numpy as np
 
 from gpuio.errors import DataError, FormatError
-from gpuio.formats._files import progress, regular_file_size
-from gpuio.storage.remote import refuse_url
+from gpuio.formats._files import local_copy, progress, regular_file_size
+from gpuio.storage.remote import is_url, object_versions
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["lmdb"]
@@ -37,8 +37,24 @@ def lmdb(path: str | os.PathLike[str]) -> SampleIndex:
     value's bytes in the data file), in key order. The environment is opened read-only
     without the lock file and closed before returning. Paths that are not UTF-8 work
     (LMDB gets the path's bytes).
+
+    A URL names the environment (``s3://bucket/train.lmdb``, read as its ``data.mdb``) or
+    its data file (``.../data.mdb``). LMDB maps the data file into memory, so indexing
+    reads the object whole into a temporary local copy (through the node-local cache, so
+    reading the values later downloads nothing more), removed after; the index names the
+    URL, and the values are read by ranged GETs as in every format.
     """
-    refuse_url(os.fspath(path), "LMDB opens its data.mdb as a memory map, which needs a local file")
+    path = os.fspath(path)
+    if is_url(path):
+        url = path if path.endswith(".mdb") else path.rstrip("/") + "/data.mdb"
+        with local_copy(url, "LMDB data file") as copy:
+            index = _local(copy)
+        return SampleIndex(PathTable.from_paths([url]), index.extents, index.values,
+                           meta={**index.meta, **object_versions([url])})
+    return _local(path)
+
+
+def _local(path: str) -> SampleIndex:
     import lmdb as _lmdb
 
     path = os.path.abspath(os.fspath(path))

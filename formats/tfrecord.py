@@ -41,7 +41,8 @@ import numpy as np
 from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
 from gpuio.formats._files import each_shard, full_path, int_table, open_regular_file, shard_paths, size_or_zero
-from gpuio.storage.remote import is_url, object_versions, refuse_url
+from gpuio.storage.remote import RemoteFile, is_url, object_versions
+from gpuio.storage.remote import client as remote_client
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
 
 __all__ = ["tfrecord", "ExampleParser", "bad_records", "masked_crc32c"]
@@ -101,8 +102,7 @@ def tfrecord(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         raise ConfigError(f"compression={compression!r}; choose None, 'gzip' or 'zlib'")
     meta: dict[str, Any] = {"format": "tfrecord", "verified": bool(verify)}
     if compression is not None:
-        refuse_url(paths[0], "a compressed TFRecord is decompressed into a local copy first")
-        meta["decompressed_from"] = [os.path.abspath(p) for p in paths]
+        meta["decompressed_from"] = [full_path(p) for p in paths]
         paths = [_decompressed(p, compression) for p in paths]
     parser = ExampleParser(dict(features)) if features is not None else None
     if parser is not None and {"record", "record_number"} & set(parser.fields):
@@ -287,21 +287,27 @@ def _refuse_compressed(mm: Any, size: int, path: str) -> None:
 
 
 def _decompressed(path: str, compression: str) -> str:
-    """The uncompressed copy of ``path`` in the cache folder, made once."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise StorageError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc
+    """The uncompressed copy of ``path`` (a local file or a remote object, read by
+    ranged GETs) in the cache folder, made once per version of it."""
+    if is_url(path):
+        info = remote_client().head(path)
+        version = f"{path}\0{info.size}\0{info.etag}"
+    else:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise StorageError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc
+        version = f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}"
     folder = os.path.join(config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio"),
                           "tfrecord")
-    tag = hashlib.sha256(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{compression}".encode()).hexdigest()[:24]
+    tag = hashlib.sha256(f"{version}\0{compression}".encode()).hexdigest()[:24]
     out = os.path.join(folder, f"{tag}-{os.path.basename(path)}")
     if os.path.exists(out):
         return out
     tmp = f"{out}.{os.getpid()}.part"
     try:
         os.makedirs(folder, exist_ok=True)
-        with open(path, "rb") as src, open(tmp, "wb") as dst:
+        with (RemoteFile(path, _CHUNK) if is_url(path) else open(path, "rb")) as src, open(tmp, "wb") as dst:
             _inflate(src, dst, compression, path)
         os.replace(tmp, out)
     except OSError as exc:

@@ -59,8 +59,8 @@ import numpy as np
 from gpuio import _nal
 from gpuio.device import require
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
-from gpuio.formats._files import regular_file_size
-from gpuio.storage.remote import refuse_url
+from gpuio.formats._files import full_path, local_copy, regular_file_size
+from gpuio.storage.remote import is_url, object_versions
 from gpuio.formats.filetree import filetree
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
@@ -88,20 +88,18 @@ def video(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     step = sequence_length if step is None else int(step)
-    for p in [root_or_files] if isinstance(root_or_files, (str, os.PathLike)) else root_or_files:
-        refuse_url(os.fspath(p), "video demuxing (FFmpeg) seeks in a local file")
     if isinstance(root_or_files, (str, os.PathLike)):
         tree = filetree(root_or_files, extensions, file_list)
         files, labels, meta = tree.files, tree.values["label"], dict(tree.meta)
     else:
-        paths = [os.path.abspath(os.fspath(p)) for p in root_or_files]
+        paths = [full_path(p) for p in root_or_files]
         if not paths:
             raise DataError("no samples: an empty list of video files was given")
-        files, labels, meta = PathTable.from_paths(paths), np.arange(len(paths), dtype=np.int64), {}
+        files, labels, meta = PathTable.from_paths(paths), np.arange(len(paths), dtype=np.int64), object_versions(paths)
     meta.update(format="video", sequence_length=int(sequence_length), stride=int(stride), step=step)
 
     av = require("av")
-    parts = [_clips(_demux(av, path), f, sequence_length, stride, step)
+    parts = [_clips(_demux_local_or_copy(av, path), f, sequence_length, stride, step)
              for f, path in enumerate(files)]
     clip_file = np.concatenate([p.file for p in parts])
     if not len(clip_file):
@@ -166,6 +164,15 @@ def _container_end(mm: mmap.mmap) -> int:
             return 0
         at += size
     return at
+
+
+def _demux_local_or_copy(av, path: str) -> _Stream:
+    """``_demux`` of a local file, or of a local copy of a remote one (FFmpeg seeks in
+    the file; the copy's blocks stay in the node-local cache for the reads of the clips)."""
+    if not is_url(path):
+        return _demux(av, path)
+    with local_copy(path, "video file") as copy:
+        return _demux(av, copy)
 
 
 def _demux(av, path: str) -> _Stream:

@@ -20,7 +20,7 @@ from crc32c import crc32c
 
 import gpuio
 from gpuio import formats
-from gpuio.errors import DataError, StorageError
+from gpuio.errors import DataError, FormatError, StorageError
 from gpuio.formats.recordio import MAGIC as REC_MAGIC
 from gpuio.storage import remote
 from gpuio.storage.cache import BlockCache, cache_folder, flush
@@ -411,11 +411,105 @@ def test_loader_from_s3_sharding_and_resume(s3, tmp_path, request):
     check_resume(make, epochs=2)
 
 
-def test_formats_needing_a_local_file_say_why(s3):
-    with pytest.raises(DataError, match="memory map"):
-        formats.lmdb(f"s3://{BUCKET}/some.lmdb")
-    with pytest.raises(DataError, match="object storage"):
-        formats.video([f"s3://{BUCKET}/clip.mp4"], sequence_length=2)
+def _lmdb_env(folder, rng, n=40):
+    """An LMDB environment written by the lmdb package: values from 0 bytes to overflow
+    runs of several pages; (its folder, the values in key order)."""
+    import lmdb as lmdb_pkg
+
+    items = sorted((f"key-{k:03d}".encode(), rng.integers(0, 256, int(rng.choice([0, 50, 3000, 40_000])),
+                                                          dtype=np.uint8).tobytes()) for k in range(n))
+    env = lmdb_pkg.open(os.fspath(folder), map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        for key, value in items:
+            txn.put(key, value)
+    env.close()
+    return folder, items
+
+
+def _no_copies_left():
+    return [name for name in os.listdir(cache_folder()) if name.startswith(".copy-")]
+
+
+def test_lmdb_from_s3_indexes_a_cached_copy_and_reads_by_range(s3, tmp_path, request, monkeypatch):
+    """LMDB indexes a local copy of its data.mdb read through the cache (removed after);
+    the index names the URL and equals the local one; the values' reads download nothing
+    more (they still read once the object is gone from the store)."""
+    monkeypatch.setenv("GPUIO_REMOTE_BLOCK", str(64 << 10))  # the data file spans many blocks
+    env, items = _lmdb_env(tmp_path / "env", np.random.default_rng(20))
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(env), f"{prefix}/train.lmdb")
+    local = formats.lmdb(env)
+    data_url = f"s3://{BUCKET}/{prefix}/train.lmdb/data.mdb"
+    for url in (f"s3://{BUCKET}/{prefix}/train.lmdb", data_url):
+        index = formats.lmdb(url)
+        assert list(index.files) == [data_url]
+        assert index.meta["remote"]["sizes"] == [os.path.getsize(env / "data.mdb")]
+        assert [bytes(index.values["key"][i]) for i in range(len(index))] == [k for k, _ in items]
+        assert not _no_copies_left()
+    s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/train.lmdb/data.mdb")
+    got = gpuio.read(index, np.arange(len(index)))
+    assert [bytes(np.asarray(a)) for a in got] == [v for _, v in items]
+    _same_reads(local, index)
+    _same_loader(local, index)
+
+
+def test_lmdb_and_video_errors_name_the_url(s3, tmp_path, request):
+    prefix = _prefix(request)
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/bad.lmdb/data.mdb", Body=os.urandom(20_000))
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/bad.mp4", Body=b"\0\0\0\x18ftypmp42" + os.urandom(5_000))
+    url = f"s3://{BUCKET}/{prefix}/bad.lmdb/data.mdb"
+    with pytest.raises(FormatError, match="not a readable LMDB environment") as err:
+        formats.lmdb(f"s3://{BUCKET}/{prefix}/bad.lmdb")
+    assert err.value.path == url and err.value.offset == 0
+    with pytest.raises(FormatError, match="cannot open as a video file") as err:
+        formats.video([f"s3://{BUCKET}/{prefix}/bad.mp4"], sequence_length=2)
+    assert err.value.path == f"s3://{BUCKET}/{prefix}/bad.mp4"
+    with pytest.raises(StorageError, match="HTTP 404") as err:
+        formats.lmdb(f"s3://{BUCKET}/{prefix}/missing.lmdb")
+    assert f"{prefix}/missing.lmdb/data.mdb" in str(err.value)
+    assert not _no_copies_left()
+
+
+def test_video_from_s3_equals_local(s3, tmp_path, request):
+    from test_video import write_video
+
+    root = tmp_path / "clips"
+    for cls, name, codec, options in (("a", "bframes.mp4", "libx264", {"bf": "3", "g": "12"}),
+                                      ("b", "plain.mkv", "libx264", {"g": "10"})):
+        (root / cls).mkdir(parents=True)
+        write_video(root / cls / name, codec, 64, 48, frames=30, options=options)
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(root), prefix)
+    local = formats.video(root, sequence_length=4, stride=2)
+    for index in (formats.video(f"s3://{BUCKET}/{prefix}", sequence_length=4, stride=2),
+                  formats.video([f"s3://{BUCKET}/{prefix}/a/bframes.mp4", f"s3://{BUCKET}/{prefix}/b/plain.mkv"],
+                                sequence_length=4, stride=2)):
+        assert len(index) == len(local) and all(u.startswith("s3://") for u in index.files)
+        for name in ("frame", "file"):
+            np.testing.assert_array_equal(index.values[name], local.values[name])
+        for name in ("packets", "codec"):
+            assert all(np.array_equal(index.values[name][i], local.values[name][i]) for i in range(len(local)))
+        _same_reads(local, index)
+        assert not _no_copies_left()
+    clips = gpuio.Loader(index, 3, output="numpy", fields=["data", "packets", "codec"])
+    assert sum(len(b["data"]) for b in clips) == len(local)
+
+
+def test_compressed_tfrecord_from_s3_is_decompressed_once_into_the_cache_folder(s3, tmp_path, request):
+    import gzip
+
+    paths = _tfrecords(tmp_path, np.random.default_rng(21), files=1)
+    gz = tmp_path / "part-0.tfrecord.gz"
+    gz.write_bytes(gzip.compress(paths[0].read_bytes()))
+    prefix = _prefix(request)
+    s3.upload_file(os.fspath(gz), BUCKET, f"{prefix}/part-0.tfrecord.gz")
+    url = f"s3://{BUCKET}/{prefix}/part-0.tfrecord.gz"
+    local = formats.tfrecord([os.fspath(paths[0])])
+    index = formats.tfrecord(url, compression="gzip")
+    assert index.meta["decompressed_from"] == [url]
+    assert not index.files[0].startswith("s3://") and os.path.exists(index.files[0])
+    assert formats.tfrecord(url, compression="gzip").files[0] == index.files[0]  # made once
+    _same_reads(local, index)
 
 
 # ---- the cache tier ----------------------------------------------------------------

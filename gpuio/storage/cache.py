@@ -585,7 +585,7 @@ class BlockCache:
         except FileNotFoundError:
             return 0
         for folder in folders:
-            if not folder.is_dir():
+            if not folder.is_dir():  # blocks live in the subfolders; a file at the top is an indexing copy
                 continue
             for entry in os.scandir(folder.path):
                 try:

@@ -52,7 +52,7 @@ from gpuio.storage.buffers import Lease
 from gpuio.storage.plan import ReadPlan, build_plan
 
 __all__ = ["SCHEMES", "SETTINGS", "ObjectInfo", "RemoteBackend", "RemoteFile", "client", "is_remote", "is_url",
-           "object_versions", "refuse_url", "reset_client"]
+           "object_versions", "reset_client"]
 
 SCHEMES = ("s3://", "http://", "https://")
 # the settings of remote reads (gpuio.config); a Reader takes them when it is made
@@ -74,14 +74,6 @@ def is_remote(paths: PathTable) -> bool:
     if paths.root:
         return paths.root.startswith(tuple(s.encode() for s in SCHEMES))
     return len(paths) > 0 and is_url(paths[0])
-
-
-def refuse_url(path: object, why: str) -> None:
-    """Raise ``DataError`` when ``path`` is a URL that a format cannot read in place
-    (``why``: what it needs, e.g. a memory map of a local file)."""
-    if is_url(path):
-        raise DataError(f"this format cannot read object storage: {why}; copy the data to a local disk "
-                        f"(e.g. aws s3 sync) and index the copy", path=str(path))
 
 
 class ObjectInfo(NamedTuple):
