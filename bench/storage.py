@@ -302,7 +302,8 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
         for cache in caches:
             names = [m for m in methods if cache == "warm" or m not in memory]
             bounds_now = (*bounds, *memory) if cache == "warm" else bounds
-            if cache == "warm":
+            if cache == "warm":  # read afresh, front to back: the page cache holds them as readahead left them
+                drop_cache(all_files)
                 _naive_files(all_files)
             rounds: dict[str, list[float]] = {m: [] for m in names}
             resident = dict.fromkeys(names, 0.0)
