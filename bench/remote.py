@@ -21,8 +21,7 @@ a few large objects read in 8 MiB ranges), and times in one run, each the fastes
   URLs), litdata (its own chunk format, written by ``litdata.optimize``) and
   mosaicml-streaming (MDS shards); one that does not import is a row saying so.
 
-Every first epoch starts from an empty cache, each of ``--repeat`` passes (gpuio's: a new
-folder per pass, ``_new_cache``). Beside MB/s each
+Every first epoch starts from an empty cache, each of ``--repeat`` passes. Beside MB/s each
 row gives the CPU per byte of the client (this process and the children it waited for) and
 of the local server in the fastest pass: on a machine shared with other jobs those move less
 than the throughput. ``--only``
@@ -32,7 +31,6 @@ runs the rows whose "dataset: method" contains a text (the datasets are uploaded
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
@@ -290,7 +288,7 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
                 reader = gpuio.Reader("cpu")
                 row(dataset, "gpuio.read, cache off", lambda r=reader, i=index, b=batch: _epoch(r, i, b), n)
                 reader.close()
-            _gpuio_rows(row, dataset, index, local, batch, loader=index is tree)
+            _gpuio_rows(row, os.path.join(folder, "cache"), dataset, index, local, batch, loader=index is tree)
         _shards(rows, row, folder, s3, small_keys, pool, only)
         pool.shutdown()
     finally:
@@ -307,20 +305,7 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
     return rows
 
 
-_caches = itertools.count(1)
-
-
-def _new_cache() -> None:
-    """Point gpuio at a new, empty cache folder (beside the run's first one); the old
-    folders stay until the run ends. Deleting thousands of block files right before a
-    first epoch would make a filesystem that avoids reusing recently deleted inodes
-    (ext4 without a journal, as on the VM of bench/RESULTS.md) scan past them at every
-    file the epoch creates: a cost of emptying the cache, not of a first epoch."""
-    first = os.environ["GPUIO_REMOTE_CACHE_DIR"].rsplit("-pass-", 1)[0]
-    os.environ["GPUIO_REMOTE_CACHE_DIR"] = f"{first}-pass-{next(_caches)}"
-
-
-def _gpuio_rows(row: Callable[..., None], dataset: str, index: gpuio.SampleIndex,
+def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio.SampleIndex,
                 local: gpuio.SampleIndex, batch: int, loader: bool) -> None:
     """gpuio's epochs on ``index``: ``gpuio.read`` (and with ``loader`` the Loader) into an
     empty cache, from the cache, and on the same files on local disk."""
@@ -330,7 +315,7 @@ def _gpuio_rows(row: Callable[..., None], dataset: str, index: gpuio.SampleIndex
     def empty() -> None:
         for old in readers:  # its writes behind end before the cache is emptied
             old.close()
-        _new_cache()
+        shutil.rmtree(cache, ignore_errors=True)
         readers[:] = [gpuio.Reader("cpu")]
 
     row(dataset, "gpuio.read epoch 1 (empty cache)", lambda: _epoch(readers[0], index, batch), n, setup=empty)
@@ -347,7 +332,7 @@ def _gpuio_rows(row: Callable[..., None], dataset: str, index: gpuio.SampleIndex
     def loader_empty() -> None:
         for old in loaders:  # its writes behind end before the cache is emptied
             old.close()
-        _new_cache()
+        shutil.rmtree(cache, ignore_errors=True)
         loaders[:] = [gpuio.Loader(index, batch, output="numpy")]
 
     row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", lambda: _loader_epoch(loaders[0], "data"), n,
@@ -391,12 +376,13 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
 
     index = gpuio.formats.webdataset([f"s3://{BUCKET}/{k}" for k in shard_keys], fields=("jpg",))
     local = gpuio.formats.webdataset([os.path.join(folder, k) for k in shard_keys], fields=("jpg",))
+    cache = os.environ["GPUIO_REMOTE_CACHE_DIR"]
     loaders: list[gpuio.Loader] = []
 
     def empty() -> None:
         for old in loaders:  # its writes behind end before the cache is emptied
             old.close()
-        _new_cache()
+        shutil.rmtree(cache, ignore_errors=True)
         loaders[:] = [gpuio.Loader(index, 256, output="numpy")]
 
     row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", lambda: _loader_epoch(loaders[0]), n, setup=empty)
@@ -422,7 +408,7 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
     def empty_for_read() -> None:
         for old in readers:  # its writes behind end before the cache is emptied
             old.close()
-        _new_cache()
+        shutil.rmtree(cache, ignore_errors=True)
         readers[:] = [gpuio.Reader("cpu")]
 
     row(dataset, "gpuio.read epoch 1 (empty cache, no read-ahead)", lambda: _epoch(readers[0], index, 256, "jpg"),
