@@ -178,12 +178,13 @@ def local_copy(url: str, what: str) -> Iterator[str]:
     object is read whole through the storage core in ``remote_block`` pieces, so with the
     node-local cache on its blocks stay cached and the epoch's reads of the same bytes
     download nothing more. The copy is a temporary file at the top of the cache folder
-    (beside the block folders, as large as the object), removed when the block ends; a
+    (beside the block folders, as large as the object), removed when the block ends (or
+    by the cache's eviction, once unwritten for its stall limit, if this process dies); a
     ``DataError`` inside the block that names the copy is raised again naming ``url``."""
     from gpuio import config
     from gpuio.index import Extents, PathTable, SampleIndex
     from gpuio.storage import Reader
-    from gpuio.storage.cache import cache_folder
+    from gpuio.storage.cache import COPY_PREFIX, cache_folder
     from gpuio.storage.remote import object_versions
 
     info = remote_client().head(url)
@@ -194,7 +195,7 @@ def local_copy(url: str, what: str) -> Iterator[str]:
                          meta=object_versions([url]))
     folder = cache_folder()
     os.makedirs(folder, exist_ok=True)
-    fd, copy = tempfile.mkstemp(prefix=".copy-", suffix=os.path.splitext(url)[1], dir=folder)
+    fd, copy = tempfile.mkstemp(prefix=COPY_PREFIX, suffix=os.path.splitext(url)[1], dir=folder)
     try:
         batches = [starts[k: k + _COPY_BATCH] // block for k in range(0, len(starts), _COPY_BATCH)]
         with os.fdopen(fd, "wb") as f, Reader("cpu") as reader, progress(f"copying {what}", info.size, "B") as advance:

@@ -1116,19 +1116,24 @@ def test_exit_does_not_wait_for_the_fetches_ahead_not_started(s3, s3server, tmp_
 def test_eviction_removes_claims_past_the_stall_limit(tmp_path, monkeypatch):
     """A .part claim left by a process that died is removed by the next eviction once
     it is past the stall limit (unless a read of its block takes it over first); a
-    younger one may still be written, and stays."""
+    younger one may still be written, and stays. The same for an indexing copy (not a
+    block: it counts for nothing in the budget)."""
     monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("GPUIO_REMOTE_TIMEOUT", "1")
     monkeypatch.setenv("GPUIO_REMOTE_RETRIES", "1")  # a stall limit of 2 s
     folder = tmp_path / "cache" / "ab"
     folder.mkdir(parents=True)
     old, young, block = folder / "ab00.0.part", folder / "ab01.0.part", folder / "ab02.0"
-    for f in (old, young, block):
+    # whole copies made for indexing, at the top: one left by a process that died, one being written
+    old_copy, young_copy = tmp_path / "cache" / ".copy-dead.mdb", tmp_path / "cache" / ".copy-live.mdb"
+    for f in (old, young, block, old_copy, young_copy):
         f.write_bytes(b"x" * 100)
-    os.utime(old, (time.time() - 60, time.time() - 60))
+    for f in (old, old_copy):
+        os.utime(f, (time.time() - 60, time.time() - 60))
     cache = BlockCache()
     try:
         assert cache.evict() == 100
     finally:
         cache.close()
     assert not old.exists() and young.exists() and block.exists()
+    assert not old_copy.exists() and young_copy.exists()

@@ -64,7 +64,7 @@ from gpuio.index import PathTable
 from gpuio.storage.buffers import Lease
 from gpuio.storage.plan import ReadPlan
 
-__all__ = ["BlockCache", "Objects", "cache_folder", "flush"]
+__all__ = ["COPY_PREFIX", "BlockCache", "Objects", "cache_folder", "flush"]
 
 _POLL_S = 0.005  # first wait for a block another process downloads; doubles up to _POLL_MAX_S
 _POLL_MAX_S = 0.1
@@ -75,6 +75,9 @@ _EVICT_SHARE = 8  # the folder is scanned for eviction after downloads of budget
 _TAG = 20  # bytes of an object's sha256 that name its blocks (40 hex digits)
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _WRITERS = 2  # threads writing blocks behind the reads
+# a temporary whole copy of an object at the top of the cache folder (formats' indexing);
+# eviction removes one its process stopped writing, as it removes a dead process's claims
+COPY_PREFIX = ".copy-"
 _MAGIC = b"gpc2"  # a block file's trailer: this, then the CRC-32C of the block's bytes (little-endian)
 _TRAILER = struct.Struct("<4sI")
 
@@ -586,6 +589,8 @@ class BlockCache:
             return 0
         for folder in folders:
             if not folder.is_dir():  # blocks live in the subfolders; a file at the top is an indexing copy
+                if folder.name.startswith(COPY_PREFIX) and _older(folder, now - self.stale_s):
+                    _unlink(folder.path)  # not written to for the stall limit: its process died
                 continue
             for entry in os.scandir(folder.path):
                 try:
@@ -639,6 +644,14 @@ def _owns(fd: int, part: str) -> bool:
     try:
         return os.path.samestat(os.fstat(fd), os.stat(part))
     except OSError:  # gone, or not ours to look at
+        return False
+
+
+def _older(entry: os.DirEntry[str], than: float) -> bool:
+    """Whether the file was last written before the time ``than`` (False when it is gone)."""
+    try:
+        return entry.stat().st_mtime < than
+    except FileNotFoundError:
         return False
 
 
