@@ -8,9 +8,10 @@ a few large objects read in 8 MiB ranges), and times in one run, each the fastes
 
 - the ceiling: the large objects fetched whole by parallel GETs (the server's
   throughput for large sequential GETs on loopback);
-- each candidate client, the same ranged GETs with ``--requests`` in flight on a thread
-  pool: obstore ``get_range``, gpuio's client (obstore with the ETag check and the copy
-  into the caller's buffer), urllib3 on botocore-presigned URLs, boto3 ``get_object``
+- each candidate client, the same ranged GETs with ``--requests`` in flight (on a thread
+  pool; aiohttp's on one asyncio loop): obstore ``get_range``, gpuio's client (obstore with the ETag check and the copy
+  into the caller's buffer), urllib3 on botocore-presigned URLs, boto3 ``get_object``,
+  aiohttp with botocore's SigV4 signing
   (kvikio's RemoteFile reads into GPU memory only: listed, not timed, without a GPU);
 - gpuio itself: ``gpuio.read`` with the cache off, a first epoch into an empty
   cache, a second epoch from the cache, and the same files read from local disk;
@@ -260,6 +261,7 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
         client = remote.client()
         store = _obstore()
         http, sign = _urllib3()
+        aio = _aiohttp()
         row("large objects", "ceiling: whole-object GETs in parallel",
             lambda: sum(pool.map(lambda k: _obstore_get(store, k, 0, large[k]), large)), len(large))
         for dataset, ranges in cases.items():
@@ -272,6 +274,11 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
                 lambda r=ranges: sum(pool.map(lambda x: _urllib3_get(http, sign, *x), r)), items)
             row(dataset, "boto3 get_object, thread pool",
                 lambda r=ranges: sum(pool.map(lambda x: _boto_get(s3, *x), r)), items)
+            if aio is None:
+                if only in f"{dataset}: {AIOHTTP}":
+                    rows.append({"dataset": dataset, "method": AIOHTTP, "error": "not installed (aiohttp)"})
+            else:
+                row(dataset, AIOHTTP, lambda r=ranges: aio(r, requests), items)
         if not gpuio.cuda_available() and only in "-: kvikio RemoteFile":
             rows.append({"dataset": "-", "method": "kvikio RemoteFile", "error": "reads into GPU memory only; no GPU"})
 
@@ -568,6 +575,48 @@ def _urllib3_get(http: Any, sign: Callable[[str], str], key: str, start: int, le
         got += n
     resp.release_conn()
     return got
+
+
+AIOHTTP = "aiohttp (asyncio), each GET signed by botocore (SigV4)"
+
+
+def _aiohttp() -> Callable[[list[tuple[str, int, int]], int], int] | None:
+    """An epoch of ranged GETs by aiohttp on one asyncio loop, ``requests`` in flight,
+    each request's headers signed by botocore's SigV4 (the async client a user would pair
+    with the AWS SDK's signing); None where aiohttp is not installed."""
+    try:
+        import aiohttp
+    except ImportError:
+        return None
+    import asyncio
+    import urllib.parse
+
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    signer = S3SigV4Auth(Credentials(os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]), "s3",
+                         os.environ.get("AWS_REGION", "us-east-1"))
+    endpoint = os.environ["AWS_ENDPOINT_URL"].rstrip("/")
+
+    def signed(url: str, start: int, length: int) -> dict[str, str]:
+        request = AWSRequest(method="GET", url=url, headers={"Range": f"bytes={start}-{start + length - 1}"})
+        signer.add_auth(request)
+        return dict(request.headers.items())
+
+    async def epoch(ranges: list[tuple[str, int, int]], requests: int) -> int:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=requests)) as session:
+            limit = asyncio.Semaphore(requests)
+
+            async def get(key: str, start: int, length: int) -> int:
+                url = f"{endpoint}/{BUCKET}/{urllib.parse.quote(key)}"
+                async with limit, session.get(url, headers=signed(url, start, length)) as response:
+                    response.raise_for_status()
+                    return len(await response.read())
+
+            return sum(await asyncio.gather(*(get(*r) for r in ranges)))
+
+    return lambda ranges, requests: asyncio.run(epoch(ranges, requests))
 
 
 def _boto_get(s3: Any, key: str, start: int, length: int) -> int:
