@@ -882,6 +882,10 @@ def test_http_range_reads_equal_local(each_client, tmp_path, monkeypatch):
         _same_reads(local, index, "bin")
         arr = formats.numpy(f"{base}/a.npy")
         np.testing.assert_array_equal(arr[0]["data"], np.arange(1000, dtype=np.float64).reshape(100, 10))
+        env, items = _lmdb_env(tmp_path / "env.lmdb", np.random.default_rng(16), n=12)
+        kv = formats.lmdb(f"{base}/env.lmdb")  # the environment's data.mdb, by a local copy
+        assert list(kv.files) == [f"{base}/env.lmdb/data.mdb"]
+        assert [bytes(np.asarray(v)) for v in gpuio.read(kv, np.arange(len(kv)))] == [v for _, v in items]
         with monkeypatch.context() as m:
             m.setenv("GPUIO_REMOTE_CACHE", "0")
             _same_reads(local, index, "bin")
