@@ -17,7 +17,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import BinaryIO, TypeVar
 
 import numpy as np
@@ -212,7 +212,8 @@ def local_copy(url: str, what: str) -> Iterator[str]:
                 raise
             raise type(exc)(exc.reason, path=url, offset=exc.offset, sample=exc.sample) from exc
     finally:
-        os.unlink(copy)
+        with suppress(FileNotFoundError):  # removed by an eviction while indexing ran long
+            os.unlink(copy)
 
 
 # An indexing shows its bar only once it has run this long, so small datasets stay silent.
