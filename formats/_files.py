@@ -194,17 +194,31 @@ def local_copy(url: str, what: str) -> Iterator[str]:
                          {"data": Extents(np.zeros(len(starts), np.int32), starts, np.minimum(block, info.size - starts))},
                          meta=object_versions([url]))
     folder = cache_folder()
-    os.makedirs(folder, exist_ok=True)
-    fd, copy = tempfile.mkstemp(prefix=COPY_PREFIX, suffix=os.path.splitext(url)[1], dir=folder)
+
+    def cannot_write(exc: OSError) -> StorageError:
+        return StorageError(f"cannot write a local copy of the object ({info.size} bytes) into {folder} "
+                            f"(remote_cache_dir): {exc.strerror or exc}", path=url)
+
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, copy = tempfile.mkstemp(prefix=COPY_PREFIX, suffix=os.path.splitext(url)[1], dir=folder)
+    except OSError as exc:
+        raise cannot_write(exc) from exc
     try:
         batches = [starts[k: k + _COPY_BATCH] // block for k in range(0, len(starts), _COPY_BATCH)]
-        with os.fdopen(fd, "wb") as f, Reader("cpu") as reader, progress(f"copying {what}", info.size, "B") as advance:
-            for k, rows in enumerate(batches):
-                if k + 1 < len(batches):
-                    reader.prefetch(pieces, batches[k + 1])
-                for piece in reader.read(pieces, rows):
-                    f.write(piece)
-                    advance(len(piece))
+        try:
+            with (os.fdopen(fd, "wb") as f, Reader("cpu") as reader,
+                  progress(f"copying {what}", info.size, "B") as advance):
+                for k, rows in enumerate(batches):
+                    if k + 1 < len(batches):
+                        reader.prefetch(pieces, batches[k + 1])
+                    for piece in reader.read(pieces, rows):
+                        f.write(piece)
+                        advance(len(piece))
+        except StorageError:  # a read of the object: it names the URL already
+            raise
+        except OSError as exc:  # the copy's own writes (a full disk)
+            raise cannot_write(exc) from exc
         try:
             yield copy
         except DataError as exc:

@@ -453,7 +453,7 @@ def test_lmdb_from_s3_indexes_a_cached_copy_and_reads_by_range(s3, tmp_path, req
     _same_loader(local, index)
 
 
-def test_lmdb_and_video_errors_name_the_url(s3, tmp_path, request):
+def test_lmdb_and_video_errors_name_the_url(s3, tmp_path, request, monkeypatch):
     prefix = _prefix(request)
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/bad.lmdb/data.mdb", Body=os.urandom(20_000))
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/bad.mp4", Body=b"\0\0\0\x18ftypmp42" + os.urandom(5_000))
@@ -468,6 +468,12 @@ def test_lmdb_and_video_errors_name_the_url(s3, tmp_path, request):
         formats.lmdb(f"s3://{BUCKET}/{prefix}/missing.lmdb")
     assert f"{prefix}/missing.lmdb/data.mdb" in str(err.value)
     assert not _no_copies_left()
+    (tmp_path / "a-file").write_bytes(b"")
+    with monkeypatch.context() as m:  # a cache folder that cannot be made: nowhere to copy to
+        m.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+        with pytest.raises(StorageError, match="cannot write a local copy of the object") as err:
+            formats.lmdb(f"s3://{BUCKET}/{prefix}/bad.lmdb")
+    assert err.value.path == url
 
 
 def test_video_from_s3_equals_local(s3, tmp_path, request):
