@@ -28,7 +28,8 @@ def _index_for(path: str) -> gpuio.SampleIndex:
 
 # gpuio index: each format's options on the command line, and which formats take them
 _INDEX_OPTIONS = {"annotations": ("coco",), "fields": ("webdataset",), "features": ("tfrecord",),
-                  "compression": ("tfrecord",)}
+                  "compression": ("tfrecord",), "sequence_length": ("video",), "stride": ("video",),
+                  "step": ("video",)}
 
 
 def _build_index(args: argparse.Namespace) -> gpuio.SampleIndex:
@@ -57,6 +58,10 @@ def _build_index(args: argparse.Namespace) -> gpuio.SampleIndex:
         kwargs["features"] = {n: kind for n, _, kind in pairs}
     if "compression" in given:
         kwargs["compression"] = given["compression"]
+    if name == "video":
+        if "sequence_length" not in given:
+            raise ConfigError("video takes --sequence-length N (frames per clip; --stride and --step optional)")
+        kwargs.update({opt: given[opt] for opt in ("sequence_length", "stride", "step") if opt in given})
     return make(paths, **kwargs)
 
 
@@ -378,6 +383,10 @@ def _format_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--features", help="tfrecord: NAME=KIND pairs, comma separated, kinds bytes, int64, float "
                         "(default: the whole record as field data)")
     parser.add_argument("--compression", choices=("gzip", "zlib"), help="tfrecord: the files' compression")
+    parser.add_argument("--sequence-length", type=_positive, help="video: frames per clip (required for video)")
+    parser.add_argument("--stride", type=_positive, help="video: frames between a clip's frames (default: 1)")
+    parser.add_argument("--step", type=_positive, help="video: frames between clip starts (default: the "
+                        "sequence length)")
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -96,6 +96,23 @@ def test_index_options_that_do_not_apply_are_refused(tree, tmp_path, capsys):
     assert not (tmp_path / "x.idx").exists()
 
 
+def test_index_video_takes_the_clip_settings(tmp_path, capsys):
+    from test_video import write_video
+
+    (tmp_path / "clips" / "a").mkdir(parents=True)
+    write_video(tmp_path / "clips" / "a" / "x.mp4", "libx264", 64, 48, frames=20)
+    out = tmp_path / "v.idx"
+    assert main(["index", "video", str(tmp_path / "clips"), "-o", str(out)]) == 1
+    assert "video takes --sequence-length N" in capsys.readouterr().err and not out.exists()
+    assert main(["index", "video", str(tmp_path / "clips"), "--sequence-length", "4", "--stride", "2",
+                 "--step", "3", "-o", str(out)]) == 0
+    saved = gpuio.SampleIndex.load(out)
+    made = gpuio.formats.video(tmp_path / "clips", sequence_length=4, stride=2, step=3)
+    assert len(saved) == len(made) > 0 and list(saved.values["frame"]) == list(made.values["frame"])
+    assert main(["index", "filetree", str(tmp_path / "clips"), "--stride", "2", "-o", str(out)]) == 1
+    assert "--stride applies to video, not to filetree" in capsys.readouterr().err
+
+
 def test_bench_takes_a_saved_index(tree, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("GPUIO_CACHE_DIR", str(tmp_path / "cache"))
     main(["index", "filetree", str(tree), "-o", str(tmp_path / "t.idx")])
