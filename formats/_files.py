@@ -22,8 +22,12 @@ from typing import BinaryIO, TypeVar
 
 import numpy as np
 
+from gpuio import config
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
-from gpuio.storage.remote import RemoteFile, is_url
+from gpuio.index import Extents, PathTable, SampleIndex
+from gpuio.storage import Reader
+from gpuio.storage.cache import COPY_PREFIX, cache_folder
+from gpuio.storage.remote import RemoteFile, is_url, object_versions
 from gpuio.storage.remote import client as remote_client
 
 _T = TypeVar("_T")
@@ -181,12 +185,6 @@ def local_copy(url: str, what: str) -> Iterator[str]:
     (beside the block folders, as large as the object), removed when the block ends (or
     by the cache's eviction, once unwritten for its stall limit, if this process dies); a
     ``DataError`` inside the block that names the copy is raised again naming ``url``."""
-    from gpuio import config
-    from gpuio.index import Extents, PathTable, SampleIndex
-    from gpuio.storage import Reader
-    from gpuio.storage.cache import COPY_PREFIX, cache_folder
-    from gpuio.storage.remote import object_versions
-
     info = remote_client().head(url)
     block = max(4096, config.get("remote_block"))
     starts = np.arange(0, info.size, block, dtype=np.int64)
