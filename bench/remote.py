@@ -297,6 +297,8 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
                 reader.close()
             _gpuio_rows(row, os.path.join(folder, "cache"), dataset, index, local, batch, loader=index is tree)
         _shards(rows, row, folder, s3, small_keys, pool, only)
+        if any(only in f"{LMDB}: {method}" for method in LMDB_ROWS):  # built only for its rows
+            _lmdb(row, folder, s3, small_keys)
         pool.shutdown()
     finally:
         if server is not None:
@@ -354,6 +356,52 @@ def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio
 
 
 SHARD_SAMPLES = 100  # samples per tar shard
+
+
+LMDB = "LMDB environment"
+LMDB_ROWS = ("gpuio index from S3 (empty cache: the data file copied through the cache)",
+             "gpuio Loader epoch 1, right after indexing",
+             "gpuio Loader, the same environment on local disk (page cache warm)")
+
+
+def _lmdb(row: Callable[..., None], folder: str, s3: Any, small_keys: list[str]) -> None:
+    """An LMDB environment of the small objects' bytes (one value each) in the bucket:
+    indexing it (a whole copy of its data file, read through the cache), then a Loader
+    epoch right after (its blocks are in the cache from the copy), against the same
+    environment on local disk."""
+    import lmdb
+
+    local_env = os.path.join(folder, "train.lmdb")
+    tree = os.path.join(folder, "tree")
+    env = lmdb.open(local_env, map_size=1 << 33)
+    with env.begin(write=True) as txn:
+        for key in small_keys:
+            with open(os.path.join(tree, key[len("tree/"):]), "rb") as f:
+                txn.put(key.encode(), f.read())
+    env.close()
+    data_file = os.path.join(local_env, "data.mdb")
+    s3.upload_file(data_file, BUCKET, "lmdb/train.lmdb/data.mdb")
+    size, n = os.path.getsize(data_file), len(small_keys)
+    url = f"s3://{BUCKET}/lmdb/train.lmdb"
+    cache = os.environ["GPUIO_REMOTE_CACHE_DIR"]
+    held: list[Any] = []
+
+    def empty() -> None:
+        shutil.rmtree(cache, ignore_errors=True)
+
+    def indexed() -> None:  # untimed: an empty cache, then the index (its copy fills the cache)
+        for old in held:
+            old.close()
+        empty()
+        held[:] = [gpuio.Loader(gpuio.formats.lmdb(url), 256, output="numpy")]
+
+    row(LMDB, LMDB_ROWS[0], lambda: (gpuio.formats.lmdb(url), size)[1], n, setup=empty)
+    row(LMDB, LMDB_ROWS[1], lambda: _loader_epoch(held[0], "data"), n, setup=indexed)
+    for old in held:
+        old.close()
+    on_disk = gpuio.Loader(gpuio.formats.lmdb(local_env), 256, output="numpy")
+    row(LMDB, LMDB_ROWS[2], lambda: _loader_epoch(on_disk, "data"), n)
+    on_disk.close()
 
 
 def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s3: Any, small_keys: list[str],
