@@ -11,7 +11,6 @@ import os
 import re
 import stat
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -26,7 +25,7 @@ from gpuio import config
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
 from gpuio.index import Extents, PathTable, SampleIndex
 from gpuio.storage import Reader
-from gpuio.storage.cache import COPY_PREFIX, cache_folder
+from gpuio.storage.cache import cache_folder, new_copy
 from gpuio.storage.remote import RemoteFile, is_url, object_versions
 from gpuio.storage.remote import client as remote_client
 
@@ -181,9 +180,9 @@ def local_copy(url: str, what: str) -> Iterator[str]:
     for a library that needs one at index time (LMDB's memory map, FFmpeg's seeks). The
     object is read whole through the storage core in ``remote_block`` pieces, so with the
     node-local cache on its blocks stay cached and the epoch's reads of the same bytes
-    download nothing more. The copy is a temporary file at the top of the cache folder
-    (beside the block folders, as large as the object), removed when the block ends (or
-    by the cache's eviction, once unwritten for its stall limit, if this process dies); a
+    download nothing more. The copy is a temporary file in the cache folder
+    (``gpuio.storage.cache.new_copy``, as large as the object), removed when the block ends
+    (or by the cache's eviction, once unwritten for its stall limit, if this process dies); a
     ``DataError`` inside the block that names the copy is raised again naming ``url``."""
     info = remote_client().head(url)
     block = max(4096, config.get("remote_block"))
@@ -198,8 +197,7 @@ def local_copy(url: str, what: str) -> Iterator[str]:
                             f"(remote_cache_dir): {exc.strerror or exc}", path=url)
 
     try:
-        os.makedirs(folder, exist_ok=True)
-        fd, copy = tempfile.mkstemp(prefix=COPY_PREFIX, suffix=os.path.splitext(url)[1], dir=folder)
+        fd, copy = new_copy(os.path.splitext(url)[1])
     except OSError as exc:
         raise cannot_write(exc) from exc
     try:

@@ -427,7 +427,8 @@ def _lmdb_env(folder, rng, n=40):
 
 
 def _no_copies_left():
-    return [name for name in os.listdir(cache_folder()) if name.startswith(".copy-")]
+    copies = os.path.join(cache_folder(), "copies")
+    return os.listdir(copies) if os.path.isdir(copies) else []
 
 
 def test_lmdb_from_s3_indexes_a_cached_copy_and_reads_by_range(s3, tmp_path, request, monkeypatch):
@@ -1134,8 +1135,10 @@ def test_eviction_removes_claims_past_the_stall_limit(tmp_path, monkeypatch):
     folder = tmp_path / "cache" / "ab"
     folder.mkdir(parents=True)
     old, young, block = folder / "ab00.0.part", folder / "ab01.0.part", folder / "ab02.0"
-    # whole copies made for indexing, at the top: one left by a process that died, one being written
-    old_copy, young_copy = tmp_path / "cache" / ".copy-dead.mdb", tmp_path / "cache" / ".copy-live.mdb"
+    # whole copies made for indexing: one left by a process that died, one being written
+    copies = tmp_path / "cache" / "copies"
+    copies.mkdir()
+    old_copy, young_copy = copies / "dead.mdb.part", copies / "live.mdb.part"
     for f in (old, young, block, old_copy, young_copy):
         f.write_bytes(b"x" * 100)
     for f in (old, old_copy):

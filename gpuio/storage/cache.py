@@ -45,6 +45,7 @@ import errno
 import hashlib
 import os
 import struct
+import tempfile
 import threading
 import time
 import warnings
@@ -64,7 +65,7 @@ from gpuio.index import PathTable
 from gpuio.storage.buffers import Lease
 from gpuio.storage.plan import ReadPlan
 
-__all__ = ["COPY_PREFIX", "BlockCache", "Objects", "cache_folder", "flush"]
+__all__ = ["BlockCache", "Objects", "cache_folder", "flush", "new_copy"]
 
 _POLL_S = 0.005  # first wait for a block another process downloads; doubles up to _POLL_MAX_S
 _POLL_MAX_S = 0.1
@@ -75,9 +76,6 @@ _EVICT_SHARE = 8  # the folder is scanned for eviction after downloads of budget
 _TAG = 20  # bytes of an object's sha256 that name its blocks (40 hex digits)
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _WRITERS = 2  # threads writing blocks behind the reads
-# a temporary whole copy of an object at the top of the cache folder (formats' indexing);
-# eviction removes one its process stopped writing, as it removes a dead process's claims
-COPY_PREFIX = ".copy-"
 _MAGIC = b"gpc2"  # a block file's trailer: this, then the CRC-32C of the block's bytes (little-endian)
 _TRAILER = struct.Struct("<4sI")
 
@@ -89,6 +87,17 @@ def cache_folder() -> str:
         base = config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio")
         folder = os.path.join(base, "remote")
     return folder
+
+
+def new_copy(suffix: str) -> tuple[int, str]:
+    """A new empty file for a whole copy of an object (a format's indexing aid), open for
+    writing: ``(descriptor, path)``, in the cache folder's ``copies`` folder and named as
+    a claim (``.part``), so that eviction counts it in no budget and removes it once no
+    process has written to it for the stall limit, as it removes a dead process's claims.
+    The caller removes it when done."""
+    folder = os.path.join(cache_folder(), "copies")
+    os.makedirs(folder, exist_ok=True)
+    return tempfile.mkstemp(suffix=f"{suffix}.part", dir=folder)
 
 
 class _Object(NamedTuple):
@@ -588,9 +597,7 @@ class BlockCache:
         except FileNotFoundError:
             return 0
         for folder in folders:
-            if not folder.is_dir():  # blocks live in the subfolders; a file at the top is an indexing copy
-                if folder.name.startswith(COPY_PREFIX) and _older(folder, now - self.stale_s):
-                    _unlink(folder.path)  # not written to for the stall limit: its process died
+            if not folder.is_dir():
                 continue
             for entry in os.scandir(folder.path):
                 try:
@@ -644,14 +651,6 @@ def _owns(fd: int, part: str) -> bool:
     try:
         return os.path.samestat(os.fstat(fd), os.stat(part))
     except OSError:  # gone, or not ours to look at
-        return False
-
-
-def _older(entry: os.DirEntry[str], than: float) -> bool:
-    """Whether the file was last written before the time ``than`` (False when it is gone)."""
-    try:
-        return entry.stat().st_mtime < than
-    except FileNotFoundError:
         return False
 
 
