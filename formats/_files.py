@@ -187,9 +187,8 @@ def local_copy(url: str, what: str) -> Iterator[str]:
     info = remote_client().head(url)
     block = max(4096, config.get("remote_block"))
     starts = np.arange(0, info.size, block, dtype=np.int64)
-    pieces = SampleIndex(PathTable.from_paths([url]),
-                         {"data": Extents(np.zeros(len(starts), np.int32), starts, np.minimum(block, info.size - starts))},
-                         meta=object_versions([url]))
+    extents = Extents(np.zeros(len(starts), np.int32), starts, np.minimum(block, info.size - starts))
+    pieces = SampleIndex(PathTable.from_paths([url]), {"data": extents}, meta=object_versions([url]))
     folder = cache_folder()
 
     def cannot_write(exc: OSError) -> StorageError:
@@ -201,7 +200,8 @@ def local_copy(url: str, what: str) -> Iterator[str]:
     except OSError as exc:
         raise cannot_write(exc) from exc
     try:
-        batches = [starts[k: k + _COPY_BATCH] // block for k in range(0, len(starts), _COPY_BATCH)]
+        rows = np.arange(len(starts))
+        batches = [rows[k: k + _COPY_BATCH] for k in range(0, len(rows), _COPY_BATCH)]
         try:
             with (os.fdopen(fd, "wb") as f, Reader("cpu") as reader,
                   progress(f"copying {what}", info.size, "B") as advance):
