@@ -242,10 +242,10 @@ def torchvision_cases(images: list[np.ndarray]) -> list[tuple[str, Any, str, Cal
     def jitter_tv(op: Any) -> Callable[[Batch], list[Any]]:
         def run(batch: Batch) -> list[Any]:
             out = []
-            for row, img in enumerate(x):
-                order, factors = op.params(batch, row)
-                for k in order.tolist():
-                    img = steps[k](img, float(factors[k]))
+            orders, factors = op.params(batch)
+            for img, order, row_factors in zip(x, orders.tolist(), factors.tolist()):
+                for k in order:
+                    img = steps[k](img, row_factors[k])
                 out.append(img)
             return out
 

@@ -633,6 +633,21 @@ static int64_t pcg_below(Pcg64 *g, uint64_t n) {
     return (int64_t)(m >> 32);
 }
 
+/* NumPy's random_interval for max < 2**32: a 32-bit draw under the smallest all-ones
+ * mask covering max, redrawn while above max */
+static uint32_t pcg_interval(Pcg64 *g, uint32_t max) {
+    if (max == 0) return 0;
+    uint32_t mask = max, v;
+    mask |= mask >> 1;
+    mask |= mask >> 2;
+    mask |= mask >> 4;
+    mask |= mask >> 8;
+    mask |= mask >> 16;
+    while ((v = pcg_next32(g) & mask) > max) {
+    }
+    return v;
+}
+
 static double pcg_beta_johnk(Pcg64 *g, double a) {
     for (;;) {
         const double u = pcg_random(g), v = pcg_random(g);
@@ -857,6 +872,44 @@ static PyObject *rng_boxes(PyObject *self, PyObject *args) {
 done:
     draw_release(&d);
     if (hw.obj) PyBuffer_Release(&hw);
+    return result;
+}
+
+/* Generator.permutation(k): arange(k) shuffled from its last item down (item i swapped
+ * with item random_interval(i)), k items per row of out (int64 [N, k]) */
+static PyObject *rng_permutation(PyObject *self, PyObject *args) {
+    PyObject *state, *rows, *out;
+    Py_ssize_t k;
+    if (!PyArg_ParseTuple(args, "OOnO", &state, &rows, &k, &out)) return NULL;
+    if (k < 1 || k > 0xFFFFFFFFLL) {
+        PyErr_Format(PyExc_ValueError, "rng_permutation takes 1 <= k < 2**32 items, got %zd", k);
+        return NULL;
+    }
+    Draw d;
+    PyObject *result = NULL;
+    if (draw_get(state, rows, out, 'q', &d) < 0) goto done;
+    if (d.out.len < k * 8 * d.n) {
+        PyErr_Format(PyExc_ValueError, "out: want a C-contiguous, writable int64 buffer of at least %zd items", k * d.n);
+        goto done;
+    }
+    uint64_t *w = d.state.buf;
+    for (Py_ssize_t i = 0; i < d.n; ++i) {
+        int64_t *o = (int64_t *)d.out.buf + k * i;
+        for (Py_ssize_t j = 0; j < k; ++j) o[j] = j;
+        if (!draw_row(&d, i)) continue;
+        Pcg64 g;
+        pcg_load(&g, w + PCG_WORDS * i);
+        for (Py_ssize_t j = k - 1; j > 0; --j) {
+            const uint32_t r = pcg_interval(&g, (uint32_t)j);
+            const int64_t t = o[j];
+            o[j] = o[r];
+            o[r] = t;
+        }
+        pcg_store(&g, w + PCG_WORDS * i);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    draw_release(&d);
     return result;
 }
 
@@ -1196,6 +1249,7 @@ static PyMethodDef methods[] = {
     {"rng_uniform", rng_uniform, METH_VARARGS, "rng_uniform(state, rows, low, high, out): see ops/_augment.pyi"},
     {"rng_integers", rng_integers, METH_VARARGS, "rng_integers(state, rows, high, out): see ops/_augment.pyi"},
     {"rng_beta", rng_beta, METH_VARARGS, "rng_beta(state, rows, alpha, out): see ops/_augment.pyi"},
+    {"rng_permutation", rng_permutation, METH_VARARGS, "rng_permutation(state, rows, k, out): see ops/_augment.pyi"},
     {"rng_boxes", rng_boxes, METH_VARARGS, "rng_boxes(state, rows, hw, scale, ratio, erase, out): see ops/_augment.pyi"},
     {"warp", warp, METH_VARARGS, "warp(images, matrices, fills, interp, use_fill, outs): see ops/_augment.pyi"},
     {NULL, NULL, 0, NULL}};

@@ -111,6 +111,13 @@ def rng_beta(state: WriteableBuffer, rows: ReadableBuffer | None, alpha: float, 
     ``[N]``; 0 elsewhere, those streams stay): Johnk's method on ``random()`` draws (libm's
     ``pow``), which NumPy takes for ``alpha <= 1``. ValueError unless ``0 < alpha <= 1``."""
 
+def rng_permutation(state: WriteableBuffer, rows: ReadableBuffer | None, k: int, out: WriteableBuffer, /) -> None:
+    """``Generator.permutation(k)`` of each stream where ``rows`` into ``out`` (int64
+    ``[N, k]``; ``arange(k)`` elsewhere, those streams stay): ``arange(k)`` shuffled from
+    its last item down, item ``i`` swapped with NumPy's ``random_interval(i)`` (a 32-bit
+    draw under the smallest all-ones mask covering ``i``, redrawn while above ``i``).
+    ValueError unless ``1 <= k < 2**32``."""
+
 def rng_boxes(state: WriteableBuffer, rows: ReadableBuffer | None, hw: ReadableBuffer, scale: tuple[float, float],
               ratio: tuple[float, float], erase: bool, out: WriteableBuffer, /) -> None:
     """torchvision's random boxes (``RandomResizedCrop`` and, with ``erase``,

@@ -64,6 +64,12 @@ class Streams:
         _augment.rng_beta(self.state, rows, alpha, out)
         return out
 
+    def permutation(self, k: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """``Generator.permutation(k)`` of the streams, int64 ``[N, k]``."""
+        out = np.empty((len(self.state), k), np.int64)
+        _augment.rng_permutation(self.state, rows, k, out)
+        return out
+
     def boxes(self, hw: np.ndarray, scale: tuple[float, float], ratio: tuple[float, float], *, erase: bool = False,
               rows: np.ndarray | None = None) -> np.ndarray:
         """torchvision's random boxes of images of sizes ``hw`` (int64 ``[N, 2]``), int64

@@ -17,6 +17,7 @@ from gpuio.storage.buffers import pooled_empty
 from gpuio.batch import Batch, Op
 from gpuio.errors import ConfigError
 from gpuio.ops import _augment
+from gpuio.ops._rng import Streams
 from gpuio.ops.augment import host_outputs
 
 __all__ = ["ColorJitter", "Normalize", "color_jitter", "normalize", "cast", "stack_or_list", "DTYPES", "LAYOUTS"]
@@ -163,48 +164,44 @@ class ColorJitter(Op):
         self.amounts = (float(brightness), float(contrast), float(saturation), float(hue))
         self.field = field
 
-    def params(self, batch: Batch, row: int) -> tuple[np.ndarray, np.ndarray]:
-        """(order of the 4 steps, their factors) for ``row``."""
-        rng = batch.rng(row, self.salt)
-        order = rng.permutation(4)
+    def params(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        """Per row the order of the 4 steps and their factors, int64 and float64 ``[N,
+        4]``: ``permutation(4)`` then the four ``uniform`` draws of ``batch.rng(row,
+        salt)``, drawn for the batch at once by its streams (``ops._rng``)."""
+        streams = Streams(batch.seeds, self.salt)
+        order = streams.permutation(4)
         b, c, s, h = self.amounts
-        factors = np.array([rng.uniform(max(0.0, 1 - b), 1 + b), rng.uniform(max(0.0, 1 - c), 1 + c),
-                            rng.uniform(max(0.0, 1 - s), 1 + s), rng.uniform(-h, h)])
+        factors = np.stack([streams.uniform(max(0.0, 1 - b), 1 + b), streams.uniform(max(0.0, 1 - c), 1 + c),
+                            streams.uniform(max(0.0, 1 - s), 1 + s), streams.uniform(-h, h)], axis=1)
         return order, factors
 
     def __call__(self, batch: Batch) -> Batch:
         images = batch.data[self.field]
+        order, factors = (a[: len(images)] for a in self.params(batch))  # row r: image r
+        channels = np.array([img.shape[2] if img.ndim == 3 else 1 for img in images], np.int64)
+        steps = self._steps(order, channels)
         if not batch.device.is_cuda and all(img.dtype == np.uint8 and img.ndim == 3 for img in images):
-            batch.data[self.field] = self._jitter_host(batch, list(images))
+            src = [np.ascontiguousarray(img) for img in images]  # one C call: the steps below in float32
+            out = host_outputs(src)
+            _augment.jitter(src, np.ascontiguousarray(np.concatenate([steps, factors], axis=1), np.float64), out)
+            batch.data[self.field] = out
             return batch
-        xp = batch.xp
-        out = []
-        for row, img in enumerate(images):
-            order, factors = self.params(batch, row)
-            out.append(self._jitter_array(xp, img, order, factors))
-        batch.data[self.field] = out
+        batch.data[self.field] = [self._jitter_array(batch.xp, img, row_steps, row_factors)
+                                  for img, row_steps, row_factors in zip(images, steps, factors)]
         return batch
 
-    def _steps(self, order: np.ndarray, channels: int) -> list[int]:
-        """The steps in ``order`` that change an image of ``channels`` channels, -1 for the others."""
-        return [k if self.amounts[k] and (k < 2 or channels >= 3) else -1 for k in order.tolist()]
+    def _steps(self, order: np.ndarray, channels: np.ndarray) -> np.ndarray:
+        """The steps in ``order`` (``[N, 4]``) that change images of ``channels`` channels
+        (``[N]``), -1 for the others."""
+        amounts = np.array(self.amounts) != 0
+        changes = amounts[order] & ((order < 2) | (channels[:, None] >= 3))
+        return np.where(changes, order, -1)
 
-    def _jitter_host(self, batch: Batch, images: list[np.ndarray]) -> list[np.ndarray]:
-        """uint8 HWC images in host memory: one C call for the batch (``_augment.jitter``),
-        the steps of ``_jitter_array`` in float32 (the mean grey summed in double)."""
-        params = np.empty((len(images), 8))
-        for row, img in enumerate(images):
-            order, factors = self.params(batch, row)
-            params[row, :4], params[row, 4:] = self._steps(order, img.shape[2]), factors
-        src = [np.ascontiguousarray(img) for img in images]
-        out = host_outputs(src)
-        _augment.jitter(src, params, out)
-        return out
-
-    def _jitter_array(self, xp: Any, img: Any, order: np.ndarray, factors: np.ndarray) -> Any:
-        """One HWC image through the steps in ``order`` with the array module ``xp``."""
+    def _jitter_array(self, xp: Any, img: Any, steps: np.ndarray, factors: np.ndarray) -> Any:
+        """One HWC image through ``steps`` (``_steps``' row) with the array module ``xp``
+        (the mean grey summed in double by the C path)."""
         v = img.astype(xp.float32)
-        for step in self._steps(order, img.shape[2]):
+        for step in steps.tolist():
             f = float(factors[step])
             if step == 0:
                 v = xp.clip(v * f, 0, 255)

@@ -385,6 +385,20 @@ def test_mixing_draws_are_the_batch_generators(images, alpha):
                                        min(cx + int(r * 57), 57)]
 
 
+def test_color_jitter_draws_each_row_s_generator_numbers():
+    """The batch's order and factors, drawn at once by its streams, are those of
+    ``batch.rng(row, salt)``: ``permutation(4)``, then the brightness, contrast,
+    saturation and hue ``uniform`` draws."""
+    batch = make_batch([np.zeros((8, 8, 3), np.uint8)] * 37, seed=11)
+    op = ops.color_jitter(0.4, 0.3, 1.2, 0.1)
+    order, factors = op.params(batch)
+    for row in range(len(batch)):
+        rng = batch.rng(row, op.salt)
+        assert order[row].tolist() == rng.permutation(4).tolist()
+        assert factors[row].tolist() == [rng.uniform(0.6, 1.4), rng.uniform(0.7, 1.3), rng.uniform(0.0, 2.2),
+                                         rng.uniform(-0.1, 0.1)]
+
+
 def test_color_jitter_c_path_agrees_with_the_array_path(images):
     """uint8 images take one C call; float32 ones (the same levels) the array code that
     the GPU runs: the same draws and steps, the mean grey summed in another precision."""

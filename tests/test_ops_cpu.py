@@ -296,7 +296,7 @@ def test_batch_draws_equal_per_row_generators(scale, ratio):
 def test_streams_give_each_row_its_generator_s_numbers(salt):
     """``ops._rng.Streams`` (the C generator of ``gpuio.ops._augment``) gives row ``r``
     the numbers of ``Generator(PCG64(SeedSequence([seed, salt])))``: raw outputs,
-    ``random``, ``uniform`` and ``integers`` of bounds 1 to 2**32 in any order (a 32-bit
+    ``random``, ``uniform``, ``integers`` of bounds 1 to 2**32 and ``permutation`` in any order (a 32-bit
     half kept across other draws), on the rows a mask picks (the others stay), for seeds
     of one and two 32-bit words; bad bounds and salts are a ValueError."""
     from gpuio.ops._rng import Streams
@@ -310,7 +310,7 @@ def test_streams_give_each_row_its_generator_s_numbers(salt):
     bounds = np.array([1, 2, 3, 7, 224, 1000, 12345, 2**31 - 1, 2**31, 2**32])
     for step in range(40):
         rows = rng.random(len(seeds)) < 0.7
-        kind, high = step % 4, rng.choice(bounds, len(seeds))
+        kind, high = step % 5, rng.choice(bounds, len(seeds))
         if kind == 0:
             got = streams.integers(high, rows).tolist()
             want = [int(g.integers(0, h)) if r else 0 for g, h, r in zip(gens, high.tolist(), rows)]
@@ -320,9 +320,14 @@ def test_streams_give_each_row_its_generator_s_numbers(salt):
         elif kind == 2:
             got = streams.uniform(-3.5, 2.25, rows).tolist()
             want = [g.uniform(-3.5, 2.25) if r else -3.5 for g, r in zip(gens, rows)]
+        elif kind == 4:
+            k = int(rng.choice([1, 2, 4, 5, 33, 300]))
+            got = streams.permutation(k, rows).tolist()
+            want = [g.permutation(k).tolist() if r else list(range(k)) for g, r in zip(gens, rows)]
         else:
-            got = streams.next64(rows if step % 8 == 3 else None).tolist()
-            want = [int(g.bit_generator.random_raw()) if r or step % 8 == 7 else 0 for g, r in zip(gens, rows)]
+            every = (step // 5) % 2 == 1  # every other time all rows (rows None)
+            got = streams.next64(None if every else rows).tolist()
+            want = [int(g.bit_generator.random_raw()) if r or every else 0 for g, r in zip(gens, rows)]
         assert got == want, (step, kind)
     before = streams.state.copy()
     with pytest.raises(ValueError, match=r"high\[1\] = 0"):
