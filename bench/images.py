@@ -484,11 +484,12 @@ def profile_stages(root: str, pipeline: str, count: int = 512, batch: int = 64) 
             pipe = ops.Compose(pipe.ops, fuse=False)
         in_c = decode.native_jpeg().stage_times() if decode.native_jpeg() is not None else (0.0, 0.0)
         prof = cProfile.Profile(time.thread_time)
-        prof.enable()
-        for s in range(0, n, batch):
-            rows_ = np.arange(s, s + batch)
-            pipe(Batch({"data": bufs[s:s + batch]}, rows_, sample_seeds(0, 0, rows_)))
-        prof.disable()
+        with gpuio.config.override(decode_parts=1):  # the fused decodes on this thread, where it is profiled
+            prof.enable()
+            for s in range(0, n, batch):
+                rows_ = np.arange(s, s + batch)
+                pipe(Batch({"data": bufs[s:s + batch]}, rows_, sample_seeds(0, 0, rows_)))
+            prof.disable()
         shares = dict.fromkeys([name for name, _ in parts] + ["other Python"], 0.0)
         for (file, _, func), (_, _, tottime, _, _) in pstats.Stats(prof).stats.items():
             stage = next((name for name, keys in parts

@@ -47,6 +47,9 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "pinned": ("auto", "pin host batch buffers: auto (when a GPU is present), true, false"),
     "max_open_files": (256, "kvikio CuFile handles kept open across batches"),
     "kvikio_compat": ("auto", "kvikio compat mode: auto, on (POSIX bounce) or off (GDS)"),
+    "decode_parts": (0, "a CPU batch's JPEG window decodes (fused with their crop and resize) run as this many "
+                        "parts at once on the process's pool of one thread per core; 0: a part per core, "
+                        "1: on the calling thread"),
     "cache_dir": ("", "where sample datasets and indexes go; default ~/.cache/gpuio"),
     "remote_client": ("auto", "the client of remote GETs: auto (obstore; urllib3 in a forked child of a "
                               "process that used obstore, whose runtime does not survive fork), obstore, urllib3"),

@@ -17,8 +17,10 @@ without a GPU.
 ``DecodeFused`` puts a ``decode_image`` in front of a fused chain: each image is decoded
 only where the chain's filter reads (the crop's rows and columns). On the CPU libjpeg
 reads the batch's JPEG headers in one C call, the plan's random draws are made, and one
-more C call (``gpuio.ops._jpeg.decode_resample``, the GIL released) decodes each JPEG's
-window with libjpeg-turbo's partial decode, at 1/2, 1/4 or 1/8 scale (libjpeg's DCT
+more C call per part (``gpuio.ops._jpeg.decode_resample``, the GIL released; the rows split
+into a part per core with about equal decoded pixels, run at once on the process's pool, so
+that one batch keeps every core busy: the first batch of an epoch and the last) decodes
+each JPEG's window with libjpeg-turbo's partial decode, at 1/2, 1/4 or 1/8 scale (libjpeg's DCT
 scaling) when the crop keeps at least the output's size (times 1.5) at that scale, and
 resamples it into the batch output while it is still in the cache; images it does not
 take (CMYK, EXIF-rotated, truncated, not JPEG), or stops on (a libjpeg warning), are
@@ -40,12 +42,14 @@ from typing import Any
 
 import numpy as np
 
+from gpuio import config
 from gpuio.batch import Batch, Op
 from gpuio.storage.buffers import pooled_empty
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
 from gpuio.ops.color import Normalize, cast, stack_or_list
 from gpuio.ops import decode as decode_ops
+from gpuio.ops._cpu_pool import cpu_count, cpu_pool
 from gpuio.ops.decode import (DecodeImage, byte_view, decodes_gray, decode_cpu, decode_gpu, decode_rows, facts_info,
                               gpu_decodable, jpeg_facts, region_decodable, upload)
 from gpuio.ops.decode_slice import code_stream, region_source, stored_orientation
@@ -194,6 +198,16 @@ class FusedCropResizeNormalize(Op):
         return [out[o: o + int(np.prod(shape))].reshape(shape) for o, shape in zip(offsets.tolist(), shapes)]
 
 
+def _runs(cost: np.ndarray, parts: int) -> list[np.ndarray]:
+    """At most ``parts`` runs of consecutive positions of ``cost`` (``[N]``) with about
+    equal sums, none empty."""
+    if len(cost) == 0:
+        return []
+    total = np.cumsum(cost, dtype=np.float64)
+    cuts = np.searchsorted(total, total[-1] * np.arange(1, parts) / parts, side="right")
+    return [run for run in np.split(np.arange(len(cost)), np.unique(cuts)) if len(run)]
+
+
 def _denoms(box: np.ndarray, out_hw: np.ndarray) -> np.ndarray:
     """Per row the largest DCT scale 1/d (d = 8, 4, 2, else 1), int64 ``[N]``, that keeps
     the box (``[N, 4]``) at least 1.5x ``out_hw`` (``[N, 2]``): the resize after it then
@@ -281,17 +295,27 @@ class DecodeFused(Op):
         which decodes or refuses them as ``decode_image`` does, and resampled after."""
         out, offsets = self.fused.c_output(plan["out_hw"], channels)
         rows = np.flatnonzero(windowed)
-        part = {k: v[rows] for k, v in plan.items()}
-        failed = decode_ops.native_jpeg().decode_resample(
-            [images[r] for r in rows], _denoms(part["box"], part["out_hw"]), channels == 1,
-            *self.fused.c_args(part, offsets[rows], out, channels))
+        denoms = _denoms(plan["box"][rows], plan["out_hw"][rows])
+        clip = plan["clip"][rows]
+        decoded_pixels = (clip[:, 2] - clip[:, 0]) * (clip[:, 3] - clip[:, 1]) // (denoms * denoms)
+
+        def decode_resample(run: np.ndarray) -> list[tuple[int, str]]:
+            """The rows ``rows[run]``; the failed ones as (row, message)."""
+            part = {k: v[rows[run]] for k, v in plan.items()}
+            failed = decode_ops.native_jpeg().decode_resample(
+                [images[r] for r in rows[run].tolist()], denoms[run], channels == 1,
+                *self.fused.c_args(part, offsets[rows[run]], out, channels))
+            return [(int(rows[run[k]]), message) for k, message in failed]
+
+        runs = _runs(decoded_pixels, config.get("decode_parts") or cpu_count())
+        failed = [f for got in (cpu_pool().map(decode_resample, runs) if len(runs) > 1
+                                else map(decode_resample, runs)) for f in got]
         rest = np.flatnonzero(~windowed)
         if len(rest):
             part = {k: v[rest] for k, v in plan.items()}
             _resample.resample([images[r] for r in rest], *self.fused.c_args(part, offsets[rest], out, channels))
         redo, decoded = [], []
-        for k, _ in failed:
-            row = int(rows[k])
+        for row, _ in failed:
             try:
                 img = decode_cpu(images[row], self.decode.color, int(batch.index[row]),
                                  on_warning=functools.partial(batch.warn, row))

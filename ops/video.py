@@ -49,14 +49,13 @@ naming the sample, the frame number and the packet's byte offset in the clip.
 from __future__ import annotations
 
 import json
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from gpuio import _fork, _nal
 from gpuio.batch import Batch, Op
+from gpuio.ops._cpu_pool import cpu_count, cpu_pool
 from gpuio.storage.buffers import pooled_empty
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
@@ -385,19 +384,6 @@ def _checked_coefficients(fmt: str, colorspace: int, color_range: int) -> tuple[
     return coefficients
 
 
-_pool_lock = _fork.RenewedLock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-
-
-def _executor() -> ThreadPoolExecutor:
-    """One pool per process (made anew after fork)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="gpuio-video"))
-        return _pool[1]
-
-
 class DecodeVideo(Op):
     """Decode clips (``formats.video``) into ``out``: uint8 ``[F, H, W, 3]`` RGB per
     row, ``size=(h, w)`` pixels when given. Reads ``field`` (host memory), ``packets``
@@ -439,7 +425,7 @@ class DecodeVideo(Op):
                          None if block is None else block[row], int(batch.index[row])) for row in range(len(shapes))]
         parts = [(clip, *part) for clip in clips if isinstance(clip, _Clip) for part in clip.parts]
         # few parts: FFmpeg's own threads; many: one thread per part
-        threads = max(1, (os.cpu_count() or 1) // max(1, len(parts)))
+        threads = max(1, cpu_count() // max(1, len(parts)))
 
         def one(part: tuple[_Clip, int, int, bytes]) -> None:
             clip, start, end, front = part
@@ -448,7 +434,7 @@ class DecodeVideo(Op):
             except FormatError as exc:
                 clip.error = clip.error or exc
 
-        list(_executor().map(one, parts))
+        list(cpu_pool().map(one, parts))
         return _rejected(batch, [_caught(clip.result) if isinstance(clip, _Clip) else clip for clip in clips])
 
     def _decode_gpu(self, batch: Batch, shapes: list[tuple[int, ...]]) -> list[Any]:
@@ -495,7 +481,7 @@ class DecodeVideo(Op):
 def _run_rows(batch: Batch, decode_row: Any, rows: int) -> list[Any]:
     """``decode_row(row)`` for every row on the pool; a row whose clip is bad is
     rejected (its place in the list holds the error)."""
-    return _rejected(batch, list(_executor().map(lambda row: _caught(decode_row, row), range(rows))))
+    return _rejected(batch, list(cpu_pool().map(lambda row: _caught(decode_row, row), range(rows))))
 
 
 def _caught(call: Any, *args: Any) -> Any:

@@ -7,7 +7,7 @@ unfused on each device."""
 import numpy as np
 import pytest
 
-from gpuio import ops
+from gpuio import config, ops
 from gpuio.batch import Batch, sample_seeds
 from gpuio.device import Device
 from gpuio.ops import fused
@@ -191,3 +191,39 @@ def test_decode_fused_equals_decode_then_ops(device, monkeypatch, encoded, name)
         axis = (-1, 1, 1) if normalize.layout == "CHW" else (1, 1, -1)
         levels = np.abs(g - w) * scale.reshape(axis)
         assert levels.max() <= bound + 1e-3 and levels.mean() < 0.5
+
+
+def test_decode_fused_splits_a_cpu_batch_into_parts_on_the_pool(monkeypatch, encoded):
+    """A CPU batch's window decodes run as parts on the process's pool (runs of rows with
+    about equal decoded pixels): the output, the rows and the warnings equal those of one
+    part, and an image that libjpeg stops on in a later part (a stray restart marker in its
+    entropy-coded data) is redone whole in its own row."""
+    bad = encoded[20].copy()
+    bad[len(bad) // 2: len(bad) // 2 + 2] = [0xFF, 0xD3]
+    bufs = list(encoded[:20]) + [bad] + list(encoded[21:])
+    runs_made = []
+
+    def runs(cost, parts):
+        got = real_runs(cost, parts)
+        runs_made.append([run.tolist() for run in got])
+        sums = [int(cost[run].sum()) for run in got]
+        assert sorted(np.concatenate(got).tolist()) == list(range(len(cost)))
+        assert max(sums) - min(sums) <= 2 * int(cost.max())  # about equal: within a row or two
+        return got
+
+    real_runs = fused._runs
+    monkeypatch.setattr(fused, "_runs", runs)
+
+    def run(parts):
+        index = np.arange(len(bufs))
+        batch = Batch({"data": list(bufs)}, index, sample_seeds(5, 2, index), on_error="skip")
+        with config.override(decode_parts=parts):
+            return ops.Compose([ops.decode_image(), *DECODE_CHAINS["rrc-flip"]()])(batch)
+
+    one, three = run(1), run(3)
+    assert len(runs_made[0]) == 1 and len(runs_made[1]) == 3
+    assert one.index.tolist() == three.index.tolist() == list(range(len(bufs)))
+    assert [i for i, _ in one.warnings] == [i for i, _ in three.warnings] == [20]
+    assert np.array_equal(one.data["image"], three.data["image"])
+    assert not np.array_equal(three.data["image"][20], three.data["image"][19])
+    assert real_runs(np.array([], np.int64), 4) == [] and len(real_runs(np.zeros(3, np.int64), 4)) == 1
