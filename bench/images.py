@@ -268,12 +268,12 @@ def decode_only(root: str, batch: int, threads: int, count: int, pipeline: str =
     largest = int((facts[:, 3] * facts[:, 4]).max(initial=1)) * 3
     pool, local = ThreadPoolExecutor(threads), threading.local()
 
-    def window(h: int, w: int) -> tuple[int, int, int, int, int]:
+    def window(h: int, w: int, subsampling: int) -> tuple[int, int, int, int, int]:
         """``(denom, y0, x0, y1, x1)`` of the region to decode, in scaled pixels."""
         if pipeline not in TRAIN:
             return 1, 0, 0, h, w
         y, x, ch, cw = _rrc_box(h, w)
-        d = next((d for d in (8, 4, 2) if ch >= 1.5 * d * 224 and cw >= 1.5 * d * 224), 1)
+        d = next((d for d in (8, 4, 2) if ch >= 1.5 * d * 224 and cw >= 1.5 * d * 224 and subsampling <= 2), 1)
         return d, y // d, x // d, -(-(y + ch) // d), -(-(x + cw) // d)
 
     def decode_run(rows: range) -> int:
@@ -282,7 +282,7 @@ def decode_only(root: str, batch: int, threads: int, count: int, pipeline: str =
             out = local.out = np.zeros(largest, np.uint8)
         for i in rows:
             if whole[i]:
-                d, y0, x0, y1, x1 = window(int(facts[i, 3]), int(facts[i, 4]))
+                d, y0, x0, y1, x1 = window(int(facts[i, 3]), int(facts[i, 4]), int(facts[i, 6]))
                 jpeg.decode_region(bufs[i], facts[i, 0] == 1, d, y0, x0, y1, x1, out)
             else:
                 decode.decode_cpu(bufs[i], "rgb", i, decode.facts_info(facts[i]))

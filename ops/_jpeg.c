@@ -79,7 +79,9 @@ static int exif_orientation(const uint8_t *p, size_t n) {
     return 1;
 }
 
-enum { COMPONENTS, PROGRESSIVE, ORIENTATION, HEIGHT, WIDTH, COMPLETE, FACTS };
+/* SUBSAMPLING: the largest factor by which a component is subsampled, across or down
+ * (4:4:4 and gray 1, 4:2:0, 4:2:2 and 4:4:0 2, 4:1:1 4) */
+enum { COMPONENTS, PROGRESSIVE, ORIENTATION, HEIGHT, WIDTH, COMPLETE, SUBSAMPLING, FACTS };
 
 /* The facts of one JPEG into out[FACTS]; all 0 where libjpeg cannot read its headers. */
 static void read_facts(struct jpeg_decompress_struct *cinfo, Errors *err, const uint8_t *data, size_t size,
@@ -103,6 +105,18 @@ static void read_facts(struct jpeg_decompress_struct *cinfo, Errors *err, const 
     out[HEIGHT] = cinfo->image_height;
     out[WIDTH] = cinfo->image_width;
     out[COMPLETE] = data[size - 2] == 0xFF && data[size - 1] == 0xD9;
+    int most_h = 1, most_v = 1;
+    for (int c = 0; c < cinfo->num_components; ++c) {
+        if (cinfo->comp_info[c].h_samp_factor > most_h) most_h = cinfo->comp_info[c].h_samp_factor;
+        if (cinfo->comp_info[c].v_samp_factor > most_v) most_v = cinfo->comp_info[c].v_samp_factor;
+    }
+    out[SUBSAMPLING] = 1;
+    for (int c = 0; c < cinfo->num_components; ++c) {
+        const jpeg_component_info *comp = &cinfo->comp_info[c];
+        const int across = most_h / comp->h_samp_factor, down = most_v / comp->v_samp_factor;
+        if (across > out[SUBSAMPLING]) out[SUBSAMPLING] = across;
+        if (down > out[SUBSAMPLING]) out[SUBSAMPLING] = down;
+    }
     jpeg_abort_decompress(cinfo);
 }
 
@@ -446,8 +460,8 @@ static PyObject *decode_resample(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"headers", headers, METH_VARARGS,
      "headers(images, out): per encoded image (a list of buffers) int64 components, progressive, EXIF "
-     "orientation, height, width, complete (ends with EOI) into out [N, 6]; all 0 where libjpeg cannot read the "
-     "headers"},
+     "orientation, height, width, complete (ends with EOI), subsampling (the largest factor a component is "
+     "subsampled by) into out [N, 7]; all 0 where libjpeg cannot read the headers"},
     {"decode_resample", decode_resample, METH_VARARGS,
      "decode_resample(images, denoms, gray, boxes, clips, out_hw, offsets, flips, mean, inv_std, out, interp, "
      "antialias, chw, to_uint8) -> [(row, message)] of the images that failed: each image decoded where its clip "

@@ -9,14 +9,15 @@ from _typeshed import ReadableBuffer, WriteableBuffer
 
 def headers(images: list[ReadableBuffer], out: WriteableBuffer, /) -> None:
     """libjpeg's reading of the headers of N encoded images into ``out``, int64
-    ``[N, 6]``: components, progressive (0/1), EXIF orientation (1-8; 1 when absent or
+    ``[N, 7]``: components, progressive (0/1), EXIF orientation (1-8; 1 when absent or
     malformed), height, width (in pixels, as stored), complete (1 when the data ends with
-    the EOI marker). A row is all 0 where libjpeg cannot read the headers (not a JPEG, a
+    the EOI marker), subsampling (the largest factor by which a component is subsampled,
+    across or down: 1 for 4:4:4 and gray, 2 for 4:2:0, 4:2:2 and 4:4:0, 4 for 4:1:1). A row is all 0 where libjpeg cannot read the headers (not a JPEG, a
     broken header): such images take the whole-image decoder. The GIL is released while
     the headers are read.
 
     Raises TypeError when ``images`` is not a list of buffers; ValueError when ``out``
-    holds fewer than ``N * 6 * 8`` bytes.
+    holds fewer than ``N * 7 * 8`` bytes.
     """
 
 def decode_region(data: ReadableBuffer, gray: bool, denom: int, y0: int, x0: int, y1: int, x1: int,

@@ -299,10 +299,12 @@ def native_jpeg() -> Any:
 
 def jpeg_facts(bufs: list[np.ndarray]) -> np.ndarray:
     """libjpeg's reading of the headers of encoded images (contiguous uint8 arrays;
-    ``gpuio.ops._jpeg`` must be built), int64 ``[N, 6]``: components, progressive, EXIF
-    orientation, height, width (as stored), complete (ends with EOI); all 0 where
-    libjpeg cannot read them (not a JPEG, a broken header)."""
-    facts = np.empty((len(bufs), 6), np.int64)
+    ``gpuio.ops._jpeg`` must be built), int64 ``[N, 7]``: components, progressive, EXIF
+    orientation, height, width (as stored), complete (ends with EOI), subsampling (the
+    largest factor by which a component is subsampled, across or down: 1 for 4:4:4 and
+    gray, 2 for 4:2:0, 4:2:2 and 4:4:0, 4 for 4:1:1); all 0 where libjpeg cannot read
+    them (not a JPEG, a broken header)."""
+    facts = np.empty((len(bufs), 7), np.int64)
     _jpeg.headers(bufs, facts)
     return facts
 
@@ -310,7 +312,7 @@ def jpeg_facts(bufs: list[np.ndarray]) -> np.ndarray:
 def facts_info(facts: np.ndarray) -> JpegInfo | None:
     """One row of ``jpeg_facts`` as ``jpeg_info`` gives it (None where libjpeg could
     not read the headers)."""
-    components, progressive, orientation, height, width, _ = facts.tolist()
+    components, progressive, orientation, height, width = facts[:5].tolist()
     return JpegInfo(components, bool(progressive), orientation, height, width) if components else None
 
 

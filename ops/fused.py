@@ -208,14 +208,17 @@ def _runs(cost: np.ndarray, parts: int) -> list[np.ndarray]:
     return [run for run in np.split(np.arange(len(cost)), np.unique(cuts)) if len(run)]
 
 
-def _denoms(box: np.ndarray, out_hw: np.ndarray) -> np.ndarray:
+def _denoms(box: np.ndarray, out_hw: np.ndarray, subsampling: np.ndarray) -> np.ndarray:
     """Per row the largest DCT scale 1/d (d = 8, 4, 2, else 1), int64 ``[N]``, that keeps
     the box (``[N, 4]``) at least 1.5x ``out_hw`` (``[N, 2]``): the resize after it then
     smooths the scaled IDCT's sharper edges (with less margin they survive the resize and
-    the output drifts from that of a full decode)."""
+    the output drifts from that of a full decode). Only for JPEGs whose components are
+    subsampled by at most 2 (``subsampling``, ``[N]``, from ``jpeg_facts``): libjpeg
+    scales their chroma by the IDCT or fancy upsampling, while a 4:1:1 JPEG's scaled
+    chroma is replicated 4 times across and drifts by over 1.5 levels on average."""
     denoms = np.ones(len(box), np.int64)
     for d in (2, 4, 8):
-        denoms[(box[:, 2] >= 1.5 * d * out_hw[:, 0]) & (box[:, 3] >= 1.5 * d * out_hw[:, 1])] = d
+        denoms[(box[:, 2] >= 1.5 * d * out_hw[:, 0]) & (box[:, 3] >= 1.5 * d * out_hw[:, 1]) & (subsampling <= 2)] = d
     return denoms
 
 
@@ -275,27 +278,28 @@ class DecodeFused(Op):
             decode_whole(np.flatnonzero(windowed))
         keep = _keep(len(images), bad)
         batch.drop_rejected()
-        images, windowed = _take(images, keep), windowed[keep]
+        subsampling = facts[:, 6]
+        images, windowed, subsampling = _take(images, keep), windowed[keep], subsampling[keep]
         plan = self.fused.plan(batch, hw[keep])
         keep = plan.pop("ok")
         batch.drop_rejected()
-        images, windowed = _take(images, keep), windowed[keep]
+        images, windowed, subsampling = _take(images, keep), windowed[keep], subsampling[keep]
         plan = {k: v[keep] for k, v in plan.items()}
         if len(channels) != 1 or not images:
             batch.data[self.fused.field] = self.fused.run_plan(batch, images, plan)
             return batch
-        return self._resample(batch, images, windowed, plan, channels.pop())
+        return self._resample(batch, images, windowed, subsampling, plan, channels.pop())
 
-    def _resample(self, batch: Batch, images: list[Any], windowed: np.ndarray, plan: dict[str, np.ndarray],
-                  channels: int) -> Batch:
+    def _resample(self, batch: Batch, images: list[Any], windowed: np.ndarray, subsampling: np.ndarray,
+                  plan: dict[str, np.ndarray], channels: int) -> Batch:
         """The chain's output into one buffer: the ``windowed`` rows of ``images``
-        (encoded) decoded and resampled by ``gpuio.ops._jpeg.decode_resample``, the others
+        (encoded; ``subsampling`` from their ``jpeg_facts``) decoded and resampled by ``gpuio.ops._jpeg.decode_resample``, the others
         (decoded, ``channels`` each) by ``gpuio.ops._resample.resample``. The rows the first
         refuses (it stops at libjpeg's first warning) are decoded whole by ``decode_cpu``,
         which decodes or refuses them as ``decode_image`` does, and resampled after."""
         out, offsets = self.fused.c_output(plan["out_hw"], channels)
         rows = np.flatnonzero(windowed)
-        denoms = _denoms(plan["box"][rows], plan["out_hw"][rows])
+        denoms = _denoms(plan["box"][rows], plan["out_hw"][rows], subsampling[rows])
         clip = plan["clip"][rows]
         decoded_pixels = (clip[:, 2] - clip[:, 0]) * (clip[:, 3] - clip[:, 1]) // (denoms * denoms)
 

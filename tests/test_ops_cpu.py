@@ -129,7 +129,7 @@ def test_jpeg_facts_equal_jpeg_info(tree_jpegs, jpegs):
     facts = jpeg_facts(bufs + [np.frombuffer(b"not an image", np.uint8), tree_jpegs[0][:40]])
     assert [facts_info(f) for f in facts[:-2]] == [jpeg_info(b) for b in bufs]
     assert {jpeg_info(b).orientation for b in bufs} > {1} and {jpeg_info(b).components for b in bufs} == {1, 3, 4}
-    assert facts[-2:].tolist() == [[0] * 6] * 2
+    assert facts[-2:].tolist() == [[0] * 7] * 2
     complete = [b[-2] == 0xFF and b[-1] == 0xD9 for b in bufs]
     assert facts[:-2, 5].tolist() == complete and all(complete)
 
@@ -191,7 +191,7 @@ def test_decode_fused_matches_decode_then_ops(monkeypatch, tree_jpegs, jpegs, na
     assert isinstance(pipe.fused[0], DecodeFused) and len(pipe.fused) == 1
     want = run(CHAINS[name](), bufs, fuse=False).data["image"]
     scaled = pipe(make_batch(bufs)).data["image"]
-    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw: np.ones(len(box), np.int64))
+    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
     got = pipe(make_batch(bufs)).data["image"]
     assert len(got) == len(want) == len(scaled) == len(bufs)
     for g, s, w in zip(got, scaled, want):
@@ -199,6 +199,45 @@ def test_decode_fused_matches_decode_then_ops(monkeypatch, tree_jpegs, jpegs, na
         d = levels(g, w, CHAINS[name]()[-1])
         assert d.max() <= 1.0 + 1e-3 and d.mean() < 0.5
         assert levels(s, w, CHAINS[name]()[-1]).mean() < 1.5
+
+
+def test_decode_fused_every_chroma_layout_stays_close_to_decode_then_ops(monkeypatch):
+    """JPEGs of every chroma layout libjpeg writes (libjpeg-turbo through OpenCV: 4:4:4,
+    4:2:2, 4:2:0, 4:4:0, 4:1:1), with and without restart markers, large enough for DCT
+    scaling: ``jpeg_facts`` gives their subsampling, and the fused decode stays within
+    1.5 levels on average of decoding whole and running the ops (1 level without DCT
+    scaling): a 4:1:1 JPEG is not DCT-scaled (its chroma would be replicated 4 times
+    across at the scaled size, drifting by more than that)."""
+    import cv2
+
+    rng = np.random.default_rng(11)
+    layouts = {"444": (cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444, 1), "422": (cv2.IMWRITE_JPEG_SAMPLING_FACTOR_422, 2),
+               "420": (cv2.IMWRITE_JPEG_SAMPLING_FACTOR_420, 2), "440": (cv2.IMWRITE_JPEG_SAMPLING_FACTOR_440, 2),
+               "411": (cv2.IMWRITE_JPEG_SAMPLING_FACTOR_411, 4)}
+    pictures = [sample_image(rng, 1201, 1403), sample_image(rng, 301, 467)]
+    bufs, names, factors = [], [], []
+    for name, (flag, factor) in layouts.items():
+        for rst in (0, 1):
+            for k, pixels in enumerate(pictures):
+                ok, enc = cv2.imencode(".jpg", pixels[:, :, ::-1], [cv2.IMWRITE_JPEG_QUALITY, 92,
+                                                                    cv2.IMWRITE_JPEG_SAMPLING_FACTOR, flag,
+                                                                    cv2.IMWRITE_JPEG_RST_INTERVAL, rst])
+                assert ok
+                bufs.append(np.frombuffer(enc.tobytes(), np.uint8))
+                names.append(f"{name}, restart interval {rst}, picture {k}")
+                factors.append(factor)
+    assert jpeg_facts(bufs)[:, 6].tolist() == factors
+    chains = {"rrc-flip": CHAINS["rrc-flip"], "resize-224": lambda: [ops.resize((224, 224)), ops.normalize(MEAN, STD)],
+              "centre": lambda: [ops.resize(shorter=80), ops.center_crop(64), ops.normalize(MEAN, STD)]}
+    for chain in chains.values():
+        want = run(chain(), bufs, fuse=False).data["image"]
+        scaled = run(chain(), bufs, fuse=True).data["image"]
+        with monkeypatch.context() as m:
+            m.setattr(fused, "_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
+            whole = run(chain(), bufs, fuse=True).data["image"]
+        for name, s, g, w in zip(names, scaled, whole, want):
+            assert levels(g, w, chain()[-1]).max() <= 1.0 + 1e-3, name
+            assert levels(s, w, chain()[-1]).mean() < 1.5, name
 
 
 @pytest.mark.parametrize("name", list(CHAINS))
@@ -210,7 +249,7 @@ def test_decode_fused_gray_jpeg_equals_rgb_decode(monkeypatch, name):
     rng = np.random.default_rng(5)
     bufs = [encode(sample_image(rng, h, w)[:, :, 0], quality=q) for h, w, q in [(120, 160, 90), (97, 131, 75),
                                                                                (333, 517, 95)]]
-    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw: np.ones(len(box), np.int64))
+    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
     got = run(CHAINS[name](), bufs, fuse=True).data["image"]
     rgb = [decode_cpu(b, "rgb", i) for i, b in enumerate(bufs)]
     want = ops.Compose(CHAINS[name]())(make_batch(rgb, field="image")).data["image"]
@@ -234,7 +273,7 @@ def test_decode_fused_without_c_modules_matches(monkeypatch, tree_jpegs, missing
 def test_decode_fused_bad_samples(monkeypatch, tree_jpegs):
     """Corrupt and truncated JPEGs are errors naming the sample; with on_error="skip"
     the other rows come out as decode-then-ops gives them."""
-    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw: np.ones(len(box), np.int64))
+    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
     good = [b for b, ok in zip(tree_jpegs, region_decodable(jpeg_facts(tree_jpegs))) if ok][:6]
     corrupt = good[1].copy()
     scan = corrupt.tobytes().index(b"\xff\xda") + 40
@@ -394,7 +433,7 @@ def test_resampling_chain_without_normalize_fuses_to_uint8(monkeypatch, tree_jpe
     assert len(pipe.fused) == 1 and isinstance(pipe.fused[0], DecodeFused)
     want = run(chain(), bufs, fuse=False).data["image"]
     scaled = pipe(make_batch(bufs)).data["image"]
-    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw: np.ones(len(box), np.int64))
+    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
     got = pipe(make_batch(bufs)).data["image"]
     u8 = ops.normalize(0, 1, layout="HWC", dtype="uint8")
     assert len(got) == len(want) == len(scaled) == len(bufs)
