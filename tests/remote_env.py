@@ -133,15 +133,35 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
             left -= len(chunk)
 
 
+class _WholeHandler(http.server.SimpleHTTPRequestHandler):
+    """The standard library's static files: a Range header is ignored (HTTP 200, the
+    whole file), as Python's ``http.server`` does; counts the GETs (``server.gets``)."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.server.gets += 1
+        super().do_GET()
+
+
 class _Threaded(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
+    gets = 0
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):  # a client that hung up: quiet
+            super().handle_error(request, client_address)
 
 
 @contextlib.contextmanager
-def http_server(folder: str) -> Iterator[str]:
-    """A local HTTP server of ``folder`` with Range support; yields its base URL."""
-    handler = lambda *a, **kw: _RangeHandler(*a, directory=folder, **kw)  # noqa: E731
+def http_server(folder: str, ranges: bool = True) -> Iterator[str]:
+    """A local HTTP server of ``folder``, with Range support or (``ranges=False``)
+    without; yields its base URL. ``http_server.last`` is the server (its ``gets``)."""
+    kind = _RangeHandler if ranges else _WholeHandler
+    handler = lambda *a, **kw: kind(*a, directory=folder, **kw)  # noqa: E731
     server = _Threaded(("127.0.0.1", 0), handler)
+    http_server.last = server
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

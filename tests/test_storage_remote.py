@@ -878,6 +878,33 @@ def _read_in_child(url):
 # ---- plain HTTP ----------------------------------------------------------------------
 
 
+def test_http_server_without_range_requests(each_client, tmp_path, monkeypatch):
+    """A server that answers a range request with the whole object (HTTP 200: Python's
+    http.server): an object's first bytes come from such an answer, so objects up to
+    ``remote_block`` bytes index and read through the cache (each a block from byte 0),
+    equal to the local read; a read that starts further in (here: the cache off) is one
+    request, then a StorageError naming the URL, the offset and what the server lacks."""
+    monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "cache"))
+    paths = _tars(tmp_path, np.random.default_rng(17), shards=2)
+    np.save(tmp_path / "a.npy", np.arange(1000, dtype=np.float64).reshape(100, 10))
+    remote.reset_client()
+    with http_server(str(tmp_path), ranges=False) as base:
+        local = formats.webdataset([os.fspath(p) for p in paths], fields=("bin", "cls"))
+        index = formats.webdataset([f"{base}/{p.name}" for p in paths], fields=("bin", "cls"))
+        _same_reads(local, index, "bin")
+        np.testing.assert_array_equal(formats.numpy(f"{base}/a.npy")[0]["data"],
+                                      np.arange(1000, dtype=np.float64).reshape(100, 10))
+        with monkeypatch.context() as m:
+            m.setenv("GPUIO_REMOTE_CACHE", "0")
+            last = len(index) - 1
+            gets = http_server.last.gets
+            with pytest.raises(StorageError, match="does not take range requests") as caught:
+                gpuio.read(index, [last], "bin")
+            assert http_server.last.gets == gets + 1
+            assert caught.value.path == index.extent(last, "bin").file
+            assert caught.value.offset == index.extent(last, "bin").offset > 0
+
+
 def test_http_range_reads_equal_local(each_client, tmp_path, monkeypatch):
     monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "cache"))
     paths = _tars(tmp_path, np.random.default_rng(15), shards=2)

@@ -281,6 +281,8 @@ class _Obstore:
         if status == 416:
             raise StorageError(f"{what}: HTTP 416: the object ends before this range (truncated or replaced "
                                f"after indexing?)", path=url, offset=start) from exc
+        if isinstance(exc, self._errors.NotSupportedError) and "Range" in text:
+            raise _no_ranges(url, what, start) from exc
         if status is not None and status < 500 and status != 429:
             raise StorageError(f"{what}: HTTP {status} {m.group(2)}", path=url, offset=start) from exc
         if status is not None:
@@ -312,6 +314,14 @@ class _Obstore:
             try:
                 got = self._obstore.get(store, path, options=options)
                 data = got.bytes()
+            except self._errors.NotSupportedError as exc:
+                if start != 0 or "Range" not in str(exc):
+                    last = self._fatal_or_reason(exc, url, what, start, etag)
+                    continue
+                # a server without range requests: the object's first n bytes, from a whole GET
+                options.pop("range")
+                got = self._obstore.get(store, path, options=options)
+                data = _first_bytes(got.stream(), n)
             except Exception as exc:  # obstore's errors, mapped by _fatal_or_reason
                 last = self._fatal_or_reason(exc, url, what, start, etag)
                 continue
@@ -433,8 +443,7 @@ class _Urllib3:
                     raise _replaced(url, etag, got_etag)
                 total = _total_size(resp, status)
                 if status == 200 and start != 0:
-                    raise StorageError(f"GET bytes {start}-{end}: the server ignored the Range header (HTTP 200)",
-                                       path=url, offset=start)
+                    raise _no_ranges(url, f"GET bytes {start}-{end}", start)
                 got = 0
                 try:
                     while got < n:
@@ -452,9 +461,32 @@ class _Urllib3:
                     last = f"body ended after {got} of {n} bytes (HTTP {status})"
                     continue
                 return got_etag, total if total is not None else start + n
-            finally:
-                resp.release_conn() if status in (200, 206) and got >= n else resp.close()
+            finally:  # a whole object's answer (HTTP 200) read only in part: its connection goes
+                resp.release_conn() if got >= n and (status == 206 or total == n) else resp.close()
         raise StorageError(f"GET bytes {start}-{end}: {last} after {self.owner.retries} tries", path=url, offset=start)
+
+
+def _no_ranges(url: str, what: str, start: int) -> StorageError:
+    """The error of a server that answers a range request with the whole object: gpuio
+    reads objects by byte range (only an object's first bytes can come from such a server)."""
+    return StorageError(f"{what}: the server does not take range requests (it sends the whole object, HTTP 200), "
+                        f"and gpuio reads objects by byte range: serve them from a server that does (nginx, "
+                        f"Apache, an S3 store), or copy them to local disk", path=url, offset=start)
+
+
+def _first_bytes(chunks: Iterator[Any], n: int) -> bytearray:
+    """The first ``n`` bytes of a streamed body (the rest is not read: the stream closes
+    its connection when dropped); fewer where the body is shorter."""
+    out = bytearray(n)
+    got = 0
+    for chunk in chunks:
+        take = min(len(chunk), n - got)
+        out[got: got + take] = memoryview(chunk)[:take]
+        got += take
+        if got >= n:
+            break
+    del out[got:]
+    return out
 
 
 def _total_size(resp: Any, status: int) -> int | None:
