@@ -138,12 +138,12 @@ def shard_paths(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
     out: list[str] = []
     for p in given:
         for one in _braces(os.fspath(p)):
-            if is_url(one) and _GLOB.search(one):
+            if has_pattern(one) and is_url(one):
                 found = _matching_objects(one)
                 if not found:
                     raise DataError(f"no {what} matches this pattern", path=one)
                 out.extend(found)
-            elif _GLOB.search(one) and not os.path.exists(one):
+            elif has_pattern(one) and not os.path.exists(one):
                 found = sorted(glob.glob(one))
                 if not found:
                     raise DataError(f"no {what} matches this pattern", path=one)
@@ -161,8 +161,10 @@ def _matching_objects(pattern: str) -> list[str]:
 
 
 def has_pattern(path: str) -> bool:
-    """Whether ``path`` holds a glob wildcard (``*``, ``?``, ``[``)."""
-    return _GLOB.search(path) is not None
+    """Whether ``path`` holds a glob wildcard (``*``, ``?``, ``[``): a local path or an
+    ``s3://`` URL (a listing matches it); never an http(s) URL, which has no listing and
+    whose ``?`` starts its query."""
+    return not path.startswith(("http://", "https://")) and _GLOB.search(path) is not None
 
 
 def full_path(path: str | os.PathLike[str]) -> str:

@@ -23,7 +23,7 @@ import numpy as np
 
 from gpuio.errors import DataError, FormatError
 from gpuio.formats._files import local_copy, progress, regular_file_size
-from gpuio.storage.remote import is_url, object_versions
+from gpuio.storage.remote import is_url, object_versions, url_path
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["lmdb"]
@@ -46,7 +46,7 @@ def lmdb(path: str | os.PathLike[str]) -> SampleIndex:
     """
     path = os.fspath(path)
     if is_url(path):
-        url = path if path.endswith(".mdb") else path.rstrip("/") + "/data.mdb"
+        url = path if url_path(path).endswith(".mdb") else path.rstrip("/") + "/data.mdb"
         with local_copy(url, "LMDB data file") as copy:
             index = _local(copy)
         return SampleIndex(PathTable.from_paths([url]), index.extents, index.values,

@@ -41,7 +41,7 @@ import numpy as np
 from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
 from gpuio.formats._files import each_shard, full_path, int_table, open_regular_file, shard_paths, size_or_zero
-from gpuio.storage.remote import RemoteFile, is_url, object_versions
+from gpuio.storage.remote import RemoteFile, is_url, object_versions, url_path
 from gpuio.storage.remote import client as remote_client
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
 
@@ -301,7 +301,7 @@ def _decompressed(path: str, compression: str) -> str:
     folder = os.path.join(config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio"),
                           "tfrecord")
     tag = hashlib.sha256(f"{version}\0{compression}".encode()).hexdigest()[:24]
-    out = os.path.join(folder, f"{tag}-{os.path.basename(path)}")
+    out = os.path.join(folder, f"{tag}-{os.path.basename(url_path(path))}")
     if os.path.exists(out):
         return out
     tmp = f"{out}.{os.getpid()}.part"

@@ -35,6 +35,7 @@ import os
 import re
 import threading
 import time
+import urllib.parse
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -52,7 +53,7 @@ from gpuio.storage.buffers import Lease
 from gpuio.storage.plan import ReadPlan, build_plan
 
 __all__ = ["SCHEMES", "SETTINGS", "ObjectInfo", "RemoteBackend", "RemoteFile", "client", "is_remote", "is_url",
-           "object_versions", "reset_client"]
+           "object_versions", "reset_client", "url_path"]
 
 SCHEMES = ("s3://", "http://", "https://")
 # the settings of remote reads (gpuio.config); a Reader takes them when it is made
@@ -67,6 +68,16 @@ _INDEXES_KEPT = 8  # indexes whose objects a RemoteBackend's cache keeps in view
 def is_url(path: object) -> bool:
     """Whether ``path`` names a remote object or prefix (``s3://``, ``http(s)://``)."""
     return isinstance(path, str) and path.startswith(SCHEMES)
+
+
+def url_path(url: str) -> str:
+    """An http(s) URL without its query and fragment (where a name's suffix is read;
+    a presigned URL's signature is its query); an ``s3://`` URL (whose keys may hold
+    ``?`` and ``#``) or a local path as it is."""
+    if not url.startswith(("http://", "https://")):
+        return url
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
 
 
 def is_remote(paths: PathTable) -> bool:
@@ -120,6 +131,17 @@ class Client:
             # used it (a DataLoader worker) would wait on them for ever
             choice = "urllib3" if _obstore_inherited else "obstore"
         self.transport: Any = _Obstore(self) if choice == "obstore" else _Urllib3(self)
+        self._plain: _Urllib3 | None = None  # http(s) URLs with a query (presigned): obstore drops it
+
+    def _for(self, url: str) -> Any:
+        """The transport of ``url``: urllib3 for an http(s) URL with a query string (a
+        presigned URL, a token), which obstore's paths cannot carry; else ``transport``."""
+        if isinstance(self.transport, _Obstore) and url.startswith(("http://", "https://")) and "?" in url:
+            with self._lock:
+                if self._plain is None:
+                    self._plain = _Urllib3(self)
+                return self._plain
+        return self.transport
 
     def s3(self) -> Any:
         """The botocore S3 client (endpoint, region and credentials as the AWS SDKs find them)."""
@@ -143,7 +165,7 @@ class Client:
 
     def head(self, url: str) -> ObjectInfo:
         """Size and ETag of the object ``url``, asked of the store now."""
-        info = self.transport.head(url)
+        info = self._for(url).head(url)
         self.seen[url] = info
         return info
 
@@ -174,13 +196,13 @@ class Client:
         """Fill ``out`` with the object's bytes from ``start``; returns the object's
         (ETag, size). ``etag``: the version the index recorded, or None. Retried on
         5xx, 429, a dropped connection or a short body, ``remote_retries`` tries in all."""
-        return self.transport.get_into(url, start, out, etag)
+        return self._for(url).get_into(url, start, out, etag)
 
     def get(self, url: str, start: int, n: int, etag: str | None) -> Any:
         """The object's ``n`` bytes from ``start`` as a buffer (bytes-like), checked and
         retried as ``get_into``: the one the transport received them in (obstore's), so
         that a caller that keeps them (the cache) makes no copy."""
-        return self.transport.get(url, start, n, etag)
+        return self._for(url).get(url, start, n, etag)
 
     def backoff(self, attempt: int) -> None:
         """Wait before try ``attempt`` (0: the first, no wait)."""
@@ -225,10 +247,9 @@ class _Obstore:
         """The obstore store of ``url`` (one per bucket or HTTP origin) and the path in it."""
         if url.startswith("s3://"):
             where, path = _split_s3(url)
-        else:
-            scheme, _, rest = url.partition("://")
-            host, _, path = rest.partition("/")
-            where = f"{scheme}://{host}"
+        else:  # obstore quotes the path itself: it takes the URL's path unquoted, without a fragment
+            parts = urllib.parse.urlsplit(url)
+            where, path = f"{parts.scheme}://{parts.netloc}", urllib.parse.unquote(parts.path.lstrip("/"))
         with self._lock:
             store = self._stores.get(where)
         if store is not None:
