@@ -171,6 +171,36 @@ def http_server(folder: str, ranges: bool = True) -> Iterator[str]:
         server.server_close()
 
 
+class _Redirect(http.server.BaseHTTPRequestHandler):
+    """Every GET and HEAD answered with a 302 to the same path on ``server.target``, with a
+    query (as a dataset host sends a download on to its CDN by a signed URL)."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.send_response(302)
+        self.send_header("Location", f"{self.server.target}{self.path}?signature=gpuio-test")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+
+@contextlib.contextmanager
+def redirector(target: str) -> Iterator[str]:
+    """A local server that redirects every request to ``target`` (a base URL); yields its base URL."""
+    server = _Threaded(("127.0.0.1", 0), _Redirect)
+    server.target = target
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 class FaultProxy:
     """A loopback TCP proxy in front of ``target`` (host, port) that injects faults
     into the next responses: ``fail(n, status)`` answers the next ``n`` requests with

@@ -27,8 +27,8 @@ from gpuio.storage import remote
 from gpuio.storage.cache import BlockCache, cache_folder, flush
 
 from checkers import assert_same_batch, check_exactly_once, check_resume, host, run_epoch
-from remote_env import (ACCESS_KEY, PUBLIC_BUCKET, SECRET_KEY, FaultProxy, SeaweedS3, http_server, upload_tree,
-                        weed_binary)
+from remote_env import (ACCESS_KEY, PUBLIC_BUCKET, SECRET_KEY, FaultProxy, SeaweedS3, http_server, redirector,
+                        upload_tree, weed_binary)
 
 
 BUCKET = "data"
@@ -882,7 +882,8 @@ def _read_in_child(url):
 def test_presigned_and_percent_encoded_urls_equal_local(each_client, s3, tmp_path, request):
     """URLs as users paste them: S3 presigned URLs (the signature is the query: no glob,
     no listing; obstore's paths cannot carry a query, so urllib3 GETs them) and, over
-    plain HTTP, percent-encoded names with a fragment: the reads equal the local ones."""
+    plain HTTP, percent-encoded names with a fragment, and URLs that redirect (302) to
+    a signed one: the reads equal the local ones."""
     folder = tmp_path / "data"
     folder.mkdir()
     paths = _tars(folder, np.random.default_rng(18), shards=2)
@@ -902,10 +903,13 @@ def test_presigned_and_percent_encoded_urls_equal_local(each_client, s3, tmp_pat
     _same_loader(local, index, fields=["bin", "cls"])
     np.testing.assert_array_equal(formats.numpy(presigned("a b.npy"))[0]["data"],
                                   np.arange(600, dtype=np.int32).reshape(20, 30))
-    with http_server(str(folder)) as base:
+    with http_server(str(folder)) as base, redirector(base) as moved:
         quoted = formats.webdataset([f"{base}/{urllib.parse.quote(p.name)}#members" for p in paths],
                                     fields=("bin", "cls"))
         _same_reads(local, quoted, "bin")
+        redirected = formats.webdataset([f"{moved}/{urllib.parse.quote(p.name)}" for p in paths],
+                                        fields=("bin", "cls"))
+        _same_reads(local, redirected, "bin")
 
 
 def test_http_server_without_range_requests(each_client, tmp_path, monkeypatch):

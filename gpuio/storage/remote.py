@@ -62,6 +62,7 @@ SETTINGS = ("remote_client", "remote_unsigned", "remote_cache", "remote_cache_di
 _PRESIGN_S = 3600  # lifetime of a presigned URL (urllib3 client)
 _RESIGN_S = 1800  # a presigned URL older than this is signed again before use
 _BACKOFF_S = 0.05  # the first retry waits this long, each next one twice as long
+_REDIRECTS = 10  # redirects a GET follows (urllib3; obstore follows its client's default)
 _INDEXES_KEPT = 8  # indexes whose objects a RemoteBackend's cache keeps in view
 
 
@@ -374,7 +375,10 @@ class _Urllib3:
         self._urllib3 = urllib3
         self.timeout = urllib3.Timeout(connect=owner.timeout, read=owner.timeout)
         conns = max(4, config.get("remote_requests"))
-        self.http = urllib3.PoolManager(num_pools=64, maxsize=conns, retries=False, timeout=self.timeout)
+        # redirects followed (a dataset host's URL that sends the GET on to its CDN); every
+        # other retry is the loop's own (_request), which names the URL, range and status
+        follow = urllib3.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=_REDIRECTS)
+        self.http = urllib3.PoolManager(num_pools=64, maxsize=conns, retries=follow, timeout=self.timeout)
         self._signed: dict[str, tuple[str, float]] = {}  # s3 URL -> (presigned URL, when signed)
 
     def http_url(self, url: str) -> str:
