@@ -109,10 +109,14 @@ def _run(cmd: list[str], what: str, **kw: object) -> str:
 
 def _ready(python: str) -> bool:
     """gpuio imports from this checkout with its 3.12 extensions, built after their C
-    sources changed last, and PyTriton imports."""
-    for source in glob.glob(os.path.join(ROOT, "gpuio", "_*.c")):
-        built = glob.glob(source[:-2] + ".cpython-312-*.so")
-        if built and os.path.getmtime(built[0]) < os.path.getmtime(source):
+    sources and headers (pyproject.toml's ext-modules) changed last, and PyTriton imports."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extensions = tomllib.load(f)["tool"]["setuptools"]["ext-modules"]
+    for ext in extensions:
+        inputs = [os.path.join(ROOT, p) for p in ext["sources"] + ext.get("depends", [])]
+        folder = os.path.dirname(inputs[0])
+        built = glob.glob(os.path.join(folder, ext["name"].rsplit(".", 1)[1] + ".cpython-312-*.so"))
+        if built and os.path.getmtime(built[0]) < max(os.path.getmtime(p) for p in inputs):
             return False
     if gpuio_source(python) != ROOT:
         return False
