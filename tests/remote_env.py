@@ -10,6 +10,8 @@ import os
 import shutil
 import socket
 import socketserver
+import ssl
+import subprocess
 import sys
 import threading
 import time
@@ -154,18 +156,42 @@ class _Threaded(socketserver.ThreadingMixIn, http.server.HTTPServer):
             super().handle_error(request, client_address)
 
 
+def private_ca(folder: str) -> tuple[str, str, str]:
+    """A certificate authority and a server certificate it signed for 127.0.0.1, made by
+    the ``openssl`` command in ``folder``: (the authority's PEM, the server's certificate
+    PEM, the server's key PEM)."""
+    ca, ca_key, cert, key, csr = (os.path.join(folder, n) for n in ("ca.pem", "ca.key", "cert.pem", "key.pem",
+                                                                      "cert.csr"))
+    ext = os.path.join(folder, "leaf.ext")
+    with open(ext, "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+                "extendedKeyUsage=serverAuth\n")
+    for cmd in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2",
+                 "-subj", "/CN=gpuio test authority"],
+                ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+                ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+                 "-days", "2", "-extfile", ext]):
+        subprocess.run(["openssl", *cmd], check=True, capture_output=True)
+    return ca, cert, key
+
+
 @contextlib.contextmanager
-def http_server(folder: str, ranges: bool = True) -> Iterator[str]:
+def http_server(folder: str, ranges: bool = True, tls: tuple[str, str] | None = None) -> Iterator[str]:
     """A local HTTP server of ``folder``, with Range support or (``ranges=False``)
-    without; yields its base URL. ``http_server.last`` is the server (its ``gets``)."""
+    without, over TLS with ``tls`` = (certificate PEM, key PEM); yields its base URL.
+    ``http_server.last`` is the server (its ``gets``)."""
     kind = _RangeHandler if ranges else _WholeHandler
     handler = lambda *a, **kw: kind(*a, directory=folder, **kw)  # noqa: E731
     server = _Threaded(("127.0.0.1", 0), handler)
+    if tls is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*tls)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     http_server.last = server
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()

@@ -27,8 +27,8 @@ from gpuio.storage import remote
 from gpuio.storage.cache import BlockCache, cache_folder, flush
 
 from checkers import assert_same_batch, check_exactly_once, check_resume, host, run_epoch
-from remote_env import (ACCESS_KEY, PUBLIC_BUCKET, SECRET_KEY, FaultProxy, SeaweedS3, http_server, redirector,
-                        upload_tree, weed_binary)
+from remote_env import (ACCESS_KEY, PUBLIC_BUCKET, SECRET_KEY, FaultProxy, SeaweedS3, http_server, private_ca,
+                        redirector, upload_tree, weed_binary)
 
 
 BUCKET = "data"
@@ -910,6 +910,41 @@ def test_presigned_and_percent_encoded_urls_equal_local(each_client, s3, tmp_pat
         redirected = formats.webdataset([f"{moved}/{urllib.parse.quote(p.name)}" for p in paths],
                                         fields=("bin", "cls"))
         _same_reads(local, redirected, "bin")
+
+
+@pytest.mark.parametrize("chosen", ["auto", "urllib3"])
+def test_https_with_a_private_certificate_authority(chosen, tmp_path, monkeypatch):
+    """An HTTPS server whose certificate a private authority signed: not trusted (the
+    system's authorities), a StorageError that names the URL and says to set
+    AWS_CA_BUNDLE, at the first request (no retries); with AWS_CA_BUNDLE naming the
+    authority (as the AWS SDKs read it) the reads equal the local ones (obstore takes no
+    authority of its own: ``auto`` reads on by urllib3 once obstore refused the server)."""
+    monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("GPUIO_REMOTE_CLIENT", chosen)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/gpuio-test-aws-config")
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+    ca, cert, key = private_ca(str(tmp_path))
+    (tmp_path / "other").mkdir()
+    other_ca, _, _ = private_ca(str(tmp_path / "other"))
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "a.npy", np.arange(700, dtype=np.int16).reshape(7, 100))
+    with http_server(str(data), tls=(cert, key)) as base:
+        for bundle in (None, other_ca):  # the system's authorities, then another private one
+            if bundle is not None:
+                monkeypatch.setenv("AWS_CA_BUNDLE", bundle)
+            remote.reset_client()
+            started = time.monotonic()
+            with pytest.raises(StorageError, match="TLS certificate is not trusted.*AWS_CA_BUNDLE") as caught:
+                formats.numpy(f"{base}/a.npy")
+            assert caught.value.path == f"{base}/a.npy" and time.monotonic() - started < 2  # no backoff
+        monkeypatch.setenv("AWS_CA_BUNDLE", ca)
+        remote.reset_client()
+        np.testing.assert_array_equal(formats.numpy(f"{base}/a.npy")[0]["data"],
+                                      np.arange(700, dtype=np.int16).reshape(7, 100))
+        # auto keeps obstore for the servers it trusts; this one it cannot verify, so the read above was urllib3's
+        assert type(remote.client().transport).__name__ == ("_Obstore" if chosen == "auto" else "_Urllib3")
+    remote.reset_client()
 
 
 def test_http_server_without_range_requests(each_client, tmp_path, monkeypatch):

@@ -38,7 +38,7 @@ import time
 import urllib.parse
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from typing import Any, NamedTuple
@@ -126,6 +126,10 @@ class Client:
         self._s3: Any = None
         self._lock = threading.Lock()
         self.seen: dict[str, ObjectInfo] = {}  # objects listed, opened or read by this process
+        # the certificate authorities (AWS_CA_BUNDLE, or ca_bundle in ~/.aws/config) as the
+        # AWS SDKs take them: urllib3's; obstore takes none of its own
+        self.ca_bundle: str | None = self._session.get_config_variable("ca_bundle")
+        self._obstore_untrusted = False  # obstore met a certificate it does not trust: urllib3 reads on
         choice = config.get("remote_client")
         if choice == "auto":
             # obstore's runtime threads do not survive fork(): a child of a process that
@@ -136,13 +140,28 @@ class Client:
 
     def _for(self, url: str) -> Any:
         """The transport of ``url``: urllib3 for an http(s) URL with a query string (a
-        presigned URL, a token), which obstore's paths cannot carry; else ``transport``."""
-        if isinstance(self.transport, _Obstore) and url.startswith(("http://", "https://")) and "?" in url:
+        presigned URL, a token), which obstore's paths cannot carry, and after obstore
+        met a certificate it does not trust; else ``transport``."""
+        if isinstance(self.transport, _Obstore) and (
+                self._obstore_untrusted or (url.startswith(("http://", "https://")) and "?" in url)):
             with self._lock:
                 if self._plain is None:
                     self._plain = _Urllib3(self)
                 return self._plain
         return self.transport
+
+    def _call(self, url: str, request: Callable[[Any], Any]) -> Any:
+        """``request(transport)`` by ``url``'s transport; where obstore does not trust the
+        server's certificate and AWS_CA_BUNDLE names authorities, again by urllib3 with
+        them (and urllib3 from then on)."""
+        transport = self._for(url)
+        try:
+            return request(transport)
+        except _Untrusted:
+            if not isinstance(transport, _Obstore) or not self.ca_bundle:
+                raise
+            self._obstore_untrusted = True
+            return request(self._for(url))
 
     def s3(self) -> Any:
         """The botocore S3 client (endpoint, region and credentials as the AWS SDKs find them)."""
@@ -166,7 +185,7 @@ class Client:
 
     def head(self, url: str) -> ObjectInfo:
         """Size and ETag of the object ``url``, asked of the store now."""
-        info = self._for(url).head(url)
+        info = self._call(url, lambda transport: transport.head(url))
         self.seen[url] = info
         return info
 
@@ -197,13 +216,13 @@ class Client:
         """Fill ``out`` with the object's bytes from ``start``; returns the object's
         (ETag, size). ``etag``: the version the index recorded, or None. Retried on
         5xx, 429, a dropped connection or a short body, ``remote_retries`` tries in all."""
-        return self._for(url).get_into(url, start, out, etag)
+        return self._call(url, lambda transport: transport.get_into(url, start, out, etag))
 
     def get(self, url: str, start: int, n: int, etag: str | None) -> Any:
         """The object's ``n`` bytes from ``start`` as a buffer (bytes-like), checked and
         retried as ``get_into``: the one the transport received them in (obstore's), so
         that a caller that keeps them (the cache) makes no copy."""
-        return self._for(url).get(url, start, n, etag)
+        return self._call(url, lambda transport: transport.get(url, start, n, etag))
 
     def backoff(self, attempt: int) -> None:
         """Wait before try ``attempt`` (0: the first, no wait)."""
@@ -305,6 +324,9 @@ class _Obstore:
                                f"after indexing?)", path=url, offset=start) from exc
         if isinstance(exc, self._errors.NotSupportedError) and "Range" in text:
             raise _no_ranges(url, what, start) from exc
+        bad_certificate = re.search(r"InvalidCertificate\(\s*(\w+)", str(exc))
+        if bad_certificate:
+            raise _untrusted(url, what, start, bad_certificate.group(1)) from exc
         if status is not None and status < 500 and status != 429:
             raise StorageError(f"{what}: HTTP {status} {m.group(2)}", path=url, offset=start) from exc
         if status is not None:
@@ -378,7 +400,8 @@ class _Urllib3:
         # redirects followed (a dataset host's URL that sends the GET on to its CDN); every
         # other retry is the loop's own (_request), which names the URL, range and status
         follow = urllib3.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=_REDIRECTS)
-        self.http = urllib3.PoolManager(num_pools=64, maxsize=conns, retries=follow, timeout=self.timeout)
+        trust = {"ca_certs": owner.ca_bundle} if owner.ca_bundle else {}
+        self.http = urllib3.PoolManager(num_pools=64, maxsize=conns, retries=follow, timeout=self.timeout, **trust)
         self._signed: dict[str, tuple[str, float]] = {}  # s3 URL -> (presigned URL, when signed)
 
     def http_url(self, url: str) -> str:
@@ -435,6 +458,8 @@ class _Urllib3:
                 resp = self.http.request(method, self.http_url(url), headers=headers, preload_content=False,
                                          redirect=True, timeout=self.timeout)
             except errors.HTTPError as exc:
+                if isinstance(getattr(exc, "reason", exc), errors.SSLError):
+                    raise _untrusted(url, f"GET bytes {start}-{end}", start, str(getattr(exc, "reason", exc))) from exc
                 last = f"connection failed ({type(exc).__name__}: {exc})"
                 continue
             if resp.status == 429 or resp.status >= 500:
@@ -497,6 +522,17 @@ def _no_ranges(url: str, what: str, start: int) -> StorageError:
     return StorageError(f"{what}: the server does not take range requests (it sends the whole object, HTTP 200), "
                         f"and gpuio reads objects by byte range: serve them from a server that does (nginx, "
                         f"Apache, an S3 store), or copy them to local disk", path=url, offset=start)
+
+
+class _Untrusted(StorageError):
+    """A TLS certificate the client does not trust (never retried)."""
+
+
+def _untrusted(url: str, what: str, start: int, why: str) -> StorageError:
+    """The error of a TLS certificate the client does not trust (never retried)."""
+    return _Untrusted(f"{what}: the server's TLS certificate is not trusted ({why[:200]}); for a private "
+                        f"certificate authority set AWS_CA_BUNDLE (or ca_bundle in ~/.aws/config) to its PEM "
+                        f"file", path=url, offset=start)
 
 
 def _first_bytes(chunks: Iterator[Any], n: int) -> bytearray:
