@@ -188,10 +188,17 @@ def http_server(folder: str, ranges: bool = True, tls: tuple[str, str] | None = 
         context.load_cert_chain(*tls)
         server.socket = context.wrap_socket(server.socket, server_side=True)
     http_server.last = server
+    with _serving(server, "https" if tls else "http") as base:
+        yield base
+
+
+@contextlib.contextmanager
+def _serving(server: _Threaded, scheme: str) -> Iterator[str]:
+    """``server`` answering on a thread; yields its base URL, and stops it after."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}"
+        yield f"{scheme}://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
@@ -218,13 +225,8 @@ def redirector(target: str) -> Iterator[str]:
     """A local server that redirects every request to ``target`` (a base URL); yields its base URL."""
     server = _Threaded(("127.0.0.1", 0), _Redirect)
     server.target = target
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _serving(server, "http") as base:
+        yield base
 
 
 class FaultProxy:
