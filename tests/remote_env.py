@@ -86,10 +86,17 @@ def upload_tree(s3: Any, bucket: str, local: str, prefix: str) -> None:
 
 
 class _RangeHandler(http.server.SimpleHTTPRequestHandler):
-    """Static files with ``Range: bytes=a-b`` (206 + Content-Range) and an ETag."""
+    """Static files with ``Range: bytes=a-b`` (206 + Content-Range) and an ETag; HEAD
+    refused (403) where ``server.heads`` is False, as by a URL signed for GETs."""
 
     def log_message(self, *args: Any) -> None:
         pass
+
+    def do_HEAD(self) -> None:
+        if self.server.heads:
+            super().do_HEAD()
+        else:
+            self.send_error(403, "signed for GET")
 
     def send_head(self) -> Any:  # noqa: D401 - the standard library's hook
         path = self.translate_path(self.path)
@@ -150,6 +157,7 @@ class _WholeHandler(http.server.SimpleHTTPRequestHandler):
 class _Threaded(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     gets = 0
+    heads = True
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):  # a client that hung up: quiet
@@ -176,13 +184,16 @@ def private_ca(folder: str) -> tuple[str, str, str]:
 
 
 @contextlib.contextmanager
-def http_server(folder: str, ranges: bool = True, tls: tuple[str, str] | None = None) -> Iterator[str]:
+def http_server(folder: str, ranges: bool = True, tls: tuple[str, str] | None = None,
+                heads: bool = True) -> Iterator[str]:
     """A local HTTP server of ``folder``, with Range support or (``ranges=False``)
-    without, over TLS with ``tls`` = (certificate PEM, key PEM); yields its base URL.
-    ``http_server.last`` is the server (its ``gets``)."""
+    without, over TLS with ``tls`` = (certificate PEM, key PEM), refusing HEAD requests
+    where ``heads`` is False; yields its base URL. ``http_server.last`` is the server
+    (its ``gets``)."""
     kind = _RangeHandler if ranges else _WholeHandler
     handler = lambda *a, **kw: kind(*a, directory=folder, **kw)  # noqa: E731
     server = _Threaded(("127.0.0.1", 0), handler)
+    server.heads = heads
     if tls is not None:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(*tls)
