@@ -86,8 +86,9 @@ def upload_tree(s3: Any, bucket: str, local: str, prefix: str) -> None:
 
 
 class _RangeHandler(http.server.SimpleHTTPRequestHandler):
-    """Static files with ``Range: bytes=a-b`` (206 + Content-Range) and an ETag; HEAD
-    refused (403) where ``server.heads`` is False, as by a URL signed for GETs."""
+    """Static files with ``Range: bytes=a-b`` (206 + Content-Range), an ETag (weak where
+    ``server.weak``) and ``If-Match`` (strong comparison: a weak ETag never matches);
+    HEAD refused (403) where ``server.heads`` is False, as by a URL signed for GETs."""
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -105,7 +106,11 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
             return None
         st = os.stat(path)
         size = st.st_size
-        etag = f'"{st.st_mtime_ns:x}-{size:x}"'
+        etag = f'{"W/" if self.server.weak else ""}"{st.st_mtime_ns:x}-{size:x}"'
+        wanted = self.headers.get("If-Match")
+        if wanted is not None and (self.server.weak or wanted not in ("*", etag)):  # strong comparison
+            self.send_error(412)
+            return None
         rng = self.headers.get("Range")
         f = open(path, "rb")
         if rng and rng.startswith("bytes="):
@@ -158,6 +163,7 @@ class _Threaded(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     gets = 0
     heads = True
+    weak = False
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):  # a client that hung up: quiet
@@ -185,15 +191,15 @@ def private_ca(folder: str) -> tuple[str, str, str]:
 
 @contextlib.contextmanager
 def http_server(folder: str, ranges: bool = True, tls: tuple[str, str] | None = None,
-                heads: bool = True) -> Iterator[str]:
+                heads: bool = True, weak: bool = False) -> Iterator[str]:
     """A local HTTP server of ``folder``, with Range support or (``ranges=False``)
     without, over TLS with ``tls`` = (certificate PEM, key PEM), refusing HEAD requests
-    where ``heads`` is False; yields its base URL. ``http_server.last`` is the server
-    (its ``gets``)."""
+    where ``heads`` is False, with weak ETags where ``weak``; yields its base URL.
+    ``http_server.last`` is the server (its ``gets``)."""
     kind = _RangeHandler if ranges else _WholeHandler
     handler = lambda *a, **kw: kind(*a, directory=folder, **kw)  # noqa: E731
     server = _Threaded(("127.0.0.1", 0), handler)
-    server.heads = heads
+    server.heads, server.weak = heads, weak
     if tls is not None:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(*tls)

@@ -948,6 +948,27 @@ def test_https_with_a_private_certificate_authority(chosen, tmp_path, monkeypatc
     remote.reset_client()
 
 
+def test_http_server_with_weak_etags(each_client, tmp_path, monkeypatch):
+    """A server whose ETags are weak (``W/"..."``, as Node's and Express's static servers
+    send them) and that compares If-Match strongly, as HTTP says (a weak ETag never
+    matches: 412): the reads equal the local ones, and a file replaced after indexing is
+    still the named error (its ETag, compared weakly on the answer, changed)."""
+    monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("GPUIO_REMOTE_CACHE", "0")
+    paths = _tars(tmp_path, np.random.default_rng(19), shards=2)
+    remote.reset_client()
+    with http_server(str(tmp_path), weak=True) as base:
+        local = formats.webdataset([os.fspath(p) for p in paths], fields=("bin", "cls"))
+        index = formats.webdataset([f"{base}/{p.name}" for p in paths], fields=("bin", "cls"))
+        _same_reads(local, index, "bin")
+        _same_loader(local, index, fields=["bin", "cls"])
+        data = paths[1].read_bytes()
+        paths[1].write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, new bytes, new mtime
+        os.utime(paths[1], ns=(time.time_ns(), time.time_ns() + 10**9))
+        with pytest.raises(StorageError, match="replaced after indexing"):
+            gpuio.read(index, [len(index) - 1], "bin")
+
+
 def test_http_server_without_range_requests(each_client, tmp_path, monkeypatch):
     """A server that answers a range request with the whole object (HTTP 200: Python's
     http.server): an object's first bytes come from such an answer, so objects up to

@@ -22,8 +22,8 @@ A dataset path may be a URL: ``s3://bucket/key-or-prefix``, ``http://host/path``
 Every GET is retried on HTTP 5xx, 429, a dropped connection or a short body, with
 exponential backoff, ``remote_retries`` tries in all; the final error is a
 ``StorageError`` naming the URL, the byte range and the HTTP status. Each GET names the
-ETag the index recorded (``If-Match``) and checks the one it gets: an object replaced
-after indexing is an error naming it, never mixed bytes.
+ETag the index recorded (``If-Match``, where it is a strong one) and checks the one it
+gets: an object replaced after indexing is an error naming it, never mixed bytes.
 
 botocore, obstore and urllib3 are the ``gpuio[remote]`` extra, imported only when a URL is used.
 """
@@ -360,7 +360,7 @@ class _Obstore:
         what = f"GET bytes {start}-{end}"
         store, path = self._store(url)
         options: dict[str, Any] = {"range": (start, start + n)}
-        if etag:
+        if _strong(etag):
             options["if_match"] = etag
         last = ""
         for attempt in range(self.owner.retries):
@@ -381,7 +381,7 @@ class _Obstore:
                 continue
             meta = got.meta
             got_etag, total = meta.get("e_tag") or "", int(meta["size"])
-            if etag and got_etag and got_etag != etag:
+            if etag and got_etag and not _same_version(got_etag, etag):
                 raise _replaced(url, etag, got_etag)
             if len(data) != n:
                 if start + n > total:
@@ -486,7 +486,7 @@ class _Urllib3:
         n = len(out)
         end = start + n - 1
         headers = {"Range": f"bytes={start}-{end}"}
-        if etag:
+        if _strong(etag):
             headers["If-Match"] = etag
         errors = self._urllib3.exceptions
         last = ""
@@ -499,7 +499,7 @@ class _Urllib3:
                     resp.drain_conn()
                     raise _status_error(url, start, end, status, resp.reason, etag)
                 got_etag = resp.headers.get("ETag", "")
-                if etag and got_etag and got_etag != etag:
+                if etag and got_etag and not _same_version(got_etag, etag):
                     raise _replaced(url, etag, got_etag)
                 total = _total_size(resp, status)
                 if status == 200 and start != 0:
@@ -582,6 +582,17 @@ def _status_error(url: str, start: int, end: int, status: int, reason: str | Non
 
 _STATUS = re.compile(r"status code: (\d{3})\s*([^:]*)")
 _CREDENTIALS_S = 300  # obstore asks botocore for the credentials again after this long
+
+
+def _strong(etag: str | None) -> bool:
+    """Whether a GET can name ``etag`` in If-Match: a strong one (``If-Match`` compares
+    strongly, so a weak ``W/"..."`` never matches; those are compared on the answer)."""
+    return bool(etag) and not etag.startswith("W/")
+
+
+def _same_version(got: str, recorded: str) -> bool:
+    """The weak comparison of two ETags (their opaque tags equal, ``W/`` aside)."""
+    return got.removeprefix("W/") == recorded.removeprefix("W/")
 
 
 def _replaced(url: str, etag: str, now: str) -> StorageError:
