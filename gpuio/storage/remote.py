@@ -367,15 +367,15 @@ class _Obstore:
             self.owner.backoff(attempt)
             try:
                 got = self._obstore.get(store, path, options=options)
-                data = got.bytes()
-            except self._errors.NotSupportedError as exc:
-                if start != 0 or "Range" not in str(exc):
-                    last = self._fatal_or_reason(exc, url, what, start, etag)
-                    continue
                 # a server without range requests: the object's first n bytes, from a whole GET
-                options.pop("range")
-                got = self._obstore.get(store, path, options=options)
-                data = _first_bytes(got.stream(), n)
+                data = got.bytes() if "range" in options else _first_bytes(got.stream(), n)
+            except self._errors.NotSupportedError as exc:
+                if start == 0 and "range" in options and "Range" in str(exc):
+                    options.pop("range")
+                    last = "the server does not take range requests"
+                    continue
+                last = self._fatal_or_reason(exc, url, what, start, etag)
+                continue
             except Exception as exc:  # obstore's errors, mapped by _fatal_or_reason
                 last = self._fatal_or_reason(exc, url, what, start, etag)
                 continue
