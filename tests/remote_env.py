@@ -249,13 +249,15 @@ def redirector(target: str) -> Iterator[str]:
 class FaultProxy:
     """A loopback TCP proxy in front of ``target`` (host, port) that injects faults
     into the next responses: ``fail(n, status)`` answers the next ``n`` requests with
-    that HTTP status (a 503 burst, 429 throttling); ``truncate(n)`` cuts the next ``n``
+    that HTTP status (a 503 burst, 429 throttling), ``fail_for(seconds, status)`` every
+    request for a while; ``truncate(n)`` cuts the next ``n``
     response bodies short; ``drop(n)`` closes the next ``n`` connections without an
     answer. Faults then stop; other requests pass through unchanged."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self._faults: list[tuple[str, int]] = []
+        self._until: tuple[float, int] | None = None  # (when, status) of fail_for
         self._lock = threading.Lock()
         self.requests = 0
         self.sock = socket.socket()
@@ -270,6 +272,12 @@ class FaultProxy:
         with self._lock:
             self._faults += [("status", status)] * n
 
+    def fail_for(self, seconds: float, status: int = 503) -> None:
+        """Answer every request with ``status`` for the next ``seconds`` (a store
+        throttling its clients for a while), then pass them through."""
+        with self._lock:
+            self._until = (time.monotonic() + seconds, status)
+
     def truncate(self, n: int) -> None:
         with self._lock:
             self._faults += [("truncate", 0)] * n
@@ -281,6 +289,8 @@ class FaultProxy:
     def _next_fault(self) -> tuple[str, int] | None:
         with self._lock:
             self.requests += 1
+            if self._until is not None and time.monotonic() < self._until[0]:
+                return ("status", self._until[1])
             return self._faults.pop(0) if self._faults else None
 
     def _serve(self) -> None:

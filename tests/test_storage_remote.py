@@ -705,6 +705,23 @@ def test_transient_faults_are_retried(each_client, s3, proxied, tmp_path, reques
     _same_reads(local, index)
 
 
+def test_throttling_for_seconds_is_ridden_out_with_the_default_tries(each_client, s3, proxied, tmp_path, request,
+                                                                      monkeypatch):
+    """A store that throttles every request for 2 s (503 SlowDown, as S3 answers a
+    prefix under load): with the default tries and their growing waits, the reads wait
+    it out and equal the local ones."""
+    root = _tree(tmp_path / "tree", np.random.default_rng(12))
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(root), prefix)
+    local, index = formats.filetree(root), formats.filetree(f"s3://{BUCKET}/{prefix}")
+    monkeypatch.delenv("GPUIO_REMOTE_RETRIES")
+    remote.reset_client()
+    started = time.monotonic()
+    proxied.fail_for(2.0, 503)
+    _same_reads(local, index)
+    assert time.monotonic() - started >= 2.0
+
+
 def test_a_fault_that_persists_names_url_range_and_status(each_client, s3, proxied, tmp_path, request):
     root = _tree(tmp_path / "tree", np.random.default_rng(11))
     prefix = _prefix(request)

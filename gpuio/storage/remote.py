@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import re
 import threading
 import time
@@ -61,7 +62,10 @@ SETTINGS = ("remote_client", "remote_unsigned", "remote_cache", "remote_cache_di
             "remote_readahead", "remote_gap", "remote_part", "remote_retries", "remote_timeout", "cache_dir")
 _PRESIGN_S = 3600  # lifetime of a presigned URL (urllib3 client)
 _RESIGN_S = 1800  # a presigned URL older than this is signed again before use
-_BACKOFF_S = 0.05  # the first retry waits this long, each next one twice as long
+# retries wait about 0.1, 0.2, 0.4 ... s, at most 5 s (so the default tries span some 11 s
+# of throttling), each drawn from 0.5-1.5x that: ranks throttled together retry apart
+_BACKOFF_S = 0.1
+_BACKOFF_MAX_S = 5.0
 _REDIRECTS = 10  # redirects a GET follows (urllib3; obstore follows its client's default)
 _INDEXES_KEPT = 8  # indexes whose objects a RemoteBackend's cache keeps in view
 
@@ -227,7 +231,7 @@ class Client:
     def backoff(self, attempt: int) -> None:
         """Wait before try ``attempt`` (0: the first, no wait)."""
         if attempt:
-            time.sleep(_BACKOFF_S * (1 << (attempt - 1)))
+            time.sleep(min(_BACKOFF_MAX_S, _BACKOFF_S * (1 << (attempt - 1))) * random.uniform(0.5, 1.5))
 
 
 class _Obstore:
