@@ -986,6 +986,44 @@ def test_http_server_with_weak_etags(each_client, tmp_path, monkeypatch):
             gpuio.read(index, [len(index) - 1], "bin")
 
 
+def test_presigned_again_reads_the_same_cache_entries(s3, s3server, tmp_path, request):
+    """The same objects presigned again (SigV2 query parameters, then SigV4 ones with
+    another expiry): the index made from the new URLs reads the blocks the old URLs
+    cached, with no GET (the proxy in front of the store counts the requests)."""
+    import boto3
+    from botocore.config import Config
+
+    folder = tmp_path / "npys"
+    folder.mkdir()
+    _npys(folder, np.random.default_rng(20), n=4)
+    prefix = _prefix(request)
+    upload_tree(s3, BUCKET, str(folder), prefix)
+    proxy = FaultProxy(("127.0.0.1", int(s3server.endpoint.rsplit(":", 1)[1])))
+    signers = [boto3.client("s3", endpoint_url=proxy.url, aws_access_key_id=ACCESS_KEY,
+                            aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+                            config=Config(s3={"addressing_style": "path"}, signature_version=version))
+               for version in ("s3", "s3v4")]
+    try:
+        names = sorted(p.name for p in folder.iterdir())
+
+        def presigned(signer, expires):
+            return [signer.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": f"{prefix}/{n}"},
+                                                  ExpiresIn=expires) for n in names]
+
+        first, again = presigned(signers[0], 600), presigned(signers[1], 900)
+        assert all("&Signature=" in u for u in first) and all("X-Amz-Signature=" in u for u in again)
+        local = formats.numpy([os.fspath(folder / n) for n in names])
+        _same_reads(local, formats.numpy(first))  # downloads into the cache
+        index = formats.numpy(again)  # its .npy headers: GETs
+        before = proxy.requests
+        _same_reads(local, index)
+        assert proxy.requests == before
+    finally:
+        for signer in signers:
+            signer.close()
+        proxy.close()
+
+
 def test_http_server_without_range_requests(each_client, tmp_path, monkeypatch):
     """A server that answers a range request with the whole object (HTTP 200: Python's
     http.server): an object's first bytes come from such an answer, so objects up to

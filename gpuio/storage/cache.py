@@ -3,7 +3,9 @@
 Remote bytes are kept on local disk, in ``remote_cache_dir`` (default
 ``<cache_dir>/remote``), as whole objects up to ``remote_block`` bytes and as aligned
 blocks of that size of larger ones. A block's file name is derived from the object's
-URL, ETag and size, so a replaced object never maps to the old bytes.
+URL, ETag and size, so a replaced object never maps to the old bytes; a presigned URL's
+signing parameters are left out of it where the ETag is a strong one (the same object
+signed again is the same entry).
 
 Rules:
 
@@ -48,6 +50,7 @@ import struct
 import tempfile
 import threading
 import time
+import urllib.parse
 import warnings
 import weakref
 from collections import deque
@@ -108,8 +111,25 @@ class _Object(NamedTuple):
     etag: str
 
 
+# query parameters that sign a URL (S3 SigV4 and V2, GCS, CloudFront), not name the object
+_SIGNING = ("x-amz-", "x-goog-")
+_SIGNING_NAMES = {"awsaccesskeyid", "signature", "expires", "key-pair-id", "policy", "googleaccessid", "x-id"}
+
+
+def _identity(url: str, etag: str) -> str:
+    """What names an object's bytes in the cache: its URL, less the query parameters
+    that only sign it where a strong ETag pins the version, so that the same object
+    presigned again (a new signature, a new expiry) is the same cache entry."""
+    if "?" not in url or not etag or etag.startswith("W/") or not url.startswith(("http://", "https://")):
+        return url
+    parts = urllib.parse.urlsplit(url)
+    kept = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+            if not (k.lower().startswith(_SIGNING) or k.lower() in _SIGNING_NAMES)]
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(kept), fragment=""))
+
+
 def _tag(url: str, etag: str, size: int) -> bytes:
-    return hashlib.sha256(f"{url}\0{etag}\0{size}".encode()).digest()[:_TAG]
+    return hashlib.sha256(f"{_identity(url, etag)}\0{etag}\0{size}".encode()).digest()[:_TAG]
 
 
 class Objects:
