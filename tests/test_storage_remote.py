@@ -989,7 +989,8 @@ def test_http_server_with_weak_etags(each_client, tmp_path, monkeypatch):
 def test_presigned_again_reads_the_same_cache_entries(s3, s3server, tmp_path, request):
     """The same objects presigned again (SigV2 query parameters, then SigV4 ones with
     another expiry): the index made from the new URLs reads the blocks the old URLs
-    cached, with no GET (the proxy in front of the store counts the requests)."""
+    cached, with no GET (the proxy in front of the store counts the requests). An
+    expired one is an error that says so, naming the URL."""
     import boto3
     from botocore.config import Config
 
@@ -1010,6 +1011,11 @@ def test_presigned_again_reads_the_same_cache_entries(s3, s3server, tmp_path, re
             return [signer.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": f"{prefix}/{n}"},
                                                   ExpiresIn=expires) for n in names]
 
+        expired = presigned(signers[1], 1)
+        time.sleep(2)
+        with pytest.raises(StorageError, match="signed URL: expired") as caught:
+            formats.numpy(expired[:1])
+        assert caught.value.path == expired[0]
         first, again = presigned(signers[0], 600), presigned(signers[1], 900)
         assert all("&Signature=" in u for u in first) and all("X-Amz-Signature=" in u for u in again)
         local = formats.numpy([os.fspath(folder / n) for n in names])

@@ -331,8 +331,8 @@ class _Obstore:
             raise StorageError(f"{what}: HTTP 404: object not found (moved or deleted after indexing?)", path=url,
                                offset=start) from exc
         if isinstance(exc, PermissionError) or status in (401, 403):
-            raise StorageError(f"{what}: HTTP {status or 403}: access denied (check AWS_ACCESS_KEY_ID / "
-                               f"AWS_SECRET_ACCESS_KEY / AWS_PROFILE): {text[:200]}", path=url, offset=start) from exc
+            raise StorageError(f"{what}: HTTP {status or 403}: {_denied(url)}: {text[:200]}", path=url,
+                               offset=start) from exc
         if status == 416:
             raise StorageError(f"{what}: HTTP 416: the object ends before this range (truncated or replaced "
                                f"after indexing?)", path=url, offset=start) from exc
@@ -573,10 +573,16 @@ def _total_size(resp: Any, status: int) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
+def _denied(url: str) -> str:
+    """Why a store refuses a request (HTTP 401/403), as far as the URL tells."""
+    if url.startswith(("http://", "https://")) and "?" in url:
+        return "access denied (a signed URL: expired, or signed for another request? sign it again)"
+    return "access denied (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE)"
+
+
 def _status_error(url: str, start: int, end: int, status: int, reason: str | None, etag: str | None
                   ) -> StorageError:
-    what = {403: "access denied (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE)",
-            404: "object not found (moved or deleted after indexing?)",
+    what = {403: _denied(url), 404: "object not found (moved or deleted after indexing?)",
             416: "the object ends before this range (truncated or replaced after indexing?)"}.get(status, "")
     if status == 412 and etag:
         return _replaced(url, etag, "another")
