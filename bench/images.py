@@ -250,14 +250,14 @@ def decode_only(root: str, batch: int, threads: int, count: int, pipeline: str =
     gpuio's C path decodes them (``decode_region`` of ``decode.native_jpeg()``: accurate
     IDCT, fancy upsampling; the images it does not take by ``decode.decode_cpu``), the
     pixels a pipeline needs: ``val`` and ``resize`` every image whole, ``train`` a random
-    resized crop's window per image and pass (``_rrc_box``'s draws), at the DCT scale that
-    keeps the window at least 1.5x the 224 output (gpuio's rule, which ``train`` also
-    decodes by), with no resample. From bytes in memory into one output buffer per thread
+    resized crop's window per image and pass (``_rrc_box``'s draws), at the DCT scale
+    gpuio's fused decode picks (``ops.fused.dct_denoms``), with no resample. From bytes in memory into one output buffer per thread
     (no page faults of fresh arrays), each batch split into ``threads`` runs of images on
     as many threads."""
     import threading
 
     from gpuio.ops import decode
+    from gpuio.ops.fused import dct_denoms
 
     jpeg = decode.native_jpeg()
     if jpeg is None:
@@ -268,21 +268,25 @@ def decode_only(root: str, batch: int, threads: int, count: int, pipeline: str =
     largest = int((facts[:, 3] * facts[:, 4]).max(initial=1)) * 3
     pool, local = ThreadPoolExecutor(threads), threading.local()
 
-    def window(h: int, w: int, subsampling: int) -> tuple[int, int, int, int, int]:
-        """``(denom, y0, x0, y1, x1)`` of the region to decode, in scaled pixels."""
+    def windows(start: int, stop: int) -> list[list[int]]:
+        """Per image ``start:stop`` the ``[denom, y0, x0, y1, x1]`` of the region to
+        decode, in scaled pixels: the whole image, or for ``train`` a random resized crop's
+        window at the DCT scale of gpuio's rule (``ops.fused.dct_denoms``)."""
+        hw = facts[start:stop, 3:5]
         if pipeline not in TRAIN:
-            return 1, 0, 0, h, w
-        y, x, ch, cw = _rrc_box(h, w)
-        d = next((d for d in (8, 4, 2) if ch >= 1.5 * d * 224 and cw >= 1.5 * d * 224 and subsampling <= 2), 1)
-        return d, y // d, x // d, -(-(y + ch) // d), -(-(x + cw) // d)
+            return np.column_stack([np.ones(len(hw), np.int64), np.zeros_like(hw), hw]).tolist()
+        box = np.array([_rrc_box(h, w) for h, w in hw.tolist()], np.int64).reshape(-1, 4)
+        d = dct_denoms(box.astype(np.float64), np.full((len(box), 2), 224), facts[start:stop, 6])
+        return np.column_stack([d, box[:, 0] // d, box[:, 1] // d, -(-(box[:, 0] + box[:, 2]) // d),
+                                -(-(box[:, 1] + box[:, 3]) // d)]).tolist()
 
-    def decode_run(rows: range) -> int:
+    def decode_run(part: tuple[range, list[list[int]]]) -> int:
+        rows, regions = part
         out = getattr(local, "out", None)
         if out is None:
             out = local.out = np.zeros(largest, np.uint8)
-        for i in rows:
+        for i, (d, y0, x0, y1, x1) in zip(rows, regions):
             if whole[i]:
-                d, y0, x0, y1, x1 = window(int(facts[i, 3]), int(facts[i, 4]), int(facts[i, 6]))
                 jpeg.decode_region(bufs[i], facts[i, 0] == 1, d, y0, x0, y1, x1, out)
             else:
                 decode.decode_cpu(bufs[i], "rgb", i, decode.facts_info(facts[i]))
@@ -291,8 +295,10 @@ def decode_only(root: str, batch: int, threads: int, count: int, pipeline: str =
     def run():
         for start in range(0, count, batch):
             n = min(batch, count - start)
+            regions = windows(start, start + n)
             cuts = np.linspace(start, start + n, threads + 1).astype(int).tolist()
-            yield np.empty((sum(pool.map(decode_run, [range(a, b) for a, b in itertools.pairwise(cuts)])), 0))
+            parts = [(range(a, b), regions[a - start: b - start]) for a, b in itertools.pairwise(cuts)]
+            yield np.empty((sum(pool.map(decode_run, parts)), 0))
 
     return run
 

@@ -60,8 +60,8 @@ try:
 except ImportError:  # built at install where a C compiler exists; else the CPU ops run one by one
     _resample = None
 
-__all__ = ["Compose", "DecodeFused", "FusedCropResizeNormalize", "crop_mirror_normalize", "fused_crop_resize_normalize",
-           "fused_reference"]
+__all__ = ["Compose", "DecodeFused", "FusedCropResizeNormalize", "crop_mirror_normalize", "dct_denoms",
+           "fused_crop_resize_normalize", "fused_reference"]
 
 _GEOMETRY = (CenterCrop, RandomResizedCrop, Resize)
 
@@ -208,7 +208,7 @@ def _runs(cost: np.ndarray, parts: int) -> list[np.ndarray]:
     return [run for run in np.split(np.arange(len(cost)), np.unique(cuts)) if len(run)]
 
 
-def _denoms(box: np.ndarray, out_hw: np.ndarray, subsampling: np.ndarray) -> np.ndarray:
+def dct_denoms(box: np.ndarray, out_hw: np.ndarray, subsampling: np.ndarray) -> np.ndarray:
     """Per row the largest DCT scale 1/d (d = 8, 4, 2, else 1), int64 ``[N]``, that keeps
     the box (``[N, 4]``) at least 1.5x ``out_hw`` (``[N, 2]``): the resize after it then
     smooths the scaled IDCT's sharper edges (with less margin they survive the resize and
@@ -299,7 +299,7 @@ class DecodeFused(Op):
         which decodes or refuses them as ``decode_image`` does, and resampled after."""
         out, offsets = self.fused.c_output(plan["out_hw"], channels)
         rows = np.flatnonzero(windowed)
-        denoms = _denoms(plan["box"][rows], plan["out_hw"][rows], subsampling[rows])
+        denoms = dct_denoms(plan["box"][rows], plan["out_hw"][rows], subsampling[rows])
         clip = plan["clip"][rows]
         decoded_pixels = (clip[:, 2] - clip[:, 0]) * (clip[:, 3] - clip[:, 1]) // (denoms * denoms)
 

@@ -191,7 +191,7 @@ def test_decode_fused_matches_decode_then_ops(monkeypatch, tree_jpegs, jpegs, na
     assert isinstance(pipe.fused[0], DecodeFused) and len(pipe.fused) == 1
     want = run(CHAINS[name](), bufs, fuse=False).data["image"]
     scaled = pipe(make_batch(bufs)).data["image"]
-    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
+    monkeypatch.setattr(fused, "dct_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
     got = pipe(make_batch(bufs)).data["image"]
     assert len(got) == len(want) == len(scaled) == len(bufs)
     for g, s, w in zip(got, scaled, want):
@@ -233,7 +233,7 @@ def test_decode_fused_every_chroma_layout_stays_close_to_decode_then_ops(monkeyp
         want = run(chain(), bufs, fuse=False).data["image"]
         scaled = run(chain(), bufs, fuse=True).data["image"]
         with monkeypatch.context() as m:
-            m.setattr(fused, "_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
+            m.setattr(fused, "dct_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
             whole = run(chain(), bufs, fuse=True).data["image"]
         for name, s, g, w in zip(names, scaled, whole, want):
             assert levels(g, w, chain()[-1]).max() <= 1.0 + 1e-3, name
@@ -249,7 +249,7 @@ def test_decode_fused_gray_jpeg_equals_rgb_decode(monkeypatch, name):
     rng = np.random.default_rng(5)
     bufs = [encode(sample_image(rng, h, w)[:, :, 0], quality=q) for h, w, q in [(120, 160, 90), (97, 131, 75),
                                                                                (333, 517, 95)]]
-    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
+    monkeypatch.setattr(fused, "dct_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
     got = run(CHAINS[name](), bufs, fuse=True).data["image"]
     rgb = [decode_cpu(b, "rgb", i) for i, b in enumerate(bufs)]
     want = ops.Compose(CHAINS[name]())(make_batch(rgb, field="image")).data["image"]
@@ -273,7 +273,7 @@ def test_decode_fused_without_c_modules_matches(monkeypatch, tree_jpegs, missing
 def test_decode_fused_bad_samples(monkeypatch, tree_jpegs):
     """Corrupt and truncated JPEGs are errors naming the sample; with on_error="skip"
     the other rows come out as decode-then-ops gives them."""
-    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
+    monkeypatch.setattr(fused, "dct_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
     good = [b for b, ok in zip(tree_jpegs, region_decodable(jpeg_facts(tree_jpegs))) if ok][:6]
     corrupt = good[1].copy()
     scan = corrupt.tobytes().index(b"\xff\xda") + 40
@@ -433,7 +433,7 @@ def test_resampling_chain_without_normalize_fuses_to_uint8(monkeypatch, tree_jpe
     assert len(pipe.fused) == 1 and isinstance(pipe.fused[0], DecodeFused)
     want = run(chain(), bufs, fuse=False).data["image"]
     scaled = pipe(make_batch(bufs)).data["image"]
-    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
+    monkeypatch.setattr(fused, "dct_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
     got = pipe(make_batch(bufs)).data["image"]
     u8 = ops.normalize(0, 1, layout="HWC", dtype="uint8")
     assert len(got) == len(want) == len(scaled) == len(bufs)

@@ -167,7 +167,7 @@ def test_decode_fused_equals_decode_then_ops(device, monkeypatch, encoded, name)
     the region decode's chroma upsampling at the window's edges (2 levels). Progressive,
     CMYK, EXIF-rotated, truncated and non-image rows take the per-image fallbacks."""
     # the CPU's DCT scaling is tested elsewhere
-    monkeypatch.setattr(fused, "_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
+    monkeypatch.setattr(fused, "dct_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
     bufs = list(encoded) + [encoded[0][: len(encoded[0]) // 2], np.frombuffer(b"not an image", np.uint8)]
 
     def run(fuse):
