@@ -26,7 +26,7 @@ from gpuio.errors import ConfigError, DataError, FormatError, StorageError
 from gpuio.index import Extents, PathTable, SampleIndex
 from gpuio.storage import Reader
 from gpuio.storage.cache import cache_folder, new_copy
-from gpuio.storage.remote import RemoteFile, is_url, object_versions
+from gpuio.storage.remote import RemoteFile, is_http, is_url, object_versions, url_path
 from gpuio.storage.remote import client as remote_client
 
 _T = TypeVar("_T")
@@ -164,7 +164,7 @@ def has_pattern(path: str) -> bool:
     """Whether ``path`` holds a glob wildcard (``*``, ``?``, ``[``): a local path or an
     ``s3://`` URL (a listing matches it); never an http(s) URL, which has no listing and
     whose ``?`` starts its query."""
-    return not path.startswith(("http://", "https://")) and _GLOB.search(path) is not None
+    return not is_http(path) and _GLOB.search(path) is not None
 
 
 def full_path(path: str | os.PathLike[str]) -> str:
@@ -198,7 +198,7 @@ def local_copy(url: str, what: str) -> Iterator[str]:
                             f"(remote_cache_dir): {exc.strerror or exc}", path=url)
 
     try:
-        fd, copy = new_copy(os.path.splitext(url)[1])
+        fd, copy = new_copy(os.path.splitext(url_path(url))[1])
     except OSError as exc:
         raise cannot_write(exc) from exc
     try:

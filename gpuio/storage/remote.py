@@ -54,7 +54,7 @@ from gpuio.storage.buffers import Lease
 from gpuio.storage.plan import ReadPlan, build_plan
 
 __all__ = ["SCHEMES", "SETTINGS", "ObjectInfo", "RemoteBackend", "RemoteFile", "client", "is_remote", "is_url",
-           "object_versions", "reset_client", "url_path"]
+           "is_http", "object_versions", "reset_client", "url_path"]
 
 SCHEMES = ("s3://", "http://", "https://")
 # the settings of remote reads (gpuio.config); a Reader takes them when it is made
@@ -75,11 +75,16 @@ def is_url(path: object) -> bool:
     return isinstance(path, str) and path.startswith(SCHEMES)
 
 
+def is_http(url: str) -> bool:
+    """Whether ``url`` is an http(s) URL: one object, no listing, a query of its own."""
+    return url.startswith(("http://", "https://"))
+
+
 def url_path(url: str) -> str:
     """An http(s) URL without its query and fragment (where a name's suffix is read;
     a presigned URL's signature is its query); an ``s3://`` URL (whose keys may hold
     ``?`` and ``#``) or a local path as it is."""
-    if not url.startswith(("http://", "https://")):
+    if not is_http(url):
         return url
     parts = urllib.parse.urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}{parts.path}"
@@ -147,7 +152,7 @@ class Client:
         presigned URL, a token), which obstore's paths cannot carry, and after obstore
         met a certificate it does not trust; else ``transport``."""
         if isinstance(self.transport, _Obstore) and (
-                self._obstore_untrusted or (url.startswith(("http://", "https://")) and "?" in url)):
+                self._obstore_untrusted or (is_http(url) and "?" in url)):
             with self._lock:
                 if self._plain is None:
                     self._plain = _Urllib3(self)
@@ -299,7 +304,7 @@ class _Obstore:
         """Size and ETag of the object ``url``: a HEAD for ``s3://``; for http(s) a GET of
         its first byte, which every server that serves the object answers (a URL signed
         for GETs, where a dataset host redirects its downloads, refuses a HEAD)."""
-        if not url.startswith("s3://"):
+        if is_http(url):
             try:
                 _, etag, total = self._get(url, 0, 1, None)
                 return ObjectInfo(url, total, etag)
@@ -575,7 +580,7 @@ def _total_size(resp: Any, status: int) -> int | None:
 
 def _denied(url: str) -> str:
     """Why a store refuses a request (HTTP 401/403), as far as the URL tells."""
-    if url.startswith(("http://", "https://")) and "?" in url:
+    if is_http(url) and "?" in url:
         return "access denied (a signed URL: expired, or signed for another request? sign it again)"
     return "access denied (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE)"
 
