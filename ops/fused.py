@@ -293,10 +293,11 @@ class DecodeFused(Op):
     def _resample(self, batch: Batch, images: list[Any], windowed: np.ndarray, subsampling: np.ndarray,
                   plan: dict[str, np.ndarray], channels: int) -> Batch:
         """The chain's output into one buffer: the ``windowed`` rows of ``images``
-        (encoded; ``subsampling`` from their ``jpeg_facts``) decoded and resampled by ``gpuio.ops._jpeg.decode_resample``, the others
-        (decoded, ``channels`` each) by ``gpuio.ops._resample.resample``. The rows the first
-        refuses (it stops at libjpeg's first warning) are decoded whole by ``decode_cpu``,
-        which decodes or refuses them as ``decode_image`` does, and resampled after."""
+        (encoded; ``subsampling`` from their ``jpeg_facts``) decoded and resampled by
+        ``gpuio.ops._jpeg.decode_resample``, the others (decoded, ``channels`` each) by
+        ``gpuio.ops._resample.resample``. The rows the first refuses (it stops at libjpeg's
+        first warning) are decoded whole by ``decode_cpu``, which decodes or refuses them as
+        ``decode_image`` does, and resampled after."""
         out, offsets = self.fused.c_output(plan["out_hw"], channels)
         rows = np.flatnonzero(windowed)
         denoms = dct_denoms(plan["box"][rows], plan["out_hw"][rows], subsampling[rows])
@@ -305,11 +306,12 @@ class DecodeFused(Op):
 
         def decode_resample(run: np.ndarray) -> list[tuple[int, str]]:
             """The rows ``rows[run]``; the failed ones as (row, message)."""
-            part = {k: v[rows[run]] for k, v in plan.items()}
+            these = rows[run]
+            part = {k: v[these] for k, v in plan.items()}
             failed = decode_ops.native_jpeg().decode_resample(
-                [images[r] for r in rows[run].tolist()], denoms[run], channels == 1,
-                *self.fused.c_args(part, offsets[rows[run]], out, channels))
-            return [(int(rows[run[k]]), message) for k, message in failed]
+                [images[r] for r in these.tolist()], denoms[run], channels == 1,
+                *self.fused.c_args(part, offsets[these], out, channels))
+            return [(int(these[k]), message) for k, message in failed]
 
         runs = _runs(decoded_pixels, config.get("decode_parts") or cpu_count())
         failed = [f for got in (cpu_pool().map(decode_resample, runs) if len(runs) > 1
