@@ -112,6 +112,24 @@ def _split_s3(url: str) -> tuple[str, str]:
     return bucket, key
 
 
+_watchers: tuple[weakref.ref, ...] = ()  # see watch_fetches
+
+
+def watch_fetches(watcher: Any) -> None:
+    """From now on, and while ``watcher`` lives, call ``watcher.fetched(seconds, nbytes)``
+    after every ranged GET of this process (retries included): a loader's statistics."""
+    global _watchers
+    _watchers = tuple(w for w in _watchers if w() is not None) + (weakref.ref(watcher),)
+
+
+def _fetched(t0: float, nbytes: int) -> None:
+    seconds = time.perf_counter() - t0
+    for ref in _watchers:
+        watcher = ref()
+        if watcher is not None:
+            watcher.fetched(seconds, nbytes)
+
+
 class Client:
     """Metadata calls (HEAD, listing) and ranged GETs for one process.
 
@@ -225,13 +243,19 @@ class Client:
         """Fill ``out`` with the object's bytes from ``start``; returns the object's
         (ETag, size). ``etag``: the version the index recorded, or None. Retried on
         5xx, 429, a dropped connection or a short body, ``remote_retries`` tries in all."""
-        return self._call(url, lambda transport: transport.get_into(url, start, out, etag))
+        t0 = time.perf_counter()
+        got = self._call(url, lambda transport: transport.get_into(url, start, out, etag))
+        _fetched(t0, len(out))
+        return got
 
     def get(self, url: str, start: int, n: int, etag: str | None) -> Any:
         """The object's ``n`` bytes from ``start`` as a buffer (bytes-like), checked and
         retried as ``get_into``: the one the transport received them in (obstore's), so
         that a caller that keeps them (the cache) makes no copy."""
-        return self._call(url, lambda transport: transport.get(url, start, n, etag))
+        t0 = time.perf_counter()
+        got = self._call(url, lambda transport: transport.get(url, start, n, etag))
+        _fetched(t0, n)
+        return got
 
     def backoff(self, attempt: int) -> None:
         """Wait before try ``attempt`` (0: the first, no wait)."""
