@@ -102,9 +102,9 @@ def stack(rows: list[Any], xp: Any) -> Any:
     """``rows`` (arrays) as one ``[B, ...]`` array on their device, or ``None`` where they
     differ in shape, dtype or array type. No copy where they are the rows of one array:
     a ``Rows`` that the ops left as it was read and decoded (no check per row), or arrays
-    back to back in one buffer in row order (one view of it). Else a copy; on the host
-    into a pooled, page-aligned buffer (JAX takes only 64-byte aligned memory without a
-    copy)."""
+    back to back in row order within one allocation (one view of it). Else a copy; on the
+    host into a pooled, page-aligned buffer (JAX takes only 64-byte aligned memory without
+    a copy)."""
     whole = rows.stacked() if isinstance(rows, Rows) else None
     if whole is not None:
         return whole
@@ -113,15 +113,31 @@ def stack(rows: list[Any], xp: Any) -> Any:
     if any(type(a) is not kind or a.shape != shape or a.dtype != dtype for a in rows):
         return None
     xp = np if isinstance(first, np.ndarray) else xp  # host rows of a GPU batch stack on the host
-    if first.flags.c_contiguous and first.nbytes:
-        ptr = (lambda a: a.__array_interface__["data"][0]) if xp is np else (lambda a: a.data.ptr)
-        base, step = ptr(first), first.nbytes
-        if all(a.flags.c_contiguous and ptr(a) == base + i * step for i, a in enumerate(rows)):
-            return xp.lib.stride_tricks.as_strided(first, shape=(len(rows), *first.shape),
-                                                   strides=(step, *first.strides))
+    if _one_allocation(rows, xp):
+        return xp.lib.stride_tricks.as_strided(first, shape=(len(rows), *first.shape),
+                                               strides=(first.nbytes, *first.strides))
     if xp is np:
         return np.stack(rows, out=pooled_empty((len(rows), *first.shape), first.dtype))
     return xp.stack(rows)
+
+
+def _one_allocation(rows: list[Any], xp: Any) -> bool:
+    """Whether C-contiguous ``rows`` lie back to back in row order in memory that one
+    owner holds (NumPy: one ``base``; CuPy: one ``data.mem``). A view built from row 0
+    keeps only row 0's owner alive: rows that merely sit next to it in separate
+    allocations (CuPy's pool hands consecutive blocks of one size out back to back) are
+    freed with their arrays, and the next batch's allocations would overwrite them while
+    the consumer reads the view."""
+    first = rows[0]
+    if not (first.flags.c_contiguous and first.nbytes):
+        return False
+    if xp is np:
+        ptr, owner = (lambda a: a.__array_interface__["data"][0]), (lambda a: a.base)
+    else:
+        ptr, owner = (lambda a: a.data.ptr), (lambda a: a.data.mem)
+    home, start, step = owner(first), ptr(first), first.nbytes
+    return home is not None and all(owner(a) is home and a.flags.c_contiguous and ptr(a) == start + i * step
+                                    for i, a in enumerate(rows))
 
 
 def _hand_over(v: Any, stream: int, device: int, cp: Any) -> Any:
