@@ -30,6 +30,9 @@ start per pass):
 - ``feed(source, inline=True)`` runs that pass's stages on the consumer's thread
   instead, one payload per ``get()`` (host stages only): no read-ahead and no hand-off
   between threads, for a consumer that would only wait for the next payload anyway;
+- every step is told to ``hook`` (``gpuio.pipeline._stats.PipelineStats``): a worker's
+  take (its wait for an input), its work (and on a GPU the CUDA events around it), its
+  wait for its turn to pass the item on;
 - ``close()`` stops every thread: blocking calls wake up every ``_POLL`` seconds to
   check the stop flag, and ``close`` joins them. A pass left with payloads in flight
   can only be closed: ``feed`` refuses to start another. In a forked child the
@@ -45,34 +48,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gpuio.storage._deferred import release_after
 from gpuio._fork import renew_after_fork
 from gpuio.device import Device, require
+from gpuio.pipeline._stats import PipelineStats
 
 _POLL = 0.05  # seconds between stop-flag checks in blocking calls
 _JOIN_S = 10.0  # longest close() waits for one thread (a read stuck in the kernel)
-
-
-@dataclass
-class StageStats:
-    """Counters of one stage, accumulated over passes (updated under ``lock``)."""
-
-    batches: int = 0
-    seconds: float = 0.0  # time spent inside the stage function, all workers together
-    queue_sum: int = 0  # input queue length seen at each take, summed
-    takes: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "batches": self.batches,
-            "seconds": round(self.seconds, 6),
-            "ms_per_batch": round(1e3 * self.seconds / self.batches, 3) if self.batches else 0.0,
-            "queue_mean": round(self.queue_sum / self.takes, 3) if self.takes else 0.0,
-        }
 
 
 @dataclass
@@ -108,12 +93,12 @@ class Executor:
     """Runs ``stages`` over the sources fed to it; see the module docstring."""
 
     def __init__(self, stages: list[Stage], *, window: int, device: Device,
-                 stats: dict[str, StageStats] | None = None, name: str = "gpuio") -> None:
+                 hook: PipelineStats | None = None, name: str = "gpuio") -> None:
         self.stages = stages
         self.device = device
-        self.stats = stats if stats is not None else {}
+        self.hook = hook if hook is not None else PipelineStats()  # told of every step (gpuio.pipeline._stats)
         for s in stages:
-            self.stats.setdefault(s.name, StageStats())
+            self.hook.stage(s.name, 1 if s.gpu else max(1, s.workers), s.gpu)
         self._source: Iterator[Any] = iter(())
         self._window = max(1, window)
         self._fed = 0  # payloads taken from sources, over every pass (the sequence numbers)
@@ -128,7 +113,6 @@ class Executor:
         self._failed_seq: int | None = None  # first item that failed; later ones are not worked on
         self._threads: list[threading.Thread] = []
         self._name = name
-        self.wait_s = 0.0  # time the consumer spent waiting in get()
         renew_after_fork(self)
 
     def snapshot(self) -> dict[str, Any]:
@@ -220,13 +204,12 @@ class Executor:
             item = self._next_item()
             if item is not None:
                 for i in range(len(self.stages)):
-                    self._apply(i, item, None, 0)
+                    self._apply(i, item, None)
             return item
         self._top_up()
         if self._in_flight == 0:
             return None
         q = self._queues[-1]
-        t0 = time.perf_counter()
         while True:
             try:
                 item = q.get(timeout=_POLL)
@@ -234,7 +217,6 @@ class Executor:
             except queue.Empty:
                 if self._stop.is_set():
                     return None
-        self.wait_s += time.perf_counter() - t0
         self._in_flight -= 1
         self._top_up()
         return item
@@ -249,7 +231,9 @@ class Executor:
 
     def _work(self, i: int) -> None:
         inq, outq, cv = self._queues[i], self._queues[i + 1], self._turn_cv[i]
+        hook, name = self.hook, self.stages[i].name
         stream = None
+        idle = time.perf_counter()
         while not self._stop.is_set():
             try:
                 item = inq.get(timeout=_POLL)
@@ -257,12 +241,16 @@ class Executor:
                 continue
             if item is None:  # woken by close()
                 return
-            stream = self._apply(i, item, stream, inq.qsize())
+            hook.taken(name, inq.qsize(), time.perf_counter() - idle)
+            stream = self._apply(i, item, stream)
+            done = time.perf_counter()
             with cv:
                 while self._turn[i] != item.seq:
                     if self._stop.is_set():
                         return
                     cv.wait(_POLL)
+            idle = time.perf_counter()
+            hook.passed(name, item.seq, idle - done)
             if not self._put(outq, item):
                 return
             item = None  # an idle worker keeps no batch (nor its buffers) alive
@@ -270,11 +258,11 @@ class Executor:
                 self._turn[i] += 1
                 cv.notify_all()
 
-    def _apply(self, i: int, item: Item, stream: Any, depth: int) -> Any:
+    def _apply(self, i: int, item: Item, stream: Any) -> Any:
         """Run stage ``i`` on ``item`` unless an earlier stage or item failed; an error
-        travels with the item. ``depth``: the stage's queue length at the take. Returns
-        the stage's CUDA stream (made on first use by a GPU stage's worker)."""
-        stage, stats = self.stages[i], self.stats[self.stages[i].name]
+        travels with the item. Returns the stage's CUDA stream (made on first use by a
+        GPU stage's worker)."""
+        stage = self.stages[i]
         failed = self._failed_seq
         if item.error is not None or (failed is not None and item.seq >= failed):
             return stream
@@ -291,12 +279,7 @@ class Executor:
             item.error, item.stage = exc, stage.name
             if self._failed_seq is None or item.seq < self._failed_seq:
                 self._failed_seq = item.seq
-        dt = time.perf_counter() - t0
-        with stats.lock:
-            stats.batches += 1
-            stats.seconds += dt
-            stats.queue_sum += depth
-            stats.takes += 1
+        self.hook.done(stage.name, item.seq, t0, time.perf_counter())
         return stream
 
     def _run_gpu(self, stage: Stage, item: Item, stream: Any) -> Any:
@@ -307,6 +290,8 @@ class Executor:
             if item.event is not None:
                 stream.wait_event(item.event)
             held = stage.holds(item.payload) if stage.holds is not None else None
+            submitted = time.perf_counter()
+            start = stream.record()  # the device time between the two events is the stage's (Stats)
             try:
                 with stream:
                     item.payload = stage.fn(item.payload)
@@ -314,4 +299,5 @@ class Executor:
                 if held is not None:
                     release_after((stream.ptr,), held, self.device.index)
             item.event = stream.record()
+            self.hook.gpu_timed(stage.name, item.seq, submitted, start, item.event)
         return stream

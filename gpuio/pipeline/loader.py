@@ -15,8 +15,10 @@ concurrently on threads, several batches in flight, and batch ``k`` is always yi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sys
 import threading
 import time
 import weakref
@@ -33,12 +35,14 @@ from gpuio.errors import BufferBudgetError, ConfigError, DataError, PipelineErro
 from gpuio.index import SampleIndex
 from gpuio.pipeline import _frameworks
 from gpuio.pipeline._collate import Collate
-from gpuio.pipeline._executor import Executor, Stage, StageStats
+from gpuio.pipeline._executor import Executor, Stage
+from gpuio.pipeline._stats import PipelineStats
 from gpuio.pipeline._opfields import check_op_fields, consumed_fields, flat_ops, image_fields
 from gpuio.pipeline.order import ORDER_VERSION, EpochOrder, EpochPlan, epoch_order
 from gpuio.storage import Reader, learn_lengths, read_fields
 from gpuio.storage._fielddecode import host_decoded_fields
 from gpuio.storage.buffers import BufferPool
+from gpuio.storage import remote
 from gpuio.storage.remote import is_remote
 
 __all__ = ["Loader"]
@@ -255,12 +259,16 @@ class Loader:
         self._passing = False  # a pass is between its first and last batch
         self._inline = False  # the next pass reads on the consumer's thread (see _INLINE_BELOW)
         self._readers: dict[str, Reader] = {}
+        # where the host and the device fields' bytes lie while in flight
+        self._where_read = ("pinned" if self.device.is_cuda else "host", "gpu")
         self._lock = threading.Lock()
-        self._stage_stats: dict[str, StageStats] = {}
+        self._stats = PipelineStats()  # the hook every stage reports to (stats(), report(), trace())
+        self._flight: deque[tuple[int, int]] = deque()  # (host, device) bytes of each batch read, not handed over
+        if is_remote(index.files):
+            remote.watch_fetches(self._stats)
         self._samples = 0
         self._bytes = 0
         self._seconds = 0.0
-        self._wait_s = 0.0  # consumer waits of executors already closed
         self._skipped = 0
         self._errors: list[str] = []
         self._warned = 0
@@ -393,30 +401,42 @@ class Loader:
         ex.feed(works, inline=self._inline)  # no reference to the loader
         self._passing = True
         completed = False
+        stats = self._stats
+        self._forget_in_flight()  # batches of a pass left early never reached the consumer
+        stats.pass_started()
         t0 = time.perf_counter()
         busy = 0.0  # the consumer's own time, between batches
         try:
-            for _ in range(len(plan)):
-                item = ex.get()
-                if item is None:  # closed by close()
-                    return
-                if item.error is not None:
-                    if isinstance(item.error, PipelineError):
-                        raise item.error
-                    raise self._pipeline_error(item.stage or "?", item.payload, item.error) from item.error
-                (out, real), event = item.payload, item.event
-                del item  # while the next batch is awaited, the consumer's hold is the only one
-                batch = self._collate.hand_off(out, event)
-                del out, event
+            for k in range(len(plan)):
+                asked = time.perf_counter()
+                with _profiled("gpuio.Loader.next"):
+                    item = ex.get()
+                    if item is None:  # closed by close()
+                        return
+                    if item.error is not None:
+                        if isinstance(item.error, PipelineError):
+                            raise item.error
+                        raise self._pipeline_error(item.stage or "?", item.payload, item.error) from item.error
+                    (out, real), event = item.payload, item.event
+                    del item  # while the next batch is awaited, the consumer's hold is the only one
+                    batch = self._collate.hand_off(out, event)
+                    del out, event
                 self._pos += 1
                 with self._lock:
                     self._samples += real
+                if self._flight:
+                    for where, n in zip(self._where_read, self._flight.popleft()):
+                        stats.moved(where, -n)
                 handed = time.perf_counter()
+                stats.waited(k, asked, handed)
                 yield batch
-                busy += time.perf_counter() - handed
+                back = time.perf_counter()
+                stats.worked(back - handed)
+                busy += back - handed
                 del batch
             completed = True
         finally:
+            stats.pass_ended()
             seconds = time.perf_counter() - t0
             with self._lock:
                 self._seconds += seconds
@@ -437,7 +457,7 @@ class Loader:
         self._open_readers()
         stages = self._stages()
         window = min(self.prefetch + sum(1 if s.gpu else s.workers for s in stages), self._max_in_flight)
-        ex = Executor(stages, window=window, device=self.device, stats=self._stage_stats,
+        ex = Executor(stages, window=window, device=self.device, hook=self._stats,
                       name=f"gpuio-loader{self.rank}")
         ex.start()
         self._executor = ex
@@ -491,8 +511,6 @@ class Loader:
         ex, self._executor, self._passing = self._executor, None, False
         if ex is not None:
             ex.close()  # joins the stage threads before the readers go
-            with self._lock:
-                self._wait_s += ex.wait_s
         _close_readers(self._readers)
 
     def __del__(self) -> None:
@@ -507,7 +525,7 @@ class Loader:
         across passes, must not keep the loader alive (collecting it ends them)."""
         cpu_workers = self.threads
         # one read worker: a batch's reads already run on io_threads (gpuio.config)
-        stages = [Stage("read", _weak(self._read), workers=1)]
+        stages = [Stage("read", _weak(self._read_counted), workers=1)]
         if self._parsed:
             stages.append(Stage("parse", _weak(self._parse), workers=cpu_workers))
         for op, name in zip(self.ops, self._op_names):
@@ -539,6 +557,21 @@ class Loader:
         if not self._parsed:
             self._make_batch(w)
         return w
+
+    def _read_counted(self, w: _Work) -> _Work:
+        """``_read`` in a pass: the batch's bytes count as in flight until it is handed over."""
+        w = self._read(w)
+        held = tuple(sum(int(self.index.extents[f].length[w.src].sum()) for f in fields if f in self.index.extents)
+                     for fields in (self._host_fields, self._dev_fields))
+        self._flight.append(held)
+        for where, n in zip(self._where_read, held):
+            self._stats.moved(where, n)
+        return w
+
+    def _forget_in_flight(self) -> None:
+        while self._flight:
+            for where, n in zip(self._where_read, self._flight.popleft()):
+                self._stats.moved(where, -n)
 
     def _parse(self, w: _Work) -> _Work:
         parser = self.index.parser
@@ -656,32 +689,52 @@ class Loader:
         return PipelineError(f"{type(err).__name__}: {err}", stage=stage, sample=sample, key=key, path=path)
 
     def stats(self) -> dict[str, Any]:
-        """Throughput and where the time goes, over every pass so far.
+        """Throughput and where the time goes, over every pass so far; safe to call from
+        any thread while a pass runs, and cheap enough to be always on.
 
         ``samples_per_s`` and ``bytes_per_s`` (bytes read from storage) are over the
-        time passes were running; ``stages`` maps each stage to its batches, seconds of
-        work (all workers together), milliseconds per batch and mean input-queue
-        length; ``consumer_wait_s`` is the time the training loop waited for batches;
-        ``window`` is the most batches the running pass keeps in flight; ``inline``
-        says whether the last pass ran on the consumer's thread (see ``prefetch``);
-        ``skipped`` counts bad samples dropped under ``on_error="skip"`` and ``errors``
-        holds the first few of them, each naming the sample, its file and byte offset;
-        ``warned`` counts samples decoded despite a decoder's warning (a JPEG libjpeg
-        warns about, decoded as Pillow decodes it) and ``warnings`` names the first few.
+        time passes were running. ``stages`` maps each stage (``read``, ``parse``, each op
+        stage, ``collate`` on a GPU) to its ``batches``, ``workers``, ``seconds`` of work
+        (all workers together), ``ms_per_batch``, ``busy`` (seconds over workers times the
+        passes' wall time: 1.0 is every worker busy all the time), ``p50_ms``/``p99_ms``
+        latency per batch, ``queue_mean`` (its input queue's length at each take),
+        ``starved_s`` (its workers' wait for input, between passes included) and
+        ``blocked_s`` (finished batches' wait for their turn to go on, in order); a GPU
+        stage adds the same of its device time, from CUDA events on its stream
+        (``gpu_seconds``, ``gpu_busy``, ``gpu_p50_ms``, ``gpu_p99_ms``). ``consumer``:
+        the training loop's ``wait_s`` in ``next()`` (hand-off included) and ``work_s``
+        between batches, each with p50/p99 per batch, and ``input_share``, the wait's
+        share of the two. ``remote``: the ranged GETs of object storage (requests,
+        bytes, seconds, p50/p99 per GET, retries included). ``bytes_in_flight``: bytes
+        read and not yet handed over, by where they lie (``host``, ``pinned``, ``gpu``),
+        and ``peak_bytes_in_flight``; ``buffers``: bytes the loader's buffer pool holds
+        (read buffers, in use and cached) and its ``budget``. ``cpu``: the process's CPU
+        seconds during passes, the ``cores`` it may use (affinity, cgroup quota,
+        ``torchrun``'s local world size) and their ``busy`` share. ``queues``: batches
+        waiting before each stage now; ``window``: the most batches the running pass
+        keeps in flight; ``inline``: whether the last pass ran on the consumer's thread
+        (see ``prefetch``); ``consumer_wait_s``: as ``consumer["wait_s"]``. ``skipped``
+        counts bad samples dropped under ``on_error="skip"`` and ``errors`` holds the
+        first few of them, each naming the sample, its file and byte offset; ``warned``
+        counts samples decoded despite a decoder's warning (a JPEG libjpeg warns about,
+        decoded as Pillow decodes it) and ``warnings`` names the first few.
         """
+        figures = self._stats.snapshot()
         with self._lock:
             seconds = self._seconds
             ex = self._executor
+            snap = ex.snapshot() if ex is not None else {"queues": {}, "window": 0}
             return {
                 "samples": self._samples,
                 "bytes": self._bytes,
                 "seconds": round(seconds, 6),
                 "samples_per_s": self._samples / seconds if seconds else 0.0,
                 "bytes_per_s": self._bytes / seconds if seconds else 0.0,
-                "stages": {name: s.as_dict() for name, s in self._stage_stats.items()},
-                "queues": ex.snapshot()["queues"] if ex is not None else {},
-                "consumer_wait_s": round(self._wait_s + (ex.wait_s if ex is not None else 0.0), 6),
-                "window": ex.snapshot()["window"] if ex is not None else 0,
+                **figures,
+                "buffers": {"held": self._pool.held_bytes, "budget": self._pool.budget},
+                "queues": snap["queues"],
+                "consumer_wait_s": figures["consumer"]["wait_s"],
+                "window": snap["window"],
                 "inline": ex is not None and ex.inline,
                 "skipped": self._skipped,
                 "errors": list(self._errors),
@@ -741,6 +794,13 @@ def _read_ahead(works: Iterator[_Work], index: SampleIndex, readers: dict[str, R
             yield first
     while pending:
         yield pending.popleft()[0]
+
+
+def _profiled(name: str) -> Any:
+    """A ``torch.profiler`` range named ``name`` where torch is imported (it records only
+    inside a running profiler), else nothing."""
+    torch = sys.modules.get("torch")
+    return torch.profiler.record_function(name) if torch is not None else contextlib.nullcontext()
 
 
 def _weak(method: Any) -> Any:
