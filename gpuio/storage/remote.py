@@ -1,7 +1,10 @@
-"""Objects in S3 (and S3-compatible stores) and on HTTP(S) servers, read by byte range.
+"""Objects in S3 (and S3-compatible stores), Google Cloud Storage, Azure Blob Storage and
+on HTTP(S) servers, read by byte range.
 
-A dataset path may be a URL: ``s3://bucket/key-or-prefix``, ``http://host/path`` or
-``https://...``. This module holds everything that talks to such a store:
+A dataset path may be a URL: ``s3://bucket/key-or-prefix``, ``gs://bucket/...``,
+``az://container/...`` (also ``abfs[s]://`` and ``https://<account>.blob.core.windows.net/...``),
+``http://host/path`` or ``https://...``. This module holds everything that talks to such a
+store (GCS and Azure addressing, credentials and listings: ``gpuio.storage._clouds``):
 
 - ``is_url``/``is_remote``: whether a path or an index's file table is remote;
 - ``client()``: the process's client (made anew in a forked child). S3 endpoint,
@@ -13,7 +16,10 @@ A dataset path may be a URL: ``s3://bucket/key-or-prefix``, ``http://host/path``
   botocore found: bench/remote.py measured it fastest of obstore, urllib3 on presigned
   URLs and boto3's ``get_object`` (bench/RESULTS.md). obstore's runtime does not survive
   ``fork()``, so a forked child of a process that used it (a DataLoader worker) does its
-  GETs with urllib3 on presigned URLs instead (``remote_client``);
+  GETs with urllib3 on presigned URLs instead (``remote_client``). Azure blobs are read the
+  same way (obstore, urllib3 in such a child); GCS objects by urllib3 on GCS's JSON API
+  (obstore's GCS store speaks the XML API, which gcp-storage-emulator does not serve);
+  GCS and Azure listings by urllib3;
 - ``RemoteBackend``: executes a read plan on remote objects: through the node-local
   cache tier (``gpuio.storage.cache``, on by default) or with coalesced ranged GETs
   straight into the batch buffer;
@@ -50,13 +56,14 @@ from gpuio import config
 from gpuio._fork import RenewedLock, renew_after_fork
 from gpuio.errors import ConfigError, DataError, DependencyError, StorageError
 from gpuio.index import PathTable
+from gpuio.storage import _clouds
 from gpuio.storage.buffers import Lease
 from gpuio.storage.plan import ReadPlan, build_plan
 
 __all__ = ["SCHEMES", "SETTINGS", "ObjectInfo", "RemoteBackend", "RemoteFile", "client", "is_remote", "is_url",
            "is_http", "object_versions", "reset_client", "url_path"]
 
-SCHEMES = ("s3://", "http://", "https://")
+SCHEMES = ("s3://", *_clouds.CLOUD_SCHEMES, "http://", "https://")
 # the settings of remote reads (gpuio.config); a Reader takes them when it is made
 SETTINGS = ("remote_client", "remote_unsigned", "remote_cache", "remote_cache_dir", "remote_cache_budget", "remote_block", "remote_requests",
             "remote_readahead", "remote_gap", "remote_part", "remote_retries", "remote_timeout", "cache_dir")
@@ -71,13 +78,15 @@ _INDEXES_KEPT = 8  # indexes whose objects a RemoteBackend's cache keeps in view
 
 
 def is_url(path: object) -> bool:
-    """Whether ``path`` names a remote object or prefix (``s3://``, ``http(s)://``)."""
+    """Whether ``path`` names a remote object or prefix (``s3://``, ``gs://``, ``az://``,
+    ``abfs[s]://``, ``http(s)://``)."""
     return isinstance(path, str) and path.startswith(SCHEMES)
 
 
 def is_http(url: str) -> bool:
-    """Whether ``url`` is an http(s) URL: one object, no listing, a query of its own."""
-    return url.startswith(("http://", "https://"))
+    """Whether ``url`` is an http(s) URL: one object, no listing, a query of its own (an
+    Azure blob URL without a query is a container's object or prefix instead)."""
+    return url.startswith(("http://", "https://")) and _clouds.locate(url) is None
 
 
 def url_path(url: str) -> str:
@@ -164,18 +173,35 @@ class Client:
             choice = "urllib3" if _obstore_inherited else "obstore"
         self.transport: Any = _Obstore(self) if choice == "obstore" else _Urllib3(self)
         self._plain: _Urllib3 | None = None  # http(s) URLs with a query (presigned): obstore drops it
+        self._clouds: dict[str, Any] = {}  # "gs", "az" -> _clouds.GCS, _clouds.Azure
 
     def _for(self, url: str) -> Any:
         """The transport of ``url``: urllib3 for an http(s) URL with a query string (a
-        presigned URL, a token), which obstore's paths cannot carry, and after obstore
-        met a certificate it does not trust; else ``transport``."""
+        presigned URL, a token), which obstore's paths cannot carry, for a ``gs://`` URL
+        and after obstore met a certificate it does not trust; else ``transport``."""
         if isinstance(self.transport, _Obstore) and (
-                self._obstore_untrusted or (is_http(url) and "?" in url)):
-            with self._lock:
-                if self._plain is None:
-                    self._plain = _Urllib3(self)
-                return self._plain
+                self._obstore_untrusted or (is_http(url) and "?" in url) or url.startswith("gs://")):
+            return self.plain()
         return self.transport
+
+    def plain(self) -> _Urllib3:
+        """The urllib3 transport (``transport`` where it is urllib3's)."""
+        if isinstance(self.transport, _Urllib3):
+            return self.transport
+        with self._lock:
+            if self._plain is None:
+                self._plain = _Urllib3(self)
+            return self._plain
+
+    def cloud(self, kind: str) -> Any:
+        """The GCS (``"gs"``) or Azure (``"az"``) service as the environment describes it."""
+        with self._lock:
+            service = self._clouds.get(kind)
+        if service is None:
+            service = _clouds.GCS(self.unsigned, self.plain().http) if kind == "gs" else _clouds.Azure(self.unsigned)
+            with self._lock:
+                service = self._clouds.setdefault(kind, service)
+        return service
 
     def _call(self, url: str, request: Callable[[Any], Any]) -> Any:
         """``request(transport)`` by ``url``'s transport; where obstore does not trust the
@@ -222,10 +248,14 @@ class Client:
         return info if info is not None else self.head(url)
 
     def list(self, url: str) -> list[ObjectInfo]:
-        """The objects under the prefix ``url`` (``s3://`` only), in key order."""
+        """The objects under the prefix ``url`` (``s3://``, ``gs://``, Azure), in key order."""
+        if is_http(url):
+            raise DataError("an http(s) URL names one object and has no listing; use s3://, gs:// or az:// for "
+                            "a prefix, or give the objects one by one", path=url)
         if not url.startswith("s3://"):
-            raise DataError("an http(s) URL names one object and has no listing; use s3:// for a prefix, "
-                            "or give the objects one by one", path=url)
+            out = [ObjectInfo(*item) for item in self.plain().list(url)]
+            self.seen.update((info.url, info) for info in out)
+            return out
         bucket, prefix = _split_s3(url)
         out: list[ObjectInfo] = []
         try:
@@ -297,9 +327,14 @@ class _Obstore:
                 "expires_at": datetime.now(timezone.utc) + timedelta(seconds=_CREDENTIALS_S)}
 
     def _store(self, url: str) -> tuple[Any, str]:
-        """The obstore store of ``url`` (one per bucket or HTTP origin) and the path in it."""
+        """The obstore store of ``url`` (one per bucket, Azure container or HTTP origin) and
+        the path in it."""
+        cloud = _clouds.locate(url)
         if url.startswith("s3://"):
             where, path = _split_s3(url)
+        elif cloud is not None:  # an Azure blob (gs:// is urllib3's)
+            azure = self.owner.cloud("az")
+            where, path = f"{azure.endpoint(cloud)}/{cloud.bucket}", cloud.key
         else:  # obstore quotes the path itself: it takes the URL's path unquoted, without a fragment
             parts = urllib.parse.urlsplit(url)
             where, path = f"{parts.scheme}://{parts.netloc}", urllib.parse.unquote(parts.path.lstrip("/"))
@@ -318,6 +353,12 @@ class _Obstore:
                                              region=s3.meta.region_name or "us-east-1",
                                              virtual_hosted_style_request=not custom, client_options=options,
                                              retry_config=no_retries, **signing)
+        elif cloud is not None:
+            key, sas = azure.credentials(cloud)
+            signing = ({"account_key": key} if key else {"sas_key": sas} if sas else {"skip_signature": True})
+            store = self._stores_mod.AzureStore(cloud.bucket, account_name=azure.account_of(cloud),
+                                                endpoint=azure.endpoint(cloud), client_options=options,
+                                                retry_config=no_retries, **signing)
         else:
             store = self._stores_mod.HTTPStore.from_url(where, client_options=options, retry_config=no_retries)
         with self._lock:
@@ -427,8 +468,10 @@ class _Obstore:
 
 
 class _Urllib3:
-    """HEADs and ranged GETs by urllib3 on presigned URLs (botocore signs), read straight
-    into the caller's buffer: the client of a forked child whose parent used obstore."""
+    """HEADs and ranged GETs by urllib3 on presigned URLs (botocore signs), GCS's JSON API
+    and signed Azure requests (``_clouds``), read straight into the caller's buffer: the
+    client of a forked child whose parent used obstore, and of every ``gs://`` URL. Also
+    the GCS and Azure listings."""
 
     def __init__(self, owner: Client) -> None:
         try:
@@ -464,8 +507,51 @@ class _Urllib3:
         self._signed[url] = (signed, now)
         return signed
 
+    def _address(self, url: str, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
+        """The HTTP URL and headers of a GET of the object ``url``: presigned for ``s3://``,
+        addressed and signed by its service for GCS and Azure, as given for ``http(s)://``."""
+        cloud = _clouds.locate(url)
+        if cloud is not None:
+            return self.owner.cloud(cloud.kind).address(cloud, headers)
+        return self.http_url(url), headers
+
+    def _version(self, url: str, resp: Any) -> str:
+        """The object's version in an answer: its ETag; a GCS object's generation."""
+        return resp.headers.get("x-goog-generation" if url.startswith("gs://") else "ETag", "")
+
+    def _body(self, url: str, address: Callable[[str, dict[str, str]], tuple[str, dict[str, str]]],
+              what: str) -> bytes:
+        """The whole body of a metadata request of ``url`` (a listing page, a GCS object's
+        metadata), which must answer HTTP 200."""
+        resp = self._request("GET", url, {}, 0, -1, address, what)
+        try:
+            body = resp.read()
+        finally:
+            resp.release_conn()
+        if resp.status != 200:
+            raise _status_error(url, 0, -1, resp.status, resp.reason, None, what)
+        return body
+
+    def list(self, url: str) -> list[tuple[str, int, str]]:
+        """``[(url, size, version)]`` of the GCS or Azure objects under the prefix ``url``."""
+        cloud = _clouds.locate(url)
+        service = self.owner.cloud(cloud.kind)
+        out: list[tuple[str, int, str]] = []
+        marker = ""
+        while True:
+            body = self._body(url, lambda _url, _headers: service.listing(cloud, marker), "cannot list objects")
+            items, marker = service.page(cloud, body, url)
+            out += items
+            if not marker:
+                return out
+
     def head(self, url: str) -> ObjectInfo:
-        """Size and ETag of the object ``url``."""
+        """Size and ETag (a GCS object's generation) of the object ``url``."""
+        if url.startswith("gs://"):
+            cloud, service = _clouds.locate(url), self.owner.cloud("gs")
+            size, generation = service.info(
+                self._body(url, lambda _url, _headers: service.metadata(cloud), "HEAD"), url)
+            return ObjectInfo(url, size, generation)
         # one-byte GET instead of HEAD: the same signed URL, and Content-Range gives the size
         buf = bytearray(1)
         try:
@@ -486,23 +572,28 @@ class _Urllib3:
         resp = self._request("GET", url, {}, 0, 0)
         try:
             resp.read()
-            return resp.headers.get("ETag", "")
+            return self._version(url, resp)
         finally:
             resp.release_conn()
 
-    def _request(self, method: str, url: str, headers: dict[str, str], start: int, end: int) -> Any:
-        """One request with retries on 5xx, 429 and dropped connections; the response
-        (body not read) of the first try that is none of those."""
+    def _request(self, method: str, url: str, headers: dict[str, str], start: int, end: int,
+                 address: Callable[[str, dict[str, str]], tuple[str, dict[str, str]]] | None = None,
+                 what: str | None = None) -> Any:
+        """One request for ``url`` (sent where ``address``, by default the object's GET,
+        says) with retries on 5xx, 429 and dropped connections; the response (body not
+        read) of the first try that is none of those. ``what`` names it in errors."""
         errors = self._urllib3.exceptions
+        what = what or f"GET bytes {start}-{end}"
         last = ""
         for attempt in range(self.owner.retries):
             self.owner.backoff(attempt)
             try:
-                resp = self.http.request(method, self.http_url(url), headers=headers, preload_content=False,
+                sent_url, sent_headers = (address or self._address)(url, headers)  # signed anew each try
+                resp = self.http.request(method, sent_url, headers=sent_headers, preload_content=False,
                                          redirect=True, timeout=self.timeout)
             except errors.HTTPError as exc:
                 if isinstance(getattr(exc, "reason", exc), errors.SSLError):
-                    raise _untrusted(url, f"GET bytes {start}-{end}", start, str(getattr(exc, "reason", exc))) from exc
+                    raise _untrusted(url, what, start, str(getattr(exc, "reason", exc))) from exc
                 last = f"connection failed ({type(exc).__name__}: {exc})"
                 continue
             if resp.status == 429 or resp.status >= 500:
@@ -511,7 +602,7 @@ class _Urllib3:
                 resp.release_conn()
                 continue
             return resp
-        raise StorageError(f"GET bytes {start}-{end}: {last} after {self.owner.retries} tries", path=url, offset=start)
+        raise StorageError(f"{what}: {last} after {self.owner.retries} tries", path=url, offset=start)
 
     def get_into(self, url: str, start: int, out: memoryview, etag: str | None) -> tuple[str, int]:
         """Fill ``out`` with the object's bytes from ``start``; returns the object's
@@ -531,7 +622,7 @@ class _Urllib3:
                 if status not in (200, 206):
                     resp.drain_conn()
                     raise _status_error(url, start, end, status, resp.reason, etag)
-                got_etag = resp.headers.get("ETag", "")
+                got_etag = self._version(url, resp)
                 if etag and got_etag and not _same_version(got_etag, etag):
                     raise _replaced(url, etag, got_etag)
                 total = _total_size(resp, status)
@@ -606,16 +697,21 @@ def _denied(url: str) -> str:
     """Why a store refuses a request (HTTP 401/403), as far as the URL tells."""
     if is_http(url) and "?" in url:
         return "access denied (a signed URL: expired, or signed for another request? sign it again)"
+    if url.startswith("gs://"):
+        return "access denied (check GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login)"
+    if _clouds.locate(url) is not None:
+        return "access denied (check AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_KEY / AZURE_STORAGE_SAS_TOKEN)"
     return "access denied (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE)"
 
 
-def _status_error(url: str, start: int, end: int, status: int, reason: str | None, etag: str | None
-                  ) -> StorageError:
-    what = {403: _denied(url), 404: "object not found (moved or deleted after indexing?)",
+def _status_error(url: str, start: int, end: int, status: int, reason: str | None, etag: str | None,
+                  request: str | None = None) -> StorageError:
+    """The error of an answer no retry mends; ``request`` names it (by default the GET of bytes start-end)."""
+    what = {401: _denied(url), 403: _denied(url), 404: "object not found (moved or deleted after indexing?)",
             416: "the object ends before this range (truncated or replaced after indexing?)"}.get(status, "")
     if status == 412 and etag:
         return _replaced(url, etag, "another")
-    msg = f"GET bytes {start}-{end}: HTTP {status} {reason or ''}".rstrip()
+    msg = f"{request or f'GET bytes {start}-{end}'}: HTTP {status} {reason or ''}".rstrip()
     return StorageError(f"{msg}: {what}" if what else msg, path=url, offset=start)
 
 
