@@ -9,6 +9,7 @@ from gpuio.formats.filetree import filetree
 from gpuio.formats.lmdb import lmdb
 from gpuio.formats.manifest import manifest
 from gpuio.formats.numpy import numpy
+from gpuio.formats.packed import packed
 from gpuio.formats.recordio import recordio
 from gpuio.formats.tfrecord import tfrecord
 from gpuio.formats.video import video
@@ -21,4 +22,4 @@ from gpuio.index import concat
 # registers them with ``gpuio.index.register_parser``).
 PARSERS = {"tfrecord.example": ExampleParser, "recordio": RecordIOParser}
 
-__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "video", "manifest", "concat"]
+__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "video", "manifest", "packed", "concat"]

@@ -33,6 +33,7 @@ __all__ = [
     "Extent",
     "Extents",
     "GpuioError",
+    "ImagePolicy",
     "Loader",
     "PathTable",
     "Ragged",
@@ -41,17 +42,20 @@ __all__ = [
     "concat",
     "cuda_available",
     "gpu_count",
+    "pack",
     "read",
 ]
 
 
-def __getattr__(name: str):  # gpuio.ops without importing it (and its decoders) up front
-    if name == "ops":
-        import importlib
+def __getattr__(name: str):  # gpuio.ops and the writer without importing them (and the decoders) up front
+    import importlib
 
+    if name == "ops":
         return importlib.import_module("gpuio.ops")
+    if name in ("pack", "ImagePolicy"):
+        return getattr(importlib.import_module("gpuio._pack"), name)
     raise AttributeError(f"module 'gpuio' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:  # help(gpuio) and dir() list ops before it is imported
-    return sorted({*globals(), "ops"})
+    return sorted({*globals(), "ops", "pack", "ImagePolicy"})

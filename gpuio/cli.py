@@ -1,4 +1,4 @@
-"""The ``gpuio`` command: ``bench``, ``index``, ``inspect``, ``check``, ``sample``, ``info``, ``serve``."""
+"""The ``gpuio`` command: ``bench``, ``index``, ``inspect``, ``check``, ``pack``, ``sample``, ``info``, ``serve``."""
 
 from __future__ import annotations
 
@@ -20,9 +20,15 @@ __all__ = ["main"]
 
 
 def _index_for(path: str) -> gpuio.SampleIndex:
-    """A saved index (a file), else the file tree at ``path``, with every extent's length
-    known (inspect prints them, bench sums them; a file tree is listed without them)."""
-    index = gpuio.SampleIndex.load(path) if os.path.isfile(path) else gpuio.formats.filetree(path)
+    """A saved index (a file), a packed dataset (a folder with an index.json), else the
+    file tree at ``path``, with every extent's length known (inspect prints them, bench
+    sums them; a file tree is listed without them)."""
+    if os.path.isfile(path):
+        index = gpuio.SampleIndex.load(path)
+    elif os.path.isfile(os.path.join(path, "index.json")):
+        index = gpuio.formats.packed(path)
+    else:
+        index = gpuio.formats.filetree(path)
     return gpuio.storage.learn_lengths(index)
 
 
@@ -44,7 +50,7 @@ def _build_index(args: argparse.Namespace) -> gpuio.SampleIndex:
         if "annotations" not in given or len(args.paths) != 1:
             raise ConfigError("coco takes one image folder and --annotations FILE.json")
         return make(args.paths[0], given["annotations"])
-    if name in ("filetree", "lmdb", "manifest") and len(args.paths) != 1:
+    if name in ("filetree", "lmdb", "manifest", "packed") and len(args.paths) != 1:
         raise ConfigError(f"{name} takes one path, got {len(args.paths)}")
     kwargs: dict[str, object] = {}
     if "fields" in given:
@@ -308,6 +314,40 @@ def _caches(args: argparse.Namespace) -> tuple[str, ...]:
     return ("warm",) if args.warm_only else ("warm", "cold")
 
 
+def _cmd_pack(args: argparse.Namespace) -> None:
+    if args.format is None and len(args.paths) != 1:
+        raise ConfigError(f"pack takes one saved index, packed dataset or file tree (or --format FORMAT and its "
+                          f"paths), got {len(args.paths)} paths")
+    if args.quality is not None and args.max_side is None:
+        raise ConfigError("--quality is the quality of the images --max-side re-encodes: give --max-side too")
+    if args.ray:
+        raise ConfigError("--ray: packing on a Ray cluster is not in this build yet; use --workers on one node")
+    policy = gpuio.ImagePolicy(restart_interval=args.restart_interval or 0, max_side=args.max_side or 0,
+                               quality=90 if args.quality is None else args.quality, raw_below=args.raw_below or 0)
+    t0 = time.perf_counter()
+    if args.format:
+        with _Working(f"indexing {args.format} {' '.join(args.paths)}"):
+            source: object = _build_index(args)
+    else:
+        source = args.paths[0]
+    images = policy if args.images is None else {f: policy for f in args.images.split(",") if f}
+    dest = gpuio.pack(source, args.out, images=images, workers=args.workers, shard_size=args.shard_size)
+    index = gpuio.formats.packed(dest)
+    stored = sum(index.nbytes(f) for f in index.extents)
+    print(f"{len(index):,} samples in {len(index.files):,} shards, {stored:,} bytes of records: {dest} "
+          f"in {time.perf_counter() - t0:.1f} s")
+
+
+def _size(text: str) -> int:
+    try:
+        value = gpuio.config.parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of bytes, optionally with KiB/MiB/GiB, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
 def _cmd_sample(args: argparse.Namespace) -> None:
     print(sample_root(args.count, args.seed) if args.out is None else _make(args))
 
@@ -452,6 +492,27 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="only read (and parse) every sample; by default image fields are decoded too")
     check.add_argument("--batch", type=_positive, default=64, help="samples per batch (default: 64)")
     check.set_defaults(func=_cmd_check)
+
+    pack = sub.add_parser("pack", help="rewrite a dataset as gpuio's packed layout: aligned shards and an "
+                          "index.json (read it with gpuio.formats.packed); resumable")
+    pack.add_argument("paths", nargs="+", metavar="SOURCE",
+                      help="a saved index, a packed dataset or a file tree; with --format, that format's paths")
+    _format_arguments(pack, required=False)
+    pack.add_argument("-o", "--out", required=True, help="the destination: a folder or an s3:// prefix")
+    pack.add_argument("--workers", type=_positive, default=1, help="processes writing shards (default: 1)")
+    pack.add_argument("--shard-size", type=_size, help="source bytes per shard, e.g. 64MiB (default: the "
+                      "pack_shard_size setting, 128 MiB)")
+    pack.add_argument("--images", help="the image fields the options below apply to, comma separated (default: "
+                      "every image field)")
+    pack.add_argument("--restart-interval", type=_positive, metavar="MCUS",
+                      help="add JPEG restart markers every MCUS MCUs and store their offsets (lossless)")
+    pack.add_argument("--max-side", type=_positive, metavar="PIXELS", help="resize images whose longer side is "
+                      "larger to PIXELS (area filter) and re-encode them as baseline 4:2:0 JPEGs (lossy)")
+    pack.add_argument("--quality", type=int, help="JPEG quality of the images --max-side re-encodes (default: 90)")
+    pack.add_argument("--raw-below", type=_size, metavar="BYTES", help="store images smaller than BYTES encoded as "
+                      "raw RGB pixels (an uncompressed TIFF: decoding is a copy)")
+    pack.add_argument("--ray", metavar="ADDRESS", help="pack on the Ray cluster at ADDRESS")
+    pack.set_defaults(func=_cmd_pack)
 
     sample = sub.add_parser("sample", help="generate the sample dataset and print its path")
     sample.add_argument("--out", help="folder to write to (default: the cache folder)")

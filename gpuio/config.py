@@ -24,7 +24,7 @@ from typing import Any
 
 from gpuio.errors import ConfigError
 
-__all__ = ["DEFAULTS", "get", "override", "settings"]
+__all__ = ["DEFAULTS", "get", "override", "parse_size", "settings"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -67,6 +67,7 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "remote_retries": (8, "tries of a GET after a 5xx, a 429 or a dropped connection, with backoff "
                           "(about 0.1, 0.2, 0.4 ... s, at most 5 s: 8 tries span some 11 s)"),
     "remote_timeout": (30, "seconds a remote connection or read may stall before it counts as dropped"),
+    "pack_shard_size": (128 * MiB, "gpuio pack: source bytes per shard of a packed dataset"),
 }
 
 # Environment variables still read under a former name (when the new one is not set):
@@ -88,7 +89,7 @@ def _parse(name: str, raw: str, default: Any, var: str) -> Any:
         raise ConfigError(f"{var}={raw!r}: expected true or false")
     if isinstance(default, int):
         try:
-            return _parse_size(raw)
+            return parse_size(raw)
         except ValueError:
             raise ConfigError(
                 f"{var}={raw!r}: expected an integer, optionally with "
@@ -97,7 +98,8 @@ def _parse(name: str, raw: str, default: Any, var: str) -> Any:
     return raw
 
 
-def _parse_size(raw: str) -> int:
+def parse_size(raw: str) -> int:
+    """Bytes in ``raw``: an integer, optionally with a KiB/MiB/GiB (or K/M/G) suffix; a ``ValueError`` if not."""
     text = raw.strip()
     for suffix, mult in (("KiB", KiB), ("MiB", MiB), ("GiB", GiB), ("K", KiB), ("M", MiB), ("G", GiB)):
         if text.endswith(suffix):

@@ -39,6 +39,7 @@ __all__ = [
     "Parser",
     "SampleIndex",
     "register_parser",
+    "parser_from_config",
     "register_sample_reader",
     "concat",
 ]
@@ -252,7 +253,9 @@ def register_parser(name: str, parser: Callable[..., Parser]) -> None:
     _PARSERS[name] = parser
 
 
-def _parser_from_config(name: str, config: dict[str, Any]) -> Parser:
+def parser_from_config(name: str, config: dict[str, Any]) -> Parser:
+    """The parser registered as ``name``, made with its saved ``config`` (a ``ConfigError``
+    where none is registered by that name)."""
     # ``import gpuio`` registers the built-in parsers (``gpuio.formats.PARSERS``)
     if name not in _PARSERS:
         raise ConfigError(f"index needs parser {name!r}, which is not registered (known: {sorted(_PARSERS)}); "
@@ -421,7 +424,7 @@ class SampleIndex:
                     arrays[f"r.{n}.values"], arrays[f"r.{n}.offsets"], kind)
             parser = None
             if "parser" in spec:
-                parser = _parser_from_config(spec["parser"]["name"], spec["parser"]["config"])
+                parser = parser_from_config(spec["parser"]["name"], spec["parser"]["config"])
             files = PathTable(arrays["files.blob"], arrays["files.offsets"], spec.get("root", ""))
             meta = spec["meta"]
         except (KeyError, TypeError, AttributeError) as exc:

@@ -30,10 +30,12 @@ _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".ti
 def image_fields(index: SampleIndex, fields: Sequence[str] | None = None) -> list[str]:
     """The fields of ``index`` (among ``fields``, default all) that hold encoded images:
     those named as images are (``jpg``, ``seg.png``, ``image/encoded``), and ``data``
-    where the format stores images there (a file tree of image files, COCO, RecordIO)."""
+    where the format stores images there (a file tree of image files, COCO, RecordIO), and
+    those a packed dataset says hold images."""
     out = []
     for f in index.fields if fields is None else fields:
-        if re.split(r"[/.]", f.lower())[-1] in _IMAGE_NAMES:
+        if re.split(r"[/.]", f.lower())[-1] in _IMAGE_NAMES or (
+                index.meta.get("format") == "packed" and f in index.meta.get("images", ())):
             out.append(f)
         elif f == "data" and f in index.fields:
             kind = index.meta.get("format")
