@@ -34,7 +34,7 @@ def test_bench_on_a_tree_prints_every_method_and_writes_json(tmp_path, capsys, m
     assert main(["bench", str(tmp_path / "s"), "--repeat", "1", "--batch", "8", "--out", str(out_json)]) == 0
     text = capsys.readouterr().out
     for method in ("gpuio", "naive loop", "np.fromfile", "sequential readinto", "parallel 4 MiB reads",
-                   "gpuio cpu (Loader + ops.Compose)", "torch DataLoader + Pillow"):
+                   "gpuio cpu (Loader + ops.Compose)", "torch DataLoader + Pillow", "input-bound", "bottleneck: "):
         assert method in text
     images = json.loads((tmp_path / "r-images.json").read_text())["results"]
     assert all(r["images_s"] > 0 for r in images if r["name"].startswith(("gpuio", "torch")))

@@ -109,6 +109,7 @@ class PipelineStats:
         self._lock = threading.Lock()
         self.stages: dict[str, _Meter] = {}
         self.consumer_wait = _Meter()  # next(): from the call to the batch handed over
+        self.start_up = _Meter()  # the same for each pass's first batch (threads start, the stages fill)
         self.consumer_work = _Meter()  # the training step: from a hand-over to the next call
         self.remote = _Meter()  # ranged GETs of object storage, all threads together
         self._wall = 0.0  # seconds of passes ended
@@ -191,8 +192,9 @@ class PipelineStats:
                 tracer.gpu_span(name, seq, submitted, seconds)
 
     def waited(self, seq: int, t0: float, t1: float) -> None:
-        """The consumer waited in ``next()`` from ``t0`` to ``t1`` for batch ``seq``."""
-        _add(self.consumer_wait, t1 - t0)
+        """The consumer waited in ``next()`` from ``t0`` to ``t1`` for batch ``seq`` of
+        the pass (batch 0, the pass's start-up, is counted apart)."""
+        _add(self.consumer_wait if seq else self.start_up, t1 - t0)
         tracer = self.tracer
         if tracer is not None:
             tracer.consumer(seq, t0, t1)
@@ -240,10 +242,11 @@ class PipelineStats:
             stages = dict(self.stages)
             in_flight = dict(self.in_flight)
             peak = self.peak_in_flight
-        wait, work = self.consumer_wait, self.consumer_work
-        with wait.lock, work.lock:
+        wait, work, start = self.consumer_wait, self.consumer_work, self.start_up
+        with wait.lock, work.lock, start.lock:
             consumer = {
-                "batches": wait.items,
+                "batches": wait.items + start.items,
+                "start_up_s": round(start.seconds, 6),
                 "wait_s": round(wait.seconds, 6),
                 "wait_p50_ms": round(1e3 * wait.latency.quantile(0.5), 3),
                 "wait_p99_ms": round(1e3 * wait.latency.quantile(0.99), 3),
@@ -313,3 +316,119 @@ def _cgroup_quota() -> float | None:
     except (OSError, ValueError):
         return None
     return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+# ---- the verdict ---------------------------------------------------------------------------
+# tf.data's input pipeline analyzer's bands of the share of step time spent waiting for input
+_BANDS = ((0.05, "not input-bound"), (0.20, "moderately input-bound"), (float("inf"), "highly input-bound"))
+_SATURATED = 0.8  # a busy share at or above this: the workers (or cores) have no time to spare
+_CPU_SATURATED = 0.85
+
+
+class Verdict:
+    """What ``Loader.report()`` concludes: ``input_share`` (the consumer's wait in
+    ``next()`` over its wait and its work, each pass's first batch left out) and its
+    ``band``; the ``bottleneck`` (a stage, or ``"consumer"``); the ``resource`` that binds
+    it (``"consumer"``, ``"cpu"``, ``"workers"``, ``"storage"``, ``"network"``,
+    ``"gpu"``, ``"buffer budget"``, ``"hand-off"``); ``advice`` (what to change); and
+    ``numbers``, the figures it used. ``str()`` is the same as lines of text."""
+
+    def __init__(self, input_share: float, band: str, bottleneck: str, resource: str, why: str,
+                 advice: str, numbers: dict[str, Any]) -> None:
+        self.input_share, self.band, self.bottleneck = input_share, band, bottleneck
+        self.resource, self.why, self.advice, self.numbers = resource, why, advice, numbers
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"input_share": self.input_share, "band": self.band, "bottleneck": self.bottleneck,
+                "resource": self.resource, "why": self.why, "advice": self.advice, "numbers": self.numbers}
+
+    def __str__(self) -> str:
+        return "\n".join([f"{self.band}: the training loop waited {100 * self.input_share:.1f}% of its step time "
+                          "for batches",
+                          f"bottleneck: {self.bottleneck} (bound by {self.resource}): {self.why}",
+                          f"to change: {self.advice}"])
+
+    __repr__ = __str__
+
+
+def verdict(s: dict[str, Any], *, threads: int, prefetch: int, window: int, wanted: int,
+            settings: dict[str, Any]) -> Verdict:
+    """The verdict on ``s`` (``Loader.stats()``) of a loader with ``threads`` per CPU
+    stage and ``prefetch``, running ``window`` batches in flight where its stages and ``prefetch`` want
+    ``wanted`` (fewer: the buffer budget cut it); ``settings``: the ``gpuio.config``
+    values the advice names."""
+    c = s["consumer"]
+    if c["batches"] < 2:
+        return Verdict(0.0, "no verdict yet", "-", "-", "the loader has handed over fewer than two batches",
+                       "iterate it first (the first batch of each pass, the start-up, is not counted)", {})
+    share = c["input_share"]
+    band = next(name for limit, name in _BANDS if share < limit)
+    stages = s["stages"]
+    busy = {name: max(st["busy"], st.get("gpu_busy", 0.0)) for name, st in stages.items()}
+    top = max(busy, key=busy.get) if busy else "read"
+    st = stages.get(top, {"busy": 0.0, "workers": 1, "p50_ms": 0.0, "p99_ms": 0.0})
+    cpu = s["cpu"]
+    numbers: dict[str, Any] = {
+        "input_share": share, "wait_s": c["wait_s"], "work_s": c["work_s"], "start_up_s": c["start_up_s"],
+        "stage_busy": busy, "cpu_busy": cpu["busy"], "cores": cpu["cores"], "window": window,
+        "wanted_window": wanted}
+    shares = ", ".join(f"{n} {100 * b:.0f}%" for n, b in sorted(busy.items(), key=lambda kv: -kv[1]))
+    if share < _BANDS[0][0]:
+        spare = f"its busiest stage, {top}, is busy {100 * busy.get(top, 0.0):.0f}% of the time"
+        return Verdict(share, band, "consumer", "consumer",
+                       f"the training step takes {c['work_p50_ms']:.1f} ms per batch (p50), the loader hands a "
+                       f"batch over in {c['wait_p50_ms']:.2f} ms; {spare}",
+                       "nothing in the loader: speed up the training step; the loader has room "
+                       f"({spare}; threads={threads} could be fewer)", numbers)
+    stage_says = (f"{top} is the busiest stage ({shares}): {st['workers']} worker(s), "
+                  f"{st['p50_ms']:.1f} ms per batch p50, {st['p99_ms']:.1f} ms p99")
+    if window < wanted and busy.get(top, 0.0) < _SATURATED:
+        b = s["buffers"]
+        need = b["budget"] * (wanted + 1) // (window + 1)  # the consumer holds one batch more
+        return Verdict(share, band, top, "buffer budget",
+                       f"the buffer budget ({b['budget']:,} bytes) holds only {window} batch(es) in flight where "
+                       f"the stages would keep {wanted}, so the stages wait for buffers; {stage_says}",
+                       f"raise buffer_budget to about {need:,} bytes (gpuio.config.override(buffer_budget=...) "
+                       "or GPUIO_BUFFER_BUDGET), or use a smaller batch_size", numbers)
+    if cpu["busy"] >= _CPU_SATURATED:
+        return Verdict(share, band, top, "cpu",
+                       f"the process used {cpu['busy'] * cpu['cores']:.1f} of its {cpu['cores']} cores "
+                       f"({100 * cpu['busy']:.0f}%); {stage_says}",
+                       f"more threads cannot help: make {top} cheaper (fewer or smaller ops, a packed dataset), "
+                       "move decoding and augmentation to the GPU (device='cuda'), or give the process more "
+                       "cores", numbers)
+    r = s["remote"]
+    if top == "read" and r["requests"]:
+        numbers.update(remote_bytes_per_s=r["bytes_per_s"], get_p50_ms=r["p50_ms"], get_p99_ms=r["p99_ms"])
+        return Verdict(share, band, "read", "network",
+                       f"the reads wait on object storage: {r['requests']} GETs at {r['bytes_per_s'] / 1e6:.1f} "
+                       f"MB/s, {r['p50_ms']:.1f} ms p50 and {r['p99_ms']:.1f} ms p99 per GET (retries "
+                       f"included); {stage_says}",
+                       f"keep more GETs in flight (remote_requests, now {settings['remote_requests']}), keep "
+                       f"the node-local cache on (remote_cache, now {settings['remote_cache']}) so later epochs "
+                       "read local disk, or ask the store why it throttles (a p99 far above the p50)", numbers)
+    if top == "read":
+        numbers["bytes_per_s"] = s["bytes_per_s"]
+        return Verdict(share, band, "read", "storage",
+                       f"the reads take {st['p50_ms']:.1f} ms per batch p50 ({s['bytes_per_s'] / 1e6:.1f} MB/s) "
+                       f"while the CPU is {100 * cpu['busy']:.0f}% busy; {stage_says}",
+                       f"keep more reads in flight (io_threads, now {settings['io_threads']}; read_parts, now "
+                       f"{settings['read_parts']}), pack small files into shards (gpuio pack), or use a faster "
+                       "disk", numbers)
+    if stages.get(top, {}).get("gpu_busy", 0.0) >= _SATURATED:
+        return Verdict(share, band, top, "gpu",
+                       f"{top}'s kernels keep the GPU busy {100 * st['gpu_busy']:.0f}% of the time "
+                       f"({st['gpu_p50_ms']:.1f} ms per batch p50); {stage_says}",
+                       f"make {top} cheaper on the GPU (fewer ops, a smaller output, a fused chain)", numbers)
+    if busy.get(top, 0.0) >= _SATURATED:
+        room = cpu["cores"] - cpu["busy"] * cpu["cores"]
+        return Verdict(share, band, top, "workers",
+                       f"{top}'s {st['workers']} worker(s) are busy {100 * busy[top]:.0f}% of the time while the "
+                       f"process uses {100 * cpu['busy']:.0f}% of its {cpu['cores']} cores; {stage_says}",
+                       f"raise threads (now {threads}; about {room:.1f} cores are idle), or make {top} cheaper",
+                       numbers)
+    return Verdict(share, band, top, "hand-off",
+                   f"no stage is saturated ({shares}) and the CPU is {100 * cpu['busy']:.0f}% busy: batches wait "
+                   "between stages and for the consumer",
+                   f"raise prefetch (now {prefetch}, {window} batches in flight) so that more batches are under way",
+                   numbers)

@@ -36,7 +36,7 @@ from gpuio.index import SampleIndex
 from gpuio.pipeline import _frameworks
 from gpuio.pipeline._collate import Collate
 from gpuio.pipeline._executor import Executor, Stage
-from gpuio.pipeline._stats import PipelineStats
+from gpuio.pipeline._stats import PipelineStats, Verdict, verdict
 from gpuio.pipeline._opfields import check_op_fields, consumed_fields, flat_ops, image_fields
 from gpuio.pipeline.order import ORDER_VERSION, EpochOrder, EpochPlan, epoch_order
 from gpuio.storage import Reader, learn_lengths, read_fields
@@ -256,6 +256,7 @@ class Loader:
         self._pos = 0  # batches of self._plan handed to the consumer
         self._resume: EpochPlan | None = None  # the next pass's plan, set by load_state_dict
         self._executor: Executor | None = None  # kept across completed passes
+        self._wanted = 0  # batches in flight the stages and prefetch want (the budget may allow fewer)
         self._passing = False  # a pass is between its first and last batch
         self._inline = False  # the next pass reads on the consumer's thread (see _INLINE_BELOW)
         self._readers: dict[str, Reader] = {}
@@ -456,7 +457,8 @@ class Loader:
         self.close()
         self._open_readers()
         stages = self._stages()
-        window = min(self.prefetch + sum(1 if s.gpu else s.workers for s in stages), self._max_in_flight)
+        self._wanted = self.prefetch + sum(1 if s.gpu else s.workers for s in stages)
+        window = min(self._wanted, self._max_in_flight)
         ex = Executor(stages, window=window, device=self.device, hook=self._stats,
                       name=f"gpuio-loader{self.rank}")
         ex.start()
@@ -702,9 +704,9 @@ class Loader:
         ``blocked_s`` (finished batches' wait for their turn to go on, in order); a GPU
         stage adds the same of its device time, from CUDA events on its stream
         (``gpu_seconds``, ``gpu_busy``, ``gpu_p50_ms``, ``gpu_p99_ms``). ``consumer``:
-        the training loop's ``wait_s`` in ``next()`` (hand-off included) and ``work_s``
-        between batches, each with p50/p99 per batch, and ``input_share``, the wait's
-        share of the two. ``remote``: the ranged GETs of object storage (requests,
+        the training loop's ``wait_s`` in ``next()`` (hand-off included; each pass's
+        first batch apart, in ``start_up_s``) and ``work_s`` between batches, each with
+        p50/p99 per batch, and ``input_share``, the wait's share of the two. ``remote``: the ranged GETs of object storage (requests,
         bytes, seconds, p50/p99 per GET, retries included). ``bytes_in_flight``: bytes
         read and not yet handed over, by where they lie (``host``, ``pinned``, ``gpu``),
         and ``peak_bytes_in_flight``; ``buffers``: bytes the loader's buffer pool holds
@@ -713,7 +715,7 @@ class Loader:
         ``torchrun``'s local world size) and their ``busy`` share. ``queues``: batches
         waiting before each stage now; ``window``: the most batches the running pass
         keeps in flight; ``inline``: whether the last pass ran on the consumer's thread
-        (see ``prefetch``); ``consumer_wait_s``: as ``consumer["wait_s"]``. ``skipped``
+        (see ``prefetch``); ``consumer_wait_s``: all the consumer's waits, start-ups included. ``skipped``
         counts bad samples dropped under ``on_error="skip"`` and ``errors`` holds the
         first few of them, each naming the sample, its file and byte offset; ``warned``
         counts samples decoded despite a decoder's warning (a JPEG libjpeg warns about,
@@ -733,7 +735,7 @@ class Loader:
                 **figures,
                 "buffers": {"held": self._pool.held_bytes, "budget": self._pool.budget},
                 "queues": snap["queues"],
-                "consumer_wait_s": figures["consumer"]["wait_s"],
+                "consumer_wait_s": round(figures["consumer"]["wait_s"] + figures["consumer"]["start_up_s"], 6),
                 "window": snap["window"],
                 "inline": ex is not None and ex.inline,
                 "skipped": self._skipped,
@@ -741,6 +743,20 @@ class Loader:
                 "warned": self._warned,
                 "warnings": list(self._warnings),
             }
+
+
+    def report(self) -> Verdict:
+        """Whether the training loop waits for this loader, and if so why, from
+        ``stats()``: the share of its step time spent waiting in ``next()`` (tf.data's
+        bands: under 5% not input-bound, 5-20% moderately, above 20% highly), the
+        bottleneck stage, the resource that binds it (the consumer; the CPU cores; one
+        stage's workers; storage or the network; the GPU; the buffer budget) and what to
+        change, with the numbers used (``Verdict``; ``print(loader.report())``)."""
+        s = self.stats()
+        settings = {name: config.get(name) for name in ("io_threads", "read_parts", "remote_requests",
+                                                        "remote_cache")}
+        return verdict(s, threads=self.threads, prefetch=self.prefetch, window=s["window"], wanted=self._wanted,
+                       settings=settings)
 
 
 def _field_sources(index: SampleIndex, fields: Sequence[str] | dict[str, str] | None,
