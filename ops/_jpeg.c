@@ -12,6 +12,10 @@
  * and written as three. One decompressor and one scratch buffer (kept per thread) serve
  * the whole batch, so the decoded window is still in the cache when the resampler reads
  * it. libjpeg's defaults stay: the accurate integer IDCT (JDCT_ISLOW) and fancy upsampling.
+ * add_restarts(): a JPEG rewritten losslessly (libjpeg's transcoding: the DCT coefficients
+ * are copied, not decoded) with a restart marker every N MCUs, and where each restart
+ * interval's entropy-coded data starts. Given those offsets, decode_region and
+ * decode_resample decode a window from the intervals that cover it (sub_jpeg).
  */
 #include "_resample.h"
 
@@ -20,6 +24,7 @@
 #include <stdio.h>
 #include <time.h>
 #include <jpeglib.h>
+#include <jerror.h>
 
 /* columns decoded beyond each side of a window: libjpeg upsamples chroma at a cropped
  * edge as at the image's edge, which would change the window's outermost pixels */
@@ -185,6 +190,8 @@ typedef struct {
     size_t capacity;
     JSAMPROW *rows;
     size_t nrows;
+    uint8_t *sub; /* the JPEG of a window's restart intervals (sub_jpeg) */
+    size_t sub_capacity;
 } Decoder;
 
 /* Grow `*buf` to hold `need` items of `size` bytes; 0, or -1 when out of memory. */
@@ -197,13 +204,121 @@ static int reserve(void **buf, size_t *have, size_t need, size_t size) {
     return 0;
 }
 
+/* Where the SOF marker (its 0xFF) of the JPEG `data` starts, and where its first scan's
+ * entropy-coded data starts (*scan, after the SOS header); 0 where the markers before
+ * the first scan do not parse or hold no SOF. */
+static size_t find_frame(const uint8_t *data, size_t size, size_t *scan) {
+    size_t p = 2, sof = 0;
+    while (p + 4 <= size && data[p] == 0xFF) {
+        const unsigned marker = data[p + 1];
+        if (marker == 0xFF) { /* a fill byte */
+            ++p;
+            continue;
+        }
+        const size_t end = p + 2 + read16(data + p + 2, 0);
+        if (end > size) return 0;
+        /* SOF0-SOF15 but DHT (C4), JPG (C8) and DAC (CC) */
+        if (marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC) sof = p;
+        if (marker == 0xDA) {
+            *scan = end;
+            return sof;
+        }
+        p = end;
+    }
+    return 0;
+}
+
+/* The JPEG of the restart intervals of `data` (whose header d->cinfo has read) that cover
+ * the window win (rows win[0]..win[2], columns win[1]..win[3] of the 1/denom-scaled image)
+ * and one MCU around it on each side (the context the chroma upsampler reads) into
+ * d->sub: `data`'s header with the frame's size changed, the intervals' entropy-coded data
+ * with their restart markers numbered anew, EOI. `restarts` (`count` uint32): where each
+ * interval's entropy-coded data starts in `data`. It serves where an interval is a whole
+ * number of MCU rows or an even part of one, in a single sequential scan. Its size in
+ * bytes, *top and *left the full-image pixel of its first; 0 where the intervals do not
+ * serve this window (decode `data` itself), -1 with d->err.message where `restarts` do not
+ * fit the data. `restarts` are little-endian, read bytewise (a record may sit anywhere). */
+static long sub_jpeg(Decoder *d, const uint8_t *data, size_t size, const uint8_t *restarts, size_t count, int denom,
+                     const int win[4], int *top, int *left) {
+    const struct jpeg_decompress_struct *c = &d->cinfo;
+    const size_t interval = c->restart_interval;
+    if (!interval || c->progressive_mode || c->comps_in_scan != c->num_components) return 0;
+    const long H = (long)c->image_height, W = (long)c->image_width;
+    const long mcu_h = c->num_components == 1 ? DCTSIZE : DCTSIZE * c->max_v_samp_factor;
+    const long mcu_w = c->num_components == 1 ? DCTSIZE : DCTSIZE * c->max_h_samp_factor;
+    const size_t per_row = (size_t)((W + mcu_w - 1) / mcu_w), mcu_rows = (size_t)((H + mcu_h - 1) / mcu_h);
+    size_t scan = 0;
+    const size_t sof = find_frame(data, size, &scan);
+    const size_t intervals = (per_row * mcu_rows + interval - 1) / interval;
+    if (!sof || count != intervals || read32(restarts, 1) != scan) {
+        snprintf(d->err.message, sizeof d->err.message,
+                 "%zu restart offsets starting at byte %u do not fit the JPEG's %zu intervals of %zu MCUs from "
+                 "byte %zu", count, count ? read32(restarts, 1) : 0, intervals, interval, scan);
+        return -1;
+    }
+    /* the intervals as a grid: bands of `band` MCU rows, each of `across` intervals */
+    size_t band, across;
+    if (interval % per_row == 0) band = interval / per_row, across = 1;
+    else if (per_row % interval == 0) band = 1, across = per_row / interval;
+    else return 0;
+    const size_t bands = (mcu_rows + band - 1) / band;
+    const long y0 = (long)win[0] * denom, x0 = (long)win[1] * denom;
+    const long y1 = (long)win[2] * denom < H ? (long)win[2] * denom : H;
+    const long x1 = (long)win[3] * denom < W ? (long)win[3] * denom : W;
+    if (y0 < 0 || x0 < 0 || y0 >= y1 || x0 >= x1) return 0; /* decode_window says what is wrong */
+    /* MCU rows r0..r1 and columns m0..m1: the window's and one on each side */
+    const long r0 = y0 / mcu_h - 1, r1 = (y1 + mcu_h - 1) / mcu_h + 1;
+    const long m0 = x0 / mcu_w - 1, m1 = (x1 + mcu_w - 1) / mcu_w + 1;
+    const size_t cols = per_row / across; /* MCUs across an interval */
+    const size_t b0 = r0 > 0 ? (size_t)r0 / band : 0, b1 = r1 < (long)mcu_rows ? ((size_t)r1 + band - 1) / band : bands;
+    const size_t j0 = m0 > 0 ? (size_t)m0 / cols : 0, j1 = m1 < (long)per_row ? ((size_t)m1 + cols - 1) / cols : across;
+    if (b0 == 0 && b1 == bands && j0 == 0 && j1 == across) return 0; /* all of it */
+    *top = (int)(b0 * band * mcu_h);
+    *left = (int)(j0 * cols * mcu_w);
+    const long bottom = (long)(b1 * band) * mcu_h, right = (long)(j1 * cols) * mcu_w;
+    const long h = (bottom < H ? bottom : H) - *top, w = (right < W ? right : W) - *left;
+    if (reserve((void **)&d->sub, &d->sub_capacity, size + 2, 1) < 0) {
+        snprintf(d->err.message, sizeof d->err.message, "out of memory");
+        return -1;
+    }
+    uint8_t *out = d->sub;
+    memcpy(out, data, scan);
+    out[sof + 5] = (uint8_t)(h >> 8), out[sof + 6] = (uint8_t)h; /* the frame's height and width */
+    out[sof + 7] = (uint8_t)(w >> 8), out[sof + 8] = (uint8_t)w;
+    size_t n = scan, taken = scan; /* the bytes of `data` read so far: the intervals taken are disjoint */
+    unsigned rst = 0;
+    for (size_t b = b0; b < b1; ++b)
+        for (size_t j = j0; j < j1; ++j) {
+            const size_t k = b * across + j, start = read32(restarts + 4 * k, 1);
+            const size_t next = k + 1 < count ? read32(restarts + 4 * (k + 1), 1) : size, end = next - 2;
+            const unsigned marker = k + 1 < count ? 0xD0 + k % 8 : 0xD9; /* what ends interval k */
+            if (start < taken || next < start + 2 || next > size || data[end] != 0xFF || data[end + 1] != marker) {
+                snprintf(d->err.message, sizeof d->err.message,
+                         "restart interval %zu (bytes %zu to %zu) does not end with marker 0xFF%02X", k, start, next,
+                         marker);
+                return -1;
+            }
+            taken = next;
+            if (n > scan) {
+                out[n++] = 0xFF;
+                out[n++] = (uint8_t)(0xD0 + rst);
+                rst = (rst + 1) % 8;
+            }
+            memcpy(out + n, data + start, end - start);
+            n += end - start;
+        }
+    out[n++] = 0xFF;
+    out[n++] = 0xD9;
+    return (long)n;
+}
+
 /* Decode rows win[0]..win[2], columns win[1]..win[3] of the 1/denom-scaled image of
  * `data` (win[2] and win[3] are clipped to it) into d->scratch: *origin is pixel (win[0],
  * win[1]), rows `*stride` bytes apart. `*channels`: on entry 1 where a grayscale JPEG may
  * stay gray though RGB is asked (else 0), on return the channels decoded (1 or 3). 0, or
  * -1 with d->err.message saying why. */
-static int decode_window(Decoder *d, const uint8_t *data, size_t size, int gray, int denom, int win[4],
-                         const uint8_t **origin, size_t *stride, int *channels) {
+static int decode_window(Decoder *d, const uint8_t *data, size_t size, const uint8_t *restarts, size_t count,
+                         int gray, int denom, int win[4], const uint8_t **origin, size_t *stride, int *channels) {
     struct jpeg_decompress_struct *cinfo = &d->cinfo;
     if (setjmp(d->err.jump)) {
         jpeg_abort_decompress(cinfo);
@@ -211,6 +326,20 @@ static int decode_window(Decoder *d, const uint8_t *data, size_t size, int gray,
     }
     jpeg_mem_src(cinfo, data, (unsigned long)size);
     jpeg_read_header(cinfo, TRUE);
+    int top = 0, left = 0; /* where the JPEG decoded starts in the image: full-image pixels */
+    if (restarts) {
+        const long n = sub_jpeg(d, data, size, restarts, count, denom, win, &top, &left);
+        if (n < 0) {
+            jpeg_abort_decompress(cinfo);
+            return -1;
+        }
+        if (n > 0) {
+            jpeg_abort_decompress(cinfo);
+            jpeg_mem_src(cinfo, d->sub, (unsigned long)n);
+            jpeg_read_header(cinfo, TRUE);
+            win[0] -= top / denom, win[1] -= left / denom, win[2] -= top / denom, win[3] -= left / denom;
+        }
+    }
     if (*channels == 1) gray = gray || cinfo->jpeg_color_space == JCS_GRAYSCALE;
     cinfo->out_color_space = gray ? JCS_GRAYSCALE : JCS_RGB;
     cinfo->scale_num = 1;
@@ -244,19 +373,24 @@ static int decode_window(Decoder *d, const uint8_t *data, size_t size, int gray,
         jpeg_read_scanlines(cinfo, d->rows + (cinfo->output_scanline - y0), (JDIMENSION)y1 - cinfo->output_scanline);
     jpeg_abort_decompress(cinfo); /* rows below the window are never decoded */
     *origin = d->scratch + (size_t)(x0 - (int)xoff) * C;
+    win[0] += top / denom, win[1] += left / denom, win[2] += top / denom, win[3] += left / denom;
     return 0;
 }
 
 /* Decode the pixels sample s's clip reads (full-image pixels) at 1/denom scale and point
- * s at them: the box moves to the window's coordinates, scaled. 0 or -1 as decode_window. */
-static int decode_sample(Decoder *d, const uint8_t *data, size_t size, int gray, int denom, Sample *s) {
+ * s at them: the box moves to the window's coordinates, scaled. `restarts`: the JPEG's
+ * restart offsets (buf NULL: none). 0 or -1 as decode_window. */
+static int decode_sample(Decoder *d, const uint8_t *data, size_t size, const Py_buffer *restarts, int gray, int denom,
+                         Sample *s) {
     const int64_t *c = s->clip;
     int win[4] = {(int)(c[0] / denom), (int)(c[1] / denom), (int)((c[2] + denom - 1) / denom),
                   (int)((c[3] + denom - 1) / denom)};
     const uint8_t *origin;
     size_t stride;
     int channels = 1; /* a grayscale JPEG stays gray: the resampler writes its one channel as three */
-    if (decode_window(d, data, size, gray, denom, win, &origin, &stride, &channels) < 0) return -1;
+    if (decode_window(d, data, size, restarts->buf, (size_t)restarts->len / 4, gray, denom, win, &origin, &stride,
+                      &channels) < 0)
+        return -1;
     s->src = origin;
     s->rs = (ptrdiff_t)stride;
     s->cs = channels;
@@ -275,6 +409,7 @@ static int decode_sample(Decoder *d, const uint8_t *data, size_t size, int gray,
 static void free_decoder(Decoder *d) {
     jpeg_destroy_decompress(&d->cinfo);
     free(d->scratch);
+    free(d->sub);
     free(d->rows);
     free(d);
 }
@@ -296,10 +431,17 @@ static void make_decoder_key(void) { decoder_key_made = pthread_key_create(&deco
 static void release_decoder(Decoder *d, int owned) {
     if (owned) {
         free_decoder(d);
-    } else if (d && d->capacity > KEEP_SCRATCH) {
-        free(d->scratch);
-        d->scratch = NULL;
-        d->capacity = 0;
+    } else if (d) {
+        if (d->capacity > KEEP_SCRATCH) {
+            free(d->scratch);
+            d->scratch = NULL;
+            d->capacity = 0;
+        }
+        if (d->sub_capacity > KEEP_SCRATCH) {
+            free(d->sub);
+            d->sub = NULL;
+            d->sub_capacity = 0;
+        }
     }
 }
 
@@ -320,11 +462,40 @@ static Decoder *thread_decoder(int *owned) {
     return d;
 }
 
+/* The restart offsets of one image: `obj` None or empty (view->buf NULL then) or a buffer
+ * of little-endian uint32; 0, or -1 with an exception set. */
+static int get_restarts(PyObject *obj, Py_buffer *view) {
+    memset(view, 0, sizeof *view);
+    if (obj == Py_None) return 0;
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) return -1;
+    if (view->len % 4) {
+        PyErr_Format(PyExc_ValueError, "restart offsets: %zd bytes, want a uint32 array", view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    if (view->len == 0) { /* none */
+        PyBuffer_Release(view);
+        memset(view, 0, sizeof *view);
+    }
+    return 0;
+}
+
+static void release_restarts(Py_buffer *view) {
+    if (view->buf) PyBuffer_Release(view);
+}
+
 static PyObject *decode_region(PyObject *self, PyObject *args) {
-    Py_buffer data, out;
+    Py_buffer data, out, restarts;
+    PyObject *o_restarts = Py_None;
     int gray, denom, win[4];
-    if (!PyArg_ParseTuple(args, "y*piiiiiw*", &data, &gray, &denom, &win[0], &win[1], &win[2], &win[3], &out))
+    if (!PyArg_ParseTuple(args, "y*piiiiiw*|O", &data, &gray, &denom, &win[0], &win[1], &win[2], &win[3], &out,
+                          &o_restarts))
         return NULL;
+    if (get_restarts(o_restarts, &restarts) < 0) {
+        PyBuffer_Release(&data);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
     const int C = gray ? 1 : 3, want_h = win[2] - win[0], want_w = win[3] - win[1];
     PyObject *result = NULL;
     if (denom != 1 && denom != 2 && denom != 4 && denom != 8) {
@@ -339,7 +510,8 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         size_t stride;
         Decoder *d = thread_decoder(&owned);
         int channels = 0;
-        failed = !d || decode_window(d, data.buf, (size_t)data.len, gray, denom, win, &origin, &stride, &channels) < 0;
+        failed = !d || decode_window(d, data.buf, (size_t)data.len, restarts.buf, (size_t)restarts.len / 4, gray,
+                                     denom, win, &origin, &stride, &channels) < 0;
         if (failed && d) memcpy(message, d->err.message, sizeof message);
         if (!failed && (win[2] - win[0] != want_h || win[3] - win[1] != want_w)) {
             snprintf(message, sizeof message, "the region ends outside the image");
@@ -352,6 +524,7 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         if (failed) PyErr_Format(PyExc_ValueError, "%s", message);
         else result = Py_NewRef(Py_None);
     }
+    release_restarts(&restarts);
     PyBuffer_Release(&data);
     PyBuffer_Release(&out);
     return result;
@@ -382,16 +555,36 @@ static PyObject *time_stages(PyObject *self, PyObject *arg) {
 }
 
 static PyObject *decode_resample(PyObject *self, PyObject *args) {
-    PyObject *list, *objs[8];
-    Py_buffer o_denoms, *views;
+    PyObject *list, *objs[8], *o_restarts = Py_None;
+    Py_buffer o_denoms, *views, *restarts = NULL;
     BatchArgs a;
     int gray;
-    if (!PyArg_ParseTuple(args, "Oy*pOOOOOOOOiiip", &list, &o_denoms, &gray, &objs[0], &objs[1], &objs[2],
+    if (!PyArg_ParseTuple(args, "Oy*pOOOOOOOOiiip|O", &list, &o_denoms, &gray, &objs[0], &objs[1], &objs[2],
                           &objs[3], &objs[4], &objs[5], &objs[6], &objs[7], &a.job.interp, &a.job.antialias,
-                          &a.job.chw, &a.job.to_uint8))
+                          &a.job.chw, &a.job.to_uint8, &o_restarts))
         return NULL;
     const Py_ssize_t n = get_images(list, &views);
     if (n < 0) {
+        PyBuffer_Release(&o_denoms);
+        return NULL;
+    }
+    Py_ssize_t held = 0; /* restart offsets held: per image, or none */
+    int bad = 0;
+    if (!(restarts = calloc(n ? n : 1, sizeof(Py_buffer)))) {
+        PyErr_NoMemory();
+        bad = 1;
+    } else if (o_restarts != Py_None && (!PyList_Check(o_restarts) || PyList_GET_SIZE(o_restarts) != n)) {
+        PyErr_Format(PyExc_TypeError, "restarts: a list of one uint32 array or None per image");
+        bad = 1;
+    }
+    while (!bad && o_restarts != Py_None && held < n) {
+        if (get_restarts(PyList_GET_ITEM(o_restarts, held), &restarts[held]) < 0) bad = 1;
+        else ++held;
+    }
+    if (bad) {
+        for (Py_ssize_t i = 0; i < held; ++i) release_restarts(&restarts[i]);
+        free(restarts);
+        release_images(views, n);
         PyBuffer_Release(&o_denoms);
         return NULL;
     }
@@ -421,7 +614,8 @@ static PyObject *decode_resample(PyObject *self, PyObject *args) {
             for (Py_ssize_t i = 0; i < n; ++i) {
                 Sample s;
                 sample_args(&a, i, &s);
-                const int decoded = !d ? -1 : decode_sample(d, views[i].buf, (size_t)views[i].len, gray, (int)denoms[i], &s);
+                const int decoded = !d ? -1 : decode_sample(d, views[i].buf, (size_t)views[i].len, &restarts[i], gray,
+                                                            (int)denoms[i], &s);
                 const int64_t middle = timed ? thread_ns() : 0;
                 if (decoded < 0) {
                     if (d) memcpy(messages[i], d->err.message, JMSG_LENGTH_MAX);
@@ -452,8 +646,132 @@ static PyObject *decode_resample(PyObject *self, PyObject *args) {
     }
     free(messages);
     free(status);
+    for (Py_ssize_t i = 0; i < held; ++i) release_restarts(&restarts[i]);
+    free(restarts);
     release_images(views, n);
     PyBuffer_Release(&o_denoms);
+    return result;
+}
+
+/* A growing memory destination for libjpeg's compressor (its own jpeg_mem_dest may free
+ * the buffer it last reported when it grows it, so an error half way leaves no safe one). */
+typedef struct {
+    struct jpeg_destination_mgr pub;
+    uint8_t *buf;
+    size_t capacity;
+} Sink;
+
+static void sink_start(j_compress_ptr cinfo) {
+    Sink *s = (Sink *)cinfo->dest;
+    s->pub.next_output_byte = s->buf;
+    s->pub.free_in_buffer = s->capacity;
+}
+
+static boolean sink_grow(j_compress_ptr cinfo) {
+    Sink *s = (Sink *)cinfo->dest;
+    uint8_t *grown = realloc(s->buf, s->capacity * 2);
+    if (!grown) ERREXIT1(cinfo, JERR_OUT_OF_MEMORY, 0);
+    s->pub.next_output_byte = grown + s->capacity; /* the buffer was full */
+    s->pub.free_in_buffer = s->capacity;
+    s->buf = grown;
+    s->capacity *= 2;
+    return TRUE;
+}
+
+static void sink_end(j_compress_ptr cinfo) { (void)cinfo; }
+
+/* The JPEG `data` rewritten into sink->buf (*used bytes) with a restart marker every
+ * `interval` MCUs (0: every MCU row): its DCT coefficients, quantization tables and
+ * sampling copied, Huffman tables made optimal for it, one sequential scan, the APP1 (Exif,
+ * XMP) and APP2 (ICC profile) markers kept. 0, or -1 with err->message saying why. */
+static int transcode(const uint8_t *data, size_t size, unsigned interval, Sink *sink, size_t *used, Errors *err) {
+    struct jpeg_decompress_struct src;
+    struct jpeg_compress_struct dst;
+    volatile int made = 0; /* 1: src made, 2: dst too */
+    src.err = dst.err = jpeg_std_error(&err->mgr);
+    err->mgr.error_exit = on_error;
+    err->mgr.emit_message = on_message;
+    if (setjmp(err->jump)) {
+        if (made > 1) jpeg_destroy_compress(&dst);
+        if (made > 0) jpeg_destroy_decompress(&src);
+        return -1;
+    }
+    jpeg_create_decompress(&src);
+    made = 1;
+    jpeg_create_compress(&dst);
+    made = 2;
+    jpeg_mem_src(&src, data, (unsigned long)size);
+    jpeg_save_markers(&src, JPEG_APP0 + 1, 0xFFFF);
+    jpeg_save_markers(&src, JPEG_APP0 + 2, 0xFFFF);
+    jpeg_read_header(&src, TRUE);
+    jvirt_barray_ptr *coefficients = jpeg_read_coefficients(&src);
+    jpeg_copy_critical_parameters(&src, &dst);
+    dst.optimize_coding = TRUE;
+    if (interval) dst.restart_interval = interval;
+    else dst.restart_in_rows = 1;
+    sink->pub.init_destination = sink_start;
+    sink->pub.empty_output_buffer = sink_grow;
+    sink->pub.term_destination = sink_end;
+    dst.dest = &sink->pub;
+    jpeg_write_coefficients(&dst, coefficients);
+    for (jpeg_saved_marker_ptr m = src.marker_list; m; m = m->next)
+        jpeg_write_marker(&dst, m->marker, m->data, m->data_length);
+    jpeg_finish_compress(&dst);
+    jpeg_finish_decompress(&src);
+    *used = sink->capacity - sink->pub.free_in_buffer;
+    jpeg_destroy_compress(&dst);
+    jpeg_destroy_decompress(&src);
+    return 0;
+}
+
+/* Where each restart interval's entropy-coded data starts in the single-scan JPEG `data`
+ * (the scan's first byte, then the byte after each RSTn marker, up to the first other
+ * marker) into a new array, *count of them; NULL where no scan is found or out of memory. */
+static uint32_t *find_restarts(const uint8_t *data, size_t size, size_t *count) {
+    size_t scan = 0, capacity = 64;
+    if (!find_frame(data, size, &scan) || scan > UINT32_MAX || size > UINT32_MAX) return NULL;
+    uint32_t *offsets = malloc(capacity * sizeof *offsets);
+    if (!offsets) return NULL;
+    offsets[0] = (uint32_t)scan;
+    *count = 1;
+    for (size_t p = scan; p + 1 < size; ++p) {
+        if (data[p] != 0xFF || data[p + 1] == 0x00) continue; /* 0xFF00: a stuffed 0xFF byte */
+        if (data[p + 1] < 0xD0 || data[p + 1] > 0xD7) break;
+        if (reserve((void **)&offsets, &capacity, *count + 1, sizeof *offsets) < 0) {
+            free(offsets);
+            return NULL;
+        }
+        offsets[(*count)++] = (uint32_t)(p + 2);
+        ++p;
+    }
+    return offsets;
+}
+
+static PyObject *add_restarts(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    int interval;
+    if (!PyArg_ParseTuple(args, "y*i", &data, &interval)) return NULL;
+    if (interval < 0 || interval > 65535) {
+        PyBuffer_Release(&data);
+        return PyErr_Format(PyExc_ValueError, "restart interval %d: 0 (every MCU row) to 65535 MCUs", interval);
+    }
+    Errors err;
+    Sink sink = {.capacity = (size_t)data.len + (size_t)data.len / 8 + 4096};
+    size_t used = 0, count = 0;
+    uint32_t *offsets = NULL;
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    sink.buf = malloc(sink.capacity);
+    failed = !sink.buf ? -2 : transcode(data.buf, (size_t)data.len, (unsigned)interval, &sink, &used, &err);
+    if (!failed && !(offsets = find_restarts(sink.buf, used, &count))) failed = -2;
+    Py_END_ALLOW_THREADS
+    PyObject *result = NULL;
+    if (failed == -2) PyErr_NoMemory();
+    else if (failed) PyErr_Format(PyExc_ValueError, "%s", err.message);
+    else result = Py_BuildValue("(y#y#)", sink.buf, (Py_ssize_t)used, offsets, (Py_ssize_t)(count * sizeof *offsets));
+    free(sink.buf);
+    free(offsets);
+    PyBuffer_Release(&data);
     return result;
 }
 
@@ -464,11 +782,16 @@ static PyMethodDef methods[] = {
      "subsampled by) into out [N, 7]; all 0 where libjpeg cannot read the headers"},
     {"decode_resample", decode_resample, METH_VARARGS,
      "decode_resample(images, denoms, gray, boxes, clips, out_hw, offsets, flips, mean, inv_std, out, interp, "
-     "antialias, chw, to_uint8) -> [(row, message)] of the images that failed: each image decoded where its clip "
-     "reads, DCT-scaled by 1/denom (the box and clip in full-image pixels), then resampled as gpuio.ops._resample.resample"},
+     "antialias, chw, to_uint8, restarts=None) -> [(row, message)] of the images that failed: each image decoded where "
+     "its clip reads (from the restart intervals that cover it where restarts[i] holds its restart offsets), "
+     "DCT-scaled by 1/denom (the box and clip in full-image pixels), then resampled as gpuio.ops._resample.resample"},
     {"decode_region", decode_region, METH_VARARGS,
-     "decode_region(data, gray, denom, y0, x0, y1, x1, out): rows y0..y1, columns x0..x1 of the 1/denom-scaled "
-     "image, HWC uint8 into out; ValueError saying why it failed"},
+     "decode_region(data, gray, denom, y0, x0, y1, x1, out, restarts=None): rows y0..y1, columns x0..x1 of the "
+     "1/denom-scaled image, HWC uint8 into out (from the restart intervals that cover them where `restarts` holds "
+     "the JPEG's restart offsets); ValueError saying why it failed"},
+    {"add_restarts", add_restarts, METH_VARARGS,
+     "add_restarts(data, interval) -> (jpeg, offsets): the JPEG rewritten losslessly with a restart marker every "
+     "`interval` MCUs (0: every MCU row), and the uint32 offsets of each restart interval's first entropy-coded byte"},
     {"stage_times", stage_times, METH_NOARGS,
      "stage_times() -> (decode, resample): CPU seconds decode_resample has spent in each, all threads, while "
      "time_stages(True) was in force"},

@@ -3,7 +3,8 @@
 
 Optional: built at install where libjpeg's headers exist; else whole images are decoded
 by simplejpeg. Callers: ``gpuio.ops.decode`` (``jpeg_facts``, ``decode_region``, reached
-through ``native_jpeg()``) and ``gpuio.ops.fused`` (``decode_resample``).
+through ``native_jpeg()``), ``gpuio.ops.fused`` (``decode_resample``) and
+``gpuio.ops.restart`` (``add_restarts``).
 """
 from _typeshed import ReadableBuffer, WriteableBuffer
 
@@ -21,24 +22,31 @@ def headers(images: list[ReadableBuffer], out: WriteableBuffer, /) -> None:
     """
 
 def decode_region(data: ReadableBuffer, gray: bool, denom: int, y0: int, x0: int, y1: int, x1: int,
-                  out: WriteableBuffer, /) -> None:
+                  out: WriteableBuffer, restarts: ReadableBuffer | None = None, /) -> None:
     """Rows ``y0:y1`` and columns ``x0:x1`` of the 1/``denom``-scaled image of one JPEG
     (pixels of the scaled image, which has ``ceil(size / denom)`` pixels per side), uint8
     HWC with 1 channel (``gray``) or 3 (RGB) into the first
     ``(y1 - y0) * (x1 - x0) * channels`` bytes of ``out``. Rows below the region are not
-    decoded. The GIL is released while it decodes.
+    decoded. ``restarts``: the JPEG's restart offsets (little-endian uint32, as
+    ``add_restarts`` gives them; None or empty: none): then only the restart intervals
+    that cover the region and one MCU around it are decoded, where its intervals are a
+    whole number of MCU rows or an even part of one (else the whole stream, as without);
+    the pixels are the same. The GIL is released while it decodes.
 
     Raises ValueError when ``denom`` is not 1, 2, 4 or 8, the region is empty or does
-    not fit in ``out``, it ends outside the image, or libjpeg cannot decode the data
-    (the message is libjpeg's).
+    not fit in ``out``, it ends outside the image, ``restarts`` do not fit the JPEG, or
+    libjpeg cannot decode the data (the message is libjpeg's).
     """
 
 def decode_resample(images: list[ReadableBuffer], denoms: ReadableBuffer, gray: bool, boxes: ReadableBuffer,
                     clips: ReadableBuffer, out_hw: ReadableBuffer, offsets: ReadableBuffer, flips: ReadableBuffer,
                     mean: ReadableBuffer, inv_std: ReadableBuffer, out: WriteableBuffer, interp: int,
-                    antialias: int, chw: int, to_uint8: bool, /) -> list[tuple[int, str]]:
+                    antialias: int, chw: int, to_uint8: bool, restarts: list[ReadableBuffer | None] | None = None,
+                    /) -> list[tuple[int, str]]:
     """Decode and resample a batch of N JPEGs in one call, the GIL released for the whole
-    batch: per image, only the rows and iMCU columns its clip reads are decoded, at
+    batch: per image, only the rows and iMCU columns its clip reads are decoded (only the
+    restart intervals that cover them where ``restarts[i]`` holds its restart offsets,
+    as in ``decode_region``), at
     1/``denoms[i]`` DCT scale (``denoms``: int64 ``[N]``, each 1, 2, 4 or 8), 1 channel
     (``gray``) or 3, then cropped, resized, flipped, normalized and cast into ``out`` as
     ``gpuio.ops._resample.resample`` does. ``boxes`` and ``clips`` are in full-image
@@ -48,10 +56,23 @@ def decode_resample(images: list[ReadableBuffer], denoms: ReadableBuffer, gray: 
     left unwritten; the caller decodes them another way or rejects them); ``[]`` when all
     succeeded.
 
-    Raises TypeError when ``images`` is not a list of buffers; ValueError when
-    ``denoms`` or another argument buffer is too short, ``interp`` is not 0, 1 or 3, or
+    Raises TypeError when ``images`` is not a list of buffers or ``restarts`` not a list
+    of N buffers or None; ValueError when ``denoms`` or another argument buffer is too
+    short, a ``restarts`` buffer's size is not a multiple of 4, ``interp`` is not 0, 1 or 3, or
     an image's denom is not 1, 2, 4 or 8 or its output does not fit in ``out`` (the
     message names the image's row); MemoryError.
+    """
+
+def add_restarts(data: ReadableBuffer, interval: int, /) -> tuple[bytes, bytes]:
+    """The JPEG ``data`` rewritten losslessly (libjpeg's transcoding: the DCT coefficients
+    are copied) with a restart marker every ``interval`` MCUs (0: every MCU row), and the
+    byte offsets of each restart interval's first entropy-coded byte in it, interval 0
+    included, as little-endian uint32 bytes. Optimal Huffman tables, one sequential scan,
+    the APP1 and APP2 markers kept (see ``gpuio.ops.restart.add_restart_markers``). The
+    GIL is released while it runs.
+
+    Raises ValueError when ``interval`` is outside 0-65535 or libjpeg cannot read the
+    JPEG (the message is libjpeg's); MemoryError.
     """
 
 def stage_times() -> tuple[float, float]:

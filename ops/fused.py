@@ -22,7 +22,12 @@ into a part per core with about equal decoded pixels, run at once on the process
 that one batch keeps every core busy: the first batch of an epoch and the last) decodes
 each JPEG's window with libjpeg-turbo's partial decode, at 1/2, 1/4 or 1/8 scale (libjpeg's DCT
 scaling) when the crop keeps at least the output's size (times 1.5) at that scale, and
-resamples it into the batch output while it is still in the cache; images it does not
+resamples it into the batch output while it is still in the cache. Where the batch has
+the images' restart offsets (the field ``<field>.restarts`` beside the encoded ``<field>``,
+as a packed dataset with restart markers has: ``gpuio.ops.restart``), only the restart
+intervals that cover the window and one MCU around it are decoded, bit-exact to decoding
+the whole stream (offsets that do not fit their image: decoded from the whole stream, with
+a warning). Images it does not
 take (CMYK, EXIF-rotated, truncated, not JPEG), or stops on (a libjpeg warning), are
 decoded whole by ``decode_cpu`` (the one decode policy: see ``ops.decode``) and resampled
 by ``gpuio.ops._resample``. On the GPU the batch goes through nvImageCodec's region decode in
@@ -54,6 +59,7 @@ from gpuio.ops.decode import (DecodeImage, byte_view, decodes_gray, decode_cpu, 
                               gpu_decodable, jpeg_facts, region_decodable, upload)
 from gpuio.ops.decode_slice import code_stream, region_source, stored_orientation
 from gpuio.ops.geometry import INTERPOLATIONS, CenterCrop, Flip, RandomResizedCrop, Resize, Crop, image_sizes, resample
+from gpuio.ops.restart import restarts_field
 
 try:
     from gpuio.ops import _resample
@@ -254,6 +260,7 @@ class DecodeFused(Op):
         resampled by ``gpuio.ops._resample``, into the same output."""
         color = self.decode.color
         bufs = [byte_view(buf) for buf in batch.data[self.decode.field]]
+        restarts = batch.data.get(restarts_field(self.decode.field))
         facts = jpeg_facts(bufs)
         windowed = region_decodable(facts)
         images: list[Any] = list(bufs)  # encoded where windowed, else decoded here
@@ -279,21 +286,26 @@ class DecodeFused(Op):
         keep = _keep(len(images), bad)
         batch.drop_rejected()
         subsampling = facts[:, 6]
-        images, windowed, subsampling = _take(images, keep), windowed[keep], subsampling[keep]
+        restarts = list(restarts) if restarts is not None else [None] * len(images)
+        images, windowed, subsampling, restarts = (_take(images, keep), windowed[keep], subsampling[keep],
+                                                   _take(restarts, keep))
         plan = self.fused.plan(batch, hw[keep])
         keep = plan.pop("ok")
         batch.drop_rejected()
-        images, windowed, subsampling = _take(images, keep), windowed[keep], subsampling[keep]
+        images, windowed, subsampling, restarts = (_take(images, keep), windowed[keep], subsampling[keep],
+                                                   _take(restarts, keep))
         plan = {k: v[keep] for k, v in plan.items()}
         if len(channels) != 1 or not images:
             batch.data[self.fused.field] = self.fused.run_plan(batch, images, plan)
             return batch
-        return self._resample(batch, images, windowed, subsampling, plan, channels.pop())
+        return self._resample(batch, images, restarts, windowed, subsampling, plan, channels.pop())
 
-    def _resample(self, batch: Batch, images: list[Any], windowed: np.ndarray, subsampling: np.ndarray,
-                  plan: dict[str, np.ndarray], channels: int) -> Batch:
+    def _resample(self, batch: Batch, images: list[Any], restarts: list[Any], windowed: np.ndarray,
+                  subsampling: np.ndarray, plan: dict[str, np.ndarray], channels: int) -> Batch:
         """The chain's output into one buffer: the ``windowed`` rows of ``images``
-        (encoded; ``subsampling`` from their ``jpeg_facts``) decoded and resampled by
+        (encoded; ``subsampling`` from their ``jpeg_facts``; ``restarts`` their restart
+        offsets or None) decoded from the restart intervals their windows cover (the whole
+        stream where they have none) and resampled by
         ``gpuio.ops._jpeg.decode_resample``, the others (decoded, ``channels`` each) by
         ``gpuio.ops._resample.resample``. The rows the first refuses (it stops at libjpeg's
         first warning) are decoded whole by ``decode_cpu``, which decodes or refuses them as
@@ -304,18 +316,27 @@ class DecodeFused(Op):
         clip = plan["clip"][rows]
         decoded_pixels = (clip[:, 2] - clip[:, 0]) * (clip[:, 3] - clip[:, 1]) // (denoms * denoms)
 
-        def decode_resample(run: np.ndarray) -> list[tuple[int, str]]:
-            """The rows ``rows[run]``; the failed ones as (row, message)."""
+        def decode_resample(run: np.ndarray, marked: bool = True) -> list[tuple[int, str]]:
+            """The rows ``rows[run]`` (from their restart intervals where ``marked``); the
+            failed ones as (row, message)."""
             these = rows[run]
             part = {k: v[these] for k, v in plan.items()}
             failed = decode_ops.native_jpeg().decode_resample(
                 [images[r] for r in these.tolist()], denoms[run], channels == 1,
-                *self.fused.c_args(part, offsets[these], out, channels))
+                *self.fused.c_args(part, offsets[these], out, channels),
+                [restarts[r] for r in these.tolist()] if marked else None)
             return [(int(these[k]), message) for k, message in failed]
 
         runs = _runs(decoded_pixels, config.get("decode_parts") or cpu_count())
         failed = [f for got in (cpu_pool().map(decode_resample, runs) if len(runs) > 1
                                 else map(decode_resample, runs)) for f in got]
+        marked = {row for row, _ in failed if restarts[row] is not None and len(restarts[row])}
+        if marked:  # offsets that do not fit their image (or bad data they point at): once more from the whole stream
+            again = dict(decode_resample(np.searchsorted(rows, sorted(marked)), marked=False))
+            for row, message in failed:
+                if row in marked and row not in again:
+                    batch.warn(row, f"decoded without its restart offsets: {message}")
+            failed = [(row, again.get(row, message)) for row, message in failed if row not in marked or row in again]
         rest = np.flatnonzero(~windowed)
         if len(rest):
             part = {k: v[rest] for k, v in plan.items()}

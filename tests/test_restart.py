@@ -1,0 +1,230 @@
+"""Restart markers (``gpuio.ops.restart``): the lossless rewrite, against the source's
+pixels and ``jpegtran``'s bytes, and windows decoded from the restart intervals that cover
+them, bit-exact to decoding the whole source image and cropping it (also DCT-scaled), in
+``decode_region`` and through ``DecodeFused``."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+
+import cv2
+import numpy as np
+import pytest
+from PIL import Image
+
+from gpuio import ops
+from gpuio.batch import Batch, sample_seeds
+from gpuio.errors import ConfigError, FormatError
+from gpuio.ops import fused
+from gpuio.ops.decode import decode_cpu, jpeg_info, native_jpeg
+from gpuio.ops.fused import DecodeFused
+from gpuio.ops.restart import add_restart_markers, restarts_field
+from gpuio.sample import sample_image
+
+pytestmark = pytest.mark.skipif(native_jpeg() is None, reason="gpuio.ops._jpeg not built (no libjpeg headers)")
+
+# (name, cv2 sampling factor or None for grayscale, MCU height, MCU width)
+LAYOUTS = [("444", cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444, 8, 8), ("420", cv2.IMWRITE_JPEG_SAMPLING_FACTOR_420, 16, 16),
+           ("422", cv2.IMWRITE_JPEG_SAMPLING_FACTOR_422, 8, 16), ("440", cv2.IMWRITE_JPEG_SAMPLING_FACTOR_440, 16, 8),
+           ("411", cv2.IMWRITE_JPEG_SAMPLING_FACTOR_411, 8, 32), ("gray", None, 8, 8)]
+
+
+def encode(pixels: np.ndarray, sampling: int | None, **params: int) -> bytes:
+    flags = [cv2.IMWRITE_JPEG_QUALITY, 90]
+    if sampling is not None:
+        flags += [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, sampling]
+        pixels = pixels[:, :, ::-1]
+    else:
+        pixels = pixels[:, :, 0]
+    for key, value in params.items():
+        flags += [getattr(cv2, key), value]
+    ok, data = cv2.imencode(".jpg", np.ascontiguousarray(pixels), flags)
+    assert ok
+    return data.tobytes()
+
+
+def region(data: bytes, denom: int, window: tuple[int, int, int, int], restarts=None, gray=False) -> np.ndarray:
+    y0, x0, y1, x1 = window
+    out = np.empty((y1 - y0, x1 - x0, 1 if gray else 3), np.uint8)
+    native_jpeg().decode_region(data, gray, denom, y0, x0, y1, x1, out, restarts)
+    return out
+
+
+def intervals(data: bytes, mcu_h: int, mcu_w: int) -> tuple[int, int]:
+    """MCUs per row and MCU rows of a JPEG."""
+    info = jpeg_info(data)
+    return -(-info.width // mcu_w), -(-info.height // mcu_h)
+
+
+@pytest.fixture(scope="module")
+def images():
+    """Per layout a JPEG whose sides are not multiples of its MCU (partial MCUs at the
+    right and bottom edges)."""
+    rng = np.random.default_rng(5)
+    pixels = sample_image(rng, 203, 261)
+    return {name: (encode(pixels, sampling), mcu_h, mcu_w) for name, sampling, mcu_h, mcu_w in LAYOUTS}
+
+
+@pytest.mark.parametrize("name", [layout[0] for layout in LAYOUTS])
+def test_markers_are_lossless_and_offsets_point_after_each_marker(images, name):
+    data, mcu_h, mcu_w = images[name]
+    per_row, rows = intervals(data, mcu_h, mcu_w)
+    whole = decode_cpu(data, "rgb", 0)
+    for interval in (0, 1, 3, per_row, 2 * per_row + 1):
+        marked, offsets = add_restart_markers(data, interval)
+        assert (decode_cpu(marked, "rgb", 0) == whole).all()
+        assert add_restart_markers(data, interval)[0] == marked  # deterministic
+        mcus = interval or per_row
+        assert offsets.dtype == np.uint32 and len(offsets) == -(-per_row * rows // mcus)
+        sos = 10 if name == "gray" else 14  # the SOS marker's bytes with 1 or 3 components: the scan follows
+        assert marked[offsets[0] - sos: offsets[0] - sos + 2] == b"\xff\xda"
+        for k in range(1, len(offsets)):
+            assert marked[offsets[k] - 2: offsets[k]] == bytes([0xFF, 0xD0 + (k - 1) % 8])
+            assert b"\xff\xd0" not in marked[offsets[k - 1]: offsets[k] - 2].replace(b"\xff\x00", b"")
+        assert marked[-2:] == b"\xff\xd9"
+
+
+def test_progressive_source_comes_out_sequential_with_the_same_pixels():
+    data = encode(sample_image(np.random.default_rng(2), 120, 97), cv2.IMWRITE_JPEG_SAMPLING_FACTOR_420,
+                  IMWRITE_JPEG_PROGRESSIVE=1)
+    assert jpeg_info(data).progressive
+    marked, offsets = add_restart_markers(data, 0)
+    assert not jpeg_info(marked).progressive and len(offsets) == -(-120 // 16)
+    assert (decode_cpu(marked, "rgb", 0) == decode_cpu(data, "rgb", 0)).all()
+
+
+def test_exif_orientation_and_icc_profile_are_kept():
+    pixels = sample_image(np.random.default_rng(4), 64, 80)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    icc = b"\0\0\2\0ICC-profile-bytes" * 40
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "JPEG", quality=90, exif=exif.tobytes(), icc_profile=icc)
+    marked, _ = add_restart_markers(buf.getvalue(), 4)
+    assert jpeg_info(marked).orientation == 6
+    assert Image.open(io.BytesIO(marked)).info["icc_profile"] == icc
+    assert (decode_cpu(marked, "rgb", 0) == decode_cpu(buf.getvalue(), "rgb", 0)).all()
+
+
+@pytest.mark.skipif(shutil.which("jpegtran") is None, reason="jpegtran not installed (Debian: libjpeg-turbo-progs)")
+@pytest.mark.parametrize("interval", [0, 5])
+def test_bytes_equal_jpegtran(tmp_path, images, interval):
+    """The same transcoding as ``jpegtran -optimize -restart N[B]`` (no metadata to copy)."""
+    data = images["420"][0]
+    (tmp_path / "in.jpg").write_bytes(data)
+    restart = f"{interval}B" if interval else "1"
+    subprocess.run(["jpegtran", "-copy", "none", "-optimize", "-restart", restart, "-outfile",
+                    str(tmp_path / "out.jpg"), str(tmp_path / "in.jpg")], check=True)
+    assert add_restart_markers(data, interval)[0] == (tmp_path / "out.jpg").read_bytes()
+
+
+def test_bad_input_is_named():
+    with pytest.raises(FormatError, match="cannot add restart markers to a JPEG of 9 bytes"):
+        add_restart_markers(b"not a jpg", 4)
+    with pytest.raises(ConfigError, match="0 \\(every MCU row\\) to 65535"):
+        add_restart_markers(b"\xff\xd8", 70000)
+
+
+def windows(rng: np.random.Generator, h: int, w: int, count: int) -> list[tuple[int, int, int, int]]:
+    """Random windows of an h x w image, and ones on each edge and corner."""
+    out = [(0, 0, h, w), (0, 0, 1, 1), (h - 1, w - 1, h, w), (0, w // 2, h // 3, w), (h // 2, 0, h, 1 + w // 5),
+           (h // 3, w // 3, h // 3 + 1, w // 3 + 1)]
+    for _ in range(count):
+        y0, x0 = int(rng.integers(0, h)), int(rng.integers(0, w))
+        out.append((y0, x0, int(rng.integers(y0 + 1, h + 1)), int(rng.integers(x0 + 1, w + 1))))
+    return out
+
+
+@pytest.mark.parametrize("name", [layout[0] for layout in LAYOUTS])
+def test_window_from_restart_intervals_equals_whole_decode_cropped(images, name):
+    """Intervals of one MCU row, two rows, a part of a row (columns skipped too) and one
+    that fits neither (decoded from the whole stream): every window at every DCT scale
+    equals the same window of the whole source image decoded at that scale."""
+    data, mcu_h, mcu_w = images[name]
+    per_row, _ = intervals(data, mcu_h, mcu_w)
+    gray = name == "gray"
+    rng = np.random.default_rng(len(name))
+    parts = [n for n in range(2, per_row) if per_row % n == 0] or [1]
+    for interval in (0, 2 * per_row, parts[0], per_row + 1):
+        marked, offsets = add_restart_markers(data, interval)
+        for denom in (1, 2, 4, 8):
+            h, w = -(-203 // denom), -(-261 // denom)
+            whole = region(data, denom, (0, 0, h, w), gray=gray)
+            for y0, x0, y1, x1 in windows(rng, h, w, 8):
+                got = region(marked, denom, (y0, x0, y1, x1), offsets, gray)
+                assert (got == whole[y0:y1, x0:x1]).all(), (interval, denom, (y0, x0, y1, x1))
+
+
+def test_only_the_intervals_a_window_covers_are_read(images):
+    """An interval above the window, made corrupt: the whole-stream decode stops on it,
+    the decode from the window's intervals never reads it."""
+    data = images["420"][0]
+    marked, offsets = add_restart_markers(data, 0)
+    corrupt = bytearray(marked)
+    corrupt[offsets[2]: offsets[3] - 2] = b"\xff\x11" * ((offsets[3] - 2 - offsets[2]) // 2) + \
+        b"\x11" * ((offsets[3] - 2 - offsets[2]) % 2)
+    window = (120, 30, 190, 200)
+    with pytest.raises(ValueError, match="Corrupt JPEG data"):
+        region(bytes(corrupt), 1, window)
+    assert (region(bytes(corrupt), 1, window, offsets) == region(data, 1, (0, 0, 203, 261))[120:190, 30:200]).all()
+
+
+def test_offsets_that_do_not_fit_the_jpeg_are_refused(images):
+    data = images["444"][0]
+    marked, offsets = add_restart_markers(data, 0)
+    with pytest.raises(ValueError, match="restart offsets starting at byte"):
+        region(marked, 1, (100, 0, 120, 20), offsets[:-1])
+    moved = offsets.copy()
+    moved[10] += 1
+    with pytest.raises(ValueError, match="restart interval 9 .* does not end with marker 0xFFD1"):
+        region(marked, 1, (70, 0, 90, 20), moved)
+    with pytest.raises(ValueError, match="multiple of 4|uint32"):
+        region(marked, 1, (150, 0, 170, 20), offsets.tobytes()[:-1])
+    # no markers in the JPEG (DRI absent): offsets are not used, the window decodes as without
+    assert (region(data, 1, (100, 0, 120, 20), offsets) == region(data, 1, (100, 0, 120, 20))).all()
+
+
+CHAINS = {
+    "rrc-flip": lambda: [ops.random_resized_crop(48), ops.flip(), ops.normalize([120.0] * 3, [60.0] * 3)],
+    "val": lambda: [ops.resize(64), ops.center_crop(56), ops.normalize([120.0] * 3, [60.0] * 3)],
+}
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_decode_fused_with_restarts_equals_it_on_the_source(monkeypatch, images, chain):
+    """``DecodeFused`` over restart-marked JPEGs with their offsets in ``data.restarts``
+    (some rows without: None, empty, a PNG; one with offsets that do not fit: decoded
+    whole) gives exactly the output of the source JPEGs without offsets, with and
+    without DCT scaling."""
+    rng = np.random.default_rng(9)
+    sources = [images[name][0] for name, *_ in LAYOUTS if name != "gray"]
+    sources += [encode(sample_image(rng, h, w), cv2.IMWRITE_JPEG_SAMPLING_FACTOR_420) for h, w in
+                [(375, 500), (500, 333), (240, 320)]]
+    marked = [add_restart_markers(s, k % 3 * 2) for k, s in enumerate(sources)]
+    png = io.BytesIO()
+    Image.fromarray(sample_image(rng, 70, 90)).save(png, "PNG")
+    data = [m for m, _ in marked] + [sources[0], sources[1], png.getvalue(), marked[2][0]]
+    restarts = [o.tobytes() for _, o in marked] + [None, np.zeros(0, np.uint32), np.zeros(0, np.uint8),
+                                                   marked[3][1]]
+    source_data = sources + [sources[0], sources[1], png.getvalue(), sources[2]]
+    pipe = ops.Compose([ops.decode_image()] + CHAINS[chain]())
+    assert isinstance(pipe.fused[0], DecodeFused)
+    index = np.arange(len(data))
+
+    def run(values, offsets):
+        fields = {"data": list(values)} | ({restarts_field("data"): offsets} if offsets is not None else {})
+        return pipe(Batch(fields, index, sample_seeds(3, 0, index)))
+
+    for scaled in (True, False):
+        if not scaled:
+            monkeypatch.setattr(fused, "dct_denoms", lambda box, out_hw, subsampling: np.ones(len(box), np.int64))
+        want = run(source_data, None).data["image"]
+        batch = run(data, restarts)
+        got = batch.data["image"]
+        assert len(got) == len(want) == len(data)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and (g == w).all()
+        assert [(row, message.split(":")[0]) for row, message in batch.warnings] == \
+            [(len(data) - 1, "decoded without its restart offsets")]
