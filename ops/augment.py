@@ -33,13 +33,14 @@ from gpuio.device import require
 from gpuio.errors import ConfigError, DataError
 from gpuio.ops import _augment
 from gpuio.ops._rng import Streams
+from gpuio.storage.buffers import default_pool
 
 __all__ = ["BrightnessContrast", "Hsv", "ColorTwist", "RandomGrayscale", "GaussianBlur", "RandomErasing", "Erase",
            "JpegCompressionDistortion", "erase", "jpeg_compression_distortion", "brightness_contrast", "hsv",
            "color_twist", "random_grayscale", "gaussian_blur", "random_erasing",
            "Range", "param_range", "draw", "yiq_matrix", "apply_color", "apply_levels", "histograms",
            "reflect101_index", "host_outputs", "LUMA",
-           "COLOR_SOURCE", "BLUR_SOURCE", "REFLECT101_SOURCE"]
+           "host_copies", "COLOR_SOURCE", "BLUR_SOURCE", "HISTOGRAM_SOURCE", "REFLECT101_SOURCE", "EXACT_OPTIONS"]
 
 Range = float | tuple[float, float]
 
@@ -103,7 +104,12 @@ def _to_uint8(xp: Any, v: Any) -> Any:
 
 
 # the elementwise kernels' bodies (CuPy ElementwiseKernel: ``i`` the output index, ``dst``
-# its element; tests/test_ops_augment_kernels.py runs them as C++ on the CPU)
+# its element; tests/test_ops_augment_kernels.py runs them as C++ on the CPU and compiles
+# them with nvcc as CuPy compiles them)
+# The NVRTC options of every kernel whose float arithmetic must give the CPU path's
+# levels (ops/_augment.c is built with -ffp-contract=off): NVRTC contracts a multiply
+# and an add into one FMA by default, rounding once where the CPU rounds twice.
+EXACT_OPTIONS = ("--fmad=false",)
 COLOR_SOURCE = r"""
 const long long p = i / c;            /* pixel index over the stacked batch */
 const int ch = (int)(i % c);
@@ -132,6 +138,11 @@ for (int k = -radius; k <= radius; ++k) {
 }
 dst = acc;
 """
+HISTOGRAM_SOURCE = r"""
+const long long k = i / (hw * c);     /* image */
+const int ch = (int)(i % c);
+atomicAdd(&counts[(k * 4 + ch) * 256 + src[i]], 1u);
+"""
 REFLECT101_SOURCE = r"""
 __device__ __forceinline__ int reflect101(int j, int n) {
     if (n == 1) return 0;
@@ -145,13 +156,16 @@ _kernels: dict[str, Any] = {}
 def _kernel(cp: Any, name: str) -> Any:
     """The op's elementwise kernel, made once per process (CuPy caches the build)."""
     if name not in _kernels:
-        if name == "color":
+        if name == "histogram":  # integer counts: no float arithmetic to keep exact
+            _kernels[name] = cp.ElementwiseKernel("raw uint8 src, int64 hw, int64 c", "raw uint32 counts",
+                                                  HISTOGRAM_SOURCE, "gpuio_histograms")
+        elif name == "color":
             _kernels[name] = cp.ElementwiseKernel("raw uint8 src, raw float32 m, int64 hw, int64 c", "uint8 dst",
-                                                  COLOR_SOURCE, "gpuio_color_matrix")
+                                                  COLOR_SOURCE, "gpuio_color_matrix", options=EXACT_OPTIONS)
         else:
             _kernels[name] = cp.ElementwiseKernel(
                 "raw T src, raw float32 w, int32 h, int32 wd, int64 c, int32 radius, int32 axis", "float32 dst",
-                BLUR_SOURCE, "gpuio_blur_pass", preamble=REFLECT101_SOURCE)
+                BLUR_SOURCE, "gpuio_blur_pass", preamble=REFLECT101_SOURCE, options=EXACT_OPTIONS)
     return _kernels[name]
 
 
@@ -216,7 +230,8 @@ def apply_levels(batch: Batch, images: list[Any], tables: np.ndarray) -> list[An
 
 def histograms(batch: Batch, images: list[Any]) -> np.ndarray:
     """The count of each level per channel of each uint8 HWC image (1-4 channels), int64
-    ``[N, 4, 256]`` in host memory (zeros for channels an image does not have)."""
+    ``[N, 4, 256]`` in host memory (zeros for channels an image does not have). On the GPU
+    one kernel launch per image shape and one copy to the host for the batch."""
     counts = np.zeros((len(images), 4, 256), np.int64)
     if not batch.device.is_cuda:
         _augment.histogram([np.ascontiguousarray(img) for img in images], counts)
@@ -225,11 +240,31 @@ def histograms(batch: Batch, images: list[Any]) -> np.ndarray:
     with cp.cuda.Device(batch.device.index):
         stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
         with stream:
-            for k, img in enumerate(images):
-                c = img.shape[2]
-                bins = (img.reshape(-1, c).astype(cp.int32) + 256 * cp.arange(c, dtype=cp.int32)).ravel()
-                counts[k, :c] = cp.asnumpy(cp.bincount(bins, minlength=256 * c)).reshape(c, 256)
+            groups, parts = _groups(images, list(range(len(images)))), []
+            for (h, w, c), idx in groups.items():
+                parts.append(cp.zeros((len(idx), 4, 256), cp.uint32))
+                src = cp.ascontiguousarray(cp.stack([images[r] for r in idx]))
+                _kernel(cp, "histogram")(src, h * w, c, parts[-1], size=src.size)
+            for idx, part in zip(groups.values(), host_copies(cp, stream, parts)):
+                counts[idx] = part
     return counts
+
+
+def host_copies(cp: Any, stream: Any, arrays: list[Any]) -> list[np.ndarray]:
+    """``arrays`` (on the current device) copied into one pinned host buffer on
+    ``stream``, with the one wait for ``stream`` that reading them on the host needs;
+    views of the buffer, in order, shaped as the arrays."""
+    arrays = [cp.ascontiguousarray(a) for a in arrays]
+    sizes = [a.nbytes for a in arrays]
+    lease = default_pool().acquire(max(sum(sizes), 1), "cpu", pinned=True)
+    host = np.asarray(lease)
+    start = host.__array_interface__["data"][0]
+    ends = np.cumsum([0, *sizes]).tolist()
+    for a, offset in zip(arrays, ends):
+        if a.nbytes:
+            a.data.copy_to_host_async(start + offset, a.nbytes, stream)
+    stream.synchronize()  # the batch's one wait: its work so far and these copies
+    return [host[lo:hi].view(a.dtype).reshape(a.shape) for a, lo, hi in zip(arrays, ends, ends[1:])]
 
 
 def _place(out: list[Any], idx: list[int], stacked: Any) -> list[Any]:
@@ -651,7 +686,8 @@ class JpegCompressionDistortion(Op):
         with cp.cuda.Device(batch.device.index):
             stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
             with stream:
-                out = [cp.asarray(self._codec(cp.asnumpy(img), q)) for img, q in zip(rows, qualities)]
+                host = host_copies(cp, stream, rows)  # one wait for the batch
+                out = [cp.asarray(self._codec(img, q)) for img, q in zip(host, qualities)]  # uploads do not wait
                 batch.data[self.field] = _container(images, out, cp)
         return batch
 

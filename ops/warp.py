@@ -24,7 +24,7 @@ from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError
 from gpuio.ops import _augment
-from gpuio.ops.augment import Range, draw, param_range
+from gpuio.ops.augment import EXACT_OPTIONS, Range, draw, param_range
 
 __all__ = ["Rotate", "WarpAffine", "rotate", "warp_affine", "rotated_size", "rotation_matrix", "warp", "INTERP_TYPES",
            "WARP_SOURCE", "TAP_SOURCE"]
@@ -74,7 +74,8 @@ def _kernel(cp: Any) -> Any:
     if "warp" not in _kernels:
         _kernels["warp"] = cp.ElementwiseKernel(
             "raw uint8 src, raw float32 m, raw float32 fill, int32 ih, int32 iw, int32 ow, int32 c, int32 interp, "
-            "int32 use_fill", "uint8 dst", WARP_SOURCE, "gpuio_warp_affine", preamble=TAP_SOURCE)
+            "int32 use_fill", "uint8 dst", WARP_SOURCE, "gpuio_warp_affine", preamble=TAP_SOURCE,
+            options=EXACT_OPTIONS)
     return _kernels["warp"]
 
 

@@ -2,11 +2,15 @@
 bodies compiled as C++ and run on the CPU (one loop over the output elements, a raw
 argument as a plain pointer), against the CPU path of the same op (ops/_augment.c): checks
 the kernels' indexing, borders and arithmetic where no GPU is present, and that both give
-the same levels. Skips without a C++ compiler."""
+the same levels. Skips without a C++ compiler. The same bodies compiled with nvcc, with the
+options CuPy gives NVRTC (``offline_gpu``: fails without nvcc), contain no fused
+multiply-add, which the C++ build (-ffp-contract=off) has none of either."""
 
+import ast
 import ctypes
 import importlib.util
 import pathlib
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -16,7 +20,8 @@ import pytest
 
 from gpuio import ops
 from gpuio.batch import Batch, sample_seeds
-from gpuio.ops.augment import BLUR_SOURCE, COLOR_SOURCE, REFLECT101_SOURCE, apply_color, gaussian_weights, yiq_matrix
+from gpuio.ops.augment import (BLUR_SOURCE, COLOR_SOURCE, EXACT_OPTIONS, HISTOGRAM_SOURCE, REFLECT101_SOURCE,
+                               apply_color, gaussian_weights, histograms, yiq_matrix)
 from gpuio.ops.warp import TAP_SOURCE, WARP_SOURCE, rotated_size, rotation_matrix
 from gpuio.sample import sample_image
 
@@ -27,26 +32,40 @@ using std::min; using std::max;
 #define __device__
 #define __forceinline__ inline
 template <typename T> struct Raw { T* p; T& operator[](long long i) const { return p[i]; } };
+template <typename T> T atomicAdd(T* p, T v) { T old = *p; *p += v; return old; }
 """
 
 
-def loop(name, params, raws, out_t, body):
-    """An elementwise kernel as a C function: ``raws`` (type, name) become ``Raw`` views."""
+def loop(name, params, raws, out_t, body, cuda=False):
+    """An elementwise kernel as a C function: ``raws`` (type, name) become ``Raw`` views.
+    With ``cuda``, a CUDA kernel over the same elements (a grid-stride loop, as CuPy's)."""
     views = " ".join(f"Raw<{t}> {n}{{{n}_}};" for t, n in raws)
-    return (f'extern "C" void {name}({params}, {out_t}* out, long long n) {{\n'
-            f"  {views}\n  for (long long i = 0; i < n; ++i) {{ {out_t}& dst = out[i];\n{body}\n  }}\n}}\n")
+    head, start, step = ('extern "C" __global__ void', "blockIdx.x * (long long)blockDim.x + threadIdx.x",
+                         "(long long)blockDim.x * gridDim.x") if cuda else ('extern "C" void', "0", "1")
+    return (f"{head} {name}({params}, {out_t}* out, long long n) {{\n"
+            f"  {views}\n  for (long long i = {start}; i < n; i += {step}) {{ {out_t}& dst = out[i];\n{body}\n  }}\n}}\n")
 
 
-SOURCE = (HEAD + REFLECT101_SOURCE + TAP_SOURCE
-          + loop("color", "unsigned char* src_, float* m_, long long hw, long long c",
-                 [("unsigned char", "src"), ("float", "m")], "unsigned char", COLOR_SOURCE)
-          + loop("blur_u8", "unsigned char* src_, float* w_, int h, int wd, long long c, int radius, int axis",
-                 [("unsigned char", "src"), ("float", "w")], "float", BLUR_SOURCE)
-          + loop("blur_f32", "float* src_, float* w_, int h, int wd, long long c, int radius, int axis",
-                 [("float", "src"), ("float", "w")], "float", BLUR_SOURCE)
-          + loop("warp", "unsigned char* src_, float* m_, float* fill_, int ih, int iw, int ow, int c, int interp, "
-                 "int use_fill", [("unsigned char", "src"), ("float", "m"), ("float", "fill")], "unsigned char",
-                 WARP_SOURCE))
+def kernels(cuda=False):
+    """The kernels (colour, blur over uint8 and float32, warp, histogram) as one source."""
+    return (REFLECT101_SOURCE + TAP_SOURCE
+            + loop("color", "unsigned char* src_, float* m_, long long hw, long long c",
+                   [("unsigned char", "src"), ("float", "m")], "unsigned char", COLOR_SOURCE, cuda)
+            + loop("blur_u8", "unsigned char* src_, float* w_, int h, int wd, long long c, int radius, int axis",
+                   [("unsigned char", "src"), ("float", "w")], "float", BLUR_SOURCE, cuda)
+            + loop("blur_f32", "float* src_, float* w_, int h, int wd, long long c, int radius, int axis",
+                   [("float", "src"), ("float", "w")], "float", BLUR_SOURCE, cuda)
+            + loop("warp", "unsigned char* src_, float* m_, float* fill_, int ih, int iw, int ow, int c, int interp, "
+                   "int use_fill", [("unsigned char", "src"), ("float", "m"), ("float", "fill")], "unsigned char",
+                   WARP_SOURCE, cuda)
+            + loop("histogram", "unsigned char* src_, long long hw, long long c, unsigned int* counts_",
+                   [("unsigned char", "src"), ("unsigned int", "counts")], "char", HISTOGRAM_SOURCE, cuda))
+
+
+SOURCE = HEAD + kernels()
+CUDA_SOURCE = r"""
+template <typename T> struct Raw { T* p; __device__ T& operator[](long long i) const { return p[i]; } };
+""" + kernels(cuda=True)
 CXX = shutil.which("g++") or shutil.which("c++")
 LL, INT = ctypes.c_longlong, ctypes.c_int
 
@@ -125,6 +144,21 @@ def test_warp_kernel_equals_the_cpu_path(lib, images, angle, fill, keep, interp)
     assert np.array_equal(out, ref)
 
 
+def test_histogram_kernel_equals_the_cpu_path(lib, images):
+    """Three images of one shape and two of another (one launch per shape on the GPU),
+    1-4 channels: the counts the kernel adds up per image and channel."""
+    rng = np.random.default_rng(3)
+    imgs = [images[0], images[0][::-1].copy(), rng.integers(0, 256, (40, 52, 4), np.uint8),
+            rng.integers(0, 4, (5, 7, 1), np.uint8), rng.integers(0, 256, (5, 7, 2), np.uint8)]
+    want = histograms(one_batch(imgs), imgs)
+    got = np.zeros(want.shape, np.uint32)
+    for k, img in enumerate(imgs):
+        h, w, c = img.shape
+        lib.histogram(ptr(np.ascontiguousarray(img)), LL(h * w), LL(c), ptr(got[k]), ptr(np.empty(img.size, np.int8)),
+                      LL(img.size))
+    assert np.array_equal(got, want) and want.sum() == sum(img.size for img in imgs)
+
+
 @pytest.fixture(scope="module")
 def portable(tmp_path_factory):
     """``ops/_augment.c`` built with ``GPUIO_PORTABLE``: the plain C (no x86-64-v3 clone),
@@ -193,3 +227,48 @@ def test_the_built_c_path_equals_its_plain_c_build(portable, images):
         for use_fill in (0, 1):
             mine, plain = both("warp", src, m.astype(np.float32), fills, interp, use_fill, outs=outs)
             assert all(np.array_equal(a, b) for a, b in zip(mine, plain))
+
+
+# What CuPy 14 adds to a kernel's own options before NVRTC compiles it
+# (cupy/cuda/compiler.py: -ftz=true; the architecture is the GPU's), as nvcc takes them
+CUPY_ADDS = ("-ftz=true",)
+NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+
+
+def fmas_per_kernel(tmp_path, options):
+    """The number of float FMA instructions in each kernel of ``CUDA_SOURCE`` compiled
+    to PTX for sm_90 with ``options``."""
+    if not pathlib.Path(NVCC).exists():
+        pytest.fail("nvcc is not on PATH (CUDA 13.0's nvcc is expected here and on CI)")
+    src, ptx = tmp_path / "augment.cu", tmp_path / "augment.ptx"
+    src.write_text(CUDA_SOURCE)
+    done = subprocess.run([NVCC, "-ptx", "-arch=sm_90", *options, "-o", str(ptx), str(src)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    entries = ptx.read_text().split(".entry ")[1:]
+    return {entry.split("(")[0].strip(): len(re.findall(r"\bfma\.rn[.\w]*f32\b", entry)) for entry in entries}
+
+
+@pytest.mark.offline_gpu
+def test_kernels_compile_without_fma_as_cupy_builds_them(tmp_path):
+    """With CuPy's options alone NVRTC (as nvcc) contracts the kernels' multiply-adds into
+    FMAs, which round once where the CPU path rounds twice; with ``EXACT_OPTIONS`` none
+    is left."""
+    contracted = fmas_per_kernel(tmp_path, CUPY_ADDS)
+    assert contracted.pop("histogram") == 0  # integer counts
+    assert sorted(contracted) == ["blur_f32", "blur_u8", "color", "warp"] and all(contracted.values()), contracted
+    exact = fmas_per_kernel(tmp_path, (*EXACT_OPTIONS, *CUPY_ADDS))
+    assert exact == dict.fromkeys([*contracted, "histogram"], 0), exact
+
+
+def test_every_elementwise_kernel_that_must_equal_the_cpu_is_built_exact():
+    """Each CuPy kernel of the colour, blur and warp ops is made with ``EXACT_OPTIONS``."""
+    root = pathlib.Path(__file__).resolve().parents[1] / "ops"
+    made = {}
+    for name in ("augment.py", "warp.py"):
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("ElementwiseKernel", "RawKernel")):
+                options = {k.arg: ast.unparse(k.value) for k in node.keywords}.get("options")
+                made[ast.unparse(node.args[3])] = options
+    assert made == {"'gpuio_histograms'": None, "'gpuio_color_matrix'": "EXACT_OPTIONS", "'gpuio_blur_pass'": "EXACT_OPTIONS",
+                    "'gpuio_warp_affine'": "EXACT_OPTIONS"}, made
