@@ -10,6 +10,7 @@ from gpuio.formats.lmdb import lmdb
 from gpuio.formats.manifest import manifest
 from gpuio.formats.mds import MDSParser, mds
 from gpuio.formats.numpy import numpy
+from gpuio.formats.parquet import PageParser, parquet
 from gpuio.formats.packed import packed
 from gpuio.formats.recordio import recordio
 from gpuio.formats.tfrecord import tfrecord
@@ -21,6 +22,6 @@ from gpuio.index import concat
 
 # The record parsers a saved index may name, by the name it stores (``import gpuio``
 # registers them with ``gpuio.index.register_parser``).
-PARSERS = {"tfrecord.example": ExampleParser, "recordio": RecordIOParser, "mds": MDSParser}
+PARSERS = {"tfrecord.example": ExampleParser, "recordio": RecordIOParser, "mds": MDSParser, "parquet.page": PageParser}
 
-__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "video", "manifest", "packed", "mds", "concat"]
+__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "video", "manifest", "packed", "mds", "parquet", "concat"]
