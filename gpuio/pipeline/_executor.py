@@ -266,6 +266,7 @@ class Executor:
         failed = self._failed_seq
         if item.error is not None or (failed is not None and item.seq >= failed):
             return stream
+        self.hook.started(stage.name)
         t0 = time.perf_counter()
         try:
             if stage.gpu:

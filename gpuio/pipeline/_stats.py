@@ -152,6 +152,15 @@ class PipelineStats:
             m.depth_sum += depth
             m.takes += 1
             m.starved += starved
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.counter(f"queue before {name}", {"batches": depth})
+
+    def started(self, name: str) -> None:
+        """A span of ``name`` (a stage's work, the consumer's ``next``) begins on this thread."""
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.started(name)
 
     def done(self, name: str, seq: int, t0: float, t1: float) -> None:
         """A worker of ``name`` worked on item ``seq`` from ``t0`` to ``t1`` (perf_counter)."""
@@ -191,10 +200,10 @@ class PipelineStats:
             if tracer is not None:
                 tracer.gpu_span(name, seq, submitted, seconds)
 
-    def waited(self, seq: int, t0: float, t1: float) -> None:
-        """The consumer waited in ``next()`` from ``t0`` to ``t1`` for batch ``seq`` of
-        the pass (batch 0, the pass's start-up, is counted apart)."""
-        _add(self.consumer_wait if seq else self.start_up, t1 - t0)
+    def waited(self, seq: int, t0: float, t1: float, first: bool = False) -> None:
+        """The consumer waited in ``next()`` from ``t0`` to ``t1`` for item ``seq``; the
+        first batch of a pass (``first``: its start-up) is counted apart."""
+        _add(self.start_up if first else self.consumer_wait, t1 - t0)
         tracer = self.tracer
         if tracer is not None:
             tracer.consumer(seq, t0, t1)
@@ -222,6 +231,11 @@ class PipelineStats:
         tracer = self.tracer
         if tracer is not None:
             tracer.counter("bytes in flight", self.in_flight)
+
+    def attach(self, tracer: Any) -> Any:
+        """Forward every call to ``tracer`` (``None``: stop); returns the one it replaces."""
+        old, self.tracer = self.tracer, tracer
+        return old
 
     # ---- what they add up to -------------------------------------------------------------
     def wall(self) -> tuple[float, float]:

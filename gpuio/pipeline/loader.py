@@ -125,6 +125,8 @@ class Loader:
         on_error: ``"raise"`` (the first bad sample stops the pass with a
             ``PipelineError``) or ``"skip"`` (bad samples are dropped from their batch,
             counted and reported by ``stats()``).
+        trace: a path: write a timeline of the first pass's first 100 batches there
+            (``trace()``).
 
     Output: a dict per batch. A field whose rows are arrays of one shape and dtype is
     stacked into one array with a leading batch axis, on ``device``, and with
@@ -193,7 +195,7 @@ class Loader:
                  device: str | Device = "cpu", output: str = "torch",
                  shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
                  last_batch: str = "partial", prefetch: int = 1, threads: int | None = None,
-                 on_error: str = "raise") -> None:
+                 on_error: str = "raise", trace: str | os.PathLike[str] | None = None) -> None:
         if not isinstance(index, SampleIndex):
             raise ConfigError(f"index must be a gpuio SampleIndex, got {type(index).__name__}")
         self.index = index
@@ -264,6 +266,8 @@ class Loader:
         self._where_read = ("pinned" if self.device.is_cuda else "host", "gpu")
         self._lock = threading.Lock()
         self._stats = PipelineStats()  # the hook every stage reports to (stats(), report(), trace())
+        if trace is not None:
+            self.trace(trace)
         self._flight: deque[tuple[int, int]] = deque()  # (host, device) bytes of each batch read, not handed over
         if is_remote(index.files):
             remote.watch_fetches(self._stats)
@@ -409,6 +413,7 @@ class Loader:
         busy = 0.0  # the consumer's own time, between batches
         try:
             for k in range(len(plan)):
+                stats.started("next")
                 asked = time.perf_counter()
                 with _profiled("gpuio.Loader.next"):
                     item = ex.get()
@@ -418,7 +423,7 @@ class Loader:
                         if isinstance(item.error, PipelineError):
                             raise item.error
                         raise self._pipeline_error(item.stage or "?", item.payload, item.error) from item.error
-                    (out, real), event = item.payload, item.event
+                    (out, real), event, seq = item.payload, item.event, item.seq
                     del item  # while the next batch is awaited, the consumer's hold is the only one
                     batch = self._collate.hand_off(out, event)
                     del out, event
@@ -429,7 +434,9 @@ class Loader:
                     for where, n in zip(self._where_read, self._flight.popleft()):
                         stats.moved(where, -n)
                 handed = time.perf_counter()
-                stats.waited(k, asked, handed)
+                stats.waited(seq, asked, handed, first=k == 0)
+                if stats.tracer is not None and stats.tracer.done:
+                    self._end_trace()
                 yield batch
                 back = time.perf_counter()
                 stats.worked(back - handed)
@@ -438,6 +445,8 @@ class Loader:
             completed = True
         finally:
             stats.pass_ended()
+            if stats.tracer is not None:
+                self._end_trace()
             seconds = time.perf_counter() - t0
             with self._lock:
                 self._seconds += seconds
@@ -744,6 +753,37 @@ class Loader:
                 "warnings": list(self._warnings),
             }
 
+
+    def trace(self, path: str | os.PathLike[str], batches: int = 100) -> None:
+        """Capture a timeline of the next ``batches`` batches the loop takes and write it to
+        ``path`` as Chrome Trace Event JSON (open it in https://ui.perfetto.dev or
+        chrome://tracing) once they are taken, or when the pass ends first: a track per
+        stage thread, per thread of the ops' part pool and per CUDA stream, the
+        consumer's waits in ``next()``, counters of queue lengths and bytes in flight,
+        and arrows following each batch from its read to the consumer (see
+        ``gpuio.pipeline._trace``). On a GPU with the ``nvtx`` package the same spans are
+        NVTX ranges in the ``gpuio`` domain (Nsight Systems). ``Loader(..., trace=path)``
+        captures the first pass's first 100 batches. A capture costs about as little as
+        ``stats()`` (bench/loader.py measures both)."""
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+            raise ConfigError(f"batches must be a positive integer, got {batches!r}")
+        from gpuio.ops._cpu_pool import watch_parts
+        from gpuio.pipeline._trace import Tracer
+
+        tracer = Tracer(path, batches, nvtx=self.device.is_cuda)
+        old = self._stats.attach(tracer)
+        if old is not None:
+            watch_parts(old.part, on=False)
+        watch_parts(tracer.part)
+
+    def _end_trace(self) -> None:
+        """Stop the capture and write its file."""
+        from gpuio.ops._cpu_pool import watch_parts
+
+        tracer = self._stats.attach(None)
+        if tracer is not None:
+            watch_parts(tracer.part, on=False)
+            tracer.write()
 
     def report(self) -> Verdict:
         """Whether the training loop waits for this loader, and if so why, from
