@@ -680,11 +680,30 @@ static boolean sink_grow(j_compress_ptr cinfo) {
 
 static void sink_end(j_compress_ptr cinfo) { (void)cinfo; }
 
+/* The restart interval nearest `interval` MCUs that makes the intervals a grid on rows of
+ * `per_row` MCUs: a whole number of rows where `interval` is a row or more, else a divisor
+ * of a row between half and twice `interval`, else a row (0). */
+static unsigned fit_interval(unsigned interval, unsigned per_row) {
+    if (interval >= per_row) {
+        const unsigned rows = (interval + per_row / 2) / per_row, most = 65535 / per_row;
+        return per_row * (rows < most ? rows : most);
+    }
+    unsigned best = 0;
+    for (unsigned n = (interval + 1) / 2; n <= 2 * interval && n <= per_row; ++n) {
+        const unsigned distance = n > interval ? n - interval : interval - n;
+        const unsigned best_distance = best > interval ? best - interval : interval - best;
+        if (per_row % n == 0 && (!best || distance <= best_distance)) best = n; /* a tie: the longer */
+    }
+    return best;
+}
+
 /* The JPEG `data` rewritten into sink->buf (*used bytes) with a restart marker every
- * `interval` MCUs (0: every MCU row): its DCT coefficients, quantization tables and
- * sampling copied, Huffman tables made optimal for it, one sequential scan, the APP1 (Exif,
- * XMP) and APP2 (ICC profile) markers kept. 0, or -1 with err->message saying why. */
-static int transcode(const uint8_t *data, size_t size, unsigned interval, Sink *sink, size_t *used, Errors *err) {
+ * `interval` MCUs (0: every MCU row; `fit`: the interval fit_interval picks): its DCT
+ * coefficients, quantization tables and sampling copied, Huffman tables made optimal for
+ * it, one sequential scan, the APP1 (Exif, XMP) and APP2 (ICC profile) markers kept. 0, or
+ * -1 with err->message saying why. */
+static int transcode(const uint8_t *data, size_t size, unsigned interval, int fit, Sink *sink, size_t *used,
+                     Errors *err) {
     struct jpeg_decompress_struct src;
     struct jpeg_compress_struct dst;
     volatile int made = 0; /* 1: src made, 2: dst too */
@@ -707,6 +726,10 @@ static int transcode(const uint8_t *data, size_t size, unsigned interval, Sink *
     jvirt_barray_ptr *coefficients = jpeg_read_coefficients(&src);
     jpeg_copy_critical_parameters(&src, &dst);
     dst.optimize_coding = TRUE;
+    if (fit && interval) { /* the MCUs across the image: one block per MCU where one component is coded */
+        const unsigned mcu_w = DCTSIZE * (src.num_components == 1 ? 1 : (unsigned)src.max_h_samp_factor);
+        interval = fit_interval(interval, (src.image_width + mcu_w - 1) / mcu_w);
+    }
     if (interval) dst.restart_interval = interval;
     else dst.restart_in_rows = 1;
     sink->pub.init_destination = sink_start;
@@ -749,8 +772,8 @@ static uint32_t *find_restarts(const uint8_t *data, size_t size, size_t *count) 
 
 static PyObject *add_restarts(PyObject *self, PyObject *args) {
     Py_buffer data;
-    int interval;
-    if (!PyArg_ParseTuple(args, "y*i", &data, &interval)) return NULL;
+    int interval, fit;
+    if (!PyArg_ParseTuple(args, "y*ip", &data, &interval, &fit)) return NULL;
     if (interval < 0 || interval > 65535) {
         PyBuffer_Release(&data);
         return PyErr_Format(PyExc_ValueError, "restart interval %d: 0 (every MCU row) to 65535 MCUs", interval);
@@ -762,7 +785,7 @@ static PyObject *add_restarts(PyObject *self, PyObject *args) {
     int failed;
     Py_BEGIN_ALLOW_THREADS
     sink.buf = malloc(sink.capacity);
-    failed = !sink.buf ? -2 : transcode(data.buf, (size_t)data.len, (unsigned)interval, &sink, &used, &err);
+    failed = !sink.buf ? -2 : transcode(data.buf, (size_t)data.len, (unsigned)interval, fit, &sink, &used, &err);
     if (!failed && !(offsets = find_restarts(sink.buf, used, &count))) failed = -2;
     Py_END_ALLOW_THREADS
     PyObject *result = NULL;
@@ -790,8 +813,9 @@ static PyMethodDef methods[] = {
      "1/denom-scaled image, HWC uint8 into out (from the restart intervals that cover them where `restarts` holds "
      "the JPEG's restart offsets); ValueError saying why it failed"},
     {"add_restarts", add_restarts, METH_VARARGS,
-     "add_restarts(data, interval) -> (jpeg, offsets): the JPEG rewritten losslessly with a restart marker every "
-     "`interval` MCUs (0: every MCU row), and the uint32 offsets of each restart interval's first entropy-coded byte"},
+     "add_restarts(data, interval, fit) -> (jpeg, offsets): the JPEG rewritten losslessly with a restart marker every "
+     "`interval` MCUs (0: every MCU row; fit: the nearest that divides a row, within half to twice it, else a row), "
+     "and the uint32 offsets of each restart interval's first entropy-coded byte"},
     {"stage_times", stage_times, METH_NOARGS,
      "stage_times() -> (decode, resample): CPU seconds decode_resample has spent in each, all threads, while "
      "time_stages(True) was in force"},

@@ -63,9 +63,11 @@ def decode_resample(images: list[ReadableBuffer], denoms: ReadableBuffer, gray: 
     message names the image's row); MemoryError.
     """
 
-def add_restarts(data: ReadableBuffer, interval: int, /) -> tuple[bytes, bytes]:
+def add_restarts(data: ReadableBuffer, interval: int, fit: bool, /) -> tuple[bytes, bytes]:
     """The JPEG ``data`` rewritten losslessly (libjpeg's transcoding: the DCT coefficients
-    are copied) with a restart marker every ``interval`` MCUs (0: every MCU row), and the
+    are copied) with a restart marker every ``interval`` MCUs (0: every MCU row; ``fit``:
+    the interval nearest to it that makes the intervals a grid on the image's MCU rows,
+    as ``add_restart_markers(fit_rows=True)`` says), and the
     byte offsets of each restart interval's first entropy-coded byte in it, interval 0
     included, as little-endian uint32 bytes. Optimal Huffman tables, one sequential scan,
     the APP1 and APP2 markers kept (see ``gpuio.ops.restart.add_restart_markers``). The

@@ -12,7 +12,8 @@ fused CPU decode (``gpuio.ops.fused.DecodeFused``) takes those offsets from the 
 intervals it covers plus one MCU of context on each side (what the chroma upsampler
 reads), bit-exact to decoding the whole image and cropping it. An interval must be a
 whole number of MCU rows (``interval_mcus=0``: one row) or an even part of one (then
-columns are skipped too); other intervals, and images without offsets, decode whole.
+columns are skipped too; ``add_restart_markers`` picks such an interval near the one
+asked for); other intervals, and images without offsets, decode the whole stream.
 """
 
 from __future__ import annotations
@@ -31,17 +32,23 @@ def restarts_field(field: str) -> str:
     return f"{field}.restarts"
 
 
-def add_restart_markers(jpeg: bytes | np.ndarray, interval_mcus: int) -> tuple[bytes, np.ndarray]:
+def add_restart_markers(jpeg: bytes | np.ndarray, interval_mcus: int, *,
+                        fit_rows: bool = True) -> tuple[bytes, np.ndarray]:
     """``jpeg`` (encoded bytes) rewritten losslessly with a restart marker every
     ``interval_mcus`` MCUs (0: every MCU row; an MCU is 8x8 pixels for grayscale and
-    4:4:4, 16x16 for 4:2:0, 16x8 for 4:2:2), and the byte offset of each restart
-    interval's first entropy-coded byte in the new JPEG, interval 0 included (uint32
-    ``[intervals]``). The DCT coefficients, quantization tables and sampling are
-    copied, so the pixels decode exactly as the original's; the Huffman tables are made
-    optimal for the image and the data is one sequential scan (a progressive JPEG comes
-    out baseline); the Exif and XMP (APP1) and ICC profile (APP2) markers are kept,
-    other metadata dropped. Deterministic: the same input gives the same bytes. The GIL
-    is released while it runs.
+    4:4:4, 16x16 for 4:2:0, 8 high and 16 wide for 4:2:2), and the byte offset of each
+    restart interval's first entropy-coded byte in the new JPEG, interval 0 included
+    (uint32 ``[intervals]``). ``fit_rows`` (the default) moves the interval to the
+    nearest one that a crop can use, as the image's MCUs per row allow: a whole number
+    of rows where ``interval_mcus`` is a row or more, else the divisor of a row nearest
+    to it between half and twice it (the crop then skips columns too), else one row;
+    ``fit_rows=False`` keeps it exactly (``jpegtran -restart NB``). The DCT
+    coefficients, quantization tables and sampling are copied, so the pixels decode
+    exactly as the original's; the Huffman tables are made optimal for the image and the
+    data is one sequential scan (a progressive JPEG comes out baseline); the Exif and XMP
+    (APP1) and ICC profile (APP2) markers are kept, other metadata dropped.
+    Deterministic: the same input gives the same bytes. The GIL is released while it
+    runs.
 
     Raises ``FormatError`` when libjpeg cannot read the JPEG (the message is libjpeg's),
     ``ConfigError`` for an interval outside 0-65535, and ``DependencyError`` where
@@ -55,7 +62,7 @@ def add_restart_markers(jpeg: bytes | np.ndarray, interval_mcus: int) -> tuple[b
                               "headers exist (libjpeg-turbo / libjpeg-dev): reinstall gpuio with them")
     data = byte_view(jpeg)
     try:
-        out, offsets = module.add_restarts(data, int(interval_mcus))
+        out, offsets = module.add_restarts(data, int(interval_mcus), fit_rows)
     except ValueError as exc:
         raise FormatError(f"cannot add restart markers to a JPEG of {len(data)} bytes: {exc}") from exc
     return out, np.frombuffer(offsets, "<u4").astype(np.uint32)

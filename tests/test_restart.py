@@ -73,9 +73,9 @@ def test_markers_are_lossless_and_offsets_point_after_each_marker(images, name):
     per_row, rows = intervals(data, mcu_h, mcu_w)
     whole = decode_cpu(data, "rgb", 0)
     for interval in (0, 1, 3, per_row, 2 * per_row + 1):
-        marked, offsets = add_restart_markers(data, interval)
+        marked, offsets = add_restart_markers(data, interval, fit_rows=False)
         assert (decode_cpu(marked, "rgb", 0) == whole).all()
-        assert add_restart_markers(data, interval)[0] == marked  # deterministic
+        assert add_restart_markers(data, interval, fit_rows=False)[0] == marked  # deterministic
         mcus = interval or per_row
         assert offsets.dtype == np.uint32 and len(offsets) == -(-per_row * rows // mcus)
         sos = 10 if name == "gray" else 14  # the SOS marker's bytes with 1 or 3 components: the scan follows
@@ -84,6 +84,19 @@ def test_markers_are_lossless_and_offsets_point_after_each_marker(images, name):
             assert marked[offsets[k] - 2: offsets[k]] == bytes([0xFF, 0xD0 + (k - 1) % 8])
             assert b"\xff\xd0" not in marked[offsets[k - 1]: offsets[k] - 2].replace(b"\xff\x00", b"")
         assert marked[-2:] == b"\xff\xd9"
+
+
+@pytest.mark.parametrize("name, asked, fitted", [("444", 4, 3), ("444", 40, 33), ("444", 60, 66), ("444", 0, 33),
+                                                ("420", 4, 17), ("420", 8, 17), ("411", 4, 3), ("gray", 8, 11),
+                                                ("gray", 2, 3)])
+def test_fit_rows_picks_an_interval_that_tiles_the_rows(images, name, asked, fitted):
+    """261 pixels across: 33 MCUs of 8 (4:4:4, gray), 17 of 16 (4:2:0), 9 of 32 (4:1:1)."""
+    data, mcu_h, mcu_w = images[name]
+    per_row, rows = intervals(data, mcu_h, mcu_w)
+    marked, offsets = add_restart_markers(data, asked)
+    dri = marked.index(b"\xff\xdd\x00\x04")
+    assert int.from_bytes(marked[dri + 4: dri + 6], "big") == fitted
+    assert len(offsets) == -(-per_row * rows // fitted)
 
 
 def test_progressive_source_comes_out_sequential_with_the_same_pixels():
@@ -117,7 +130,7 @@ def test_bytes_equal_jpegtran(tmp_path, images, interval):
     restart = f"{interval}B" if interval else "1"
     subprocess.run(["jpegtran", "-copy", "none", "-optimize", "-restart", restart, "-outfile",
                     str(tmp_path / "out.jpg"), str(tmp_path / "in.jpg")], check=True)
-    assert add_restart_markers(data, interval)[0] == (tmp_path / "out.jpg").read_bytes()
+    assert add_restart_markers(data, interval, fit_rows=False)[0] == (tmp_path / "out.jpg").read_bytes()
 
 
 def test_bad_input_is_named():
@@ -148,7 +161,7 @@ def test_window_from_restart_intervals_equals_whole_decode_cropped(images, name)
     rng = np.random.default_rng(len(name))
     parts = [n for n in range(2, per_row) if per_row % n == 0] or [1]
     for interval in (0, 2 * per_row, parts[0], per_row + 1):
-        marked, offsets = add_restart_markers(data, interval)
+        marked, offsets = add_restart_markers(data, interval, fit_rows=False)
         for denom in (1, 2, 4, 8):
             h, w = -(-203 // denom), -(-261 // denom)
             whole = region(data, denom, (0, 0, h, w), gray=gray)
