@@ -70,13 +70,13 @@ def test_throttled_storage_binds_the_network(tmp_path, monkeypatch):
 def test_a_tiny_buffer_budget_binds(tmp_path):
     """A budget of two batches' buffers leaves one batch in flight: the op's two workers
     take turns, idle half the time, and the consumer waits; the same loader with the
-    default budget is bound by its op instead."""
-    index = tree(tmp_path / "t")
+    default budget is bound by its op's workers instead."""
+    index = tree(tmp_path / "t", n=48)
 
     def run():
         ld = gpuio.Loader(index, 4, ops=[Sleep(0.03)], threads=2, output="numpy")
         for _ in ld:
-            time.sleep(0.01)
+            pass
         return ld
 
     with gpuio.config.override(buffer_budget=2 * 65536):  # a batch's buffer takes 64 KiB
@@ -86,7 +86,7 @@ def test_a_tiny_buffer_budget_binds(tmp_path):
     assert v.input_share > 0.2 and v.bottleneck == "Sleep" and v.resource == "buffer budget"
     assert "raise buffer_budget to about" in v.advice and "holds only 1 batch(es)" in v.why
     roomy = run().report()
-    assert roomy.resource == "workers" and roomy.numbers["window"] > 1
+    assert roomy.bottleneck == "Sleep" and roomy.resource == "workers" and roomy.numbers["window"] > 1
 
 
 def test_no_verdict_before_batches(tmp_path):
