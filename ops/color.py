@@ -8,13 +8,15 @@ C call per batch (``gpuio.ops._augment.jitter``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from gpuio.storage.buffers import pooled_empty
 from gpuio.batch import Batch, Op
+from gpuio.device import require
 from gpuio.errors import ConfigError
 from gpuio.ops import _augment
 from gpuio.ops._rng import Streams
@@ -85,7 +87,12 @@ class Normalize(Op):
                 batch, list(images), box.astype(np.float64), box, hw, np.zeros(len(hw), np.int64),
                 interp="linear", antialias=True, params=self.channel_params, layout=self.layout, dtype=self.dtype)
             return batch
-        xp = batch.xp
+        with _on_batch_device(batch):
+            batch.data[self.field] = self._normalize_array(batch.xp, images)
+        return batch
+
+    def _normalize_array(self, xp: Any, images: list[Any]) -> Any:
+        """The array-module path: one array ``[N, ...]`` where the shapes agree, else a list."""
         params: dict[int, tuple[Any, Any]] = {}  # channels -> (mean, 1/std), once per batch
         for img in images:
             c = img.shape[2]
@@ -100,8 +107,7 @@ class Normalize(Op):
                    else pooled_empty((len(images), *shape), self.dtype))
             for row, img in enumerate(images):
                 self._one(xp, img, params[c], out[row])
-        batch.data[self.field] = out if same else rows
-        return batch
+        return out if same else rows
 
     def _one(self, xp: Any, img: Any, params: tuple[Any, Any], out: Any = None) -> Any:
         """One HWC image normalized into ``out`` (allocated when None) with
@@ -119,6 +125,21 @@ class Normalize(Op):
         if not direct:
             out[...] = cast(xp, tmp, self.dtype)
         return out
+
+
+@contextlib.contextmanager
+def _on_batch_device(batch: Batch) -> Iterator[None]:
+    """CuPy on a GPU batch's device and stream for the block (nothing on the CPU): a
+    worker thread's current device is GPU 0, and its current stream the legacy default
+    stream, until it says otherwise."""
+    if not batch.device.is_cuda:
+        yield
+        return
+    cp = require("cupy")
+    with cp.cuda.Device(batch.device.index):
+        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+        with stream:
+            yield
 
 
 def _gray(xp: Any, v: Any) -> Any:
@@ -186,8 +207,9 @@ class ColorJitter(Op):
             _augment.jitter(src, np.ascontiguousarray(np.concatenate([steps, factors], axis=1), np.float64), out)
             batch.data[self.field] = out
             return batch
-        batch.data[self.field] = [self._jitter_array(batch.xp, img, row_steps, row_factors)
-                                  for img, row_steps, row_factors in zip(images, steps, factors)]
+        with _on_batch_device(batch):
+            batch.data[self.field] = [self._jitter_array(batch.xp, img, row_steps, row_factors)
+                                      for img, row_steps, row_factors in zip(images, steps, factors)]
         return batch
 
     def _steps(self, order: np.ndarray, channels: np.ndarray) -> np.ndarray:
@@ -205,9 +227,9 @@ class ColorJitter(Op):
             f = float(factors[step])
             if step == 0:
                 v = xp.clip(v * f, 0, 255)
-            elif step == 1:
-                m = float(_gray(xp, v[..., :3]).mean()) if img.shape[2] >= 3 else float(v.mean())
-                v = xp.clip(v * f + m * (1 - f), 0, 255)
+            elif step == 1:  # the mean stays on the device: the blend rounds it to float32, as the C path
+                m = (_gray(xp, v[..., :3]) if img.shape[2] >= 3 else v).mean(dtype=xp.float64)
+                v = xp.clip(v * f + (m * (1 - f)).astype(xp.float32), 0, 255)
             elif step == 2:
                 v = xp.clip(v * f + _gray(xp, v[..., :3]) * (1 - f), 0, 255)
             elif step == 3:

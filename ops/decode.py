@@ -420,12 +420,28 @@ def decode_gpu(batch: Batch, rows: list[int], sources: list[Any], color: str, im
         for row, img in zip(rows, decoded):
             if img is None:
                 continue
-            arr = cp.asarray(img)
+            arr = _cuda_view(img, cp, batch.device.index)
             if arr.ndim == 2:
                 arr = arr[:, :, None]
             if color == "rgb" and arr.shape[2] == 1:
                 arr = cp.broadcast_to(arr, arr.shape[:2] + (3,))
             images[row] = arr
+
+
+def _cuda_view(obj: Any, cp: Any, device: int) -> Any:
+    """A CuPy array over the memory that ``obj``'s ``__cuda_array_interface__`` describes
+    (on GPU ``device``), keeping ``obj`` alive, with no wait: ``cupy.asarray`` would
+    synchronize the interface's ``stream`` (an nvImageCodec image names the stream it
+    was decoded on, the batch's own), where the work that reads the array is queued on
+    that same stream after the decode anyway."""
+    face = obj.__cuda_array_interface__
+    shape, dtype, strides = tuple(face["shape"]), np.dtype(face["typestr"]), face.get("strides")
+    if strides is None:  # C order
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    else:  # from the first element to the end of the last
+        nbytes = 0 if 0 in shape else sum((n - 1) * abs(st) for n, st in zip(shape, strides)) + dtype.itemsize
+    memory = cp.cuda.UnownedMemory(face["data"][0], nbytes, obj, device)
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0), strides=strides)
 
 
 def upload(batch: Batch, images: list[Any]) -> list[Any]:

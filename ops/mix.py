@@ -75,12 +75,16 @@ class _Mix(Op):
         return images
 
     def _labels(self, xp: Any, batch: Batch, lam: np.ndarray) -> Any:
-        labels = xp.asarray(batch.data[self.label_field])
+        given = batch.data[self.label_field]
+        on_device = hasattr(given, "__cuda_array_interface__")
+        host = None if on_device else np.asarray(given)
+        labels = given if on_device else xp.asarray(host)
         if labels.ndim == 1:
             if self.num_classes is None:
                 raise ConfigError(f"{self.label_field!r} holds class indices: give num_classes= to make them one-hot")
-            host = np.asarray(labels.get() if hasattr(labels, "get") else labels)
-            bad = np.flatnonzero((host < 0) | (host >= self.num_classes))
+            if on_device:  # class indices someone put on the GPU: read back once to check them
+                host = labels.get()
+            bad = np.flatnonzero((host < 0) | (host >= self.num_classes))  # checked on the host, before any upload
             if len(bad):
                 raise DataError(f"label {host[bad[0]]} is not in [0, {self.num_classes})",
                                 sample=int(batch.index[bad[0]]))

@@ -16,6 +16,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _gpu_ops_do_not_sync(request, monkeypatch):
+    """On a GPU, every op of a ``gpu``-marked test fails on a sync nobody meant (tests/gpu_sync.py)."""
+    if "gpu" in request.keywords and gpuio.cuda_available():
+        from gpu_sync import forbid_syncs_in_ops
+
+        forbid_syncs_in_ops(monkeypatch)
+
+
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request):
     """Runs a test body once on the CPU path and once on the GPU path."""

@@ -57,6 +57,7 @@ METHODS = {
     "cupy.cuda.Event.record": (),
     "cupy.cuda.Event.synchronize": (),
     "cupy.cuda.Event.done": (),
+    "cupy.cuda.MemoryPointer.copy_to_host_async": (),
 }
 
 
@@ -84,7 +85,8 @@ READS = {("cupy", "asarray"): _CUPY_TAKES, ("cupy", "array"): _CUPY_TAKES,
          ("cupy", "ascontiguousarray"): _CUPY_TAKES, ("numpy", "asarray"): _NUMPY_TAKES,
          ("numpy", "array"): _NUMPY_TAKES, ("numpy", "ascontiguousarray"): _NUMPY_TAKES,
          ("numpy", "frombuffer"): [(_BUFFER,)], ("torch", "as_tensor"): _CUPY_TAKES[:1] + _NUMPY_TAKES,
-         ("", "memoryview"): [(_BUFFER,)], ("*", "from_dlpack"): _DLPACK}
+         ("", "memoryview"): [(_BUFFER,)], ("*", "from_dlpack"): _DLPACK,
+         ("", "_cuda_view"): _CUPY_TAKES[:1]}  # ops/decode.py: the interface's pointer, wrapped with no wait
 _ROOTS = {"cp": "cupy", "cupy": "cupy", "np": "numpy", "numpy": "numpy", "torch": "torch"}
 
 
@@ -140,10 +142,20 @@ def _parameters(obj: Any) -> set[str] | None:
     try:
         params = inspect.signature(obj).parameters.values()
         if any(p.kind is p.VAR_KEYWORD for p in params):
-            return None if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) else {"**"}
+            if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+                return None
+            # ``**kwargs`` takes any name: the ones its docstring documents (cupy.ElementwiseKernel's
+            # options=), else any
+            documented = _documented(obj)
+            return {p.name for p in params if p.kind is not p.VAR_KEYWORD} | documented if documented else {"**"}
         return {p.name for p in params}
     except (TypeError, ValueError):
         pass
+    return _documented(obj) or None
+
+
+def _documented(obj: Any) -> set[str]:
+    """The parameter names in ``obj``'s docstrings: their signatures and ``Args:`` sections."""
     docs = [getattr(obj, "__doc__", None) or ""]
     if inspect.isclass(obj):
         docs.append(getattr(obj.__init__, "__doc__", None) or "")
@@ -154,7 +166,7 @@ def _parameters(obj: Any) -> set[str] | None:
         section = re.search(r"Args:\n((?:\s+.*\n?)+)", doc)
         if section:
             names.update(re.findall(r"^\s+(\w+) \(", section.group(1), re.M))
-    return names - {"self"} or None
+    return names - {"self", "kwargs"}
 
 
 def _resolve(module: Any, attrs: list[str]) -> Any:
@@ -536,6 +548,44 @@ def _device_arrays() -> None:
     gc.collect()  # the consumer dropped all: the original goes to release_after, on its stream
     assert len(released) == 1 and released[0][0] == (1234,) and released[0][1] is view, released
     _lease_array(base)
+    _decoded_images()
+
+
+def _decoded_images() -> None:
+    """``decode_gpu``'s view of a decoded image, over an interface as nvImageCodec's
+    ``Image`` gives it (the stream it was decoded on; a made-up address, never read):
+    the shape and strides it describes, the image kept alive by the array, and no wait
+    for that stream (no driver call at all), where ``cupy.asarray`` synchronizes it."""
+    import gc
+    import weakref
+
+    import cupy as cp
+
+    from gpuio.ops.decode import _cuda_view
+
+    class Decoded:
+        def __init__(self, shape: tuple[int, ...], strides: tuple[int, ...] | None) -> None:
+            self.__cuda_array_interface__ = {"shape": shape, "strides": strides, "typestr": "|u1",
+                                             "data": (1 << 40, False), "version": 3, "stream": 1234}
+
+    planar = (1024 * 60, 1024, 1)
+    for shape, strides, nbytes in (((60, 16, 3), None, 2880), ((3, 60, 16), planar, 2 * 61440 + 59 * 1024 + 16)):
+        img = Decoded(shape, strides)
+        alive = weakref.ref(img)
+        arr = _cuda_view(img, cp, 0)
+        assert arr.shape == shape and arr.dtype == cp.uint8 and arr.data.ptr == 1 << 40, (arr.shape, arr.dtype)
+        assert arr.strides == (strides or (48, 3, 1)) and arr.data.mem.size == nbytes, (arr.strides, arr.data.mem.size)
+        del img
+        gc.collect()
+        assert alive() is not None, "the array does not keep the decoded image alive"
+        del arr
+        gc.collect()
+        assert alive() is None, "the decoded image outlives its array"
+    from cupy import _util
+
+    # what cupy.asarray would do: cudaStreamSynchronize on the interface's stream unless
+    # CUPY_CUDA_ARRAY_INTERFACE_SYNC=0 (CuPy's _convert_object_with_cuda_array_interface)
+    assert _util.CUDA_ARRAY_INTERFACE_SYNC, "CuPy no longer waits for an interface's stream: _cuda_view may go"
 
 
 def _lease_array(base: Any) -> None:

@@ -1,4 +1,5 @@
-"""CuPy work on worker threads happens inside the GPU it is for.
+"""CuPy work on worker threads happens inside the GPU it is for; the ops' GPU code reads no
+device value on the host that nobody meant to (the second lint, at the end).
 
 CuPy allocates, copies and launches on the *current* device, which is per thread and is
 GPU 0 on any thread that has not entered another. A stage or pool thread of a loader on
@@ -431,3 +432,294 @@ def test_the_lint_sees_every_kind_of_entry_and_work():
     assert lines == ["<lambda>: cp.empty(i)", "__call__: xp.concatenate(rows)", "_loop: xp.ones(3)",
                      "_loop: xp.stack(rows)", "_read: data.astype('f4')", "copy_rows: data.copy()",
                      "read: xp.empty(3)", "run: xp.asarray(rows)", "stacked: xp.stack(rows)"], found
+
+
+# ---------------------------------------------------------------- host syncs in GPU code
+#
+# Each GPU stage runs on a stream of its own so that stages overlap; a host read of a
+# device value waits for everything queued on the stream first, and stops that overlap.
+# The lint below finds such reads in the ops' GPU code:
+#
+# - **GPU code** is the body of a ``with <...>.cuda.Device(...)`` block (or of ``with
+#   f(...)`` where ``f`` is a generator of the same module that yields inside one), and
+#   every function that takes the array module (a ``cp`` or ``xp`` parameter): on a GPU
+#   batch ``xp`` is CuPy.
+# - **Flagged** there: ``float(v)``, ``int(v)``, ``bool(v)``, ``v.item()``, ``v.tolist()``
+#   and ``v.get()`` (no argument: not a dict's) of a value ``v`` not provably on the host;
+#   every ``asnumpy`` and ``synchronize()``; and the CuPy calls that read device values
+#   back to size their result or check their input (``SYNCING_CALLS``).
+# - **On the host** (not flagged): constants, NumPy calls and what is computed from them,
+#   an array's metadata (``.shape``, ``.dtype``, ``.ndim``, ``.size`` ...), ``batch.index``
+#   and an op's own settings (``self.<name>``), ``len()``, and names only ever assigned
+#   such values (loop variables over them included).
+#
+# Not seen: syncs inside other CuPy calls than those listed, boolean-mask indexing, and
+# calls through objects; a GPU run of the ops' tests inside ``cupyx.allow_synchronize
+# (False)`` (tests/gpu_sync.py) catches CuPy's own reads back at run time.
+
+SYNC_BUILTINS = {"float", "int", "bool"}
+SYNC_METHODS = {"item", "tolist", "get"}
+SYNCING_CALLS = {"asnumpy", "bincount", "nonzero", "flatnonzero", "argwhere", "unique", "histogram", "extract",
+                 "compress"}
+HOST_ATTRIBUTES = {"shape", "ndim", "dtype", "size", "nbytes", "strides", "itemsize", "index", "seeds", "device",
+                   "is_cuda"}
+HOST_CALLS = {"len", "range", "min", "max", "abs", "round", "sum", "sorted", "zip", "enumerate", "list", "tuple",
+              "isinstance", "getattr", "hasattr", "str", "repr", "divmod", "np", "numpy", "math"}
+
+# The syncs that are meant, with the reason: (file, function) -> why.
+INTENDED_SYNCS = {
+    ("ops/augment.py", "host_copies"): "the one wait of a batch whose values the host needs (histograms, the "
+                                       "JPEG codec): copies to pinned memory, then one synchronize",
+    ("ops/mix.py", "_labels"): "class indices a caller put on the GPU are read back once to be checked",
+    ("ops/ragged.py", "segment_span"): "nonsilent_region's begin and length are host arrays, as DALI's; "
+                                       "three reads back where one would do (to be merged)",
+    ("ops/video.py", "keep"): "picture.getPTS() is a decoded frame's timestamp, a host int (no device value)",
+}
+
+
+def _gpu_regions(tree: ast.Module) -> list[ast.AST]:
+    """The GPU code of a module (see above): ``with`` blocks and functions."""
+    def enters(item: ast.withitem, helpers: set[str]) -> bool:
+        call = item.context_expr
+        return isinstance(call, ast.Call) and (_is_device_call(call) or ast.unparse(call.func).split(".")[-1] in helpers)
+
+    generators = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                  and any(isinstance(n, ast.Yield) for n in ast.walk(f))]
+    helpers = {f.name for f in generators if any(isinstance(w, ast.With) and any(enters(i, set()) for i in w.items)
+                                                 for w in ast.walk(f))}
+    out: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With) and any(enters(item, helpers) for item in node.items):
+            out.append(node)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and {
+                a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]} & {"cp", "xp"}:
+            out.append(node)
+    return out
+
+
+def _loop_pairs(target: ast.AST, iterable: ast.AST) -> list[tuple[ast.AST, ast.AST]]:
+    """(target, a value it takes) of a loop: ``zip`` and ``enumerate`` pair their parts."""
+    if isinstance(target, ast.Tuple) and isinstance(iterable, ast.Call) and isinstance(iterable.func, ast.Name):
+        parts = {"zip": iterable.args, "enumerate": [ast.Constant(0), *iterable.args[:1]]}.get(iterable.func.id)
+        if parts is not None and len(parts) == len(target.elts):
+            return [pair for t, it in zip(target.elts, parts) for pair in _loop_pairs(t, it)]
+    return [(target, ast.Subscript(iterable, ast.Constant(0)))]  # an element of the iterable
+
+
+class _HostValues:
+    """Which expressions of one function provably hold host values; ``host_functions``:
+    the module's functions annotated to return NumPy values (or tuples of them)."""
+
+    def __init__(self, fn: ast.AST | None, host_functions: set[str] = frozenset()) -> None:
+        self.host_functions = host_functions
+        self.values: dict[str, list[ast.AST | None]] = {}
+        if fn is None:
+            return
+        for arg in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]:
+            typed = arg.annotation is not None and ast.unparse(arg.annotation).split(".")[0].split("[")[0] in (
+                *HOST_MODULES, "int", "float", "bool", "str", "tuple", "Sequence")
+            self.values.setdefault(arg.arg, []).append(ast.Constant(0) if typed else None)
+        for node in ast.walk(fn):
+            pairs: list[tuple[ast.AST, ast.AST | None]] = []
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                pairs = [(t, node.value) for t in targets]
+            elif isinstance(node, ast.AugAssign):
+                pairs = [(node.target, ast.BinOp(node.target, node.op, node.value))]
+            elif isinstance(node, (ast.For, ast.comprehension)):
+                pairs = _loop_pairs(node.target, node.iter)
+            for target, value in pairs:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        self.values.setdefault(name.id, []).append(value)
+        self.host = set(self.values)
+        while True:
+            dropped = {n for n in self.host if not all(v is not None and self.on_host(v) for v in self.values[n])}
+            if not dropped:
+                break
+            self.host -= dropped
+
+    host: set[str] = set()
+
+    def on_host(self, expr: ast.AST) -> bool:
+        if isinstance(expr, (ast.Constant, ast.JoinedStr)):
+            return True
+        if isinstance(expr, ast.Name):
+            return expr.id in self.host or expr.id in HOST_MODULES
+        if isinstance(expr, ast.Attribute):
+            return (expr.attr in HOST_ATTRIBUTES or (isinstance(expr.value, ast.Name) and expr.value.id == "self")
+                    or self.on_host(expr.value))
+        if isinstance(expr, ast.Subscript):
+            return self.on_host(expr.value) and self.on_host(expr.slice)
+        if isinstance(expr, ast.Slice):
+            return all(p is None or self.on_host(p) for p in (expr.lower, expr.upper, expr.step))
+        if isinstance(expr, ast.Call):
+            func = expr.func
+            root = func
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if ast.unparse(func).split(".")[-1] in self.host_functions:
+                return True
+            if isinstance(root, ast.Name) and root.id in HOST_CALLS | SYNC_BUILTINS:
+                return all(self.on_host(a) for a in expr.args) or root.id in HOST_CALLS - {"min", "max", "sum", "abs",
+                                                                                            "round", "list", "tuple",
+                                                                                            "sorted", "zip",
+                                                                                            "enumerate"}
+            return isinstance(func, ast.Attribute) and self.on_host(func.value) and all(
+                self.on_host(a) for a in expr.args)
+        parts = [c for c in ast.iter_child_nodes(expr) if isinstance(c, ast.expr)]
+        if isinstance(expr, (ast.BinOp, ast.UnaryOp, ast.Compare, ast.BoolOp, ast.IfExp, ast.Tuple, ast.List)):
+            return all(self.on_host(p) for p in parts)
+        return False
+
+
+def _is_numpy_test(test: ast.AST, negated: bool) -> bool:
+    """``xp is np`` (``negated``: ``xp is not np``)."""
+    return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot if negated
+                                                                                   else ast.Is)
+            and {ast.unparse(test.left), ast.unparse(test.comparators[0])} & ARRAY_MODULES != set()
+            and {ast.unparse(test.left), ast.unparse(test.comparators[0])} & HOST_MODULES != set())
+
+
+def _numpy_only(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Inside ``if xp is np:``, the ``else`` of ``if xp is not np:``, or after an ``if xp
+    is not np: ... return`` in the same block: code that runs only on the host."""
+    child, up = node, parents.get(node)
+    while up is not None:
+        if isinstance(up, ast.If) and ((_is_numpy_test(up.test, False) and child in up.body)
+                                       or (_is_numpy_test(up.test, True) and child in up.orelse)):
+            return True
+        for block in (getattr(up, "body", None), getattr(up, "orelse", None)):
+            if isinstance(block, list) and child in block:
+                earlier = block[:block.index(child)]
+                if any(isinstance(s, ast.If) and _is_numpy_test(s.test, True) and isinstance(s.body[-1], ast.Return)
+                       for s in earlier):
+                    return True
+        if isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return False
+        child, up = up, parents.get(up)
+    return False
+
+
+def host_syncs(rel: str, source: str) -> list[str]:
+    """``["line function: call", ...]``: the host reads of device values in the GPU code
+    of one module (see above), less ``INTENDED_SYNCS``."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    functions = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    host_functions = {f.name for f in functions if f.returns is not None and "Any" not in ast.unparse(f.returns)
+                      and ast.unparse(f.returns).split("[")[0] in ("np.ndarray", "tuple", "dict", "list")
+                      and "np." in ast.unparse(f.returns)}
+    # helpers that read device values back (their callers wait too), unless meant
+    syncing = {f.name for f in functions if (rel, f.name) not in INTENDED_SYNCS and any(
+        isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] in ("asnumpy", "get") and not n.args[1:]
+        and not (ast.unparse(n.func).endswith("get") and n.args) for n in ast.walk(f))}
+
+    def function_of(node: ast.AST) -> ast.AST | None:
+        node = parents.get(node)
+        while node is not None and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node = parents.get(node)
+        return node
+
+    found: dict[int, str] = {}
+    facts: dict[int, _HostValues] = {}
+    for region in _gpu_regions(tree):
+        for call in ast.walk(region):
+            if not isinstance(call, ast.Call) or id(call) in found or _numpy_only(call, parents):
+                continue
+            fn = function_of(call)
+            name = getattr(fn, "name", "<module>")
+            if (rel, name) in INTENDED_SYNCS:
+                continue
+            host = facts.setdefault(id(fn), _HostValues(fn, host_functions))
+            func = call.func
+            what = None
+            if isinstance(func, ast.Name) and func.id in SYNC_BUILTINS and call.args and not host.on_host(call.args[0]):
+                what = "a device value read on the host"
+            elif isinstance(func, ast.Name) and func.id in syncing:
+                what = "a helper that reads device values back"
+            elif isinstance(func, ast.Attribute):
+                if func.attr in SYNC_METHODS and not (func.attr == "get" and call.args) and not host.on_host(func.value):
+                    what = "a device value read on the host"
+                elif func.attr == "synchronize":
+                    what = "a wait for the GPU"
+                elif func.attr in SYNCING_CALLS and isinstance(func.value, ast.Name) and func.value.id in ARRAY_MODULES:
+                    what = "a CuPy call that reads device values back"
+            if what:
+                found[id(call)] = f"{call.lineno} {name}: {ast.unparse(call)[:70]} ({what})"
+    return sorted(found.values(), key=lambda line: int(line.split()[0]))
+
+
+def test_gpu_code_of_the_ops_reads_no_device_value_on_the_host():
+    found = {}
+    for path in sorted((ROOT / "ops").glob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        lines = host_syncs(rel, path.read_text())
+        if lines:
+            found[rel] = lines
+    assert not found, ("host reads of device values in the ops' GPU code (each waits for the stream; "
+                       f"list a meant one in INTENDED_SYNCS): {found}")
+    for rel, name in INTENDED_SYNCS:  # each still exists, so that the list only holds real cases
+        source = (ROOT / rel).read_text()
+        assert f"def {name}(" in source, f"{rel}: no function {name} any more: take it off INTENDED_SYNCS"
+
+
+def test_the_sync_lint_sees_each_kind_of_host_read():
+    source = textwrap.dedent('''
+        import contextlib
+        import numpy as np
+
+        def sizes(n: int) -> np.ndarray:
+            return np.arange(n)
+
+        def to_host(a):
+            return a.get()
+
+        @contextlib.contextmanager
+        def on_device(batch):
+            with cp.cuda.Device(batch.device.index):
+                yield
+
+        def op(batch, images, factors: np.ndarray):
+            table = sizes(len(images))
+            with cp.cuda.Device(batch.device.index):
+                for img, f in zip(images, factors.tolist()):
+                    a = float(img.mean()), float(f), int(img.shape[2]), int(table.sum()), int(batch.index[0])
+                    b = cp.asnumpy(img), img.get(), img.max().item(), bool(img.any()), to_host(img)
+                    c = {"k": 1}.get("k"), cp.flatnonzero(img), cp.cuda.get_current_stream().synchronize()
+            with on_device(batch):
+                d = int(images[0].sum())
+            return int(images[0].sum())  # a CPU batch's
+
+        def mixed(xp, x, lengths: np.ndarray):
+            if xp is np:
+                return int(x.sum())
+            if xp is not np:
+                return xp.repeat(x, lengths.tolist()), x.tolist()
+            return x.tolist()
+    ''')
+    lines = [line.split(" ", 1)[1] for line in host_syncs("ops/example.py", source)]
+    assert lines == [
+        "op: float(img.mean()) (a device value read on the host)",
+        "op: cp.asnumpy(img) (a CuPy call that reads device values back)",
+        "op: img.get() (a device value read on the host)",
+        "op: img.max().item() (a device value read on the host)",
+        "op: bool(img.any()) (a device value read on the host)",
+        "op: to_host(img) (a helper that reads device values back)",
+        "op: cp.flatnonzero(img) (a CuPy call that reads device values back)",
+        "op: cp.cuda.get_current_stream().synchronize() (a wait for the GPU)",
+        "op: int(images[0].sum()) (a device value read on the host)",
+        "mixed: x.tolist() (a device value read on the host)"], lines
+
+
+def test_every_op_runs_without_syncs_in_the_gpu_tests():
+    """tests/gpu_sync.py wraps every op class gpuio.ops exports (and the ones they are made of)."""
+    from gpu_sync import SYNCS_MEANT, op_classes
+
+    from gpuio import ops
+    from gpuio.batch import Op
+
+    exported = {v for v in vars(ops).values() if isinstance(v, type) and issubclass(v, Op) and v is not Op}
+    found = set(op_classes())
+    assert len(exported) > 30 and exported <= found, sorted(c.__name__ for c in exported - found)
+    assert set(SYNCS_MEANT) <= {c.__name__ for c in found}
