@@ -26,6 +26,13 @@ target allows.
   reads the loader's k-th epoch, in its order), one after another on the main thread:
   the floor the loader's overhead is measured against (target: < 10%);
 - ``gpuio.Loader``: the same batches through the executor, handed over as torch tensors;
+- ``gpuio.Loader + trace``: the same loader capturing a trace of every batch of the
+  epoch (``Loader.trace``; the file written at the epoch's end is part of its time):
+  the cost of capturing (target: <= 5% of throughput). Its statistics (``stats()``) are
+  always on, so the loader's own row includes them; a second table times the calls a
+  batch makes to them (and to an attached tracer, and the check for a running
+  ``torch.profiler`` around ``next()``) on their own, in microseconds per batch, against the loader's
+  milliseconds per batch;
 - ``torch DataLoader``: ``num_workers`` = cores, each sample read with ``os.pread``
   (and, with ops, decoded with simplejpeg, cropped and resized with OpenCV, flipped and
   normalized with NumPy), persistent workers;
@@ -142,6 +149,55 @@ def raw_read(reader: gpuio.Reader, index: gpuio.SampleIndex, batch: int, epoch: 
         rows += len(data)
         nbytes += sum(len(d) for d in data)
     return rows, nbytes
+
+
+def traced_epoch(loader: gpuio.Loader, path: str) -> tuple[int, int]:
+    loader.trace(path, batches=1 << 30)  # the whole epoch, written when it ends
+    return gpuio_epoch(loader)
+
+
+def hook_cost_us(tracer_path: str | None, n: int = 20000) -> float:
+    """Microseconds per batch of the calls a two-stage CPU pass makes to its statistics
+    (and to a tracer capturing, with ``tracer_path``), plus the loader's check for a
+    running torch profiler around ``next()``, on one thread."""
+    import contextlib
+
+    from gpuio.pipeline._stats import PipelineStats
+    from gpuio.pipeline._trace import Tracer
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    stats = PipelineStats()
+    for name, workers in (("read", 1), ("op", 2)):
+        stats.stage(name, workers)
+    if tracer_path is not None:
+        stats.attach(Tracer(tracer_path, n))
+    stats.pass_started()
+    clock = time.perf_counter
+    t = clock()
+    for k in range(n):
+        for name in ("read", "op"):
+            stats.taken(name, 1, 0.0)
+            stats.started(name)
+            t0 = clock()
+            stats.done(name, k, t0, clock())
+            stats.passed(name, k, 0.0)
+        stats.moved("host", 100_000)
+        stats.started("next")
+        t0 = clock()
+        with (torch.profiler.record_function("gpuio.Loader.next") if torch and torch.autograd._profiler_enabled()
+              else contextlib.nullcontext()):
+            pass
+        stats.moved("host", -100_000)
+        stats.waited(k, t0, clock(), first=k == 0)
+        stats.worked(0.0)
+    seconds = clock() - t
+    stats.pass_ended()
+    if tracer_path is not None:
+        stats.attach(None).write()
+    return seconds / n * 1e6
 
 
 def gpuio_epoch(loader: gpuio.Loader) -> tuple[int, int]:
@@ -296,8 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         tl = torch_loader(index, args.batch_size, args.workers, images)
         with gpuio.Reader("cpu") as reader:
             raw_epochs = itertools.count()  # the k-th raw epoch reads the loader's k-th epoch
+            trace_path = os.path.join(args.root or cache_dir(), f"loader-trace-{kind}.json")
             epochs = {"raw read (Reader.read)": lambda: raw_read(reader, index, args.batch_size, next(raw_epochs)),
                       "gpuio.Loader" + (" + image ops" if images else ""): lambda: gpuio_epoch(loader),
+                      "gpuio.Loader + trace" + (" + image ops" if images else ""):
+                          lambda: traced_epoch(loader, trace_path),
                       f"torch DataLoader ({args.workers} workers)" + (" + same ops" if images else ""):
                           lambda: torch_epoch(tl)}
             if dali == "installed":
@@ -311,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"dataset": kind, "pipeline": "DALI CPU pipeline", "note": dali})
         raw = results[0]["samples_per_s"]
         ours = results[1]["samples_per_s"]
+        loader_s, traced_s = results[1]["round_seconds"], results[2]["round_seconds"]
+        results[2]["trace_cost_pct"] = 100 * (statistics.median(
+            traced_s[k] / sum(loader_s[2 * k: 2 * k + 2]) * 2 for k in range(len(traced_s))) - 1)
+        results[1]["ms_per_batch"] = 1e3 * results[1]["seconds"] / math.ceil(results[1]["rows"] / args.batch_size)
         for r in results:
             if "samples_per_s" in r:
                 r["vs_raw"] = r["samples_per_s"] / raw
@@ -331,10 +394,24 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "OK" if r["overhead_vs_raw_paired_pct"] < 10 else "ABOVE the 10% target"
             print(f"{r['dataset']}: loader overhead over the raw read {r['overhead_vs_raw_pct']:+.1f}% best epoch vs "
                   f"best epoch, {r['overhead_vs_raw_paired_pct']:+.1f}% median of the mirrored pairs ({verdict})")
+    for r in rows_out:
+        if "trace_cost_pct" in r:
+            verdict = "OK" if r["trace_cost_pct"] <= 5 else "ABOVE the 5% target"
+            print(f"{r['dataset']}: capturing a trace costs {r['trace_cost_pct']:+.1f}% of the epoch's time, median "
+                  f"of the rounds against the loader's two epochs in the same round ({verdict})")
+    hooks = [{"calls": "statistics (always on)", "us_per_batch": hook_cost_us(None)}]
+    hooks.append({"calls": "statistics + trace capturing",
+                  "us_per_batch": hook_cost_us(os.path.join(args.root or cache_dir(), "loader-trace-hooks.json"))})
+    per_batch = [r["ms_per_batch"] for r in rows_out if "ms_per_batch" in r]
+    for h in hooks:
+        h["pct_of_fastest_batch"] = h["us_per_batch"] / 1e3 / min(per_batch) * 100
+    print()
+    print_table(hooks, [("calls", "hook calls of one batch", "s"), ("us_per_batch", "us/batch", ".2f"),
+                        ("pct_of_fastest_batch", "% of the fastest loader batch", ".3f")])
     if ops is None and not args.no_images:
         print("image ops: gpuio.ops has no decode_image/random_resized_crop/flip/normalize; JPEG pipeline skipped")
     write_json(args.out, {"machine": info, "size": args.size, "batch_size": args.batch_size,
-                           "dali": dali, "results": rows_out})
+                           "dali": dali, "results": rows_out, "hooks": hooks})
     return 0
 
 
