@@ -723,3 +723,39 @@ def test_every_op_runs_without_syncs_in_the_gpu_tests():
     found = set(op_classes())
     assert len(exported) > 30 and exported <= found, sorted(c.__name__ for c in exported - found)
     assert set(SYNCS_MEANT) <= {c.__name__ for c in found}
+
+
+def _upload_streams(path: Path) -> dict[str, list[str]]:
+    """Per ``<array>.set(..., stream=s)`` (a host-to-device copy) in ``path``: how the
+    function around it makes ``s`` (the source of each assignment to it)."""
+    tree = ast.parse(path.read_text())
+    out = {}
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        made: dict[str, list[str]] = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        made.setdefault(target.id, []).append(ast.unparse(node.value))
+        for call in ast.walk(fn):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "set":
+                stream = {k.arg: k.value for k in call.keywords}.get("stream")
+                if stream is not None:
+                    out[f"{path.name}:{call.lineno} {fn.name}"] = made.get(ast.unparse(stream), [ast.unparse(stream)])
+    return out
+
+
+def test_storage_uploads_run_on_a_stream_of_their_own():
+    """A read thread's current stream is the legacy default stream, which waits for every
+    blocking stream (the executor's stage streams): an upload there, and the wait after
+    it, would stall behind the batches being computed. Uploads in gpuio/storage run on a
+    non-blocking stream they make."""
+    found = {}
+    for path in sorted((ROOT / "gpuio" / "storage").glob("*.py")):
+        found.update(_upload_streams(path))
+    assert found, "no upload found in gpuio/storage"
+    for where, sources in found.items():
+        assert any("Stream(non_blocking=True)" in s for s in sources) and not any(
+            "get_current_stream" in s for s in sources), f"{where}: the upload's stream comes from {sources}"

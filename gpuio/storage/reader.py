@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -90,6 +91,7 @@ class Reader:
         self.parts = config.get("read_parts")
         self.cold_direct = config.get("cold_direct")
         self._remote: Any = None  # the backend of s3:// and http(s):// files, made on first use
+        self._upload_streams = threading.local()  # each read thread's upload stream (GPU readers)
         self._remote_settings = {name: config.get(name) for name in REMOTE_SETTINGS}  # ... with these
 
     @property
@@ -161,11 +163,19 @@ class Reader:
         return lease, plan.sample_dest, plan.sample_length
 
     def _upload(self, host: Lease, nbytes: int) -> Lease:
+        """``host``'s first ``nbytes`` in a device buffer, copied on a non-blocking stream
+        of this reader's (one per read thread) and waited for on that stream alone. The
+        read thread's current stream is the legacy default stream: a copy there would
+        wait for all the work queued on the executor's stage streams (blocking streams),
+        and the read thread with it, so that uploads never overlapped with compute."""
         cp = require("cupy")
         dev = self.pool.acquire(nbytes, self.device)
         with cp.cuda.Device(self.device.index):
-            stream = cp.cuda.get_current_stream()
-            dev.array.set(host.array, stream=stream)
+            stream = getattr(self._upload_streams, "stream", None)
+            if stream is None:  # made inside the device: a stream belongs to one
+                stream = self._upload_streams.stream = cp.cuda.Stream(non_blocking=True)
+            with stream:  # the device array's release event, too, is recorded after the copy
+                dev.array.set(host.array, stream=stream)
             stream.synchronize()  # the host buffer returns to the pool right after
         return dev
 
