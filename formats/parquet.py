@@ -50,7 +50,7 @@ from gpuio.index import UNKNOWN_LENGTH, Extents, PathTable, Ragged, SampleIndex
 from gpuio.storage.remote import client as remote_client
 from gpuio.storage.remote import is_url, object_versions
 
-__all__ = ["parquet", "PageParser"]
+__all__ = ["parquet", "PageParser", "follow_paths", "hf_features", "hf_meta"]
 
 MAGIC = b"PAR1"
 # Parquet's Thrift enums and field ids (parquet.thrift)
@@ -119,10 +119,7 @@ def parquet(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     if paged:
         leaf = first.leaves[binary[paged[0]]]
         parser = PageParser(paged[0], f"{paged[0]}.page", codecs, leaf.max_def)
-    features = first.features
-    images = [n for n, c in wanted.items() if n in binary and _feature(features, c) == "Image"]
-    class_names = {n: names for n, c in wanted.items() if (names := _class_names(features, c)) is not None}
-    meta = {"format": "parquet", "columns": dict(wanted), "images": images, "class_names": class_names,
+    meta = {"format": "parquet", "columns": dict(wanted), **hf_meta(first.features, wanted, binary),
             "extents": {n: "exact" if exact[n] else "pages" for n in binary},
             "index_bytes_read": int(sum(f.length + 8 for f in footers) + sum(r["_read"] for r in found) + read_bytes),
             "data_bytes": int(sum(f.size for f in footers)), **object_versions(paths)}
@@ -204,13 +201,7 @@ class _Footer:
             raise FormatError("the footer has no schema", path=path, offset=size - 8 - length)
         self._walk(schema, 1, schema[0].get(5, 0), [], 0, 0)
         kv = {e.get(1, b"").decode(errors="replace"): e.get(2, b"") for e in meta.get(5) or []}
-        try:
-            self.features = json.loads(kv["huggingface"]).get("info", {}).get("features", {}) if "huggingface" in kv \
-                else {}
-        except (ValueError, AttributeError):
-            self.features = {}
-        if not isinstance(self.features, dict):
-            self.features = {}
+        self.features = hf_features(kv.get("huggingface"))
         if sum(rg.get(3, 0) for rg in self.row_groups) != self.rows:
             raise FormatError(f"the footer's row groups hold {sum(rg.get(3, 0) for rg in self.row_groups)} rows, "
                               f"its total says {self.rows}", path=path, offset=size - 8 - length)
@@ -558,21 +549,26 @@ def _external_files(name: str, column: str, foot: _Footer, wanted: dict[str, str
     sibling ``path`` is set, the extent is that whole file (relative to the Parquet
     file's folder), added to ``files``; else an empty extent. Returns the file ids."""
     null = np.flatnonzero(offsets < 0)
-    if not len(null):
-        return ids
     offsets[null] = 0
     sibling = column[: -len("bytes")] + "path" if column.endswith(".bytes") else None
-    if sibling is None or sibling not in foot.leaves:
+    if not len(null) or sibling is None or sibling not in foot.leaves:
         return ids
-    path_values = _read_columns(footers, {"_path": sibling})[0]["_path"]
-    for r in null.tolist():
-        target = path_values[r]
+    targets = _read_columns(footers, {"_path": sibling})[0]["_path"]
+    return follow_paths(null, [targets[r] for r in null.tolist()], ids, lengths, files)
+
+
+def follow_paths(rows: np.ndarray, targets: Sequence[str], ids: np.ndarray, lengths: np.ndarray,
+                 files: list[str]) -> np.ndarray:
+    """A ``datasets`` image or audio whose ``bytes`` is null is the file its ``path``
+    names: the extents of ``rows`` become those whole files (a relative path from the
+    folder of the sample's own file), appended to ``files``; rows without a path keep
+    their empty extent. Returns the file ids."""
+    for r, target in zip(rows.tolist(), targets):
         if not target:
             continue
         base = os.path.dirname(files[ids[r]])
-        full = target if os.path.isabs(target) or is_url(target) else os.path.join(base, target)
         ids[r] = len(files)
-        files.append(full)
+        files.append(target if os.path.isabs(target) or is_url(target) else os.path.join(base, target))
         lengths[r] = UNKNOWN_LENGTH
     return ids
 
@@ -652,18 +648,27 @@ def _chunk_values(buf: np.ndarray, leaf: _Leaf, codec: str | None) -> list[Any]:
     return out
 
 
-def _feature(features: dict[str, Any], column: str) -> str | None:
-    """The ``datasets`` feature type (``Image``, ``ClassLabel``...) of the top-level
-    column that ``column`` belongs to."""
-    top = features.get(column.split(".")[0])
-    return top.get("_type") if isinstance(top, dict) else None
+def hf_features(raw: bytes | None) -> dict[str, Any]:
+    """The ``features`` of a ``huggingface`` schema metadata value (JSON), ``{}`` if none."""
+    try:
+        features = json.loads(raw).get("info", {}).get("features", {}) if raw else {}
+    except (ValueError, AttributeError):
+        return {}
+    return features if isinstance(features, dict) else {}
 
 
-def _class_names(features: dict[str, Any], column: str) -> list[str] | None:
-    top = features.get(column)
-    if isinstance(top, dict) and top.get("_type") == "ClassLabel" and isinstance(top.get("names"), list):
-        return [str(n) for n in top["names"]]
-    return None
+def hf_meta(features: dict[str, Any], columns: Mapping[str, str], binary: Sequence[str]) -> dict[str, Any]:
+    """``index.meta`` entries from ``datasets`` features: ``images`` (the fields of
+    ``binary`` in an ``Image()`` column) and ``class_names`` (``{field: ClassLabel
+    names}``); ``columns``: ``{field: column path}``."""
+    def kind(column: str) -> Any:
+        top = features.get(column.split(".")[0])
+        return top if isinstance(top, dict) else {}
+
+    images = [n for n, c in columns.items() if n in binary and kind(c).get("_type") == "Image"]
+    names = {n: [str(x) for x in kind(c)["names"]] for n, c in columns.items()
+             if "." not in c and kind(c).get("_type") == "ClassLabel" and isinstance(kind(c).get("names"), list)}
+    return {"images": images, "class_names": names}
 
 
 # ---- the parse step: values out of compressed or dictionary-encoded pages -------------

@@ -33,7 +33,7 @@ def _index_for(path: str) -> gpuio.SampleIndex:
 
 
 # gpuio index: each format's options on the command line, and which formats take them
-_INDEX_OPTIONS = {"annotations": ("coco",), "fields": ("webdataset", "parquet"), "features": ("tfrecord",),
+_INDEX_OPTIONS = {"annotations": ("coco",), "fields": ("webdataset", "parquet", "arrow"), "features": ("tfrecord",),
                   "compression": ("tfrecord",), "sequence_length": ("video",), "stride": ("video",),
                   "step": ("video",)}
 
@@ -434,7 +434,7 @@ def _format_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
                             "saved index or a file tree)")
     parser.add_argument("--annotations", help="coco: the annotations JSON file")
     parser.add_argument("--fields", help="webdataset: member extensions, comma separated (default: jpg,cls); "
-                        "parquet: column paths such as image.bytes,label (default: every column)")
+                        "parquet, arrow: column paths such as image.bytes,label (default: every column)")
     parser.add_argument("--features", help="tfrecord: NAME=KIND pairs, comma separated, kinds bytes, int64, float "
                         "(default: the whole record as field data)")
     parser.add_argument("--compression", choices=("gzip", "zlib"), help="tfrecord: the files' compression")
