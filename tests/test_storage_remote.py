@@ -596,6 +596,11 @@ def test_corrupted_cache_file_is_downloaded_again(s3, tmp_path, request):
     _same_reads(local, index)
 
 
+def _read_saved(path, rows):
+    """In a process of its own: ``rows`` of a saved index, read through the cache."""
+    return [a.tobytes() for a in gpuio.read(gpuio.SampleIndex.load(path), rows)]
+
+
 def test_cache_file_corrupted_in_place_is_detected_and_downloaded_again(s3, tmp_path, request):
     """A block file of the right size whose bytes changed (a disk error, a stray write)
     fails its CRC-32 when a process first meets it, and is downloaded again."""
@@ -614,8 +619,9 @@ def test_cache_file_corrupted_in_place_is_detected_and_downloaded_again(s3, tmp_
             first = f.read(1)
             f.seek(0)
             f.write(bytes([first[0] ^ 0xFF]))
-    with gpuio.Reader("cpu") as reader:  # a process meeting these blocks for the first time
-        assert [a.tobytes() for a in reader.read(index, rows)] == want
+    index.save(tmp_path / "index.npz")
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # a process meeting these blocks for the first time
+        assert pool.apply(_read_saved, (str(tmp_path / "index.npz"), rows)) == want
     assert [os.path.getsize(f) for f in _files(cache_folder())] == sizes
     for path in _files(cache_folder()):
         data = open(path, "rb").read()

@@ -22,14 +22,20 @@ Rules:
 - read-ahead (``prefetch``): the blocks of coming batches (a Loader knows its order)
   are fetched in the background (``remote_requests`` threads), at most
   ``remote_readahead`` bytes in flight; what does not fit is fetched when read, and
-  what has not started when the interpreter exits is dropped;
+  what has not started when the interpreter exits is dropped. A block whose file is
+  there at its size is passed over in one pass over the names (no thread, no lock);
 - a block file ends with an 8-byte trailer, the magic ``gpc2`` and the CRC-32C of the
   block's bytes (the ``crc32c`` package: the CPU's CRC instruction where it has one),
   computed when it is written. When a process first meets a block
   file it checks the size and the CRC: a block cut short, overwritten or corrupted in
-  place (same size) is removed and downloaded again. A block that fails a later read
-  (evicted or cut short by another process) makes the batch look at its blocks again,
-  once;
+  place (same size) is removed and downloaded again. A batch meets its new blocks in one
+  pass on the reading thread, each read whole once (into the batch where the batch
+  wants all of it, else into a buffer its pieces are copied from); only the blocks
+  found missing or bad are fetched on threads. A process remembers the blocks it met
+  (``Objects``: an index, Reader or Loader made again over the same objects shares
+  them), so its later epochs read the block files as local files. A block that fails a
+  later read (evicted or cut short by another process) makes the batch look at its
+  blocks again, once;
 - the cache holds at most ``remote_cache_budget`` bytes: past it, the least recently
   used blocks (by modification time, touched when first met and again at most every
   ``_RECHECK_S`` while in use, on the writer thread) go first, never a block of the
@@ -132,13 +138,19 @@ def _tag(url: str, etag: str, size: int) -> bytes:
     return hashlib.sha256(f"{_identity(url, etag)}\0{etag}\0{size}".encode()).digest()[:_TAG]
 
 
+_INDEXES_MET = 4  # indexes of distinct objects whose met blocks a process remembers
+_indexed: deque[Objects] = deque(maxlen=_INDEXES_MET)
+
+
 class Objects:
     """One index's objects as the cache sees them.
 
     Per object (the index's file id): URL (``paths``), size in bytes and ETag. Per block,
-    numbered ``base[object] + block``: ``seen``, when this process last found it whole
-    in the cache (``time.monotonic()``, 0 when not known). Block file names are made
-    with NumPy from per-object digests, each computed once on first use."""
+    numbered ``base[object] + block``: ``seen(root)``, when this process last found it
+    whole in the cache folder ``root`` (``time.monotonic()``, 0 when not known). Block
+    file names are made with NumPy from per-object digests, each computed once on first
+    use. The same objects indexed again (a new index, Reader or Loader of the process)
+    share these with the last ``_INDEXES_MET`` made: a block this process met stays met."""
 
     def __init__(self, paths: PathTable, sizes: Sequence[int] | np.ndarray, etags: Sequence[str],
                  block: int) -> None:
@@ -148,9 +160,24 @@ class Objects:
         self.block = block
         self.base = np.zeros(len(self.sizes) + 1, dtype=np.int64)
         np.cumsum(np.maximum(1, -(-self.sizes // block)), out=self.base[1:])
-        self.seen = np.zeros(int(self.base[-1]), dtype=np.float64)
         self._digest = np.zeros((len(self.sizes), _TAG), dtype=np.uint8)
         self._named = np.zeros(len(self.sizes), dtype=bool)
+        self._seen: dict[str, np.ndarray] = {}  # cache folder -> per block, when last found whole there
+        same = next((o for o in list(_indexed) if o._same(self)), None)
+        if same is None:
+            _indexed.append(self)
+        else:
+            self._digest, self._named, self._seen = same._digest, same._named, same._seen
+
+    def _same(self, other: Objects) -> bool:
+        return (self.block == other.block and np.array_equal(self.sizes, other.sizes) and self.etags == other.etags
+                and self.paths == other.paths)
+
+    def seen(self, root: str) -> np.ndarray:
+        """Per block, when this process last found it whole in the cache folder ``root``
+        (``time.monotonic()``; 0 when not known)."""
+        got = self._seen.get(root)
+        return got if got is not None else self._seen.setdefault(root, np.zeros(int(self.base[-1])))
 
     def info(self, obj: int) -> _Object:
         """Object ``obj``'s URL, size in bytes and ETag."""
@@ -293,19 +320,24 @@ class BlockCache:
         ukeys, which = np.unique(keys, return_inverse=True)
         which = which.reshape(-1)
         view = lease.array
+        seen = objects.seen(self.root)
         for attempt in range(2):
-            todo = np.flatnonzero(objects.seen[ukeys] == 0) if not attempt else np.arange(len(ukeys))
             if attempt:
-                objects.seen[ukeys] = 0
+                seen[ukeys] = 0
             bufs: list[Any] = [None] * len(ukeys)
-            got = np.zeros(len(ukeys), dtype=bool)
-            for k, buf in zip(todo.tolist(), self._fetched(objects, ukeys[todo], pool)):
-                bufs[k], got[k] = buf, buf is not None
+            got = np.zeros(len(ukeys), dtype=bool)  # the block's bytes are in memory (bufs)
+            placed = np.zeros(len(which), dtype=bool)  # the piece is in the batch already
+            unmet = np.flatnonzero(seen[ukeys] == 0)
+            if len(unmet):
+                absent = self._meet(objects, ukeys, unmet, (which, p_off, p_len, p_dest), view, bufs, placed)
+                for k, buf in zip(absent.tolist(), self._fetched(objects, ukeys[absent], pool)):
+                    bufs[k] = buf
+                got[unmet] = [bufs[k] is not None for k in unmet.tolist()]
             from_memory = got[which]
             for k in np.flatnonzero(from_memory).tolist():
                 src, off, n, dest = bufs[which[k]], int(p_off[k]), int(p_len[k]), int(p_dest[k])
                 view[dest: dest + n] = np.frombuffer(src, dtype=np.uint8, count=n, offset=off)
-            old = ~from_memory
+            old = ~(from_memory | placed)
             if not old.any():
                 break
             local = ReadPlan(task_file=which[old], task_offset=p_off[old], task_length=p_len[old],
@@ -319,6 +351,43 @@ class BlockCache:
                     raise
         self._touch_stale(objects, ukeys)
         self._maybe_evict(objects, ukeys)
+
+    def _meet(self, objects: Objects, ukeys: np.ndarray, unmet: np.ndarray, pieces: tuple[np.ndarray, ...],
+              view: np.ndarray, bufs: list[Any], placed: np.ndarray) -> np.ndarray:
+        """Read the blocks ``ukeys[unmet]`` this process has not met from their files, whole,
+        checking each one's size and CRC-32C, in one pass on this thread: a block whose only
+        piece (``pieces``: per piece its block's position in ``ukeys``, offset in the block,
+        length, destination) is all of it lands in the batch (``view``; ``placed``), another
+        one in a buffer of its own (``bufs``). Returns the positions of the blocks not
+        found whole (a bad file is removed): they are fetched."""
+        which, p_off, p_len, p_dest = pieces
+        keys = ukeys[unmet]
+        obj, block = objects.locate(keys)
+        want = np.minimum(self.block, objects.sizes[obj] - block * self.block)
+        only = np.empty(len(ukeys), dtype=np.int64)
+        only[which] = np.arange(len(which))  # a block's piece (its last, which is its only one where it has one)
+        piece = only[unmet]
+        direct = (np.bincount(which, minlength=len(ukeys))[unmet] == 1) & (p_off[piece] == 0) & (p_len[piece] == want)
+        names = objects.names(keys, self.root)
+        spare = bytearray(_TRAILER.size + 1)
+        met, absent = [], []
+        for k, path, n, into, j, dest in zip(unmet.tolist(), names, want.tolist(), direct.tolist(), piece.tolist(),
+                                            p_dest[piece].tolist()):
+            out = view[dest: dest + n] if into else np.empty(n, dtype=np.uint8)
+            if not _read_checked(path, out, spare):
+                absent.append(k)
+            elif into:
+                placed[j] = True
+                met.append(k)
+            else:
+                bufs[k] = out
+                met.append(k)
+        if met:
+            found = ukeys[met]
+            seen = objects.seen(self.root)
+            seen[found] = time.monotonic()
+            self._pool("write").submit(self._touch, seen, found, objects.names(found, self.root))
+        return np.asarray(absent, dtype=np.int64)
 
     def _fetched(self, objects: Objects, keys: np.ndarray, pool: ThreadPoolExecutor) -> list[Any]:
         """Per block of ``keys``: its bytes when downloaded just now (or still waiting to
@@ -354,14 +423,17 @@ class BlockCache:
         end = np.minimum(start + np.asarray(length, dtype=np.int64), objects.sizes[file])
         _, keys = objects.blocks(file, start, end)
         keys = np.unique(keys)
-        keys = keys[objects.seen[keys] == 0]
+        keys = keys[objects.seen(self.root)[keys] == 0]
         if not len(keys):
             return 0
         obj, block = objects.locate(keys)
         want = np.minimum(self.block, objects.sizes[obj] - block * self.block).tolist()
+        names = list(objects.names(keys, self.root))
+        # one pass over the names: a block whose file has its size is not fetched (its read checks its CRC)
+        fetch = [k for k, (path, n) in enumerate(zip(names, want)) if not _sized(path, n + _TRAILER.size)]
         started = 0
-        for where, path, n in zip(zip(keys.tolist(), obj.tolist(), block.tolist()), objects.names(keys, self.root),
-                                  want):
+        for k in fetch:
+            where, path, n = (int(keys[k]), int(obj[k]), int(block[k])), names[k], want[k]
             with self._lock:
                 if path in self._inflight:
                     continue
@@ -422,7 +494,7 @@ class BlockCache:
             self._done(path, 0)
             raise
         if buf is None:
-            objects.seen[key] = time.monotonic()
+            objects.seen(self.root)[key] = time.monotonic()
             self._done(path, 0)
         elif fd is None:
             self._done(path, len(buf))
@@ -517,7 +589,7 @@ class BlockCache:
                 _unlink(part)
             os.close(fd)
             if kept:
-                objects.seen[key] = time.monotonic()
+                objects.seen(self.root)[key] = time.monotonic()
                 with self._lock:
                     self._added += len(buf)
             self._done(path, len(buf))
@@ -546,21 +618,8 @@ class BlockCache:
 
     @staticmethod
     def _present(path: str, want: int) -> bool:
-        """Whether the block file is there and whole: ``want`` bytes and a trailer whose
-        CRC-32C they match (touched: it is in use). Another file is removed (cut short,
-        overwritten, corrupted)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            return False
-        try:
-            got = os.pread(fd, want + _TRAILER.size + 1, 0)
-        finally:
-            os.close(fd)
-        whole = len(got) == want + _TRAILER.size and _TRAILER.unpack_from(got, want) == (
-            _MAGIC, crc32c(memoryview(got)[:want]))
-        if not whole:
-            _unlink(path)
+        """Whether the block file is there and whole (``_read_checked``), touched: it is in use."""
+        if not _read_checked(path, bytearray(want), bytearray(_TRAILER.size + 1)):
             return False
         try:
             os.utime(path)
@@ -584,20 +643,22 @@ class BlockCache:
         ``_RECHECK_S`` ago (so other processes evict them last); one found gone is met
         again by the next read."""
         now = time.monotonic()
-        seen = objects.seen[keys]
-        stale = keys[(seen > 0) & (now - seen >= _RECHECK_S)]
+        seen = objects.seen(self.root)
+        last = seen[keys]
+        stale = keys[(last > 0) & (now - last >= _RECHECK_S)]
         if not len(stale):
             return
-        objects.seen[stale] = now
-        self._pool("write").submit(self._touch, objects, stale, objects.names(stale, self.root))
+        seen[stale] = now
+        self._pool("write").submit(self._touch, seen, stale, objects.names(stale, self.root))
 
     @staticmethod
-    def _touch(objects: Objects, keys: np.ndarray, names: PathTable) -> None:
+    def _touch(seen: np.ndarray, keys: np.ndarray, names: PathTable) -> None:
+        """Touch the block files ``names`` (mtime: the LRU order); one found gone is not met."""
         for key, path in zip(keys.tolist(), names):
             try:
                 os.utime(path)
             except FileNotFoundError:
-                objects.seen[key] = 0
+                seen[key] = 0
 
     def _maybe_evict(self, objects: Objects, keys: np.ndarray) -> None:
         with self._lock:
@@ -651,6 +712,33 @@ class BlockCache:
         for pool in pools:
             pool.shutdown(wait=True)
         self._posix.close()
+
+
+def _read_checked(path: str, out: Any, spare: bytearray) -> bool:
+    """Read the block file ``path`` into ``out`` (a writable buffer of the block's size),
+    its trailer into ``spare`` (``_TRAILER.size + 1`` bytes: one more shows a longer
+    file): whether it is whole, its size and its CRC-32C those of the trailer. Another
+    file (cut short, overwritten, corrupted) is removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return False
+    try:
+        got = os.preadv(fd, [out, spare], 0)
+    finally:
+        os.close(fd)
+    if got == len(out) + _TRAILER.size and _TRAILER.unpack_from(spare) == (_MAGIC, crc32c(out)):
+        return True
+    _unlink(path)
+    return False
+
+
+def _sized(path: str, n: int) -> bool:
+    """Whether the file ``path`` is there with ``n`` bytes."""
+    try:
+        return os.stat(path).st_size == n
+    except FileNotFoundError:
+        return False
 
 
 def _write_all(fd: int, pieces: list[memoryview]) -> None:
