@@ -214,6 +214,23 @@ def _runs(cost: np.ndarray, parts: int) -> list[np.ndarray]:
     return [run for run in np.split(np.arange(len(cost)), np.unique(cuts)) if len(run)]
 
 
+def _filter_clip(plan: dict[str, np.ndarray], interp: str, antialias: bool) -> np.ndarray:
+    """The clips of a fused ``plan`` narrowed to the source pixels the C resampler's
+    filter reads for each box, and a pixel more on each side (``ops/_resample.h``
+    ``windows``: an output pixel reads the taps within the filter's support of its centre,
+    the support scaled by the box's shrink where it antialiases). The output is the same;
+    the decoder decodes less where a crop follows a resize (``resize -> center_crop``),
+    whose clip is the whole image."""
+    box = plan["box"]
+    scale = box[:, 2:4] / np.maximum(plan["out_hw"], 1)
+    fscale = np.where(antialias & (scale > 1.0), scale, 1.0)
+    support = fscale * {"linear": 1.0, "area": 0.5}.get(interp, 0.0) + 1.5  # nearest: its one pixel
+    clip = plan["clip"].copy()
+    clip[:, 0:2] = np.maximum(clip[:, 0:2], np.floor(box[:, 0:2] - support))
+    clip[:, 2:4] = np.minimum(clip[:, 2:4], np.ceil(box[:, 0:2] + box[:, 2:4] + support))
+    return clip
+
+
 def dct_denoms(box: np.ndarray, out_hw: np.ndarray, subsampling: np.ndarray) -> np.ndarray:
     """Per row the largest DCT scale 1/d (d = 8, 4, 2, else 1), int64 ``[N]``, that keeps
     the box (``[N, 4]``) at least 1.5x ``out_hw`` (``[N, 2]``): the resize after it then
@@ -311,6 +328,7 @@ class DecodeFused(Op):
         first warning) are decoded whole by ``decode_cpu``, which decodes or refuses them as
         ``decode_image`` does, and resampled after."""
         out, offsets = self.fused.c_output(plan["out_hw"], channels)
+        plan = dict(plan, clip=_filter_clip(plan, self.fused.interp, self.fused.antialias))
         rows = np.flatnonzero(windowed)
         denoms = dct_denoms(plan["box"][rows], plan["out_hw"][rows], subsampling[rows])
         clip = plan["clip"][rows]

@@ -241,3 +241,30 @@ def test_decode_fused_with_restarts_equals_it_on_the_source(monkeypatch, images,
             assert g.shape == w.shape and (g == w).all()
         assert [(row, message.split(":")[0]) for row, message in batch.warnings] == \
             [(len(data) - 1, "decoded without its restart offsets")]
+
+
+@pytest.mark.parametrize("geometry", [
+    lambda: [ops.resize(64), ops.center_crop(56)],
+    lambda: [ops.resize(100, interp="area"), ops.center_crop((40, 90)), ops.flip(True, 1.0)],
+    lambda: [ops.resize(60, interp="nearest"), ops.center_crop(30)],
+    lambda: [ops.resize(150, antialias=False), ops.center_crop(100)],
+    lambda: [ops.center_crop(120), ops.resize(64), ops.center_crop(33)],
+])
+def test_crop_after_resize_decodes_only_what_the_filter_reads(monkeypatch, images, geometry):
+    """A crop after a resize narrows the window decoded to the pixels the resampler's
+    filter reads for it (before, the whole image): the same output, bit for bit, with and
+    without DCT scaling and restart offsets."""
+    rng = np.random.default_rng(12)
+    sources = [encode(sample_image(rng, h, w), cv2.IMWRITE_JPEG_SAMPLING_FACTOR_420) for h, w in
+               [(375, 500), (500, 333), (203, 261), (640, 480)]]
+    marked = [add_restart_markers(s, 4) for s in sources]
+    pipe = ops.Compose([ops.decode_image(), *geometry(), ops.normalize([120.0] * 3, [60.0] * 3, layout="HWC")])
+    assert isinstance(pipe.fused[0], DecodeFused)
+    index = np.arange(len(sources))
+    batches = {"source": {"data": sources},
+               "restarts": {"data": [m for m, _ in marked], restarts_field("data"): [o for _, o in marked]}}
+    narrowed = {k: pipe(Batch(dict(v), index, sample_seeds(1, 0, index))).data["image"] for k, v in batches.items()}
+    monkeypatch.setattr(fused, "_filter_clip", lambda plan, interp, antialias: plan["clip"])
+    whole = pipe(Batch(dict(batches["source"]), index, sample_seeds(1, 0, index))).data["image"]
+    for got in narrowed.values():
+        assert all(np.array_equal(g, w) for g, w in zip(got, whole))
