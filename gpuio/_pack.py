@@ -28,7 +28,7 @@ from crc32c import crc32c
 
 from gpuio import config
 from gpuio.errors import ConfigError, StorageError
-from gpuio.formats.packed import (FORMAT_NAME, HEADER_BYTES, INDEX_NAME, PAGE, RESTARTS, VERSION, Header, align,
+from gpuio.formats.packed import (BLOCK, FORMAT_NAME, HEADER_BYTES, INDEX_NAME, PAGE, RESTARTS, VERSION, Header, align,
                                   place, value_schema, values_blob)
 from gpuio.index import Ragged, SampleIndex
 from gpuio.storage.remote import is_http, is_url
@@ -287,7 +287,7 @@ class _Job:
         if self._reader is None:
             self._reader = Reader("cpu")
         rows = np.arange(start, end)
-        records: list[list[bytes]] = [[] for _ in rows]
+        records: list[list[Any]] = [[] for _ in rows]
         for a in range(0, len(rows), _READ_ROWS):
             part = rows[a: a + _READ_ROWS]
             for field in self.index.extents:
@@ -295,18 +295,21 @@ class _Job:
                 for j, data in enumerate(got):
                     records[a + j].extend(self._store(field, int(part[j]), data))
         name = f"shard-{k:05d}.gpk"
-        blob = _layout(records, {n: (c.take(rows) if isinstance(c, Ragged) else c[rows])
-                                 for n, c in self.index.values.items()})
-        _Dest(self.dest).write(name, blob)
-        return {"name": name, "samples": len(rows), "bytes": len(blob), "crc32c": crc32c(blob)}
+        pieces = _layout(records, {n: (c.take(rows) if isinstance(c, Ragged) else c[rows])
+                                   for n, c in self.index.values.items()})
+        crc = 0
+        for piece in pieces:
+            crc = crc32c(piece, crc)
+        _Dest(self.dest).write(name, pieces)
+        return {"name": name, "samples": len(rows), "bytes": sum(len(p) for p in pieces), "crc32c": crc}
 
-    def _store(self, field: str, sample: int, data: Any) -> list[bytes]:
+    def _store(self, field: str, sample: int, data: Any) -> list[Any]:
         """The records ``field``'s bytes ``data`` of ``sample`` become (the image, then
         its restart offsets where the policy adds markers)."""
         policy = self.policies.get(field)
-        raw = bytes(memoryview(data))
         if policy is None:
-            return [raw]
+            return [data]  # a view of the read buffer, written as it is
+        raw = bytes(memoryview(data))
         from gpuio.ops.decode import image_format
 
         out = raw
@@ -357,26 +360,31 @@ def _shrunk(data: bytes, sample: int, max_side: int, quality: int) -> bytes:
                                   colorsubsampling="420")
 
 
-def _layout(records: list[list[bytes]], values: dict[str, np.ndarray | Ragged]) -> bytearray:
-    """One shard's bytes: header, record table, value columns, aligned records."""
+_ZEROS = memoryview(bytes(BLOCK))  # the padding before a record is shorter than a block
+
+
+def _layout(records: list[list[Any]], values: dict[str, np.ndarray | Ragged]) -> list[Any]:
+    """One shard's bytes as pieces in order (no copy of the records): header, record
+    table, value columns, then each record after the zeros its alignment needs."""
     n, nf = len(records), len(records[0]) if records else 0
     flat = [r for sample in records for r in sample]
     lengths = np.array([len(r) for r in flat], dtype=np.int64)
     blob_values = values_blob(values)
     table_offset = HEADER_BYTES
     values_offset = table_offset + n * nf * 16
-    data_offset = align(values_offset + len(blob_values), PAGE)
+    values_end = values_offset + len(blob_values)
+    data_offset = align(values_end, PAGE)
     offsets = place(lengths, data_offset)
-    end = int((offsets + lengths).max()) if len(flat) else data_offset
-    out = bytearray(end)
     header = Header(nf, n, table_offset, values_offset, len(blob_values), data_offset)
-    out[:HEADER_BYTES] = header.pack()
-    table = np.stack([offsets, lengths], axis=1).astype("<u8")
-    out[table_offset:values_offset] = table.tobytes()
-    out[values_offset:values_offset + len(blob_values)] = blob_values
-    for at, r in zip(offsets.tolist(), flat):
-        out[at:at + len(r)] = r
-    return out
+    pieces: list[Any] = [header.pack(), np.stack([offsets, lengths], axis=1).astype("<u8").tobytes(), blob_values,
+                         _ZEROS[:data_offset - values_end]]
+    at = data_offset
+    for start, r in zip(offsets.tolist(), flat):
+        if start > at:
+            pieces.append(_ZEROS[:start - at])
+        pieces.append(r)
+        at = start + len(r)
+    return pieces
 
 
 class _Dest:
@@ -398,13 +406,15 @@ class _Dest:
 
         return client().s3()
 
-    def write(self, name: str, data: bytes | bytearray, exclusive: bool = False) -> bool:
-        """Write object ``name``; with ``exclusive``, only where none exists (False if one does)."""
+    def write(self, name: str, data: bytes | list[Any], exclusive: bool = False) -> bool:
+        """Write object ``name`` (bytes, or bytes-like pieces in order); with ``exclusive``,
+        only where none exists (False if one does)."""
+        pieces = [data] if isinstance(data, bytes) else data
         if self.remote:
             bucket, key = self._key(name)
             extra = {"IfNoneMatch": "*"} if exclusive else {}
             try:
-                self._s3().put_object(Bucket=bucket, Key=key, Body=bytes(data), **extra)
+                self._s3().put_object(Bucket=bucket, Key=key, Body=b"".join(pieces), **extra)
             except Exception as exc:  # botocore's ClientError, connection errors ...
                 if exclusive and "PreconditionFailed" in str(exc):
                     return False
@@ -419,11 +429,11 @@ class _Dest:
                 except FileExistsError:
                     return False
                 with os.fdopen(fd, "wb") as f:
-                    f.write(data)
+                    f.writelines(pieces)
                 return True
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "wb") as f:
-                f.write(data)
+                f.writelines(pieces)
             os.replace(tmp, path)
         except OSError as exc:
             raise StorageError(f"cannot write: {exc.strerror or exc}", path=path) from exc

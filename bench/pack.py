@@ -1,0 +1,212 @@
+"""``python -m gpuio.bench.pack``: gpuio pack against the other writers, and what packing
+changes for the reader, in one run on the ImageNet-like sample dataset.
+
+Rows:
+
+- packing time, pass-through bytes, ``--workers`` processes each: ``gpuio.pack``; Mosaic
+  ``MDSWriter`` and webdataset's ``ShardWriter`` with the samples cut into as many parts,
+  one writer per part on as many processes (as each library's docs parallelize them);
+  ``litdata.optimize`` where it imports (it needs torchvision);
+- size: the packed dataset's bytes against the source's;
+- a Loader epoch of the train chain (decode, random resized crop 224, flip, normalize) and
+  of the val chain (resize 256, center crop 224, normalize) on the source tree and on the packed
+  dataset (``bench/images.py``'s chains), with the decode-only ceiling of each chain on
+  the source (``images.decode_only``);
+- cold reads: every record of the packed shards through ``gpuio.Reader`` with the page
+  cache dropped, against ``bench/storage.py``'s ceiling (the fastest of a sequential, a
+  parallel and an O_DIRECT read) of the shard files themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import numpy as np
+
+import gpuio
+from gpuio.bench import images, storage
+from gpuio.bench._common import cache_dir, machine, sample_root
+
+__all__ = ["main"]
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _samples(index: gpuio.SampleIndex, rows: range) -> list[tuple[str, bytes, int]]:
+    out = []
+    for i in rows:
+        path = index.files[index.extents["data"].file[i]]
+        with open(path, "rb") as f:
+            out.append((f"{i:08d}", f.read(), int(index.values["label"][i])))
+    return out
+
+
+def _wds_part(args: tuple[str, str, range]) -> None:
+    import webdataset as wds
+
+    root, out, rows = args
+    index = gpuio.formats.filetree(root)
+    os.makedirs(out, exist_ok=True)
+    with wds.ShardWriter(os.path.join(out, "part-%06d.tar"), maxsize=128 << 20, verbose=0) as sink:
+        for key, data, label in _samples(index, rows):
+            sink.write({"__key__": key, "jpg": data, "cls": label})
+
+
+def _mds_writer() -> Any:
+    """mosaicml-streaming's ``MDSWriter``, its package's ``__init__`` skipped (that one
+    imports torchvision, which the writer does not use)."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    if "streaming" not in sys.modules:
+        spec = importlib.util.find_spec("streaming")
+        if spec is None:
+            raise ImportError("No module named 'streaming' (pip install --no-deps mosaicml-streaming)")
+        for name, folder in (("streaming", ""), ("streaming.base", "base")):
+            module = types.ModuleType(name)
+            module.__path__ = [os.path.join(spec.submodule_search_locations[0], folder)]
+            sys.modules[name] = module
+    return importlib.import_module("streaming.base.format.mds.writer").MDSWriter
+
+
+def _mds_part(args: tuple[str, str, range]) -> None:
+    MDSWriter = _mds_writer()
+    root, out, rows = args
+    index = gpuio.formats.filetree(root)
+    with MDSWriter(out=out, columns={"jpg": "bytes", "cls": "int"}, size_limit=128 << 20) as sink:
+        for _, data, label in _samples(index, rows):
+            sink.write({"jpg": data, "cls": label})
+
+
+def _litdata_item(item: tuple[str, int]) -> dict[str, Any]:
+    with open(item[0], "rb") as f:
+        return {"jpg": f.read(), "cls": item[1]}
+
+
+def _parts(root: str, out: str, n: int, workers: int) -> list[tuple[str, str, range]]:
+    cuts = np.linspace(0, n, workers + 1).astype(int).tolist()
+    return [(root, os.path.join(out, f"w{k}"), range(a, b)) for k, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+
+
+def _on_processes(fn: Callable[[Any], None], parts: list[Any]) -> None:
+    with ProcessPoolExecutor(len(parts)) as pool:
+        list(pool.map(fn, parts))
+
+
+def _chain(pipeline: str) -> Any:
+    """The issue's chains: train as ``bench/images.py``'s; val resize 256, center crop 224."""
+    if pipeline == "train":
+        return images.gpuio_ops("train")
+    ops = gpuio.ops
+    return ops.Compose([ops.decode_image(), ops.resize(shorter=256), ops.center_crop(224),
+                        ops.normalize(images.MEAN, images.STD)])
+
+
+def _loader_epoch(index: gpuio.SampleIndex, pipeline: str, batch: int) -> float:
+    loader = gpuio.Loader(index, batch, fields=("data", "label"), ops=[_chain(pipeline)],
+                          output="numpy", shuffle=True, last_batch="drop")
+    return _timed(lambda: [b["image"] for b in loader])
+
+
+def _ceiling(root: str, pipeline: str, batch: int, count: int) -> float:
+    run = images.decode_only(root, batch, os.cpu_count() or 1, count, pipeline)
+    return _timed(lambda: list(run()))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--count", type=int, default=2000, help="images in the sample dataset")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--restart-interval", type=int, default=0,
+                        help="also pack with restart markers every N MCUs and run the chains on it")
+    parser.add_argument("--out", default=os.path.join(cache_dir(), "results", "bench-pack.json"))
+    args = parser.parse_args(argv)
+    root = sample_root(args.count)
+    src = gpuio.storage.learn_lengths(gpuio.formats.filetree(root))
+    n, source_bytes = len(src), src.nbytes("data")
+    work = tempfile.mkdtemp(prefix="gpuio-bench-pack-", dir=cache_dir())
+    rows: list[dict[str, Any]] = []
+    print(f"{n} images, {source_bytes / 1e6:.1f} MB, from {root}; {args.workers} workers; {machine()['cpu']}")
+    try:
+        dest = os.path.join(work, "packed")
+        t_pack = _timed(lambda: gpuio.pack(src, dest, workers=args.workers))
+        rows.append({"row": "pack: gpuio.pack", "s": t_pack})
+        writers = {"pack: webdataset ShardWriter": _wds_part, "pack: mosaic MDSWriter": _mds_part}
+        for name, fn in writers.items():
+            try:
+                # imported here first, so that the forked writers start with them as gpuio's do
+                import webdataset  # noqa: F401
+                _mds_writer()
+                t = _timed(lambda: _on_processes(fn, _parts(root, os.path.join(work, name.split()[-1]), n,
+                                                                 args.workers)))
+                rows.append({"row": name, "s": t, "ratio": t / t_pack})
+            except ImportError as exc:
+                rows.append({"row": name, "s": None, "why": f"not installed: {exc}"})
+        try:
+            import litdata
+
+            items = [(src.files[src.extents["data"].file[i]], int(src.values["label"][i])) for i in range(n)]
+            t = _timed(lambda: litdata.optimize(fn=_litdata_item, inputs=items, output_dir=os.path.join(work, "lit"),
+                                                chunk_bytes="128MB", num_workers=args.workers, verbose=False))
+            rows.append({"row": "pack: litdata.optimize", "s": t, "ratio": t / t_pack})
+        except ImportError as exc:
+            rows.append({"row": "pack: litdata.optimize", "s": None, "why": f"does not import here ({exc})"})
+        packed = gpuio.formats.packed(dest)
+        packed_bytes = sum(os.path.getsize(p) for p in packed.files)
+        rows.append({"row": "size: packed / source", "bytes": packed_bytes, "ratio": packed_bytes / source_bytes})
+        chains = {"source tree": src, "packed pass-through": packed}
+        if args.restart_interval:
+            marked = os.path.join(work, "marked")
+            gpuio.pack(src, marked, workers=args.workers,
+                       images=gpuio.ImagePolicy(restart_interval=args.restart_interval))
+            chains[f"packed restart {args.restart_interval}"] = gpuio.formats.packed(marked)
+        for pipeline in ("train", "val"):
+            ceiling = _ceiling(root, pipeline, args.batch, n)
+            rows.append({"row": f"{pipeline}: decode-only ceiling (source)", "s": ceiling, "img_s": n / ceiling})
+            for name, index in chains.items():
+                _loader_epoch(index, pipeline, args.batch)  # warm: the page cache and the pools
+                t = _loader_epoch(index, pipeline, args.batch)
+                rows.append({"row": f"{pipeline}: Loader on {name}", "s": t, "img_s": n / t, "ratio": ceiling / t})
+        shards = packed.files.many(np.arange(len(packed.files)))
+        for r in storage.measure("packed", packed, shards, batch=args.batch, repeat=3, caches=("cold",)):
+            if r["method"] == "gpuio":
+                rows.append({"row": "cold: gpuio.Reader, every record, vs ceiling", "s": r.get("seconds"),
+                             "MB_s": r["GB/s"] * 1e3 if "GB/s" in r else None, "ratio": r.get("vs ceiling"),
+                             **({"why": r["failed"]} if "failed" in r else {})})
+                if r.get("ceiling GB/s"):
+                    rows.append({"row": "cold: ceiling (bench/storage.py, the shard files)",
+                                 "MB_s": r["ceiling GB/s"] * 1e3})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{'row':48s} {'seconds':>8s} {'figure':>14s} {'ratio':>7s}")
+    for r in rows:
+        figure = (f"{r['img_s']:.0f} img/s" if "img_s" in r else f"{r['MB_s']:.0f} MB/s" if r.get("MB_s")
+                  else f"{r['bytes'] / 1e6:.1f} MB" if "bytes" in r else "")
+        secs = f"{r['s']:.2f}" if r.get("s") is not None else "-"
+        ratio = f"{r['ratio']:.2f}" if r.get("ratio") else ""
+        print(f"{r['row']:48s} {secs:>8s} {figure:>14s} {ratio:>7s}" + (f"  {r['why']}" if "why" in r else ""))
+    result = {"machine": machine(), "count": n, "source_bytes": source_bytes, "workers": args.workers, "rows": rows}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"results: {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
