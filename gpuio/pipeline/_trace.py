@@ -38,7 +38,8 @@ _US = 1e6
 
 class Tracer:
     """Collects the events of one capture (see the module docstring); ``first`` names
-    the stage a batch's flow starts at (the loader's ``read``)."""
+    the stage a batch's flow starts at (the loader's ``read``). While capturing it keeps
+    tuples of raw clock readings; ``write()`` turns them into trace events."""
 
     def __init__(self, path: str | os.PathLike[str], batches: int, *, nvtx: bool = False,
                  first: str = "read") -> None:
@@ -48,9 +49,10 @@ class Tracer:
         self.first = first
         self._origin = time.perf_counter()
         self._pid = os.getpid()
-        self._events: list[dict[str, Any]] = [
-            {"ph": "M", "name": "process_name", "pid": self._pid, "args": {"name": "gpuio"}}]
-        self._named: set[int] = set()  # threads that have their name event
+        # (tid, name, cat, t0, t1, batch or None, flow phase or None) per span; (name, t, values) per counter
+        self._spans: list[tuple[int, str, str, float, float, int | None, str | None]] = []
+        self._counters: list[tuple[str, float, dict[str, int]]] = []
+        self._threads: dict[int, str] = {}  # track -> its name
         self._streams: dict[str, tuple[int, float]] = {}  # GPU stage -> (its track, where its last span ends)
         self._lock = threading.Lock()
         self._nvtx = _nvtx() if nvtx else None
@@ -59,32 +61,11 @@ class Tracer:
     def done(self) -> bool:
         return self.taken >= self.batches
 
-    def _us(self, t: float) -> float:
-        return round((t - self._origin) * _US, 3)
-
     def _tid(self) -> int:
         tid = threading.get_native_id()
-        if tid not in self._named:
-            self._named.add(tid)
-            self._events.append({"ph": "M", "name": "thread_name", "pid": self._pid, "tid": tid,
-                                 "args": {"name": threading.current_thread().name}})
+        if tid not in self._threads:
+            self._threads[tid] = threading.current_thread().name
         return tid
-
-    def _span(self, name: str, tid: int, t0: float, t1: float, args: dict[str, Any], cat: str = "stage") -> None:
-        ts = self._us(t0)
-        self._events.append({"ph": "X", "name": name, "cat": cat, "pid": self._pid, "tid": tid, "ts": ts,
-                             "dur": max(0.0, round(self._us(t1) - ts, 3)), "args": args})
-
-    def _flow(self, ph: str, seq: int, tid: int, t0: float, t1: float) -> None:
-        """A flow point of batch ``seq`` at the end of the span t0..t1 of ``tid`` (just
-        inside it): a batch leaves each stage after it got there, so the arrows run
-        forward in time."""
-        end = self._us(t1)
-        event = {"ph": ph, "name": "batch", "cat": "batch", "id": seq, "pid": self._pid, "tid": tid,
-                 "ts": round(max(self._us(t0), end - 0.001), 3)}
-        if ph == "f":
-            event["bp"] = "e"  # binds to the span enclosing it, as "s" and "t" do
-        self._events.append(event)
 
     # ---- PipelineStats forwards these ----------------------------------------------------
     def started(self, name: str) -> None:
@@ -96,9 +77,7 @@ class Tracer:
         """Stage ``name`` worked on batch ``seq`` from ``t0`` to ``t1`` on this thread."""
         if self._nvtx is not None:
             self._nvtx.pop_range(domain="gpuio")
-        tid = self._tid()
-        self._span(name, tid, t0, t1, {"batch": seq})
-        self._flow("s" if name == self.first else "t", seq, tid, t0, t1)
+        self._spans.append((self._tid(), name, "stage", t0, t1, seq, "s" if name == self.first else "t"))
 
     def gpu_span(self, name: str, seq: int, queued: float, seconds: float) -> None:
         """Stage ``name``'s device time for batch ``seq`` on its stream (queued at ``queued``)."""
@@ -106,35 +85,54 @@ class Tracer:
             tid, free = self._streams.get(name, (None, 0.0))
             if tid is None:
                 tid = -(len(self._streams) + 1)  # no thread has a negative id
-                self._events.append({"ph": "M", "name": "thread_name", "pid": self._pid, "tid": tid,
-                                     "args": {"name": f"CUDA stream of {name}"}})
+                self._threads[tid] = f"CUDA stream of {name}"
             t0 = max(queued, free)
             self._streams[name] = (tid, t0 + seconds)
-        self._span(name, tid, t0, t0 + seconds, {"batch": seq}, cat="gpu")
+        self._spans.append((tid, name, "gpu", t0, t0 + seconds, seq, None))
 
     def consumer(self, seq: int, t0: float, t1: float) -> None:
         """The consumer waited in ``next()`` from ``t0`` to ``t1`` and got batch ``seq``."""
         if self._nvtx is not None:
             self._nvtx.pop_range(domain="gpuio")
-        tid = self._tid()
-        self._span("next", tid, t0, t1, {"batch": seq}, cat="consumer")
-        self._flow("f", seq, tid, t0, t1)
+        self._spans.append((self._tid(), "next", "consumer", t0, t1, seq, "f"))
         self.taken += 1
 
     def part(self, name: str, t0: float, t1: float) -> None:
         """A part of an op ran on a thread of ``ops._cpu_pool`` (this one)."""
-        self._span(name, self._tid(), t0, t1, {}, cat="part")
+        self._spans.append((self._tid(), name, "part", t0, t1, None, None))
 
     def counter(self, name: str, values: dict[str, int]) -> None:
-        self._events.append({"ph": "C", "name": name, "pid": self._pid, "ts": self._us(time.perf_counter()),
-                             "args": dict(values)})
+        self._counters.append((name, time.perf_counter(), dict(values)))
 
     # ---- the file ------------------------------------------------------------------------
+    def events(self) -> list[dict[str, Any]]:
+        """The capture as Chrome trace events."""
+        pid = self._pid
+
+        def us(t: float) -> float:
+            return round((t - self._origin) * _US, 3)
+
+        out: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "gpuio"}}]
+        out += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+                for tid, name in list(self._threads.items())]
+        for tid, name, cat, t0, t1, seq, flow in list(self._spans):
+            ts, end = us(t0), us(t1)
+            out.append({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid, "ts": ts,
+                        "dur": max(0.0, round(end - ts, 3)), "args": {} if seq is None else {"batch": seq}})
+            if flow is not None:  # just inside the span's end (see the module docstring)
+                point = {"ph": flow, "name": "batch", "cat": "batch", "id": seq, "pid": pid, "tid": tid,
+                         "ts": round(max(ts, end - 0.001), 3)}
+                if flow == "f":
+                    point["bp"] = "e"  # binds to the span enclosing it, as "s" and "t" do
+                out.append(point)
+        out += [{"ph": "C", "name": name, "pid": pid, "ts": us(t), "args": values}
+                for name, t, values in list(self._counters)]
+        return out
+
     def write(self) -> str:
         """Save the events as ``{"traceEvents": [...]}`` at ``path``; returns the path."""
-        events = list(self._events)
         with open(self.path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+            json.dump({"traceEvents": self.events(), "displayTimeUnit": "ms"}, f)
         return self.path
 
 
