@@ -284,18 +284,20 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
 
         # gpuio: the small objects as a file tree, the large ones as .npy arrays
         local_tree = gpuio.formats.filetree(root)
-        tree = gpuio.formats.filetree(f"s3://{BUCKET}/tree")
-        big = gpuio.formats.numpy([f"s3://{BUCKET}/{k}" for k in large_keys])
         local_big = gpuio.formats.numpy([os.path.join(folder, os.path.basename(k)) for k in large_keys])
-        for dataset, index, local in (("small objects", tree, local_tree), ("large objects, 8 MiB ranges", big,
-                                                                             local_big)):
-            batch = 256 if index is tree else 1
+        for dataset, make, local in (("small objects", lambda: gpuio.formats.filetree(f"s3://{BUCKET}/tree"),
+                                      local_tree),
+                                     ("large objects, 8 MiB ranges",
+                                      lambda: gpuio.formats.numpy([f"s3://{BUCKET}/{k}" for k in large_keys]),
+                                      local_big)):
+            index = make()
+            batch = 256 if local is local_tree else 1
             n = len(index)
             with gpuio.config.override(remote_cache=False):
                 reader = gpuio.Reader("cpu")
                 row(dataset, "gpuio.read, cache off", lambda r=reader, i=index, b=batch: _epoch(r, i, b), n)
                 reader.close()
-            _gpuio_rows(row, os.path.join(folder, "cache"), dataset, index, local, batch, loader=index is tree)
+            _gpuio_rows(row, os.path.join(folder, "cache"), dataset, make, local, batch, loader=local is local_tree)
         _shards(rows, row, folder, s3, small_keys, pool, only)
         if any(only in f"{LMDB}: {method}" for method in LMDB_ROWS):  # built only for its rows
             _lmdb(row, folder, s3, small_keys)
@@ -314,12 +316,17 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
     return rows
 
 
-def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio.SampleIndex,
+def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, make: Callable[[], gpuio.SampleIndex],
                 local: gpuio.SampleIndex, batch: int, loader: bool) -> None:
-    """gpuio's epochs on ``index``: ``gpuio.read`` (and with ``loader`` the Loader) into an
-    empty cache, from the cache, and on the same files on local disk."""
+    """gpuio's epochs on the index ``make()`` gives: ``gpuio.read`` (and with ``loader``
+    the Loader) into an empty cache, from the cache (also with the index, the reader or
+    Loader made again each pass: the later epochs of a job that indexes anew), and on the
+    same files on local disk. With ``loader`` also the outside check of the warm epoch:
+    shuffled batches of 64 from the cache with the index made again, against local disk."""
+    index = make()
     n = len(index)
     readers: list[gpuio.Reader] = []
+    indexes: list[gpuio.SampleIndex] = []
 
     def empty() -> None:
         for old in readers:  # its writes behind end before the cache is emptied
@@ -329,6 +336,13 @@ def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio
 
     row(dataset, "gpuio.read epoch 1 (empty cache)", lambda: _epoch(readers[0], index, batch), n, setup=empty)
     row(dataset, "gpuio.read epoch 2 (cache)", lambda: _epoch(readers[0], index, batch), n)
+
+    def again() -> None:  # untimed: the index and the reader made again, as a later job's
+        for old in readers:
+            old.close()
+        indexes[:], readers[:] = [make()], [gpuio.Reader("cpu")]
+
+    row(dataset, AGAIN_READ, lambda: _epoch(readers[0], indexes[0], batch), n, setup=again)
     for old in readers:
         old.close()
     with gpuio.Reader("cpu") as reader:
@@ -347,6 +361,15 @@ def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio
     row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", lambda: _loader_epoch(loaders[0], "data"), n,
         setup=loader_empty)
     row(dataset, "gpuio Loader epoch 2 (cache)", lambda: _loader_epoch(loaders[0], "data"), n)
+    shuffled: list[int] = []
+
+    def loader_again() -> None:  # untimed: the index and a Loader of shuffled batches of 64 made again
+        for old in loaders:
+            old.close()
+        shuffled.append(len(shuffled))
+        loaders[:] = [gpuio.Loader(make(), 64, shuffle=True, seed=len(shuffled), output="numpy")]
+
+    row(dataset, AGAIN_LOADER, lambda: _loader_epoch(loaders[0], "data"), n, setup=loader_again)
     for old in loaders:
         old.close()
     on_disk = gpuio.Loader(local, batch, output="numpy")
@@ -354,8 +377,21 @@ def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, index: gpuio
         lambda: _loader_epoch(on_disk, "data"), n)
     on_disk.close()
 
+    def local_again() -> None:
+        for old in loaders:
+            old.close()
+        shuffled.append(len(shuffled))
+        loaders[:] = [gpuio.Loader(local, 64, shuffle=True, seed=len(shuffled), output="numpy")]
+
+    row(dataset, AGAIN_LOCAL, lambda: _loader_epoch(loaders[0], "data"), n, setup=local_again)
+    for old in loaders:
+        old.close()
+
 
 SHARD_SAMPLES = 100  # samples per tar shard
+AGAIN_READ = "gpuio.read epochs 2-4 (cache; index and reader made again)"
+AGAIN_LOADER = "gpuio Loader epochs 2-4 (cache; index and Loader made again; shuffled, batches of 64)"
+AGAIN_LOCAL = "gpuio Loader, the same files on local disk (shuffled, batches of 64)"
 
 
 LMDB = "LMDB environment"
@@ -444,6 +480,15 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
 
     row(dataset, "gpuio Loader epoch 1 (empty cache, read-ahead)", lambda: _loader_epoch(loaders[0]), n, setup=empty)
     row(dataset, "gpuio Loader epoch 2 (cache)", lambda: _loader_epoch(loaders[0]), n)
+
+    def again() -> None:  # untimed: the index and the Loader made again, as a later job's
+        for old in loaders:
+            old.close()
+        loaders[:] = [gpuio.Loader(gpuio.formats.webdataset([f"s3://{BUCKET}/{k}" for k in shard_keys],
+                                                            fields=("jpg",)), 256, output="numpy")]
+
+    row(dataset, "gpuio Loader epochs 2-4 (cache; index and Loader made again)", lambda: _loader_epoch(loaders[0]),
+        n, setup=again)
     for old in loaders:
         old.close()
     on_disk = gpuio.Loader(local, 256, output="numpy")
