@@ -4,12 +4,14 @@ storage (503s from the fault proxy), a buffer budget that holds one batch in fli
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import numpy as np
 
 import gpuio
 from gpuio import formats
+from gpuio.pipeline._stats import cpu_budget
 from gpuio.storage import remote
 
 from remote_env import FaultProxy, http_server
@@ -35,6 +37,30 @@ def test_a_slow_op_on_one_worker_binds_its_workers(tmp_path):
     assert v.bottleneck == "Sleep" and v.resource == "workers"
     assert "raise threads (now 1" in v.advice
     assert v.numbers["stage_busy"]["Sleep"] >= 0.8 and v.numbers["cpu_busy"] < 0.85
+
+
+class Burn:
+    """An op that keeps a core busy for ``seconds`` per batch (hashing, which releases the GIL)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.block = seconds, bytes(1 << 20)
+
+    def __call__(self, batch):
+        end = time.thread_time() + self.seconds
+        while time.thread_time() < end:
+            hashlib.sha256(self.block).digest()
+        return batch
+
+
+def test_an_op_on_every_core_binds_the_cpu(tmp_path):
+    cores = cpu_budget()
+    ld = gpuio.Loader(tree(tmp_path / "t", n=8 * cores), 2, ops=[Burn(0.04)], threads=cores, output="numpy")
+    for _ in ld:
+        pass
+    v = ld.report()
+    assert v.band == "highly input-bound" and v.bottleneck == "Burn" and v.resource == "cpu"
+    assert "more threads cannot help" in v.advice
+    assert v.numbers["cpu_busy"] >= 0.85 or v.numbers["threads_waiting_for_a_core"] >= 0.5
 
 
 def test_throttled_storage_binds_the_network(tmp_path, monkeypatch):

@@ -117,6 +117,10 @@ class PipelineStats:
         self._cpu0 = time.process_time()
         self._cpu = 0.0  # process CPU seconds during passes ended
         self._cpu_since = 0.0
+        self._machine = [0, 0]  # the machine's busy and all CPU ticks during passes ended (Linux)
+        self._machine_since = (0, 0)
+        self._queued = 0.0  # seconds this process's threads waited for a core during passes ended (Linux)
+        self._queued_since = 0.0
         self.in_flight: dict[str, int] = {}  # bytes read and not yet handed over, by where they lie
         self.peak_in_flight = 0
         self._gpu_lock = threading.Lock()
@@ -136,12 +140,18 @@ class PipelineStats:
     def pass_started(self) -> None:
         with self._lock:
             self._since, self._cpu_since = time.perf_counter(), time.process_time()
+            self._machine_since = _machine_ticks()
+            self._queued_since = _run_queue_wait()
 
     def pass_ended(self) -> None:
         with self._lock:
             if self._since is not None:
                 self._wall += time.perf_counter() - self._since
                 self._cpu += time.process_time() - self._cpu_since
+                busy, total = _machine_ticks()
+                self._machine[0] += busy - self._machine_since[0]
+                self._machine[1] += total - self._machine_since[1]
+                self._queued += _run_queue_wait() - self._queued_since
                 self._since = None
 
     def taken(self, name: str, depth: int, starved: float) -> None:
@@ -238,20 +248,26 @@ class PipelineStats:
         return old
 
     # ---- what they add up to -------------------------------------------------------------
-    def wall(self) -> tuple[float, float]:
-        """Seconds passes ran and process CPU seconds during them, the running one included."""
+    def wall(self) -> tuple[float, float, float, float]:
+        """Seconds passes ran, process CPU seconds during them, seconds its threads were
+        ready to run but waited for a core, and the share of the machine's CPU time that
+        was busy then (every process), the running pass included."""
         with self._lock:
-            wall, cpu = self._wall, self._cpu
+            wall, cpu, queued = self._wall, self._cpu, self._queued
+            busy, total = self._machine
             if self._since is not None:
                 wall += time.perf_counter() - self._since
                 cpu += time.process_time() - self._cpu_since
-        return wall, cpu
+                queued += _run_queue_wait() - self._queued_since
+                now = _machine_ticks()
+                busy, total = busy + now[0] - self._machine_since[0], total + now[1] - self._machine_since[1]
+        return wall, cpu, queued, busy / total if total > 0 else 0.0
 
     def snapshot(self) -> dict[str, Any]:
         """The figures now (see ``Loader.stats``)."""
         if self._gpu_pending:
             self._read_gpu_timings()
-        wall, cpu = self.wall()
+        wall, cpu, queued, machine = self.wall()
         with self._lock:
             stages = dict(self.stages)
             in_flight = dict(self.in_flight)
@@ -284,7 +300,8 @@ class PipelineStats:
             "bytes_in_flight": in_flight,
             "peak_bytes_in_flight": peak,
             "cpu": {"seconds": round(cpu, 6), "cores": cores,
-                    "busy": round(cpu / (wall * cores), 4) if wall > 0 else 0.0},
+                    "busy": round(cpu / (wall * cores), 4) if wall > 0 else 0.0, "machine_busy": round(machine, 4),
+                    "waited_for_cores_s": round(queued, 6)},
         }
 
 
@@ -298,6 +315,35 @@ def _add(m: _Meter, seconds: float, gpu: bool = False) -> None:
             m.items += 1
             m.seconds += seconds
             m.latency.add(seconds)
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """The machine's busy and all CPU ticks so far, every core and process (``/proc/stat``;
+    (0, 0) where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    total = sum(ticks[:8])  # user nice system idle iowait irq softirq steal (guest time is in user)
+    return total - ticks[3] - ticks[4], total
+
+
+def _run_queue_wait() -> float:
+    """Seconds this process's threads (those alive now) have spent ready to run but
+    waiting for a core (``/proc/self/task/*/schedstat``; 0.0 where there is none)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    ns = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                ns += int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    return ns / 1e9
 
 
 def cpu_budget() -> int:
@@ -337,6 +383,7 @@ def _cgroup_quota() -> float | None:
 _BANDS = ((0.05, "not input-bound"), (0.20, "moderately input-bound"), (float("inf"), "highly input-bound"))
 _SATURATED = 0.8  # a busy share at or above this: the workers (or cores) have no time to spare
 _CPU_SATURATED = 0.85
+_CONTENDED = 0.5  # threads ready to run and waiting for a core, on average: the cores are taken
 
 
 class Verdict:
@@ -384,7 +431,8 @@ def verdict(s: dict[str, Any], *, threads: int, prefetch: int, window: int, want
     cpu = s["cpu"]
     numbers: dict[str, Any] = {
         "input_share": share, "wait_s": c["wait_s"], "work_s": c["work_s"], "start_up_s": c["start_up_s"],
-        "stage_busy": busy, "cpu_busy": cpu["busy"], "cores": cpu["cores"], "window": window,
+        "stage_busy": busy, "cpu_busy": cpu["busy"], "machine_busy": cpu["machine_busy"], "cores": cpu["cores"],
+        "window": window,
         "wanted_window": wanted}
     shares = ", ".join(f"{n} {100 * b:.0f}%" for n, b in sorted(busy.items(), key=lambda kv: -kv[1]))
     if share < _BANDS[0][0]:
@@ -404,10 +452,16 @@ def verdict(s: dict[str, Any], *, threads: int, prefetch: int, window: int, want
                        f"the stages would keep {wanted}, so the stages wait for buffers; {stage_says}",
                        f"raise buffer_budget to about {need:,} bytes (gpuio.config.override(buffer_budget=...) "
                        "or GPUIO_BUFFER_BUDGET), or use a smaller batch_size", numbers)
-    if cpu["busy"] >= _CPU_SATURATED:
+    wall = max(s["seconds"], 1e-9)
+    contended = cpu["waited_for_cores_s"] / wall  # threads ready to run, on average, that found no core
+    numbers["threads_waiting_for_a_core"] = contended
+    if cpu["busy"] >= _CPU_SATURATED or contended >= _CONTENDED:
+        others = "" if cpu["busy"] >= _CPU_SATURATED else (
+            f", and its threads waited for a core {contended:.1f} at a time on average while the machine's cores "
+            f"were {100 * cpu['machine_busy']:.0f}% busy: other processes take them")
         return Verdict(share, band, top, "cpu",
                        f"the process used {cpu['busy'] * cpu['cores']:.1f} of its {cpu['cores']} cores "
-                       f"({100 * cpu['busy']:.0f}%); {stage_says}",
+                       f"({100 * cpu['busy']:.0f}%){others}; {stage_says}",
                        f"more threads cannot help: make {top} cheaper (fewer or smaller ops, a packed dataset), "
                        "move decoding and augmentation to the GPU (device='cuda'), or give the process more "
                        "cores", numbers)
