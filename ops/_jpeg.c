@@ -230,7 +230,7 @@ static size_t find_frame(const uint8_t *data, size_t size, size_t *scan) {
 
 /* The JPEG of the restart intervals of `data` (whose header d->cinfo has read) that cover
  * the window win (rows win[0]..win[2], columns win[1]..win[3] of the 1/denom-scaled image)
- * and one MCU around it on each side (the context the chroma upsampler reads) into
+ * and EDGE pixels around it on each side (the context the chroma upsampler reads) into
  * d->sub: `data`'s header with the frame's size changed, the intervals' entropy-coded data
  * with their restart markers numbered anew, EOI. `restarts` (`count` uint32): where each
  * interval's entropy-coded data starts in `data`. It serves where an interval is a whole
@@ -266,12 +266,14 @@ static long sub_jpeg(Decoder *d, const uint8_t *data, size_t size, const uint8_t
     const long y1 = (long)win[2] * denom < H ? (long)win[2] * denom : H;
     const long x1 = (long)win[3] * denom < W ? (long)win[3] * denom : W;
     if (y0 < 0 || x0 < 0 || y0 >= y1 || x0 >= x1) return 0; /* decode_window says what is wrong */
-    /* MCU rows r0..r1 and columns m0..m1: the window's and one on each side */
-    const long r0 = y0 / mcu_h - 1, r1 = (y1 + mcu_h - 1) / mcu_h + 1;
-    const long m0 = x0 / mcu_w - 1, m1 = (x1 + mcu_w - 1) / mcu_w + 1;
+    /* MCU rows r0..r1 and columns m0..m1: the window's and EDGE scaled pixels around it, which
+     * the chroma upsampler reads (at the decoded image's edges it reads other pixels) */
+    const long margin = (long)EDGE * denom;
+    const size_t r0 = y0 > margin ? (size_t)((y0 - margin) / mcu_h) : 0, r1 = (size_t)((y1 + margin + mcu_h - 1) / mcu_h);
+    const size_t m0 = x0 > margin ? (size_t)((x0 - margin) / mcu_w) : 0, m1 = (size_t)((x1 + margin + mcu_w - 1) / mcu_w);
     const size_t cols = per_row / across; /* MCUs across an interval */
-    const size_t b0 = r0 > 0 ? (size_t)r0 / band : 0, b1 = r1 < (long)mcu_rows ? ((size_t)r1 + band - 1) / band : bands;
-    const size_t j0 = m0 > 0 ? (size_t)m0 / cols : 0, j1 = m1 < (long)per_row ? ((size_t)m1 + cols - 1) / cols : across;
+    const size_t b0 = r0 / band, b1 = r1 < mcu_rows ? (r1 + band - 1) / band : bands;
+    const size_t j0 = m0 / cols, j1 = m1 < per_row ? (m1 + cols - 1) / cols : across;
     if (b0 == 0 && b1 == bands && j0 == 0 && j1 == across) return 0; /* all of it */
     *top = (int)(b0 * band * mcu_h);
     *left = (int)(j0 * cols * mcu_w);

@@ -29,7 +29,8 @@ def decode_region(data: ReadableBuffer, gray: bool, denom: int, y0: int, x0: int
     ``(y1 - y0) * (x1 - x0) * channels`` bytes of ``out``. Rows below the region are not
     decoded. ``restarts``: the JPEG's restart offsets (little-endian uint32, as
     ``add_restarts`` gives them; None or empty: none): then only the restart intervals
-    that cover the region and one MCU around it are decoded, where its intervals are a
+    that cover the region and 4 pixels around it (which the chroma upsampler reads) are
+    decoded, where its intervals are a
     whole number of MCU rows or an even part of one (else the whole stream, as without);
     the pixels are the same. The GIL is released while it decodes.
 

@@ -25,7 +25,7 @@ scaling) when the crop keeps at least the output's size (times 1.5) at that scal
 resamples it into the batch output while it is still in the cache. Where the batch has
 the images' restart offsets (the field ``<field>.restarts`` beside the encoded ``<field>``,
 as a packed dataset with restart markers has: ``gpuio.ops.restart``), only the restart
-intervals that cover the window and one MCU around it are decoded, bit-exact to decoding
+intervals that cover the window and 4 pixels around it are decoded, bit-exact to decoding
 the whole stream (offsets that do not fit their image: decoded from the whole stream, with
 a warning). Images it does not
 take (CMYK, EXIF-rotated, truncated, not JPEG), or stops on (a libjpeg warning), are

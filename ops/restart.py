@@ -9,8 +9,8 @@ that cover it and skip the rest. ``add_restart_markers`` rewrites a JPEG with ma
 pixels stay exactly those of the original) and returns each interval's byte offset. The
 fused CPU decode (``gpuio.ops.fused.DecodeFused``) takes those offsets from the field
 ``<field>.restarts`` beside the encoded images (``<field>``) and decodes a crop from the
-intervals it covers plus one MCU of context on each side (what the chroma upsampler
-reads), bit-exact to decoding the whole image and cropping it. An interval must be a
+intervals it covers, reaching a few pixels beyond it on each side (what the chroma
+upsampler reads), bit-exact to decoding the whole image and cropping it. An interval must be a
 whole number of MCU rows (``interval_mcus=0``: one row) or an even part of one (then
 columns are skipped too; ``add_restart_markers`` picks such an interval near the one
 asked for); other intervals, and images without offsets, decode the whole stream.
