@@ -176,6 +176,17 @@ def full_path(path: str | os.PathLike[str]) -> str:
 _COPY_BATCH = 8  # blocks read per batch while copying a remote object
 
 
+def object_blocks(url: str) -> tuple[int, SampleIndex]:
+    """(size in bytes, an index of one sample per ``remote_block`` piece) of the remote
+    object ``url``: read through the storage core, its pieces are the node-local cache's
+    blocks, so bytes read this way at index time are the epoch's reads already cached."""
+    info = remote_client().head(url)
+    block = max(4096, config.get("remote_block"))
+    starts = np.arange(0, info.size, block, dtype=np.int64)
+    extents = Extents(np.zeros(len(starts), np.int32), starts, np.minimum(block, info.size - starts))
+    return info.size, SampleIndex(PathTable.from_paths([url]), {"data": extents}, meta=object_versions([url]))
+
+
 @contextmanager
 def local_copy(url: str, what: str) -> Iterator[str]:
     """The remote object ``url`` (a ``what``, e.g. ``"LMDB data file"``) as a local file,
@@ -186,15 +197,11 @@ def local_copy(url: str, what: str) -> Iterator[str]:
     (``gpuio.storage.cache.new_copy``, as large as the object), removed when the block ends
     (or by the cache's eviction, once unwritten for its stall limit, if this process dies); a
     ``DataError`` inside the block that names the copy is raised again naming ``url``."""
-    info = remote_client().head(url)
-    block = max(4096, config.get("remote_block"))
-    starts = np.arange(0, info.size, block, dtype=np.int64)
-    extents = Extents(np.zeros(len(starts), np.int32), starts, np.minimum(block, info.size - starts))
-    pieces = SampleIndex(PathTable.from_paths([url]), {"data": extents}, meta=object_versions([url]))
+    size, pieces = object_blocks(url)
     folder = cache_folder()
 
     def cannot_write(exc: OSError) -> StorageError:
-        return StorageError(f"cannot write a local copy of the object ({info.size} bytes) into {folder} "
+        return StorageError(f"cannot write a local copy of the object ({size} bytes) into {folder} "
                             f"(remote_cache_dir): {exc.strerror or exc}", path=url)
 
     try:
@@ -202,11 +209,11 @@ def local_copy(url: str, what: str) -> Iterator[str]:
     except OSError as exc:
         raise cannot_write(exc) from exc
     try:
-        rows = np.arange(len(starts))
+        rows = np.arange(len(pieces))
         batches = [rows[k: k + _COPY_BATCH] for k in range(0, len(rows), _COPY_BATCH)]
         try:
             with (os.fdopen(fd, "wb") as f, Reader("cpu") as reader,
-                  progress(f"copying {what}", info.size, "B") as advance):
+                  progress(f"copying {what}", size, "B") as advance):
                 for k, rows in enumerate(batches):
                     if k + 1 < len(batches):
                         reader.prefetch(pieces, batches[k + 1])

@@ -19,7 +19,7 @@ import numpy as np
 from gpuio.errors import DataError, FormatError, StorageError
 from gpuio.formats._files import has_pattern, open_regular_file, shard_paths
 from gpuio.storage.remote import client as remote_client
-from gpuio.storage.remote import object_versions
+from gpuio.storage.remote import is_http, is_url, object_versions
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 
 __all__ = ["numpy", "parse_npy_header"]
@@ -72,7 +72,7 @@ def numpy(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
     """
     if isinstance(root_or_files, (str, os.PathLike)):
         root = os.fspath(root_or_files)
-        if root.startswith("s3://") and not root.endswith(".npy") and not has_pattern(root):  # a prefix: one listing
+        if is_url(root) and not is_http(root) and not root.endswith(".npy") and not has_pattern(root):  # a prefix
             paths = sorted(i.url for i in remote_client().list(root.rstrip("/") + "/") if i.url.endswith(".npy"))
             if not paths:
                 raise DataError("no samples: found no .npy objects under this prefix", path=root)

@@ -48,10 +48,11 @@ containers that give no byte position or timestamp per packet.
 
 from __future__ import annotations
 
+import io
 import json
-import mmap
 import os
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -59,7 +60,8 @@ import numpy as np
 from gpuio import _nal
 from gpuio.device import require
 from gpuio.errors import ConfigError, DataError, FormatError, StorageError
-from gpuio.formats._files import full_path, local_copy, regular_file_size
+from gpuio.formats._files import full_path, object_blocks, regular_file_size
+from gpuio.storage import Reader
 from gpuio.storage.remote import is_url, object_versions
 from gpuio.formats.filetree import filetree
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
@@ -70,6 +72,8 @@ VIDEO_EXTENSIONS = (".mp4", ".m4v", ".mov", ".mkv", ".webm")
 _EBML, _SEGMENT = b"\x1a\x45\xdf\xa3", b"\x18\x53\x80\x67"
 _MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip")
 _BLOCK_HEADER = 32  # most bytes between a packet's stated position and its data
+_HELD_BLOCKS = 4  # blocks of a remote file kept in memory for the demuxer's seeks back
+_AHEAD_BLOCKS = 4  # blocks of a remote file fetched ahead of the demuxer
 
 
 def video(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
@@ -99,7 +103,7 @@ def video(root_or_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
     meta.update(format="video", sequence_length=int(sequence_length), stride=int(stride), step=step)
 
     av = require("av")
-    parts = [_clips(_demux_local_or_copy(av, path), f, sequence_length, stride, step)
+    parts = [_clips(_demux(av, path), f, sequence_length, stride, step)
              for f, path in enumerate(files)]
     clip_file = np.concatenate([p.file for p in parts])
     if not len(clip_file):
@@ -129,58 +133,128 @@ class _Stream(NamedTuple):
     state: dict[int, tuple[bytes, ...]]  # per keyframe packet: the stream state before it (``gpuio._nal``)
 
 
-def _ebml_size(mm: mmap.mmap, at: int) -> tuple[int, int]:
+_Pread = Callable[[int, int], bytes]  # (n, offset) -> up to n bytes of the file from offset
+
+
+def _ebml_size(pread: _Pread, at: int) -> tuple[int, int]:
     """An EBML element size at byte ``at``: (value, bytes it takes); value -1 when
     unknown (all ones)."""
-    first = mm[at] if at < len(mm) else 0
+    head = pread(8, at)
+    first = head[0] if head else 0
     width = 9 - first.bit_length()
-    if not first or at + width > len(mm):
+    if not first or len(head) < width:
         return -1, 1
-    value = int.from_bytes(mm[at:at + width], "big") & ((1 << (7 * width)) - 1)
+    value = int.from_bytes(head[:width], "big") & ((1 << (7 * width)) - 1)
     return (-1 if value == (1 << (7 * width)) - 1 else value), width
 
 
-def _container_end(mm: mmap.mmap) -> int:
+def _container_end(pread: _Pread, file_size: int) -> int:
     """Where the file's top-level structure says it ends (bytes): the end of the last
     ISO-BMFF box (MP4, MOV) or of the Matroska/WebM segment; 0 when the file does not
     say (another container, a segment of unknown size)."""
-    if mm[:4] == _EBML:
-        size, width = _ebml_size(mm, 4)
+    head = pread(8, 0)
+    if head[:4] == _EBML:
+        size, width = _ebml_size(pread, 4)
         segment = 4 + width + size
-        if size < 0 or mm[segment:segment + 4] != _SEGMENT:
+        if size < 0 or pread(4, segment) != _SEGMENT:
             return 0
-        size, width = _ebml_size(mm, segment + 4)
+        size, width = _ebml_size(pread, segment + 4)
         return segment + 4 + width + size if size >= 0 else 0
-    if mm[4:8] not in _MP4_BOXES:
+    if head[4:8] not in _MP4_BOXES:
         return 0
     at = 0
-    while at + 8 <= len(mm):
-        size = int.from_bytes(mm[at:at + 4], "big")
+    while at + 8 <= file_size:
+        box = pread(16, at)
+        size = int.from_bytes(box[:4], "big")
         if size == 1:
-            size = int.from_bytes(mm[at + 8:at + 16], "big")
+            size = int.from_bytes(box[8:16], "big")
         elif size == 0:  # the last box runs to the end of the file
-            return len(mm)
+            return file_size
         if size < 8:
             return 0
         at += size
     return at
 
 
-def _demux_local_or_copy(av, path: str) -> _Stream:
-    """``_demux`` of a local file, or of a local copy of a remote one (FFmpeg seeks in
-    the file; the copy's blocks stay in the node-local cache for the reads of the clips)."""
-    if not is_url(path):
-        return _demux(av, path)
-    with local_copy(path, "video file") as copy:
-        return _demux(av, copy)
+class _ObjectFile(io.RawIOBase):
+    """A remote video file as a seekable binary file for the demuxer, with no local copy:
+    read in the node-local cache's blocks through the storage core (``object_blocks``),
+    so the bytes demuxed are the clips' reads cached already; the next blocks are
+    fetched ahead, and a few are held in memory for the demuxer's seeks back (an MP4
+    whose index follows its media is read from its end, then from its start)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.size, self._pieces = object_blocks(url)
+        self._block = int(self._pieces.extents["data"].length[0]) if len(self._pieces) else 1
+        self._reader = Reader("cpu")
+        self._held: OrderedDict[int, bytes] = OrderedDict()
+        self._pos = 0
+
+    def _get(self, k: int) -> bytes:
+        got = self._held.get(k)
+        if got is not None:
+            self._held.move_to_end(k)
+            return got
+        ahead = np.arange(k + 1, min(k + 1 + _AHEAD_BLOCKS, len(self._pieces)))
+        if len(ahead):
+            self._reader.prefetch(self._pieces, ahead)
+        got = self._held[k] = self._reader.read(self._pieces, [k])[0].tobytes()
+        while len(self._held) > _HELD_BLOCKS:
+            self._held.popitem(last=False)
+        return got
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to ``n`` bytes from byte ``offset`` (fewer at the end of the object)."""
+        n = max(0, min(n, self.size - offset))
+        out = bytearray()
+        while len(out) < n:
+            at = offset + len(out)
+            k, skip = divmod(at, self._block)
+            out += self._get(k)[skip: skip + n - len(out)]
+        return bytes(out)
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:
+        data = self.pread(len(buffer), self._pos)
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = pos if whence == io.SEEK_SET else self._pos + pos if whence == io.SEEK_CUR else self.size + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self._reader.close()
+        super().close()
 
 
 def _demux(av, path: str) -> _Stream:
     """Demux ``path`` once (no decoding) and check each packet's bytes lie where the
-    container says."""
-    regular_file_size(path, "video file")  # FFmpeg would wait on a FIFO
+    container says: a local file, or a remote one read through the cache (``_ObjectFile``)."""
+    if is_url(path):
+        with _ObjectFile(path) as f:
+            return _demux_from(av, path, f, f.size, f.pread)
+    size = regular_file_size(path, "video file")  # FFmpeg would wait on a FIFO
+    with open(path, "rb") as f:
+        return _demux_from(av, path, path, size, lambda n, at: os.pread(f.fileno(), n, at))
+
+
+def _demux_from(av, path: str, source: str | _ObjectFile, file_size: int, pread: _Pread) -> _Stream:
+    """``_demux`` of ``source`` (``path`` or a file object of it, ``file_size`` bytes,
+    whose bytes ``pread`` gives)."""
     try:
-        container = av.open(path)
+        container = av.open(source)
     except OSError as exc:  # FFmpeg's errors that are the system's: a missing file, no permission, a directory
         raise StorageError(f"cannot open: {exc.strerror or exc}", path=path) from exc
     except av.FFmpegError as exc:
@@ -206,40 +280,39 @@ def _demux(av, path: str) -> _Stream:
         declared = stream.frames
         pos, size, pts, key, shown = [], [], [], [], []
         try:
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                file_size = len(mm)
-                end = _container_end(mm)
-                if end > file_size:
-                    raise FormatError(f"file cut short: the container's headers say it runs to byte {end}, "
-                                      f"the file has {file_size} bytes", path=path, offset=file_size)
-                for packet in container.demux(stream):
-                    if packet.size == 0:  # the demuxer's end-of-stream marker
-                        continue
-                    d = len(pos)
-                    if packet.pos is None or packet.pos < 0 or packet.pts is None:
-                        raise FormatError(f"the container gives no byte position or timestamp for video packet "
-                                          f"{d}; remux it to MP4 or Matroska", path=path)
-                    # Matroska's position is the block's, a few header bytes before the frame
-                    data = bytes(packet)
-                    at = mm.find(data, packet.pos, packet.pos + _BLOCK_HEADER + packet.size)
-                    if at < 0:
-                        end = packet.pos + packet.size
-                        if end > file_size:
-                            raise FormatError(f"file cut short: video packet {d} ends at byte {end}, the file "
-                                              f"has {file_size} bytes", path=path, offset=packet.pos)
-                        raise FormatError(f"video packet {d} ({packet.size} bytes) is not stored verbatim at "
-                                          f"its position (compressed or laced frames)", path=path, offset=packet.pos)
-                    if codec is not None:  # the stream state before each keyframe, where clips start
-                        if packet.is_keyframe or not d:
-                            states[d] = state.units()
-                        view = memoryview(data)
-                        for a, n in _nal.units(data, 0, len(data), nal_size):
-                            state.add(view[a:a + n])
-                    pos.append(at)
-                    size.append(packet.size)
-                    pts.append(packet.pts)
-                    key.append(packet.is_keyframe)
-                    shown.append(not packet.is_discard)
+            end = _container_end(pread, file_size)
+            if end > file_size:
+                raise FormatError(f"file cut short: the container's headers say it runs to byte {end}, "
+                                  f"the file has {file_size} bytes", path=path, offset=file_size)
+            for packet in container.demux(stream):
+                if packet.size == 0:  # the demuxer's end-of-stream marker
+                    continue
+                d = len(pos)
+                if packet.pos is None or packet.pos < 0 or packet.pts is None:
+                    raise FormatError(f"the container gives no byte position or timestamp for video packet "
+                                      f"{d}; remux it to MP4 or Matroska", path=path)
+                # Matroska's position is the block's, a few header bytes before the frame
+                data = bytes(packet)
+                at = pread(_BLOCK_HEADER + packet.size, packet.pos).find(data)
+                at = packet.pos + at if at >= 0 else -1
+                if at < 0:
+                    end = packet.pos + packet.size
+                    if end > file_size:
+                        raise FormatError(f"file cut short: video packet {d} ends at byte {end}, the file "
+                                          f"has {file_size} bytes", path=path, offset=packet.pos)
+                    raise FormatError(f"video packet {d} ({packet.size} bytes) is not stored verbatim at "
+                                      f"its position (compressed or laced frames)", path=path, offset=packet.pos)
+                if codec is not None:  # the stream state before each keyframe, where clips start
+                    if packet.is_keyframe or not d:
+                        states[d] = state.units()
+                    view = memoryview(data)
+                    for a, n in _nal.units(data, 0, len(data), nal_size):
+                        state.add(view[a:a + n])
+                pos.append(at)
+                size.append(packet.size)
+                pts.append(packet.pts)
+                key.append(packet.is_keyframe)
+                shown.append(not packet.is_discard)
         except av.FFmpegError as exc:
             raise FormatError(f"cannot demux (cut short or corrupt): {exc}", path=path) from exc
         except OSError as exc:

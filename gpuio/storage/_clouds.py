@@ -268,7 +268,8 @@ class Azure:
         headers = {**headers, "x-ms-version": _AZURE_VERSION}
         if key:
             headers["x-ms-date"] = email.utils.formatdate(usegmt=True)
-            headers["Authorization"] = f"SharedKey {self.account}:{_shared_key(key, self.account, method, url, headers)}"
+            signature = _shared_key(key, self.account, method, url, headers)
+            headers["Authorization"] = f"SharedKey {self.account}:{signature}"
         elif sas:
             url += ("&" if "?" in url else "?") + sas
         return url, headers

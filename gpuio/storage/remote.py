@@ -210,6 +210,13 @@ class Client:
         transport = self._for(url)
         try:
             return request(transport)
+        except _Replaced as exc:
+            if exc.now != "another":
+                raise
+            # a precondition failed (HTTP 412): replaced, or deleted (Azurite answers a
+            # deleted blob's If-Match with 412): the object as it is now says which
+            now = self.head(url)  # the 404 error of a deleted one
+            raise _replaced(url, exc.etag, now.etag) from exc
         except _Untrusted:
             if not isinstance(transport, _Obstore) or not self.ca_bundle:
                 raise
@@ -730,9 +737,16 @@ def _same_version(got: str, recorded: str) -> bool:
     return got.removeprefix("W/") == recorded.removeprefix("W/")
 
 
+class _Replaced(StorageError):
+    """An object whose version is not the one indexed (``now``: its version, where the answer said)."""
+
+    def __init__(self, url: str, etag: str, now: str) -> None:
+        super().__init__(f"object replaced after indexing: ETag was {etag}, is now {now}; index it again", path=url)
+        self.etag, self.now = etag, now
+
+
 def _replaced(url: str, etag: str, now: str) -> StorageError:
-    return StorageError(f"object replaced after indexing: ETag was {etag}, is now {now}; index it again",
-                        path=url)
+    return _Replaced(url, etag, now)
 
 
 def _botocore_reason(exc: Exception) -> str:
