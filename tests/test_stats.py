@@ -168,3 +168,18 @@ def test_cpu_budget_follows_affinity_and_local_world_size(monkeypatch):
     assert cpu_budget() == max(1, alone // 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
     assert cpu_budget() == 1
+
+
+def test_threads_auto_takes_the_cpu_budget_and_says_why(tmp_path, monkeypatch):
+    index = tree(tmp_path / "t")
+    affinity = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    ld = gpuio.Loader(index, 4, ops=[Sleep(0.0)], output="numpy")  # the default is "auto"
+    why = ld.stats()["threads"]
+    assert why["auto"] and why["affinity"] == affinity and why["local_world_size"] == 2
+    assert ld.threads == why["threads"] == why["cores"] == cpu_budget() <= max(1, affinity // 2)
+    list(ld)
+    assert ld.stats()["stages"]["Sleep"]["workers"] == ld.threads
+    assert gpuio.Loader(index, 4, threads=3).stats()["threads"] == {"threads": 3, "auto": False}
+    with pytest.raises(gpuio.errors.ConfigError, match="threads must be a positive integer or 'auto'"):
+        gpuio.Loader(index, 4, threads="many")

@@ -347,17 +347,22 @@ def _run_queue_wait() -> float:
 
 
 def cpu_budget() -> int:
-    """The cores this process may use: the affinity mask, cut by the cgroup's CPU quota
-    (``cpu.max``, cgroup v2, or ``cpu.cfs_quota_us``, v1), shared among ``torchrun``'s
-    processes on this node (``LOCAL_WORLD_SIZE``); at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The cores this process may use (see ``cpu_budget_parts``)."""
+    return cpu_budget_parts()["cores"]
+
+
+def cpu_budget_parts() -> dict[str, Any]:
+    """The cores this process may use and where the figure comes from: the ``affinity``
+    mask, cut by the cgroup's CPU ``quota`` in cores (``cpu.max``, cgroup v2, or
+    ``cpu.cfs_quota_us``, v1; None where it has none), shared among ``torchrun``'s
+    ``local_world_size`` processes on this node (``LOCAL_WORLD_SIZE``); at least 1."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     quota = _cgroup_quota()
-    if quota is not None:
-        cores = min(cores, max(1, math.ceil(quota)))
+    cores = affinity if quota is None else min(affinity, max(1, math.ceil(quota)))
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if local.isdigit() and int(local) > 1:
-        cores = cores // int(local)
-    return max(1, cores)
+    local_world_size = int(local) if local.isdigit() and int(local) > 1 else 1
+    return {"cores": max(1, cores // local_world_size), "affinity": affinity, "quota": quota,
+            "local_world_size": local_world_size}
 
 
 def _cgroup_quota() -> float | None:

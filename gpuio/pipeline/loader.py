@@ -36,7 +36,7 @@ from gpuio.index import SampleIndex
 from gpuio.pipeline import _frameworks
 from gpuio.pipeline._collate import Collate
 from gpuio.pipeline._executor import Executor, Stage
-from gpuio.pipeline._stats import PipelineStats, Verdict, verdict
+from gpuio.pipeline._stats import PipelineStats, Verdict, cpu_budget_parts, verdict
 from gpuio.pipeline._opfields import check_op_fields, consumed_fields, flat_ops, image_fields
 from gpuio.pipeline.order import ORDER_VERSION, EpochOrder, EpochPlan, epoch_order
 from gpuio.storage import Reader, learn_lengths, read_fields
@@ -121,7 +121,11 @@ class Loader:
             between batches: reading ahead could hide no more than that, and the
             hand-off between threads costs more on small machines. It reads ahead
             again from the pass after one whose consumer worked longer.
-        threads: worker threads per CPU stage (default: ``os.cpu_count()``).
+        threads: worker threads per CPU stage, or ``"auto"`` (the default; ``None`` is
+            the same): the cores this process may use, from its affinity mask, its
+            cgroup's CPU quota and ``torchrun``'s ``LOCAL_WORLD_SIZE`` (the processes on
+            this node share them); ``stats()["threads"]`` says what was chosen and from
+            which figures.
         on_error: ``"raise"`` (the first bad sample stops the pass with a
             ``PipelineError``) or ``"skip"`` (bad samples are dropped from their batch,
             counted and reported by ``stats()``).
@@ -194,7 +198,7 @@ class Loader:
                  fields: Sequence[str] | dict[str, str] | None = None, ops: Sequence[Any] | Any = (),
                  device: str | Device = "cpu", output: str = "torch",
                  shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 last_batch: str = "partial", prefetch: int = 1, threads: int | None = None,
+                 last_batch: str = "partial", prefetch: int = 1, threads: int | str | None = "auto",
                  on_error: str = "raise", trace: str | os.PathLike[str] | None = None) -> None:
         if not isinstance(index, SampleIndex):
             raise ConfigError(f"index must be a gpuio SampleIndex, got {type(index).__name__}")
@@ -208,9 +212,14 @@ class Loader:
             raise ConfigError(f"on_error={on_error!r}; choose 'raise' or 'skip'")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"prefetch must be an integer >= 0, got {prefetch!r}")
-        threads = (os.cpu_count() or 1) if threads is None else threads
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ConfigError(f"threads must be a positive integer, got {threads!r}")
+        if threads is None or threads == "auto":  # the cores this process may use
+            budget = cpu_budget_parts()
+            threads = budget["cores"]
+            self._threads_why = {"threads": threads, "auto": True, **budget}
+        elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"threads must be a positive integer or 'auto', got {threads!r}")
+        else:
+            self._threads_why = {"threads": threads, "auto": False}
         self.output, self.on_error, self.prefetch, self.threads = output, on_error, prefetch, threads
         self.shuffle, self.seed = bool(shuffle), int(seed)
         if callable(ops):  # one op (or a Compose) for the whole chain
@@ -718,10 +727,14 @@ class Loader:
         p50/p99 per batch, and ``input_share``, the wait's share of the two. ``remote``: the ranged GETs of object storage (requests,
         bytes, seconds, p50/p99 per GET, retries included). ``bytes_in_flight``: bytes
         read and not yet handed over, by where they lie (``host``, ``pinned``, ``gpu``),
-        and ``peak_bytes_in_flight``; ``buffers``: bytes the loader's buffer pool holds
+        and ``peak_bytes_in_flight``; ``threads``: the threads per CPU stage and, where
+        ``"auto"`` chose them, the figures it took (``cores``, ``affinity``, ``quota``,
+        ``local_world_size``); ``buffers``: bytes the loader's buffer pool holds
         (read buffers, in use and cached) and its ``budget``. ``cpu``: the process's CPU
         seconds during passes, the ``cores`` it may use (affinity, cgroup quota,
-        ``torchrun``'s local world size) and their ``busy`` share. ``queues``: batches
+        ``torchrun``'s local world size), their ``busy`` share, ``waited_for_cores_s``
+        (its threads' time ready to run with no core free) and ``machine_busy`` (the
+        share of the machine's CPU time busy with any process). ``queues``: batches
         waiting before each stage now; ``window``: the most batches the running pass
         keeps in flight; ``inline``: whether the last pass ran on the consumer's thread
         (see ``prefetch``); ``consumer_wait_s``: all the consumer's waits, start-ups included. ``skipped``
@@ -743,6 +756,7 @@ class Loader:
                 "bytes_per_s": self._bytes / seconds if seconds else 0.0,
                 **figures,
                 "buffers": {"held": self._pool.held_bytes, "budget": self._pool.budget},
+                "threads": dict(self._threads_why),
                 "queues": snap["queues"],
                 "consumer_wait_s": round(figures["consumer"]["wait_s"] + figures["consumer"]["start_up_s"], 6),
                 "window": snap["window"],
