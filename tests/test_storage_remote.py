@@ -951,6 +951,56 @@ def _read_in_child(url):
         reader.close()
 
 
+@pytest.mark.parametrize("store", ["gs", "az"], indirect=True)
+def test_forked_child_reads_gcs_and_azure_after_the_parent_used_obstore(store, tmp_path, request, monkeypatch):
+    """A forked child of a process that read Azure blobs with obstore signs its own
+    requests (Shared Key) for urllib3; GCS is urllib3's in both."""
+    monkeypatch.setenv("GPUIO_REMOTE_CACHE", "0")
+    np.save(tmp_path / "a.npy", np.arange(5000, dtype=np.int64))
+    store.upload(tmp_path / "a.npy", f"{_prefix(request)}/a.npy")
+    url = store.url(f"{_prefix(request)}/a.npy")
+    np.testing.assert_array_equal(gpuio.read(formats.numpy(url), [0])[0].view(np.int64), np.arange(5000))
+    assert type(remote.client().transport).__name__ == "_Obstore"
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(_read_in_child, (url,)).get(timeout=60)
+    assert got == (np.arange(5000, dtype=np.int64).tobytes(), "_Urllib3")
+
+
+@pytest.mark.parametrize("store", ["az"], indirect=True)
+def test_azure_url_forms_and_credentials(store, each_client, tmp_path, request, monkeypatch):
+    """az://, abfs:// and abfs://container@account.dfs.core.windows.net/ name the same
+    blobs (the account of the environment, or the URL's where it is the same); a SAS
+    token instead of the account key (in the connection string, or AZURE_STORAGE_SAS_TOKEN)
+    lists and reads them; an Azure https URL without a query is a prefix, not one object."""
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+
+    from remote_env import AZURE_ACCOUNT, AZURE_KEY
+
+    root = _tree(tmp_path / "tree", np.random.default_rng(31))
+    prefix = _prefix(request)
+    store.upload_tree(root, prefix)
+    local = formats.filetree(root)
+    for url in (f"az://{BUCKET}/{prefix}", f"abfs://{BUCKET}/{prefix}",
+                f"abfss://{BUCKET}@{AZURE_ACCOUNT}.dfs.core.windows.net/{prefix}"):
+        index = formats.filetree(url)
+        assert all(u.startswith(url + "/") for u in index.files)
+        _same_reads(local, index)
+    sas = generate_container_sas(AZURE_ACCOUNT, BUCKET, account_key=AZURE_KEY,
+                                 permission=ContainerSasPermissions(read=True, list=True),
+                                 expiry=time.time() + 3600)
+    endpoint = store.server.endpoint
+    for how in ("connection string", "AZURE_STORAGE_SAS_TOKEN"):
+        if how == "connection string":
+            monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"BlobEndpoint={endpoint};SharedAccessSignature={sas}")
+        else:
+            monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"BlobEndpoint={endpoint};AccountName={AZURE_ACCOUNT}")
+            monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", "?" + sas)
+        remote.reset_client()
+        _same_reads(local, formats.filetree(f"az://{BUCKET}/{prefix}"))
+    assert not remote.is_http(f"https://{AZURE_ACCOUNT}.blob.core.windows.net/{BUCKET}/{prefix}")
+    assert remote.is_http(f"https://{AZURE_ACCOUNT}.blob.core.windows.net/{BUCKET}/{prefix}/a.jpg?{sas}")
+
+
 # ---- plain HTTP ----------------------------------------------------------------------
 
 

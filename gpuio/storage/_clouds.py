@@ -202,13 +202,13 @@ class Azure:
         fields = dict(p.split("=", 1) for p in conn.split(";") if "=" in p)
         if fields.get("UseDevelopmentStorage", "").lower() == "true":
             fields = {"AccountName": _DEV_ACCOUNT, "AccountKey": _DEV_KEY, "BlobEndpoint": _DEV_ENDPOINT, **fields}
-        self.account = fields.get("AccountName") or env.get("AZURE_STORAGE_ACCOUNT") or env.get(
-            "AZURE_STORAGE_ACCOUNT_NAME", "")
+        self._endpoint = fields.get("BlobEndpoint", "").rstrip("/")
+        self.account = fields.get("AccountName") or _endpoint_account(self._endpoint) or env.get(
+            "AZURE_STORAGE_ACCOUNT") or env.get("AZURE_STORAGE_ACCOUNT_NAME", "")
         self.key = "" if unsigned else fields.get("AccountKey") or env.get("AZURE_STORAGE_KEY") or env.get(
             "AZURE_STORAGE_ACCOUNT_KEY", "")
         self.sas = "" if unsigned else (fields.get("SharedAccessSignature") or env.get("AZURE_STORAGE_SAS_TOKEN", "")
                                         ).lstrip("?")
-        self._endpoint = fields.get("BlobEndpoint", "").rstrip("/")
         self._protocol = fields.get("DefaultEndpointsProtocol", "https")
         self._suffix = fields.get("EndpointSuffix", "core.windows.net")
         self.described = "AZURE_STORAGE_CONNECTION_STRING" if conn else "AZURE_STORAGE_ACCOUNT"
@@ -273,6 +273,17 @@ class Azure:
         elif sas:
             url += ("&" if "?" in url else "?") + sas
         return url, headers
+
+
+def _endpoint_account(endpoint: str) -> str:
+    """The account a Blob endpoint names, as the Azure SDKs read it: its host's first
+    label (``account.blob.core.windows.net``), or the first segment of its path where the
+    host is an address (an emulator's ``http://127.0.0.1:10000/account``); ``""`` if none."""
+    parts = urllib.parse.urlsplit(endpoint)
+    m = _AZURE_HOST.match(parts.hostname or "")
+    if m is not None:
+        return m.group(1)
+    return parts.path.strip("/").split("/")[0] if parts.hostname else ""
 
 
 def _shared_key(key: str, account: str, method: str, url: str, headers: dict[str, str]) -> str:
