@@ -33,7 +33,6 @@ from gpuio.device import require
 from gpuio.errors import ConfigError, DataError
 from gpuio.ops import _augment
 from gpuio.ops._rng import Streams
-from gpuio.storage.buffers import default_pool
 
 __all__ = ["BrightnessContrast", "Hsv", "ColorTwist", "RandomGrayscale", "GaussianBlur", "RandomErasing", "Erase",
            "JpegCompressionDistortion", "erase", "jpeg_compression_distortion", "brightness_contrast", "hsv",
@@ -255,14 +254,12 @@ def host_copies(cp: Any, stream: Any, arrays: list[Any]) -> list[np.ndarray]:
     ``stream``, with the one wait for ``stream`` that reading them on the host needs;
     views of the buffer, in order, shaped as the arrays."""
     arrays = [cp.ascontiguousarray(a) for a in arrays]
-    sizes = [a.nbytes for a in arrays]
-    lease = default_pool().acquire(max(sum(sizes), 1), "cpu", pinned=True)
-    host = np.asarray(lease)
-    start = host.__array_interface__["data"][0]
-    ends = np.cumsum([0, *sizes]).tolist()
+    ends = np.cumsum([0, *(a.nbytes for a in arrays)]).tolist()
+    pinned = cp.cuda.alloc_pinned_memory(max(ends[-1], 1))  # CuPy's pinned pool: small, short-lived
+    host = np.frombuffer(pinned, np.uint8, ends[-1])
     for a, offset in zip(arrays, ends):
         if a.nbytes:
-            a.data.copy_to_host_async(start + offset, a.nbytes, stream)
+            a.data.copy_to_host_async(pinned.ptr + offset, a.nbytes, stream)
     stream.synchronize()  # the batch's one wait: its work so far and these copies
     return [host[lo:hi].view(a.dtype).reshape(a.shape) for a, lo, hi in zip(arrays, ends, ends[1:])]
 
