@@ -465,6 +465,9 @@ HOST_ATTRIBUTES = {"shape", "ndim", "dtype", "size", "nbytes", "strides", "items
                    "is_cuda"}
 HOST_CALLS = {"len", "range", "min", "max", "abs", "round", "sum", "sorted", "zip", "enumerate", "list", "tuple",
               "isinstance", "getattr", "hasattr", "str", "repr", "divmod", "np", "numpy", "math"}
+# ... of those, the ones whose result is on the host whatever they are given (the others
+# pass their arguments' values on)
+HOST_RESULTS = {"len", "range", "isinstance", "hasattr", "str", "repr", "np", "numpy", "math"}
 
 # The syncs that are meant, with the reason: (file, function) -> why.
 INTENDED_SYNCS = {
@@ -513,6 +516,7 @@ class _HostValues:
     def __init__(self, fn: ast.AST | None, host_functions: set[str] = frozenset()) -> None:
         self.host_functions = host_functions
         self.values: dict[str, list[ast.AST | None]] = {}
+        self.host: set[str] = set()
         if fn is None:
             return
         for arg in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]:
@@ -539,8 +543,6 @@ class _HostValues:
                 break
             self.host -= dropped
 
-    host: set[str] = set()
-
     def on_host(self, expr: ast.AST) -> bool:
         if isinstance(expr, (ast.Constant, ast.JoinedStr)):
             return True
@@ -561,10 +563,7 @@ class _HostValues:
             if ast.unparse(func).split(".")[-1] in self.host_functions:
                 return True
             if isinstance(root, ast.Name) and root.id in HOST_CALLS | SYNC_BUILTINS:
-                return all(self.on_host(a) for a in expr.args) or root.id in HOST_CALLS - {"min", "max", "sum", "abs",
-                                                                                            "round", "list", "tuple",
-                                                                                            "sorted", "zip",
-                                                                                            "enumerate"}
+                return root.id in HOST_RESULTS or all(self.on_host(a) for a in expr.args)
             return isinstance(func, ast.Attribute) and self.on_host(func.value) and all(
                 self.on_host(a) for a in expr.args)
         parts = [c for c in ast.iter_child_nodes(expr) if isinstance(c, ast.expr)]
