@@ -76,8 +76,12 @@ def test_device_rows_from_the_pool_are_copied_and_one_array_is_viewed():
     import cupy as cp
 
     shape = (224, 224, 3)
+    nbytes = 224 * 224 * 3
     with cp.cuda.Device(0), cp.cuda.Stream(non_blocking=True) as stream:
+        freed = cp.empty(16 * nbytes, cp.uint8)  # a chunk a batch leaves behind: the rows split it
+        del freed
         rows = [cp.full(shape, k, cp.uint8) for k in range(4)]
+        assert [r.data.ptr - rows[0].data.ptr for r in rows] == [k * nbytes for k in range(4)]
         batch = stack(rows, cp)
         assert batch.data.mem is not rows[0].data.mem  # a copy: row 0's block alone would not hold the rest
         del rows
