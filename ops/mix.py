@@ -84,7 +84,7 @@ class _Mix(Op):
                 raise ConfigError(f"{self.label_field!r} holds class indices: give num_classes= to make them one-hot")
             if on_device:  # class indices someone put on the GPU: read back once to check them
                 host = labels.get()
-            bad = np.flatnonzero((host < 0) | (host >= self.num_classes))  # checked on the host, before any upload
+            bad = np.flatnonzero((host < 0) | (host >= self.num_classes))  # the host's copy: no read back
             if len(bad):
                 raise DataError(f"label {host[bad[0]]} is not in [0, {self.num_classes})",
                                 sample=int(batch.index[bad[0]]))
