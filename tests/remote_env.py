@@ -454,6 +454,34 @@ def redirector(target: str) -> Iterator[str]:
         yield base
 
 
+class _Token(http.server.BaseHTTPRequestHandler):
+    """An OAuth 2.0 token endpoint: every POST is answered with the access token
+    ``server.token``; the bodies posted are kept (``server.posted``)."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.server.posted.append(self.rfile.read(int(self.headers.get("Content-Length", 0))).decode())
+        body = json.dumps({"access_token": self.server.token, "expires_in": 3600, "token_type": "Bearer"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@contextlib.contextmanager
+def token_server(token: str) -> Iterator[Any]:
+    """A local OAuth token endpoint that grants ``token``; yields the server (its ``url``
+    and the ``posted`` request bodies)."""
+    server = _Threaded(("127.0.0.1", 0), _Token)
+    server.token, server.posted = token, []
+    with _serving(server, "http") as base:
+        server.url = f"{base}/token"
+        yield server
+
+
 class FaultProxy:
     """A loopback TCP proxy in front of ``target`` (host, port) that injects faults
     into the next responses: ``fail(n, status)`` answers the next ``n`` requests with

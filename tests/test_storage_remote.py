@@ -6,6 +6,7 @@ cache files, processes racing on one block), each a recovery or a named gpuio er
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -971,7 +972,8 @@ def test_azure_url_forms_and_credentials(store, each_client, tmp_path, request, 
     """az://, abfs:// and abfs://container@account.dfs.core.windows.net/ name the same
     blobs (the account of the environment, or the URL's where it is the same); a SAS
     token instead of the account key (in the connection string, or AZURE_STORAGE_SAS_TOKEN)
-    lists and reads them; an Azure https URL without a query is a prefix, not one object."""
+    lists and reads them, and a public container reads with none (remote_unsigned); an
+    Azure https URL without a query is a prefix, not one object."""
     from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 
     from remote_env import AZURE_ACCOUNT, AZURE_KEY
@@ -997,8 +999,47 @@ def test_azure_url_forms_and_credentials(store, each_client, tmp_path, request, 
             monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", "?" + sas)
         remote.reset_client()
         _same_reads(local, formats.filetree(f"az://{BUCKET}/{prefix}"))
+    # a public container, read with no credentials (remote_unsigned)
+    from azure.core.exceptions import ResourceExistsError
+
+    with contextlib.suppress(ResourceExistsError):  # made by the other client's run
+        store.server.service().create_container(PUBLIC_BUCKET, public_access="container")
+    public = Bucket("az", PUBLIC_BUCKET, store.server)
+    public.upload_tree(root, prefix)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"BlobEndpoint={endpoint}")
+    monkeypatch.delenv("AZURE_STORAGE_SAS_TOKEN")
+    monkeypatch.setenv("GPUIO_REMOTE_UNSIGNED", "1")
+    remote.reset_client()
+    _same_reads(local, formats.filetree(public.url(prefix)))
     assert not remote.is_http(f"https://{AZURE_ACCOUNT}.blob.core.windows.net/{BUCKET}/{prefix}")
     assert remote.is_http(f"https://{AZURE_ACCOUNT}.blob.core.windows.net/{BUCKET}/{prefix}/a.jpg?{sas}")
+
+
+def test_gcs_credentials_are_google_auths_application_default_credentials(tmp_path, monkeypatch):
+    """Without an emulator, a gs:// request carries the bearer token of the service
+    account that GOOGLE_APPLICATION_CREDENTIALS names (google-auth signs its grant and asks
+    the key's token endpoint, here on loopback); no credentials is an error naming them."""
+    import subprocess
+
+    from remote_env import token_server
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    key = subprocess.run(["openssl", "genrsa", "2048"], check=True, capture_output=True, text=True).stdout
+    with token_server("gpuio-test-token") as server:
+        (tmp_path / "sa.json").write_text(json.dumps({
+            "type": "service_account", "project_id": "gpuio-test", "private_key_id": "1", "private_key": key,
+            "client_email": "reader@gpuio-test.iam.gserviceaccount.com", "client_id": "1", "token_uri": server.url}))
+        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "sa.json"))
+        remote.reset_client()
+        gcs = remote.client().cloud("gs")
+        assert gcs.sign({})["Authorization"] == "Bearer gpuio-test-token"
+        assert gcs.sign({})["Authorization"] == "Bearer gpuio-test-token"  # until it expires: asked once
+        assert len(server.posted) == 1 and "jwt-bearer" in urllib.parse.unquote(server.posted[0])
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    remote.reset_client()
+    with pytest.raises(StorageError, match="no Google credentials found.*GOOGLE_APPLICATION_CREDENTIALS"):
+        formats.numpy("gs://bucket/a.npy")
+    remote.reset_client()
 
 
 # ---- plain HTTP ----------------------------------------------------------------------
