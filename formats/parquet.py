@@ -513,7 +513,7 @@ def _hybrid(buf: Any, pos: int, end: int, width: int, count: int, at: int) -> np
         while True:  # the run's header: a ULEB128 varint
             if pos >= end or shift > 35:
                 raise _Bad(f"the levels or indices end after {filled} of {count} values", at + pos)
-            b = buf[pos]
+            b = int(buf[pos])  # a NumPy uint8 would overflow when shifted
             pos += 1
             value |= (b & 0x7F) << shift
             shift += 7

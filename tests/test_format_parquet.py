@@ -83,17 +83,21 @@ def test_reads_equal_datasets(hf, name, kind):
 
 
 def test_exact_index_reads_under_one_percent(tmp_path):
+    # 150 rows in one page: runs of levels and dictionary indices longer than 63 (multi-byte run headers)
     rng = np.random.default_rng(1)
-    images = [{"bytes": rng.integers(0, 256, 20000, dtype=np.uint8).tobytes(), "path": None} for _ in range(60)]
-    ds = datasets.Dataset.from_dict({"image": images, "label": list(range(60))},
+    images = [{"bytes": rng.integers(0, 256, 9000, dtype=np.uint8).tobytes(), "path": f"{k}.jpg"} for k in range(150)]
+    labels = (np.arange(150) // 70).tolist()
+    ds = datasets.Dataset.from_dict({"image": images, "label": labels},
                                     features=datasets.Features({"image": datasets.Image(),
                                                                 "label": datasets.Value("int64")}))
     ds.to_parquet(os.fspath(tmp_path / "d.parquet"))
-    index = parquet(tmp_path / "d.parquet", fields={"img": "image.bytes", "label": "label"})
-    assert index.fields == ("img", "label")
+    index = parquet(tmp_path / "d.parquet", fields={"img": "image.bytes", "label": "label", "name": "image.path"})
+    assert index.fields == ("img", "label", "name")
     assert index.meta["index_bytes_read"] < 0.01 * index.meta["data_bytes"]
-    got = gpuio.read(index, np.arange(60), "img")
+    got = gpuio.read(index, np.arange(150), "img")
     assert [g.tobytes() for g in got] == [im["bytes"] for im in images]
+    assert index.values["label"].tolist() == labels
+    assert [index[k]["name"] for k in (0, 149)] == ["0.jpg", "149.jpg"]
 
 
 def test_loader_decodes_the_pixels_datasets_decodes(hf):
