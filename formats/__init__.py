@@ -7,6 +7,7 @@ Every format function is named after its module (``formats.lmdb`` is the functio
 from gpuio.formats.arrow import arrow
 from gpuio.formats.coco import coco
 from gpuio.formats.filetree import filetree
+from gpuio.formats.litdata import LitDataParser, litdata
 from gpuio.formats.lmdb import lmdb
 from gpuio.formats.manifest import manifest
 from gpuio.formats.mds import MDSParser, mds
@@ -23,6 +24,6 @@ from gpuio.index import concat
 
 # The record parsers a saved index may name, by the name it stores (``import gpuio``
 # registers them with ``gpuio.index.register_parser``).
-PARSERS = {"tfrecord.example": ExampleParser, "recordio": RecordIOParser, "mds": MDSParser, "parquet.page": PageParser}
+PARSERS = {"tfrecord.example": ExampleParser, "recordio": RecordIOParser, "mds": MDSParser, "litdata": LitDataParser, "parquet.page": PageParser}
 
-__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "video", "manifest", "packed", "mds", "parquet", "arrow", "concat"]
+__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "video", "manifest", "packed", "mds", "litdata", "parquet", "arrow", "concat"]

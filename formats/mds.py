@@ -48,7 +48,8 @@ from gpuio.formats._files import each_shard, full_path, open_regular_file, shard
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
 from gpuio.storage.remote import RemoteFile, client as remote_client, is_url, object_versions, url_path
 
-__all__ = ["mds", "MDSParser", "decompress", "decompressed_copy", "check_hashes", "read_at"]
+__all__ = ["mds", "MDSParser", "decompress", "decompressed_copy", "check_hashes", "read_at", "open_exact", "closing_file", "pil_pixels",
+           "jpeg_array_items"]
 
 _SCALARS = {"uint8": "<u1", "uint16": "<u2", "uint32": "<u4", "uint64": "<u8", "int8": "<i1", "int16": "<i2",
             "int32": "<i4", "int64": "<i8", "float16": "<f2", "float32": "<f4", "float64": "<f8", "int": "<i8"}
@@ -115,7 +116,7 @@ def read_at(path: str, n: int, offset: int, f: Any = None) -> bytes:
     return remote.pread(n, offset)
 
 
-def _open(path: str, what: str) -> tuple[Any, int]:
+def open_exact(path: str, what: str) -> tuple[Any, int]:
     """``(file, size)``; a URL opens with no read-ahead, so that header reads fetch only
     their bytes."""
     if is_url(path):
@@ -127,8 +128,8 @@ def _open(path: str, what: str) -> tuple[Any, int]:
 def _index_json(root: str) -> tuple[list[dict[str, Any]], int]:
     """The shard entries of ``root``'s ``index.json`` and its size in bytes, checked."""
     path = root + "/index.json"
-    f, size = _open(path, "MDS index.json")
-    with _closing(f):
+    f, size = open_exact(path, "MDS index.json")
+    with closing_file(f):
         text = read_at(path, size, 0, f)
     try:
         obj = json.loads(text)
@@ -196,7 +197,7 @@ def _columns(shards: list[tuple[str, int, dict[str, Any]]], allow_pickle: bool) 
     return first or {}
 
 
-class _closing:
+class closing_file:
     """``with`` for a local file or a ``RemoteFile`` (which has nothing to close)."""
 
     def __init__(self, f: Any) -> None:
@@ -225,13 +226,13 @@ def _index_shard(verify: bool, item: tuple[str, int, dict[str, Any]], advance: C
                               path=root + "/index.json", sample=f"shard {k}")
         source = root + "/" + zipped["basename"]
         codec = str(s["compression"]).split(":", 1)[0]
-        path, read = decompressed_copy(source, codec, "mds", zipped.get("hashes") or {}, raw.get("hashes") or {},
-                                       f"shard {k}")
+        path, read = decompressed_copy(source, "mds",
+                                       functools.partial(_unzip_shard, source, codec, zipped, raw, f"shard {k}"))
     else:
         path = root + "/" + raw["basename"]
         if verify and raw.get("hashes"):
-            f, size = _open(path, "MDS shard")
-            with _closing(f):
+            f, size = open_exact(path, "MDS shard")
+            with closing_file(f):
                 data = read_at(path, size, 0, f)
             read += len(data)
             check_hashes(data, raw["hashes"], path, f"shard {k}")
@@ -244,8 +245,8 @@ def _shard_offsets(path: str, s: dict[str, Any], k: int) -> tuple[np.ndarray, in
     """The ``n + 1`` sample offsets of a raw shard, checked against its size and its
     ``index.json`` entry; and the bytes read for them."""
     where = {"path": path, "sample": f"shard {k}"}
-    f, size = _open(path, "MDS shard")
-    with _closing(f):
+    f, size = open_exact(path, "MDS shard")
+    with closing_file(f):
         head = read_at(path, 4, 0, f)
         if len(head) < 4:
             raise FormatError(f"truncated shard: {size} bytes, not even the 4-byte sample count", offset=0, **where)
@@ -342,11 +343,11 @@ def check_hashes(data: Any, hashes: dict[str, str], path: str, where: str) -> No
                               f"one its index lists", path=path, offset=0)
 
 
-def decompressed_copy(source: str, codec: str, kind: str, zip_hashes: dict[str, str], raw_hashes: dict[str, str],
-                      where: str) -> tuple[str, int]:
+def decompressed_copy(source: str, kind: str, decode: Callable[[bytes], bytes]) -> tuple[str, int]:
     """``(path of the decompressed copy of source, bytes read from source)``: the copy
-    in ``<cache_dir>/<kind>/`` made once per version of ``source`` (a local file or a
-    URL), its hashes checked before and after decompressing."""
+    in ``<cache_dir>/<kind>/``, ``decode(the source's bytes)`` (which checks them and raises
+    ``FormatError``), made once per version of ``source`` (a local file or a URL: its
+    size and mtime or ETag)."""
     if is_url(source):
         info = remote_client().head(source)
         version = f"{source}\0{info.size}\0{info.etag}"
@@ -354,20 +355,17 @@ def decompressed_copy(source: str, codec: str, kind: str, zip_hashes: dict[str, 
         try:
             st = os.stat(source)
         except OSError as exc:
-            raise StorageError(f"cannot read {where}: {exc.strerror or exc}", path=source) from exc
+            raise StorageError(f"cannot read the compressed file: {exc.strerror or exc}", path=source) from exc
         version = f"{os.path.abspath(source)}\0{st.st_size}\0{st.st_mtime_ns}"
     folder = os.path.join(config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio"), kind)
-    tag = hashlib.sha256(f"{version}\0{codec}".encode()).hexdigest()[:24]
-    name = os.path.basename(url_path(source))
-    out = os.path.join(folder, f"{tag}-{name[:-len(codec) - 1] if name.endswith('.' + codec) else name}")
+    tag = hashlib.sha256(version.encode()).hexdigest()[:24]
+    out = os.path.join(folder, f"{tag}-{os.path.basename(url_path(source))}")
     if os.path.exists(out):
         return out, 0
-    f, size = _open(source, "compressed shard")
-    with _closing(f):
+    f, size = open_exact(source, "compressed file")
+    with closing_file(f):
         data = read_at(source, size, 0, f)
-    check_hashes(data, zip_hashes, source, where)
-    raw = decompress(codec, data, source)
-    check_hashes(raw, raw_hashes, source, f"{where} (decompressed)")
+    raw = decode(data)
     tmp = f"{out}.{os.getpid()}.part"
     try:
         os.makedirs(folder, exist_ok=True)
@@ -381,6 +379,15 @@ def decompressed_copy(source: str, codec: str, kind: str, zip_hashes: dict[str, 
         if os.path.exists(tmp):
             os.remove(tmp)
     return out, len(data)
+
+
+def _unzip_shard(source: str, codec: str, zipped: dict[str, Any], raw: dict[str, Any], where: str,
+                 data: bytes) -> bytes:
+    """A compressed MDS shard's bytes decompressed, its hashes checked before and after."""
+    check_hashes(data, zipped.get("hashes") or {}, source, where)
+    out = decompress(codec, data, source)
+    check_hashes(out, raw.get("hashes") or {}, source, f"{where} (decompressed)")
+    return out
 
 
 # ---- the parser --------------------------------------------------------------------------
@@ -449,10 +456,10 @@ class MDSParser(Parser):
             if base == "ndarray":
                 return _ndarray(data, arg)
             if base == "pil":
-                return _pil(data)
+                return pil_pixels(data)
             if base in _LISTS:
-                items = _jpeg_array(data) if base in ("jpeg_array", "jpegarray") else _list(data)
-                return [_pil(item) for item in items] if base == "list[pil]" else items
+                items = jpeg_array_items(data) if base in ("jpeg_array", "jpegarray") else _list(data)
+                return [pil_pixels(item) for item in items] if base == "list[pil]" else items
             if base == "pkl":
                 return pickle.loads(data.tobytes())
             text = data.tobytes().decode("utf-8")
@@ -497,7 +504,7 @@ def _ndarray(data: np.ndarray, arg: str) -> np.ndarray:
     return values.view(dt).reshape(shape)
 
 
-def _pil(data: np.ndarray) -> np.ndarray:
+def pil_pixels(data: np.ndarray) -> np.ndarray:
     """An MDS ``pil`` value (``uint32 width, height, len(mode)``, the mode, the raw
     pixels) as an ``HWC`` uint8 array (``HW`` uint16 for ``I;16``)."""
     width, height, n = data[:12].view("<u4").tolist()
@@ -517,7 +524,7 @@ def _list(data: np.ndarray) -> list[np.ndarray]:
     return _cut(data, 8 + 4 * n, sizes)
 
 
-def _jpeg_array(data: np.ndarray) -> list[np.ndarray]:
+def jpeg_array_items(data: np.ndarray) -> list[np.ndarray]:
     """An MDS ``jpeg_array`` value: ``uint32 n``, ``n`` ``uint32`` sizes, the JPEGs."""
     n = int(data[:4].view("<u4")[0])
     return _cut(data, 4 + 4 * n, data[4: 4 + 4 * n].view("<u4").tolist())
