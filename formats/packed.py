@@ -17,7 +17,8 @@ A packed dataset is a folder (or an ``s3://`` / ``http(s)://`` prefix) holding
   fields in order. A record of ``ALIGN_FROM`` (32 KiB) or more starts on a 4 KiB
   boundary; no record crosses a ``BLOCK`` (4 MiB) boundary unless it is longer than a
   block, and then it starts on one. So O_DIRECT and cuFile read a large record with no
-  bounce buffer, and one of kvikio's tasks holds it whole. Gaps are zeros.
+  bounce buffer, and one of kvikio's tasks holds it whole. A smaller record may sit in
+  the padding before the aligned record that precedes it. Gaps are zeros.
 
 ``index.json`` holds the schema (extent fields; value fields with their kind, dtype and
 row shape; the parser a TFRecord's fields come from; the fields that hold images), the
@@ -81,16 +82,24 @@ def align(n: int, to: int) -> int:
 
 def place(lengths: np.ndarray, start: int) -> np.ndarray:
     """Where records of ``lengths`` bytes go, in order, from byte ``start`` (a block
-    boundary or later): offsets by the alignment rules of the module docstring."""
+    boundary or later), by the alignment rules of the module docstring; a record shorter
+    than ``ALIGN_FROM`` goes into the padding left before the last aligned record where it
+    fits there (so small fields cost no padding of their own)."""
     offsets = np.empty(len(lengths), dtype=np.int64)
     at = start
+    gap = (start, start)  # the free bytes before the last aligned record (within one block)
     for k, n in enumerate(lengths.tolist()):
-        if n >= ALIGN_FROM:
-            at = align(at, PAGE)
-        if n and at // BLOCK != (at + n - 1) // BLOCK:  # it would cross a block boundary
-            at = align(at, BLOCK)
-        offsets[k] = at
-        at += n
+        if n < ALIGN_FROM and gap[1] - gap[0] >= n:
+            offsets[k] = gap[0]
+            gap = (gap[0] + n, gap[1])
+            continue
+        first = align(at, PAGE) if n >= ALIGN_FROM else at
+        if n and first // BLOCK != (first + n - 1) // BLOCK:  # it would cross a block boundary
+            first = align(first, BLOCK)
+        if first > at:
+            gap = (at, first)
+        offsets[k] = first
+        at = first + n
     return offsets
 
 

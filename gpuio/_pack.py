@@ -379,11 +379,11 @@ def _layout(records: list[list[Any]], values: dict[str, np.ndarray | Ragged]) ->
     pieces: list[Any] = [header.pack(), np.stack([offsets, lengths], axis=1).astype("<u8").tobytes(), blob_values,
                          _ZEROS[:data_offset - values_end]]
     at = data_offset
-    for start, r in zip(offsets.tolist(), flat):
-        if start > at:
-            pieces.append(_ZEROS[:start - at])
-        pieces.append(r)
-        at = start + len(r)
+    for k in np.argsort(offsets, kind="stable").tolist():  # small records may sit in earlier padding
+        if offsets[k] > at:
+            pieces.append(_ZEROS[:offsets[k] - at])
+        pieces.append(flat[k])
+        at = int(offsets[k]) + len(flat[k])
     return pieces
 
 
