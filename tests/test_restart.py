@@ -207,7 +207,7 @@ def test_offsets_that_do_not_fit_the_jpeg_are_refused(images):
 
 CHAINS = {
     "rrc-flip": lambda: [ops.random_resized_crop(48), ops.flip(), ops.normalize([120.0] * 3, [60.0] * 3)],
-    "val": lambda: [ops.resize(64), ops.center_crop(56), ops.normalize([120.0] * 3, [60.0] * 3)],
+    "val": lambda: [ops.resize(shorter=64), ops.center_crop(56), ops.normalize([120.0] * 3, [60.0] * 3)],
 }
 
 

@@ -1,0 +1,55 @@
+"""Restart markers end to end: a file tree packed with ``restart_interval`` (``gpuio.pack``)
+and read by a ``Loader`` gives the train and val chains' batches of the source tree, bit
+for bit, with every JPEG's window decoded from its restart intervals (the field
+``data.restarts`` reaches the fused decode)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpuio
+from gpuio import ops
+from gpuio.ops import fused
+from gpuio.ops.decode import native_jpeg
+from gpuio.sample import make_image_tree
+
+pytestmark = pytest.mark.skipif(native_jpeg() is None, reason="gpuio.ops._jpeg not built (no libjpeg headers)")
+
+CHAINS = {
+    "train": lambda: [ops.random_resized_crop(64), ops.flip(), ops.normalize([120.0] * 3, [60.0] * 3)],
+    "val": lambda: [ops.resize(shorter=72), ops.center_crop(64), ops.normalize([120.0] * 3, [60.0] * 3)],
+}
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    root = tmp_path_factory.mktemp("restart")
+    source = make_image_tree(root / "src", count=24, classes=2, seed=8, progress=False)
+    return source, gpuio.pack(source, root / "packed", images=gpuio.ImagePolicy(restart_interval=2))
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_loader_on_packed_restarts_equals_the_source(monkeypatch, trees, chain):
+    source, packed = trees
+    marked = []
+    decode_resample = fused.DecodeFused._resample
+
+    def counting(self, batch, images, restarts, *args):
+        marked.append(sum(r is not None and len(r) > 0 for r in restarts))
+        return decode_resample(self, batch, images, restarts, *args)
+
+    def epoch(index):
+        pipe = ops.Compose([ops.decode_image(), *CHAINS[chain]()])
+        loader = gpuio.Loader(index, 8, ops=[pipe], shuffle=True, seed=5, last_batch="drop", output="numpy")
+        return [(np.asarray(b["image"]), np.asarray(b["label"])) for b in loader]
+
+    want = epoch(gpuio.formats.filetree(source))
+    monkeypatch.setattr(fused.DecodeFused, "_resample", counting)
+    got = epoch(gpuio.formats.packed(packed))
+    assert len(got) == len(want) == 3
+    for (image, label), (want_image, want_label) in zip(got, want):
+        assert np.array_equal(label, want_label) and np.array_equal(image, want_image)
+    # every JPEG the region decoder takes came with its offsets (the sample's CMYK and
+    # EXIF-rotated images are decoded whole before, and are not counted)
+    assert sum(marked) >= 20
