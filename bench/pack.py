@@ -128,7 +128,7 @@ def _chain(pipeline: str) -> Any:
 
 
 def _loader_epoch(index: gpuio.SampleIndex, pipeline: str, batch: int) -> float:
-    loader = gpuio.Loader(index, batch, fields=("data", "label"), ops=[_chain(pipeline)],
+    loader = gpuio.Loader(index, batch, fields=index.fields, ops=[_chain(pipeline)],  # with data.restarts
                           output="numpy", shuffle=True, last_batch="drop")
     return _timed(lambda: [b["image"] for b in loader])
 

@@ -24,10 +24,11 @@ A packed dataset is a folder (or an ``s3://`` / ``http(s)://`` prefix) holding
 row shape; the parser a TFRecord's fields come from; the fields that hold images), the
 shards (name, samples, bytes, CRC-32C of the whole file), the source's metadata (class
 names, field decoders), the options it was packed with and the source it came from.
-An image field packed with restart markers has a field ``<field>.restarts``: per
-sample the byte offsets (uint32, from the image's first byte) of each restart
-interval's first entropy-coded byte, interval 0 included (empty for an image without
-markers).
+An image field packed with restart markers has a field ``<field>.restarts``
+(``gpuio.ops.restart.restarts_field``): per sample the byte offsets (uint32
+little-endian, from the image's first byte) of each restart interval's first
+entropy-coded byte, interval 0 included (empty for an image without markers), which the
+fused CPU decode reads to decode a crop from the intervals it covers.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ ALIGN_FROM = 32 << 10
 BLOCK = 4 << 20  # no record crosses a block boundary (a longer record starts on one)
 INDEX_NAME = "index.json"
 FORMAT_NAME = "gpuio.packed"
-RESTARTS = ".restarts"  # the suffix of the field that holds an image field's restart offsets
 
 
 class Header(NamedTuple):

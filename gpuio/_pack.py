@@ -27,8 +27,8 @@ import numpy as np
 from crc32c import crc32c
 
 from gpuio import config
-from gpuio.errors import ConfigError, StorageError
-from gpuio.formats.packed import (BLOCK, FORMAT_NAME, HEADER_BYTES, INDEX_NAME, PAGE, RESTARTS, VERSION, Header, align,
+from gpuio.errors import ConfigError, DataError, StorageError
+from gpuio.formats.packed import (BLOCK, FORMAT_NAME, HEADER_BYTES, INDEX_NAME, PAGE, VERSION, Header, align,
                                   place, value_schema, values_blob)
 from gpuio.index import Ragged, SampleIndex
 from gpuio.storage.remote import is_http, is_url
@@ -72,13 +72,13 @@ class ImagePolicy(NamedTuple):
 
 
 def _restart_markers() -> Any:
-    """``gpuio.ops.restart.add_restart_markers``, or a ``ConfigError`` saying it is missing."""
+    """The module ``gpuio.ops.restart``, or a ``ConfigError`` saying it is missing."""
     try:
-        from gpuio.ops.restart import add_restart_markers
+        from gpuio.ops import restart
     except ImportError as exc:
         raise ConfigError(f"restart markers need gpuio.ops.restart, which this build of gpuio lacks ({exc}); "
                           f"pack without --restart-interval") from None
-    return add_restart_markers
+    return restart
 
 
 def pack(source: SampleIndex | str | os.PathLike[str], dest: str | os.PathLike[str], *,
@@ -202,8 +202,8 @@ def _policies(index: SampleIndex, images: ImagePolicy | Mapping[str, ImagePolicy
         if not isinstance(policy, ImagePolicy):
             raise ConfigError(f"the policy of {field!r} is a {type(policy).__name__}; give a gpuio.ImagePolicy")
         policy.check(field)
-        if field + RESTARTS in index.fields and policy.restart_interval:
-            raise ConfigError(f"the source has a field {field + RESTARTS!r} already")
+        if policy.restart_interval and _restart_markers().restarts_field(field) in index.fields:
+            raise ConfigError(f"the source has a field {_restart_markers().restarts_field(field)!r} already")
     return {f: p for f, p in chosen.items() if p != ImagePolicy()}
 
 
@@ -216,7 +216,7 @@ def _spec(index: SampleIndex, policies: dict[str, ImagePolicy], label: str | Non
     for f in index.extents:
         extents.append(f)
         if f in policies and policies[f].restart_interval:
-            extents.append(f + RESTARTS)
+            extents.append(_restart_markers().restarts_field(f))
     intervals = {f: p.restart_interval for f, p in policies.items() if p.restart_interval}
     meta = {k: v for k, v in index.meta.items() if k not in ("format", "remote", "images", "options", "source")}
     options = {"shard_size": shard_size, "images": {f: p._asdict() for f, p in sorted(policies.items())},
@@ -293,7 +293,12 @@ class _Job:
             for field in self.index.extents:
                 got = self._reader.read(self.index, part, field)
                 for j, data in enumerate(got):
-                    records[a + j].extend(self._store(field, int(part[j]), data))
+                    try:
+                        records[a + j].extend(self._store(field, int(part[j]), data))
+                    except DataError as exc:  # a decode or a transcode: name the source's file and record
+                        where = self.index.extent(int(part[j]), field)
+                        raise type(exc)(f"packing field {field!r}: {exc.reason}", path=where.file,
+                                        offset=where.offset, sample=int(part[j])) from exc
         name = f"shard-{k:05d}.gpk"
         pieces = _layout(records, {n: (c.take(rows) if isinstance(c, Ragged) else c[rows])
                                    for n, c in self.index.values.items()})
@@ -321,7 +326,7 @@ class _Job:
             return [out]
         if image_format(out) != "jpeg":
             return [out, b""]
-        marked, offsets = _restart_markers()(out, policy.restart_interval)
+        marked, offsets = _restart_markers().add_restart_markers(out, policy.restart_interval)
         return [bytes(marked), np.ascontiguousarray(offsets, dtype="<u4").tobytes()]
 
 
