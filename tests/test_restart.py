@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import to_host
 from gpuio import ops
 from gpuio.batch import Batch, sample_seeds
+from gpuio.device import Device
 from gpuio.errors import ConfigError, FormatError
 from gpuio.ops import fused
 from gpuio.ops.decode import decode_cpu, jpeg_info, native_jpeg
@@ -274,3 +276,21 @@ def test_crop_after_resize_decodes_only_what_the_filter_reads(monkeypatch, image
     whole = pipe(Batch(dict(batches["source"]), index, sample_seeds(1, 0, index))).data["image"]
     for got in narrowed.values():
         assert all(np.array_equal(g, w) for g, w in zip(got, whole))
+
+
+def test_restart_marked_jpegs_decode_alike_on_every_device(images, device):
+    """On the GPU (nvImageCodec's region decode; the offsets are not needed there) as on
+    the CPU, the fused chain over restart-marked baseline JPEGs with their offsets gives
+    exactly its output over the source JPEGs."""
+    sources = [images[name][0] for name in ("444", "420", "422")]
+    marked = [add_restart_markers(s, 2) for s in sources]
+    index = np.arange(len(sources))
+    pipe = ops.Compose([ops.decode_image(), *CHAINS["rrc-flip"]()])
+
+    def run(fields):
+        return [to_host(x) for x in pipe(Batch(fields, index, sample_seeds(2, 0, index),
+                                               device=Device(device))).data["image"]]
+
+    want = run({"data": sources})
+    got = run({"data": [m for m, _ in marked], restarts_field("data"): [o for _, o in marked]})
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
