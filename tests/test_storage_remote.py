@@ -82,6 +82,7 @@ def _reads_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("GPUIO_REMOTE_CACHE_DIR", str(tmp_path / "remote-cache"))
     monkeypatch.setenv("GPUIO_REMOTE_RETRIES", "4")
     monkeypatch.setenv("GPUIO_REMOTE_TIMEOUT", "10")
+    monkeypatch.setenv("GPUIO_REMOTE_PACK_BELOW", "0")  # blocks only: tests/test_storage_cache.py tests the packs
 
 
 @pytest.fixture
@@ -546,6 +547,30 @@ def test_video_from_a_store_equals_local(store, tmp_path, request, monkeypatch):
     with gpuio.Reader("cpu") as reader:  # a reader of its own: nothing of the last one held
         got = reader.read(index, np.arange(len(index)))
     assert [a.tobytes() for a in got] == [a.tobytes() for a in gpuio.read(local, np.arange(len(local)))]
+
+
+@pytest.mark.parametrize("store", ["s3", "gs", "az"], indirect=True)
+def test_video_from_a_store_downloads_each_block_once(store, tmp_path, request, monkeypatch):
+    """Demuxing an MP4 whose index follows its media (FFmpeg reads its end, then its start)
+    downloads each block of it once (a request counter in front of the store), and the
+    clips' reads then download nothing."""
+    from test_video import write_video
+
+    monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "4KiB")
+    write_video(tmp_path / "v.mp4", "libx264", 64, 48, frames=30, options={"bf": "3", "g": "12"})
+    store.upload(tmp_path / "v.mp4", f"{_prefix(request)}/v.mp4")
+    proxy = FaultProxy(("127.0.0.1", store.port))
+    try:
+        store.point(monkeypatch, proxy.url)
+        index = formats.video([store.url(f"{_prefix(request)}/v.mp4")], sequence_length=4, stride=2)
+        blocks = -(-os.path.getsize(tmp_path / "v.mp4") // 4096)
+        assert blocks <= proxy.requests <= blocks + 2  # + the object's size and version, asked
+        indexed = proxy.requests
+        local = formats.video([tmp_path / "v.mp4"], sequence_length=4, stride=2)
+        _same_reads(local, index)
+        assert proxy.requests == indexed
+    finally:
+        proxy.close()
 
 
 def test_compressed_tfrecord_from_s3_is_decompressed_once_into_the_cache_folder(s3, tmp_path, request):
