@@ -204,11 +204,16 @@ static int reserve(void **buf, size_t *have, size_t need, size_t size) {
     return 0;
 }
 
-/* Where the SOF marker (its 0xFF) of the JPEG `data` starts, and where its first scan's
- * entropy-coded data starts (*scan, after the SOS header); 0 where the markers before
- * the first scan do not parse or hold no SOF. */
-static size_t find_frame(const uint8_t *data, size_t size, size_t *scan) {
-    size_t p = 2, sof = 0;
+/* Walk the markers of the JPEG `data` from SOI to its first scan: *scan becomes where the
+ * scan's entropy-coded data starts. Where `out` is given, also copy the header there
+ * (*copied bytes) without its metadata segments (APP1-APP13, APP15, COM: Exif, ICC, XMP;
+ * APP0 (JFIF) and APP14 (Adobe) stay: they say the colour space), the frame's size set to
+ * height x width. Returns where the SOF marker (its 0xFF) is in `data`; 0 where the
+ * markers do not parse or hold no SOF. */
+static size_t walk_header(const uint8_t *data, size_t size, size_t *scan, uint8_t *out, size_t *copied, long height,
+                          long width) {
+    size_t p = 2, sof = 0, n = 2;
+    if (out) out[0] = 0xFF, out[1] = 0xD8;
     while (p + 4 <= size && data[p] == 0xFF) {
         const unsigned marker = data[p + 1];
         if (marker == 0xFF) { /* a fill byte */
@@ -218,9 +223,19 @@ static size_t find_frame(const uint8_t *data, size_t size, size_t *scan) {
         const size_t end = p + 2 + read16(data + p + 2, 0);
         if (end > size) return 0;
         /* SOF0-SOF15 but DHT (C4), JPG (C8) and DAC (CC) */
-        if (marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC) sof = p;
+        const int is_sof = marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC;
+        if (is_sof) sof = p;
+        if (out && !((marker >= 0xE1 && marker <= 0xED) || marker == 0xEF || marker == 0xFE)) {
+            memcpy(out + n, data + p, end - p);
+            if (is_sof && end - p >= 9) { /* the frame's height and width */
+                out[n + 5] = (uint8_t)(height >> 8), out[n + 6] = (uint8_t)height;
+                out[n + 7] = (uint8_t)(width >> 8), out[n + 8] = (uint8_t)width;
+            }
+            n += end - p;
+        }
         if (marker == 0xDA) {
             *scan = end;
+            if (copied) *copied = n;
             return sof;
         }
         p = end;
@@ -231,7 +246,7 @@ static size_t find_frame(const uint8_t *data, size_t size, size_t *scan) {
 /* The JPEG of the restart intervals of `data` (whose header d->cinfo has read) that cover
  * the window win (rows win[0]..win[2], columns win[1]..win[3] of the 1/denom-scaled image)
  * and EDGE pixels around it on each side (the context the chroma upsampler reads) into
- * d->sub: `data`'s header with the frame's size changed, the intervals' entropy-coded data
+ * d->sub: `data`'s header (no metadata) with the frame's size changed, the intervals' entropy-coded data
  * with their restart markers numbered anew, EOI. `restarts` (`count` uint32): where each
  * interval's entropy-coded data starts in `data`. It serves where an interval is a whole
  * number of MCU rows or an even part of one, in a single sequential scan. Its size in
@@ -248,7 +263,7 @@ static long sub_jpeg(Decoder *d, const uint8_t *data, size_t size, const uint8_t
     const long mcu_w = c->num_components == 1 ? DCTSIZE : DCTSIZE * c->max_h_samp_factor;
     const size_t per_row = (size_t)((W + mcu_w - 1) / mcu_w), mcu_rows = (size_t)((H + mcu_h - 1) / mcu_h);
     size_t scan = 0;
-    const size_t sof = find_frame(data, size, &scan);
+    const size_t sof = walk_header(data, size, &scan, NULL, NULL, 0, 0);
     const size_t intervals = (per_row * mcu_rows + interval - 1) / interval;
     if (!sof || count != intervals || read32(restarts, 1) != scan) {
         snprintf(d->err.message, sizeof d->err.message,
@@ -269,8 +284,10 @@ static long sub_jpeg(Decoder *d, const uint8_t *data, size_t size, const uint8_t
     /* MCU rows r0..r1 and columns m0..m1: the window's and EDGE scaled pixels around it, which
      * the chroma upsampler reads (at the decoded image's edges it reads other pixels) */
     const long margin = (long)EDGE * denom;
-    const size_t r0 = y0 > margin ? (size_t)((y0 - margin) / mcu_h) : 0, r1 = (size_t)((y1 + margin + mcu_h - 1) / mcu_h);
-    const size_t m0 = x0 > margin ? (size_t)((x0 - margin) / mcu_w) : 0, m1 = (size_t)((x1 + margin + mcu_w - 1) / mcu_w);
+    const size_t r0 = y0 > margin ? (size_t)((y0 - margin) / mcu_h) : 0;
+    const size_t r1 = (size_t)((y1 + margin + mcu_h - 1) / mcu_h);
+    const size_t m0 = x0 > margin ? (size_t)((x0 - margin) / mcu_w) : 0;
+    const size_t m1 = (size_t)((x1 + margin + mcu_w - 1) / mcu_w);
     const size_t cols = per_row / across; /* MCUs across an interval */
     const size_t b0 = r0 / band, b1 = r1 < mcu_rows ? (r1 + band - 1) / band : bands;
     const size_t j0 = m0 / cols, j1 = m1 < per_row ? (m1 + cols - 1) / cols : across;
@@ -284,10 +301,9 @@ static long sub_jpeg(Decoder *d, const uint8_t *data, size_t size, const uint8_t
         return -1;
     }
     uint8_t *out = d->sub;
-    memcpy(out, data, scan);
-    out[sof + 5] = (uint8_t)(h >> 8), out[sof + 6] = (uint8_t)h; /* the frame's height and width */
-    out[sof + 7] = (uint8_t)(w >> 8), out[sof + 8] = (uint8_t)w;
-    size_t n = scan, taken = scan; /* the bytes of `data` read so far: the intervals taken are disjoint */
+    size_t n = 0, taken = scan; /* taken: the bytes of `data` read so far (the intervals taken are disjoint) */
+    walk_header(data, size, &scan, out, &n, h, w);
+    const size_t header = n;
     unsigned rst = 0;
     for (size_t b = b0; b < b1; ++b)
         for (size_t j = j0; j < j1; ++j) {
@@ -301,7 +317,7 @@ static long sub_jpeg(Decoder *d, const uint8_t *data, size_t size, const uint8_t
                 return -1;
             }
             taken = next;
-            if (n > scan) {
+            if (n > header) {
                 out[n++] = 0xFF;
                 out[n++] = (uint8_t)(0xD0 + rst);
                 rst = (rst + 1) % 8;
@@ -754,7 +770,7 @@ static int transcode(const uint8_t *data, size_t size, unsigned interval, int fi
  * marker) into a new array, *count of them; NULL where no scan is found or out of memory. */
 static uint32_t *find_restarts(const uint8_t *data, size_t size, size_t *count) {
     size_t scan = 0, capacity = 64;
-    if (!find_frame(data, size, &scan) || scan > UINT32_MAX || size > UINT32_MAX) return NULL;
+    if (!walk_header(data, size, &scan, NULL, NULL, 0, 0) || scan > UINT32_MAX || size > UINT32_MAX) return NULL;
     uint32_t *offsets = malloc(capacity * sizeof *offsets);
     if (!offsets) return NULL;
     offsets[0] = (uint32_t)scan;

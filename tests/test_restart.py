@@ -111,16 +111,20 @@ def test_progressive_source_comes_out_sequential_with_the_same_pixels():
 
 
 def test_exif_orientation_and_icc_profile_are_kept():
+    """Metadata the rewrite keeps; a window from the intervals decodes the same pixels."""
     pixels = sample_image(np.random.default_rng(4), 64, 80)
     exif = Image.Exif()
     exif[0x0112] = 6
     icc = b"\0\0\2\0ICC-profile-bytes" * 40
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, "JPEG", quality=90, exif=exif.tobytes(), icc_profile=icc)
-    marked, _ = add_restart_markers(buf.getvalue(), 4)
+    marked, offsets = add_restart_markers(buf.getvalue(), 4)
     assert jpeg_info(marked).orientation == 6
     assert Image.open(io.BytesIO(marked)).info["icc_profile"] == icc
     assert (decode_cpu(marked, "rgb", 0) == decode_cpu(buf.getvalue(), "rgb", 0)).all()
+    # a window decoded from the intervals (their JPEG leaves the metadata out): the same pixels
+    whole = region(buf.getvalue(), 1, (0, 0, 64, 80))
+    assert (region(marked, 1, (20, 40, 40, 80), offsets) == whole[20:40, 40:80]).all()
 
 
 @pytest.mark.skipif(shutil.which("jpegtran") is None, reason="jpegtran not installed (Debian: libjpeg-turbo-progs)")
