@@ -22,16 +22,11 @@ answer reads. The requests themselves (retries, ranges, checks) are remote's.
 
 from __future__ import annotations
 
-import base64
-import email.utils
-import hashlib
-import hmac
 import json
 import os
 import re
 import threading
 import urllib.parse
-import xml.etree.ElementTree as ElementTree
 from typing import Any, NamedTuple
 
 from gpuio.errors import ConfigError, DependencyError, StorageError
@@ -249,6 +244,8 @@ class Azure:
     def page(loc: Location, body: bytes, url: str) -> tuple[list[tuple[str, int, str]], str]:
         """``([(url, size, ETag)], next marker)`` of a listing page; ETags quoted, as
         the Blob service's headers give them."""
+        import xml.etree.ElementTree as ElementTree  # here: import gpuio stays quick
+
         try:
             root = ElementTree.fromstring(body)
             items = []
@@ -267,6 +264,8 @@ class Azure:
         key, sas = self.credentials(loc)
         headers = {**headers, "x-ms-version": _AZURE_VERSION}
         if key:
+            import email.utils  # here, as ElementTree: import gpuio stays quick
+
             headers["x-ms-date"] = email.utils.formatdate(usegmt=True)
             signature = _shared_key(key, self.account, method, url, headers)
             headers["Authorization"] = f"SharedKey {self.account}:{signature}"
@@ -290,6 +289,10 @@ def _shared_key(key: str, account: str, method: str, url: str, headers: dict[str
     """The Shared Key signature of a Blob service request (its string-to-sign: the verb,
     the standard headers by position, the ``x-ms-`` headers sorted, the account and the
     URL's path, the query parameters sorted)."""
+    import base64  # here, as the others: import gpuio stays quick
+    import hashlib
+    import hmac
+
     lower = {k.lower(): v.strip() for k, v in headers.items()}
     parts = urllib.parse.urlsplit(url)
     resource = f"/{account}{parts.path or '/'}"
