@@ -5,6 +5,7 @@ Every format function is named after its module (``formats.lmdb`` is the functio
 ``formats/lmdb.py``)."""
 
 from gpuio.formats.arrow import arrow
+from gpuio.formats.array_record import ArrayRecordParser, array_record
 from gpuio.formats.coco import coco
 from gpuio.formats.filetree import filetree
 from gpuio.formats.litdata import LitDataParser, litdata
@@ -24,6 +25,6 @@ from gpuio.index import concat
 
 # The record parsers a saved index may name, by the name it stores (``import gpuio``
 # registers them with ``gpuio.index.register_parser``).
-PARSERS = {"tfrecord.example": ExampleParser, "recordio": RecordIOParser, "mds": MDSParser, "litdata": LitDataParser, "parquet.page": PageParser}
+PARSERS = {"tfrecord.example": ExampleParser, "recordio": RecordIOParser, "mds": MDSParser, "litdata": LitDataParser, "array_record": ArrayRecordParser, "parquet.page": PageParser}
 
-__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "video", "manifest", "packed", "mds", "litdata", "parquet", "arrow", "concat"]
+__all__ = ["filetree", "numpy", "coco", "webdataset", "lmdb", "tfrecord", "recordio", "video", "manifest", "packed", "mds", "litdata", "array_record", "parquet", "arrow", "concat"]
