@@ -206,17 +206,14 @@ class Client:
     def _call(self, url: str, request: Callable[[Any], Any]) -> Any:
         """``request(transport)`` by ``url``'s transport; where obstore does not trust the
         server's certificate and AWS_CA_BUNDLE names authorities, again by urllib3 with
-        them (and urllib3 from then on)."""
+        them (and urllib3 from then on). A precondition failed (HTTP 412) is the error of
+        an object replaced, unless the object, asked again, is gone (its 404)."""
         transport = self._for(url)
         try:
             return request(transport)
-        except _Replaced as exc:
-            if exc.now != "another":
-                raise
-            # a precondition failed (HTTP 412): replaced, or deleted (Azurite answers a
-            # deleted blob's If-Match with 412): the object as it is now says which
-            now = self.head(url)  # the 404 error of a deleted one
-            raise _replaced(url, exc.etag, now.etag) from exc
+        except _PreconditionFailed:
+            self.head(url)  # the 404 error of an object deleted
+            raise
         except _Untrusted:
             if not isinstance(transport, _Obstore) or not self.ca_bundle:
                 raise
@@ -737,16 +734,16 @@ def _same_version(got: str, recorded: str) -> bool:
     return got.removeprefix("W/") == recorded.removeprefix("W/")
 
 
-class _Replaced(StorageError):
-    """An object whose version is not the one indexed (``now``: its version, where the answer said)."""
-
-    def __init__(self, url: str, etag: str, now: str) -> None:
-        super().__init__(f"object replaced after indexing: ETag was {etag}, is now {now}; index it again", path=url)
-        self.etag, self.now = etag, now
+class _PreconditionFailed(StorageError):
+    """HTTP 412 to a GET that named the indexed version: the object was replaced, or (as
+    Azurite answers) deleted."""
 
 
 def _replaced(url: str, etag: str, now: str) -> StorageError:
-    return _Replaced(url, etag, now)
+    """The error of an object whose version ``now`` is not the indexed ``etag`` (``now``
+    ``"another"``: a precondition failed, and the answer does not say which)."""
+    kind = _PreconditionFailed if now == "another" else StorageError
+    return kind(f"object replaced after indexing: ETag was {etag}, is now {now}; index it again", path=url)
 
 
 def _botocore_reason(exc: Exception) -> str:
