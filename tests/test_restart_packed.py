@@ -53,3 +53,21 @@ def test_loader_on_packed_restarts_equals_the_source(monkeypatch, trees, chain):
     # every JPEG the region decoder takes came with its offsets (the sample's CMYK and
     # EXIF-rotated images are decoded whole before, and are not counted)
     assert sum(marked) >= 20
+
+
+def test_bench_rows_run_on_a_small_tree(trees, tmp_path):
+    """``bench/restart.py`` end to end: every row measured, the marked rows' outputs
+    checked equal to the source's, the JSON written."""
+    import json
+
+    from gpuio.bench.restart import main
+
+    out = tmp_path / "restart.json"
+    main(["--root", trees[0], "--batch", "8", "--epochs", "1", "--workers", "1", "--intervals", "0,4",
+          "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["pipeline"], r["name"]) for r in rows] == [
+        (p, n) for p in ("train", "val")
+        for n in ("decode only (source)", "gpuio, source", "gpuio, restarts every row", "gpuio, restarts 4")]
+    assert all(r["images_s"] > 0 and r["cpu_ms"] > 0 for r in rows)
+    assert all(0.5 < r["size"] < 1.5 for r in rows if "restarts" in r["name"])
