@@ -1017,10 +1017,11 @@ def test_azure_url_forms_and_credentials(store, each_client, tmp_path, request, 
                                  expiry=time.time() + 3600)
     endpoint = store.server.endpoint
     for how in ("connection string", "AZURE_STORAGE_SAS_TOKEN"):
+        conn = f"BlobEndpoint={endpoint};"
         if how == "connection string":
-            monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"BlobEndpoint={endpoint};SharedAccessSignature={sas}")
+            monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"{conn}SharedAccessSignature={sas}")
         else:
-            monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"BlobEndpoint={endpoint};AccountName={AZURE_ACCOUNT}")
+            monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"{conn}AccountName={AZURE_ACCOUNT}")
             monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", "?" + sas)
         remote.reset_client()
         _same_reads(local, formats.filetree(f"az://{BUCKET}/{prefix}"))

@@ -98,8 +98,6 @@ def listed_url(loc: Location, key: str) -> str:
 class GCS:
     """GCS's JSON API: its endpoint, the request URLs and the bearer token."""
 
-    version_header = "x-goog-generation"
-
     def __init__(self, unsigned: bool, pool: Any) -> None:
         emulator = os.environ.get("STORAGE_EMULATOR_HOST", "").rstrip("/")
         if emulator and "://" not in emulator:
@@ -188,8 +186,6 @@ class GCS:
 class Azure:
     """The Blob service of the account of the environment (or of a URL): endpoints,
     request URLs, Shared Key signatures and SAS tokens."""
-
-    version_header = "ETag"
 
     def __init__(self, unsigned: bool) -> None:
         env = os.environ

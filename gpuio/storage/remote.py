@@ -142,16 +142,17 @@ def _fetched(t0: float, nbytes: int) -> None:
 class Client:
     """Metadata calls (HEAD, listing) and ranged GETs for one process.
 
-    botocore (the AWS SDK) gives the endpoint, the region and the credentials and does
-    the listings; a transport does the HEADs and the ranged GETs: ``_Obstore``, or
-    ``_Urllib3`` in a forked child of a process that used obstore (``remote_client``).
+    botocore (the AWS SDK) gives S3's endpoint, region and credentials and does its
+    listings; ``cloud()`` gives GCS's and Azure's (``_clouds``), whose listings urllib3
+    does; a transport does the HEADs and the ranged GETs: ``_Obstore``, or ``_Urllib3``
+    in a forked child of a process that used obstore (``remote_client``) and for GCS.
     ``seen`` holds the versions of the objects this process listed or asked about."""
 
     def __init__(self) -> None:
         try:
             import botocore.session
         except ImportError as exc:
-            raise DependencyError(f"reading s3:// and http(s):// URLs needs the gpuio[remote] extra "
+            raise DependencyError(f"reading s3://, gs://, az:// and http(s):// URLs needs the gpuio[remote] extra "
                                   f"(pip install 'gpuio[remote]'): {exc}") from exc
         self.retries = max(1, config.get("remote_retries"))
         self.timeout = max(1, config.get("remote_timeout"))
@@ -309,7 +310,7 @@ class _Obstore:
             import obstore.exceptions
             import obstore.store
         except ImportError as exc:
-            raise DependencyError(f"reading s3:// and http(s):// URLs needs the gpuio[remote] extra "
+            raise DependencyError(f"reading s3://, gs://, az:// and http(s):// URLs needs the gpuio[remote] extra "
                                   f"(pip install 'gpuio[remote]'): {exc}") from exc
         global _obstore_used
         _obstore_used = True
@@ -481,7 +482,7 @@ class _Urllib3:
         try:
             import urllib3
         except ImportError as exc:
-            raise DependencyError(f"reading s3:// and http(s):// URLs needs the gpuio[remote] extra "
+            raise DependencyError(f"reading s3://, gs://, az:// and http(s):// URLs needs the gpuio[remote] extra "
                                   f"(pip install 'gpuio[remote]'): {exc}") from exc
         self.owner = owner
         self._urllib3 = urllib3
