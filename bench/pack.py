@@ -144,8 +144,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each row; the fastest counts")
-    parser.add_argument("--restart-interval", type=int, default=0,
-                        help="also pack with restart markers every N MCUs and run the chains on it")
+    parser.add_argument("--restart-interval", default="",
+                        help="also pack with restart markers every N MCUs (a comma list: one pack each) and run "
+                             "the chains on each")
     parser.add_argument("--out", default=os.path.join(cache_dir(), "results", "bench-pack.json"))
     args = parser.parse_args(argv)
     root = sample_root(args.count)
@@ -182,11 +183,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         packed_bytes = sum(os.path.getsize(p) for p in packed.files)
         rows.append({"row": "size: packed / source", "bytes": packed_bytes, "ratio": packed_bytes / source_bytes})
         chains = {"source tree": src, "packed pass-through": packed}
-        if args.restart_interval:
-            marked = os.path.join(work, "marked")
-            gpuio.pack(src, marked, workers=args.workers,
-                       images=gpuio.ImagePolicy(restart_interval=args.restart_interval))
-            chains[f"packed restart {args.restart_interval}"] = gpuio.formats.packed(marked)
+        for interval in [int(v) for v in args.restart_interval.split(",") if v]:
+            marked = os.path.join(work, f"marked-{interval}")
+            gpuio.pack(src, marked, workers=args.workers, images=gpuio.ImagePolicy(restart_interval=interval))
+            chains[f"packed restart {interval}"] = index = gpuio.formats.packed(marked)
+            marked_bytes = sum(os.path.getsize(p) for p in index.files)
+            rows.append({"row": f"size: packed restart {interval} / source", "bytes": marked_bytes,
+                         "ratio": marked_bytes / source_bytes})
         for pipeline in ("train", "val"):
             # in rounds, each starting with the next run, the fastest of each counting: the
             # machine's other load drifts between rounds

@@ -14,6 +14,7 @@ written last.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -27,13 +28,13 @@ import numpy as np
 from crc32c import crc32c
 
 from gpuio import config
-from gpuio.errors import ConfigError, DataError, StorageError
+from gpuio.errors import ConfigError, DataError, DependencyError, StorageError
 from gpuio.formats.packed import (BLOCK, FORMAT_NAME, HEADER_BYTES, INDEX_NAME, PAGE, VERSION, Header, align,
                                   place, value_schema, values_blob)
 from gpuio.index import Ragged, SampleIndex
 from gpuio.storage.remote import is_http, is_url
 
-__all__ = ["ImagePolicy", "pack"]
+__all__ = ["ImagePolicy", "pack", "ray_pack"]
 
 LOCK_NAME = ".gpuio-pack.lock"
 PROGRESS_NAME = ".gpuio-pack.json"
@@ -94,13 +95,36 @@ def pack(source: SampleIndex | str | os.PathLike[str], dest: str | os.PathLike[s
     Every field of the source is kept, in its order, with its metadata. A pack
     interrupted before its end goes on where it stopped when run again with the same
     source and options; a second pack into a destination in use is refused."""
+    if workers < 1:
+        raise ConfigError(f"workers must be at least 1, got {workers}")
+    return _pack(source, dest, images, shard_size, functools.partial(_run_local, workers=workers))
+
+
+def ray_pack(source: SampleIndex | str | os.PathLike[str], dest: str | os.PathLike[str], *,
+             images: ImagePolicy | Mapping[str, ImagePolicy] = ImagePolicy(), shard_size: int | None = None,
+             address: str | None = None, max_retries: int = 3) -> str:
+    """``gpuio.ray.pack``: ``pack`` with each shard a Ray task on the cluster at
+    ``address`` (default: the one this process is connected to, else a new local one).
+    ``dest`` must be reachable from every node (an ``s3://`` prefix, or a shared file
+    system). A task whose worker dies is run again (up to ``max_retries`` times); it
+    writes the same bytes, so the result equals an undisturbed pack."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise DependencyError(f"gpuio.ray.pack needs Ray (pip install 'gpuio[ray]'): {exc}") from exc
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level="ERROR")
+    return _pack(source, dest, images, shard_size, functools.partial(_run_ray, max_retries=max_retries))
+
+
+def _pack(source: SampleIndex | str | os.PathLike[str], dest: str | os.PathLike[str],
+          images: ImagePolicy | Mapping[str, ImagePolicy], shard_size: int | None, run: Any) -> str:
+    """``pack`` with ``run(job, todo, bounds, finished)`` writing the shards ``todo``."""
     from gpuio.formats._files import progress
     from gpuio.storage import learn_lengths
 
     label = os.fspath(source) if not isinstance(source, SampleIndex) else None
     index = learn_lengths(_open_source(label) if label is not None else source)
-    if workers < 1:
-        raise ConfigError(f"workers must be at least 1, got {workers}")
     shard_size = config.get("pack_shard_size") if shard_size is None else shard_size
     if shard_size < 1:
         raise ConfigError(f"shard_size must be at least 1 byte, got {shard_size}")
@@ -134,22 +158,25 @@ def pack(source: SampleIndex | str | os.PathLike[str], dest: str | os.PathLike[s
         counts = np.diff(np.array([0] + [e for _, e in bounds]))
         with progress(f"packing into {out.base}", len(index), "sample") as advance:
             advance(int(sum(counts[k] for k in done)))
-            if workers == 1 or len(todo) <= 1:
-                for k in todo:
-                    record(k, job.shard(k, *bounds[k]))
-                    advance(int(counts[k]))
-            else:
-                _run_pool(job, todo, bounds, workers, lambda k, info: (record(k, info), advance(int(counts[k]))))
+            run(job, todo, bounds, lambda k, info: (record(k, info), advance(int(counts[k]))))
         spec["shards"] = [done[k] for k in range(len(bounds))]
         out.write(INDEX_NAME, _dumps(spec))
         out.remove(PROGRESS_NAME)
     return out.base
 
 
-def _run_pool(job: _Job, todo: list[int], bounds: list[tuple[int, int]], workers: int, finished: Any) -> None:
-    """The shards ``todo`` on ``workers`` forked processes, ``finished(k, info)`` as each
-    ends. Forked, as torch's DataLoader workers are (gpuio renews its threads, pools and
-    clients in a forked child): a spawned process would run the caller's script again."""
+def _run_local(job: _Job, todo: list[int], bounds: list[tuple[int, int]], finished: Any, workers: int) -> None:
+    """The shards ``todo`` here (``workers`` 1) or on ``workers`` forked processes,
+    ``finished(k, info)`` as each ends. Forked, as torch's DataLoader workers are (gpuio
+    renews its threads, pools and clients in a forked child): a spawned process would run
+    the caller's script again."""
+    if workers == 1 or len(todo) <= 1:
+        try:
+            for k in todo:
+                finished(k, job.shard(k, *bounds[k]))
+        finally:
+            job.close()
+        return
     with ProcessPoolExecutor(min(workers, len(todo)), mp_context=multiprocessing.get_context("fork"),
                              initializer=_init_worker, initargs=(job,)) as pool:
         pending = {pool.submit(_worker_shard, k, *bounds[k]): k for k in todo}
@@ -161,6 +188,31 @@ def _run_pool(job: _Job, todo: list[int], bounds: list[tuple[int, int]], workers
         finally:
             for future in pending:
                 future.cancel()
+
+
+def _run_ray(job: _Job, todo: list[int], bounds: list[tuple[int, int]], finished: Any, max_retries: int) -> None:
+    """The shards ``todo`` as Ray tasks (the job sent once, through the object store),
+    ``finished(k, info)`` as each ends."""
+    import ray
+
+    task = ray.remote(num_cpus=1, max_retries=max_retries)(_ray_shard)
+    shared = ray.put(job)
+    pending = {task.remote(shared, k, *bounds[k]): k for k in todo}
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                finished(pending.pop(ref), ray.get(ref))
+    finally:
+        for ref in pending:
+            ray.cancel(ref)
+
+
+def _ray_shard(job: _Job, k: int, start: int, end: int) -> dict[str, Any]:
+    try:
+        return job.shard(k, start, end)
+    finally:
+        job.close()
 
 
 _worker_job: _Job | None = None
@@ -279,6 +331,12 @@ class _Job:
     def __init__(self, index: SampleIndex, spec: dict[str, Any], policies: dict[str, ImagePolicy], dest: str):
         self.index, self.spec, self.policies, self.dest = index, spec, policies, dest
         self._reader: Any = None
+
+    def close(self) -> None:
+        """End the reader's threads and close its files (a later shard makes a new one)."""
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def shard(self, k: int, start: int, end: int) -> dict[str, Any]:
         """Write shard ``k`` (samples ``start..end``); its entry in ``index.json``."""

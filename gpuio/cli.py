@@ -320,8 +320,8 @@ def _cmd_pack(args: argparse.Namespace) -> None:
                           f"paths), got {len(args.paths)} paths")
     if args.quality is not None and args.max_side is None:
         raise ConfigError("--quality is the quality of the images --max-side re-encodes: give --max-side too")
-    if args.ray:
-        raise ConfigError("--ray: packing on a Ray cluster is not in this build yet; use --workers on one node")
+    if args.ray and args.workers != 1:
+        raise ConfigError("--workers applies to a pack on this node; with --ray the cluster's CPUs write the shards")
     policy = gpuio.ImagePolicy(restart_interval=args.restart_interval or 0, max_side=args.max_side or 0,
                                quality=90 if args.quality is None else args.quality, raw_below=args.raw_below or 0)
     t0 = time.perf_counter()
@@ -331,7 +331,12 @@ def _cmd_pack(args: argparse.Namespace) -> None:
     else:
         source = args.paths[0]
     images = policy if args.images is None else {f: policy for f in args.images.split(",") if f}
-    dest = gpuio.pack(source, args.out, images=images, workers=args.workers, shard_size=args.shard_size)
+    if args.ray:
+        from gpuio.ray import pack as ray_pack
+
+        dest = ray_pack(source, args.out, images=images, shard_size=args.shard_size, address=args.ray)
+    else:
+        dest = gpuio.pack(source, args.out, images=images, workers=args.workers, shard_size=args.shard_size)
     index = gpuio.formats.packed(dest)
     stored = sum(index.nbytes(f) for f in index.extents)
     print(f"{len(index):,} samples in {len(index.files):,} shards, {stored:,} bytes of records: {dest} "
@@ -512,7 +517,8 @@ def _build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--quality", type=int, help="JPEG quality of the images --max-side re-encodes (default: 90)")
     pack.add_argument("--raw-below", type=_size, metavar="BYTES", help="store images smaller than BYTES encoded as "
                       "raw RGB pixels (an uncompressed TIFF: decoding is a copy)")
-    pack.add_argument("--ray", metavar="ADDRESS", help="pack on the Ray cluster at ADDRESS")
+    pack.add_argument("--ray", metavar="ADDRESS", help="write the shards as tasks on the Ray cluster at ADDRESS "
+                      "(e.g. auto, or ray://host:10001); DEST must be reachable from every node")
     pack.set_defaults(func=_cmd_pack)
 
     sample = sub.add_parser("sample", help="generate the sample dataset and print its path")
