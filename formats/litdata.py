@@ -69,7 +69,8 @@ def litdata(roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], al
 
     Fields: ``__item__`` (each item's bytes as stored) and, parsed after the read, every
     leaf of the sample under its pytree path. ``index.meta``: ``leaves`` (field ->
-    LitData format), ``index_bytes_read`` (bytes indexing read), ``chunks``.
+    LitData format), ``images`` (the ``jpeg`` and ``image`` leaves, which ``decode_image()``
+    finds), ``index_bytes_read`` (bytes indexing read), ``chunks``.
     """
     roots = [full_path(r).rstrip("/") for r in shard_paths(roots, "LitData dataset folder")]
     if not roots:
@@ -93,6 +94,7 @@ def litdata(roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], al
     starts = np.concatenate([o[:-1] for _, o, _, _ in found])
     lengths = np.concatenate([np.diff(o) for _, o, _, _ in found])
     meta: dict[str, Any] = {"format": "litdata", "leaves": dict(leaves), "chunks": len(paths),
+                            "images": [n for n, f in leaves.items() if f.split(":", 1)[0] in ("jpeg", "image")],
                             "index_bytes_read": int(bytes_read + sum(n for _, _, n, _ in found))}
     sources = [src for _, _, _, src in found]
     if any(src is not None for src in sources):

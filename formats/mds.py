@@ -75,7 +75,8 @@ def mds(roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], allow_
     every column under its own name. ``verify=True`` also reads every uncompressed shard
     whole and checks the hashes ``index.json`` lists (compressed shards are always
     checked, since indexing reads them). ``index.meta``: ``columns`` (name -> MDS
-    encoding), ``index_bytes_read`` (bytes indexing read), ``shards``.
+    encoding), ``images`` (the ``jpeg`` and ``png`` columns, which ``decode_image()``
+    finds), ``index_bytes_read`` (bytes indexing read), ``shards``.
     """
     roots = [full_path(r).rstrip("/") for r in shard_paths(roots, "MDS dataset folder")]
     if not roots:
@@ -96,6 +97,7 @@ def mds(roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], allow_
     starts = np.concatenate([o[:-1] for _, o, _, _ in found])
     lengths = np.concatenate([np.diff(o) for _, o, _, _ in found])
     meta: dict[str, Any] = {"format": "mds", "columns": dict(columns), "shards": len(paths),
+                            "images": [n for n, e in columns.items() if e in _IMAGES],
                             "index_bytes_read": int(bytes_read), "verified": bool(verify)}
     sources = [src for _, _, _, src in found]
     if any(src is not None for src in sources):

@@ -118,8 +118,8 @@ def test_loader_decodes_the_image_leaf_and_saved_index_reloads(tmp_path):
     index = gpuio.SampleIndex.load(tmp_path / "i.npz")
     want = reference(tmp_path / "ds")
     seen = {}
-    for batch in gpuio.Loader(index, 4, ops=[ops.decode_image(field="image")], fields=["image", "label"], shuffle=True, seed=1,
-                              output="numpy"):
+    assert index.meta["images"] == ["image"]
+    for batch in gpuio.Loader(index, 4, ops=[ops.decode_image()], shuffle=True, seed=1, output="numpy"):
         for j, i in enumerate(batch["index"].tolist()):
             seen[i] = (batch["image"][j], batch["label"][j])
     assert sorted(seen) == list(range(13))
