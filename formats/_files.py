@@ -39,7 +39,7 @@ def open_regular_file(path: str, what: str) -> tuple[BinaryIO, int]:
     """``(binary file open for reading, size in bytes)`` of ``path`` (a ``what``, e.g.
     ``".rec file"``), checked to be a regular file: a ``StorageError`` when it cannot
     be opened (missing, permission), a ``DataError`` when it is a directory, FIFO,
-    device or socket. Both name the path. A URL (``s3://``, ``http(s)://``) opens a
+    device or socket. Both name the path. A URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``) opens a
     ``gpuio.storage.remote.RemoteFile``: ``read``/``seek``/``pread`` by ranged GETs, no
     ``fileno``."""
     if is_url(path):
@@ -161,9 +161,9 @@ def _matching_objects(pattern: str) -> list[str]:
 
 
 def has_pattern(path: str) -> bool:
-    """Whether ``path`` holds a glob wildcard (``*``, ``?``, ``[``): a local path or an
-    ``s3://`` URL (a listing matches it); never an http(s) URL, which has no listing and
-    whose ``?`` starts its query."""
+    """Whether ``path`` holds a glob wildcard (``*``, ``?``, ``[``): a local path or a
+    bucket's URL (``s3://``, ``gs://``, Azure: a listing matches it); never an http(s) URL,
+    which has no listing and whose ``?`` starts its query."""
     return not is_http(path) and _GLOB.search(path) is not None
 
 
