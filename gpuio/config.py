@@ -59,6 +59,8 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "remote_cache_dir": ("", "the node-local cache of remote data; default <cache_dir>/remote"),
     "remote_cache_budget": (64 * GiB, "bytes the remote cache may hold; least recently used blocks go first"),
     "remote_block": (8 * MiB, "remote objects are cached whole up to this size, larger ones in blocks of it"),
+    "remote_pack_below": (1 * MiB, "remote objects smaller than this are appended to the cache's shared pack files "
+                                   "instead of a file each; 0: never"),
     "remote_requests": (32, "ranged GETs in flight per reader"),
     "remote_readahead": (256 * MiB, "bytes of remote blocks a reader may hold in memory ahead of its reads: "
                                     "fetched from a Loader's coming batches, or waiting to be written to the cache"),

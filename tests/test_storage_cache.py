@@ -149,3 +149,144 @@ def test_blocks_met_first_are_checked_and_bad_ones_downloaded_again(tmp_path, mo
         assert _epoch(SampleIndex.load(tmp_path / "index.npz"), "bin") == want
         flush()
     assert {path: open(path, "rb").read() for path in blocks} == whole  # each one as its first download wrote it
+
+
+# ---- small objects in packs -----------------------------------------------------------
+
+
+def _records(folder):
+    """Every whole record of the packs in ``folder``: (tag, offset, length, CRC-32C, pack file)."""
+    from crc32c import crc32c
+
+    out = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".rec"):
+            data = open(os.path.join(folder, name), "rb").read()
+            for k in range(len(data) // 48):
+                rec = data[k * 48: (k + 1) * 48]
+                if rec[:4] == b"gpr1" and crc32c(rec[:44]) == int.from_bytes(rec[44:], "little"):
+                    out.append((rec[4:24], int.from_bytes(rec[24:32], "little"), int.from_bytes(rec[32:40], "little"),
+                                int.from_bytes(rec[40:44], "little"), os.path.join(folder, name[:-4] + ".pack")))
+    return out
+
+
+def _races(args):
+    """A process of the node reading every object of the saved index once."""
+    path, field = args
+    index = SampleIndex.load(path)
+    got = [bytes(a) for a in gpuio.read(index, np.arange(len(index)), field)]
+    flush()
+    return got
+
+
+def test_small_objects_go_to_shared_packs_downloaded_once_per_node(tmp_path, monkeypatch):
+    """Objects under remote_pack_below are appended to packs (a record each), not kept in
+    a file each. Four processes reading the same objects at once download each one once
+    (a counting proxy in front of the server); their records are whole, each tag once,
+    each pointing at bytes whose CRC-32C it holds; then, the server gone, a process of its
+    own reads every object from the packs the others wrote."""
+    from crc32c import crc32c
+    from remote_env import FaultProxy
+
+    names = _npys(tmp_path / "data", np.random.default_rng(3), 30)
+    local = formats.numpy([str(tmp_path / "data" / name) for name in names])
+    want = [bytes(a) for a in gpuio.read(local, np.arange(len(local)))]
+    with http_server(str(tmp_path / "data")) as base:
+        formats.numpy([f"{base}/{name}" for name in names]).save(tmp_path / "index.npz")
+        proxy = FaultProxy(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+        try:
+            moved = SampleIndex.load(tmp_path / "index.npz")
+            moved.files = type(moved.files).from_paths([u.replace(base, proxy.url) for u in moved.files])
+            moved.save(tmp_path / "proxied.npz")
+            with multiprocessing.get_context("spawn").Pool(4) as pool:
+                got = pool.map(_races, [(str(tmp_path / "proxied.npz"), "data")] * 4, chunksize=1)
+            assert got == [want] * 4
+            assert proxy.requests == len(names)
+        finally:
+            proxy.close()
+    packs = os.path.join(cache_folder(), "packs")
+    assert sorted(os.listdir(cache_folder())) == ["packs"]  # no file per object
+    records = _records(packs)
+    assert len({tag for tag, *_ in records}) == len(records) == len(names)
+    for tag, offset, length, crc, pack in records:
+        with open(pack, "rb") as f:
+            f.seek(offset)
+            assert crc32c(f.read(length)) == crc
+    _in_another_process(tmp_path / "proxied.npz")  # the server is gone: every object from the packs
+
+
+def _append_then_die(args):
+    """Read the objects one by one through the cache (each appended to this process's
+    pack), marking ``started`` once some are recorded; killed by the test meanwhile."""
+    path, started = args
+    index = SampleIndex.load(path)
+    for k in range(len(index)):
+        gpuio.read(index, [k])
+        if k == 5:
+            flush()
+            open(started, "w").close()
+
+
+def test_a_process_killed_while_appending_loses_nothing_recorded(tmp_path, monkeypatch):
+    """A process killed in the middle of an epoch of appends (and, as if killed inside an
+    append, its pack ending in a part of a record and bytes no record names): every whole
+    record stays good and is read by the next process without a download (a counting
+    proxy), the rest is downloaded again, and the epoch equals the local one."""
+    import signal
+    import time
+
+    from remote_env import FaultProxy
+
+    names = _npys(tmp_path / "data", np.random.default_rng(4), 60)
+    local = formats.numpy([str(tmp_path / "data" / name) for name in names])
+    want = _epoch(local)
+    with http_server(str(tmp_path / "data")) as base:
+        proxy = FaultProxy(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+        try:
+            formats.numpy([f"{proxy.url}/{name}" for name in names]).save(tmp_path / "index.npz")
+            started = tmp_path / "started"
+            child = multiprocessing.get_context("spawn").Process(target=_append_then_die,
+                                                                 args=((str(tmp_path / "index.npz"), str(started)),))
+            child.start()
+            while not started.exists() and child.is_alive():
+                time.sleep(0.01)
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(30)
+            packs = os.path.join(cache_folder(), "packs")
+            recorded = _records(packs)
+            assert recorded
+            rec = [os.path.join(packs, n) for n in os.listdir(packs) if n.endswith(".rec")]
+            with open(rec[0], "ab") as f:  # a record cut short, as a kill inside its write leaves it
+                f.write(b"gpr1" + os.urandom(20))
+            with open(rec[0][:-4] + ".pack", "ab") as f:  # bytes whose record was never written
+                f.write(os.urandom(5000))
+            before = proxy.requests
+            assert _epoch(SampleIndex.load(tmp_path / "index.npz")) == want
+            assert proxy.requests - before == len(names) - len(recorded)
+        finally:
+            proxy.close()
+
+
+def test_packs_are_evicted_whole_and_never_while_appended_to(tmp_path, monkeypatch):
+    """Past remote_cache_budget the least recently used packs go (a pack holds at most a
+    sixteenth of the budget), never the one a live process appends to; what was evicted
+    is downloaded again, equal."""
+    from gpuio.storage.cache import BlockCache
+
+    monkeypatch.setenv("GPUIO_REMOTE_CACHE_BUDGET", "40000")
+    names = _npys(tmp_path / "data", np.random.default_rng(5), 12)
+    local = formats.numpy([str(tmp_path / "data" / name) for name in names])
+    want = [bytes(a) for a in gpuio.read(local, np.arange(len(local)))]
+    with http_server(str(tmp_path / "data")) as base:
+        index = formats.numpy([f"{base}/{name}" for name in names])
+        with gpuio.Reader("cpu") as reader:
+            for k in range(len(index)):
+                assert bytes(reader.read(index, [k])[0]) == want[k]
+        packs = os.path.join(cache_folder(), "packs")
+        writing = max((os.path.join(packs, n) for n in os.listdir(packs) if n.endswith(".pack")), key=os.path.getmtime)
+        assert BlockCache().evict() <= 40000
+        left = [n for n in os.listdir(packs) if n.endswith(".pack")]
+        assert 0 < len(left) < len(names) and os.path.exists(writing)
+        assert sorted(n[:-5] for n in left) == sorted(n[:-4] for n in os.listdir(packs) if n.endswith(".rec"))
+        with gpuio.Reader("cpu") as reader:
+            assert [bytes(a) for a in reader.read(index, np.arange(len(index)))] == want

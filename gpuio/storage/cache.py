@@ -50,6 +50,7 @@ Rules:
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import struct
@@ -87,6 +88,15 @@ _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _WRITERS = 2  # threads writing blocks behind the reads
 _MAGIC = b"gpc2"  # a block file's trailer: this, then the CRC-32C of the block's bytes (little-endian)
 _TRAILER = struct.Struct("<4sI")
+# a process's pack takes appends up to this size (at most 1/_PACK_SHARE of the budget: eviction
+# removes whole packs), then it starts another
+_PACK_BYTES = 64 << 20
+_PACK_SHARE = 16
+_RECORD_MAGIC = b"gpr1"
+# a pack record: magic, the object's tag, its bytes' offset and length in the pack and their CRC-32C; then the
+# CRC-32C of those fields
+_RECORD_HEAD = struct.Struct(f"<4s{_TAG}sqqI")
+_RECORD = struct.Struct(f"<4s{_TAG}sqqII")
 
 
 def cache_folder() -> str:
@@ -192,11 +202,7 @@ class Objects:
         """The block files of ``keys``: ``<root>/<tag[:2]>/<tag>.<block>``."""
         keys = np.asarray(keys, dtype=np.int64)
         obj, block = self.locate(keys)
-        new = np.unique(obj[~self._named[obj]])
-        for o in new.tolist():
-            self._digest[o] = np.frombuffer(_tag(self.paths[o], self.etags[o], int(self.sizes[o])), dtype=np.uint8)
-        self._named[new] = True
-        d = self._digest[obj]
+        d = self.tags(obj)
         top = int(block.max()) if len(block) else 0
         head = 4 + 2 * _TAG  # "ab/" + 40 hex digits + "."
         width = head + len(str(top))
@@ -220,6 +226,14 @@ class Objects:
         np.cumsum(lengths, out=offsets[1:])
         return PathTable(mat[np.arange(width) < lengths[:, None]], offsets, root)
 
+    def tags(self, obj: np.ndarray) -> np.ndarray:
+        """The tags (URL, ETag and size digests) of objects ``obj``: ``(n, 20)`` bytes."""
+        new = np.unique(obj[~self._named[obj]])
+        for o in new.tolist():
+            self._digest[o] = np.frombuffer(_tag(self.paths[o], self.etags[o], int(self.sizes[o])), dtype=np.uint8)
+        self._named[new] = True
+        return self._digest[obj]
+
     def blocks(self, file: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The blocks the byte ranges ``[start, end)`` of objects ``file`` touch: per
         (range, block) pair the range's position and the block's key."""
@@ -229,6 +243,229 @@ class Objects:
         which = np.repeat(np.arange(len(start)), counts)
         block = first[which] + np.arange(len(which)) - np.repeat(np.cumsum(counts) - counts, counts)
         return which, self.base[file[which]] + block
+
+
+class _Packs:
+    """The pack files of one cache folder (``<root>/packs``), as this process sees them.
+
+    Objects smaller than ``remote_pack_below`` are appended to packs, not kept in a file
+    each. A pack is two files written by one process only: ``<name>.pack``, the objects'
+    bytes back to back, and ``<name>.rec``, a record per object (``_RECORD``: magic, the
+    object's tag (its URL, ETag and size), where its bytes are, their CRC-32C, and the
+    record's own CRC-32C). The bytes are written before their record, and a record counts
+    only when whole and its CRC matches, so a process killed while appending loses no
+    object recorded before and shows none half written. The writer holds a lock on its
+    record file (an OFD lock: released when the process ends), so that eviction, which
+    removes whole packs, leaves the packs being written alone. Every process reads every
+    record file (the part appended since it last looked) into one table, sorted by tag.
+    The download of an object is claimed with an OFD lock on a byte of ``claims`` named
+    by its tag, held until its record is written: the others wait for the record, or
+    take the claim over when its process ends."""
+
+    def __init__(self, root: str) -> None:
+        self.folder = os.path.join(root, "packs")
+        self.names: list[str] = []  # pack number -> name
+        self._number: dict[str, int] = {}
+        self._read_to: list[int] = []  # per pack, the bytes of its record file read
+        # the records, sorted by tag: per record its pack, offset, length (-1: found bad) and CRC-32C
+        self.table: tuple[np.ndarray, np.ndarray] = (np.empty(0, dtype=f"S{_TAG}"), np.empty((0, 4), dtype=np.int64))
+        self.paths = PathTable.from_paths([], root)  # the pack files by number, relative to the root
+        self._lock = threading.Lock()  # the table and the names
+        self._fresh()
+        renew_after_fork(self)
+
+    def _fresh(self) -> None:
+        self._write_lock = threading.Lock()  # this process's pack
+        self._own: list[Any] | None = None  # [number, .pack fd, .rec fd, bytes written]
+        self._claims: int | None = None  # descriptor of the claims file
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's pack and claims are not this process's."""
+        self._lock = threading.Lock()
+        self._fresh()
+
+    def find(self, tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per tag (``S20``): whether a good record of it is known, and the record (pack,
+        offset, length, CRC-32C; the latest of its tag)."""
+        keys, rows = self.table
+        at = np.searchsorted(keys, tags, side="right") - 1
+        row = rows[np.maximum(at, 0)] if len(keys) else np.zeros((len(tags), 4), dtype=np.int64)
+        found = (at >= 0) & (keys[np.maximum(at, 0)] == tags if len(keys) else False) & (row[:, 2] >= 0)
+        return np.asarray(found, dtype=bool), row
+
+    def spoil(self, tags: np.ndarray, row: np.ndarray) -> None:
+        """Forget the records ``row`` of ``tags``: their bytes failed their CRC-32C."""
+        keys, rows = self.table
+        for tag, (pack, offset) in zip(tags.tolist(), row[:, :2].tolist()):
+            lo, hi = np.searchsorted(keys, tag), np.searchsorted(keys, tag, side="right")
+            for k in range(lo, hi):
+                if rows[k, 0] == pack and rows[k, 1] == offset:
+                    rows[k, 2] = -1
+
+    def _insert(self, tags: list[bytes], rows: list[tuple[int, int, int, int]]) -> None:
+        if not tags:
+            return
+        keys, old = self.table
+        new = np.array(tags, dtype=f"S{_TAG}")
+        order = np.argsort(new, kind="stable")
+        at = np.searchsorted(keys, new[order], side="right")  # after the older records of a tag
+        self.table = (np.insert(keys, at, new[order]), np.insert(old, at, np.array(rows, dtype=np.int64)[order], axis=0))
+
+    def refresh(self) -> None:
+        """Read the records appended since this process last looked; forget the packs removed."""
+        try:
+            names = sorted(e.name[:-4] for e in os.scandir(self.folder) if e.name.endswith(".rec"))
+        except FileNotFoundError:
+            names = []
+        with self._lock:
+            gone = set(self._number) - set(names)
+            for name in names:
+                if name not in self._number:
+                    self._number[name] = len(self.names)
+                    self.names.append(name)
+                    self._read_to.append(0)
+            if gone:
+                lost = np.isin(self.table[1][:, 0], [self._number[n] for n in gone])
+                self.table[1][lost, 2] = -1
+                for name in gone:  # never seen again: names hold a process id and a random part
+                    self._read_to[self._number[name]] = -1
+            self.paths = PathTable.from_paths([f"packs/{n}.pack" for n in self.names], os.path.dirname(self.folder))
+            tags, rows = [], []
+            own = self._own[0] if self._own is not None else -1
+            for number, name in enumerate(self.names):
+                if self._read_to[number] < 0 or number == own:
+                    continue
+                data = _read_from(os.path.join(self.folder, f"{name}.rec"), self._read_to[number])
+                used = _parse_records(data, number, tags, rows)
+                self._read_to[number] += used
+            self._insert(tags, rows)
+
+    def claim(self, tag: bytes) -> bool:
+        """Take the claim on downloading the object ``tag`` (False: another process holds it)."""
+        if self._claims is None:
+            os.makedirs(self.folder, exist_ok=True)
+            self._claims = os.open(os.path.join(self.folder, "claims"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return _lock(self._claims, fcntl.F_WRLCK, _claim_offset(tag))
+
+    def release(self, tags: Sequence[bytes]) -> None:
+        for tag in tags:
+            _lock(self._claims, fcntl.F_UNLCK, _claim_offset(tag))
+
+    def append(self, entries: list[tuple[bytes, Any]], limit: int) -> list[int]:
+        """Append the objects ``entries`` (tag, bytes) to this process's pack and record
+        them (a new pack where the pack would pass ``limit`` bytes); returns their bytes'
+        CRC-32Cs."""
+        crcs = [crc32c(buf) for _, buf in entries]
+        with self._write_lock:
+            total = sum(len(buf) for _, buf in entries)
+            if self._own is None or (self._own[3] and self._own[3] + total > limit):
+                self._start_pack()
+            number, data_fd, rec_fd, at = self._own
+            records, rows, offset = [], [], at
+            for (tag, buf), crc in zip(entries, crcs):
+                head = _RECORD_HEAD.pack(_RECORD_MAGIC, tag, offset, len(buf), crc)
+                records.append(head + struct.pack("<I", crc32c(head)))
+                rows.append((number, offset, len(buf), crc))
+                offset += len(buf)
+            try:  # the bytes, then their records
+                _write_all(data_fd, [memoryview(buf).cast("B") for _, buf in entries if len(buf)])
+                _write_all(rec_fd, [memoryview(b"".join(records))])
+            except OSError:  # a part may be written: the pack takes no more (its whole records stand)
+                self._close_own()
+                raise
+            self._own[3] = offset
+        with self._lock:
+            self._insert([tag for tag, _ in entries], rows)
+        return crcs
+
+    def _close_own(self) -> None:
+        if self._own is not None:
+            os.close(self._own[1])
+            os.close(self._own[2])  # its lock goes with it: eviction may take the pack now
+            self._own = None
+
+    def _start_pack(self) -> None:
+        """A new pack of this process (the last one is left as it is: whole records only)."""
+        self._close_own()
+        os.makedirs(self.folder, exist_ok=True)
+        name = f"{os.getpid()}-{os.urandom(6).hex()}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        data_fd = os.open(os.path.join(self.folder, f"{name}.pack"), flags, 0o644)
+        rec_fd = os.open(os.path.join(self.folder, f"{name}.rec"), flags, 0o644)
+        _lock(rec_fd, fcntl.F_WRLCK, 0)
+        with self._lock:
+            self._number[name] = len(self.names)
+            self.names.append(name)
+            self._read_to.append(0)
+            self.paths = PathTable.from_paths([f"packs/{n}.pack" for n in self.names], os.path.dirname(self.folder))
+        self._own = [self._number[name], data_fd, rec_fd, 0]
+
+
+def _read_from(path: str, offset: int) -> bytes:
+    """The bytes of ``path`` from ``offset`` (none where it is gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return b""
+    try:
+        out = []
+        while True:
+            got = os.pread(fd, 1 << 20, offset)
+            if not got:
+                return b"".join(out)
+            out.append(got)
+            offset += len(got)
+    finally:
+        os.close(fd)
+
+
+def _parse_records(data: bytes, number: int, tags: list[bytes], rows: list[tuple[int, int, int, int]]) -> int:
+    """Add the whole, good records of ``data`` (a record file's bytes from where it was
+    last read) to ``tags`` and ``rows``; returns the bytes taken. A record that fails
+    its check before the last one is skipped (damaged); the last one is left to read
+    again (it may be being written)."""
+    size = _RECORD.size
+    whole = len(data) // size
+    taken = 0
+    for k in range(whole):
+        rec = data[k * size: (k + 1) * size]
+        magic, tag, offset, length, crc, own = _RECORD.unpack(rec)
+        if magic != _RECORD_MAGIC or own != crc32c(rec[: size - 4]):
+            if k == whole - 1:
+                break
+            taken = (k + 1) * size
+            continue
+        tags.append(tag)
+        rows.append((number, offset, length, crc))
+        taken = (k + 1) * size
+    return taken
+
+
+def _lock(fd: int, kind: int, offset: int) -> bool:
+    """Take (or with ``F_UNLCK`` give back) an OFD lock on byte ``offset`` of ``fd``, not
+    waiting: whether it was taken. The lock is the open file's: another open file of the
+    same file, also in this process, conflicts with it, and it goes when the file closes."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, os.SEEK_SET, offset, 1, 0))
+    except (BlockingIOError, PermissionError):
+        return False
+    return True
+
+
+def _claim_offset(tag: bytes) -> int:
+    return int.from_bytes(tag[:7], "little")
+
+
+_packs: dict[str, _Packs] = {}  # cache folder -> its packs, one per process
+_packs_lock = threading.Lock()
+
+
+def _packs_of(root: str) -> _Packs:
+    with _packs_lock:
+        got = _packs.get(root)
+        if got is None:
+            got = _packs[root] = _Packs(root)
+        return got
 
 
 _caches: weakref.WeakSet[BlockCache] = weakref.WeakSet()
@@ -256,6 +493,10 @@ class BlockCache:
         self.budget = config.get("remote_cache_budget")
         self.window = max(self.block, config.get("remote_readahead"))
         self.requests = max(1, config.get("remote_requests"))
+        # objects smaller than this (and cached whole) go to packs; OFD locks (Linux) keep their claims
+        self.pack_below = min(config.get("remote_pack_below"), self.block + 1) if hasattr(fcntl, "F_OFD_SETLK") else 0
+        self._packs = _packs_of(self.root) if self.pack_below > 0 else None
+        self.pack_bytes = max(1, min(_PACK_BYTES, self.budget // _PACK_SHARE))
         # a download running longer than every try of it may take is left by a dead or hung process
         self.stale_s = max(1, config.get("remote_timeout")) * (max(1, config.get("remote_retries")) + 1)
         self._posix = PosixBackend(config.get("io_threads"), False, "gpuio-cache-read",
@@ -321,16 +562,26 @@ class BlockCache:
         which = which.reshape(-1)
         view = lease.array
         seen = objects.seen(self.root)
+        uobj = objects.locate(ukeys)[0]
+        packed = self._packed(objects, uobj)
         for attempt in range(2):
             if attempt:
                 seen[ukeys] = 0
+                if packed.any():
+                    self._packs.refresh()
+            known, rows = self._records(objects, uobj, packed)
             bufs: list[Any] = [None] * len(ukeys)
             got = np.zeros(len(ukeys), dtype=bool)  # the block's bytes are in memory (bufs)
             placed = np.zeros(len(which), dtype=bool)  # the piece is in the batch already
-            unmet = np.flatnonzero(seen[ukeys] == 0)
+            unmet = np.flatnonzero((seen[ukeys] == 0) | ~known)
             if len(unmet):
-                absent = self._meet(objects, ukeys, unmet, (which, p_off, p_len, p_dest), view, bufs, placed)
-                for k, buf in zip(absent.tolist(), self._fetched(objects, ukeys[absent], pool)):
+                met_now = unmet[known[unmet]]
+                absent = np.concatenate([self._meet(objects, ukeys, met_now, (which, p_off, p_len, p_dest), view, bufs,
+                                                    placed, packed, rows), unmet[~known[unmet]]]).astype(np.int64)
+                blocks, small = absent[~packed[absent]], absent[packed[absent]]
+                for k, buf in zip(blocks.tolist(), self._fetched(objects, ukeys[blocks], pool)):
+                    bufs[k] = buf
+                for k, buf in zip(small.tolist(), self._fetched_packed(objects, ukeys[small], pool)):
                     bufs[k] = buf
                 got[unmet] = [bufs[k] is not None for k in unmet.tolist()]
             from_memory = got[which]
@@ -340,26 +591,57 @@ class BlockCache:
             old = ~(from_memory | placed)
             if not old.any():
                 break
-            local = ReadPlan(task_file=which[old], task_offset=p_off[old], task_length=p_len[old],
-                             task_dest=p_dest[old], task_need=p_len[old], sample_dest=plan.sample_dest,
-                             sample_length=plan.sample_length, nbytes=plan.nbytes, align=1)
+            files, at, base = self._files(objects, ukeys, packed, rows)
+            local = ReadPlan(task_file=at[which[old]], task_offset=base[which[old]] + p_off[old],
+                             task_length=p_len[old], task_dest=p_dest[old], task_need=p_len[old],
+                             sample_dest=plan.sample_dest, sample_length=plan.sample_length, nbytes=plan.nbytes,
+                             align=1)
             try:
-                self._posix.read(local, objects.names(ukeys, self.root), lease)
+                self._posix.read(local, files, lease)
                 break
             except StorageError:
                 if attempt:  # evicted by another process in between, twice: not a race any more
                     raise
-        self._touch_stale(objects, ukeys)
-        self._maybe_evict(objects, ukeys)
+        self._touch_stale(objects, ukeys, packed, rows)
+        self._maybe_evict(objects, ukeys, packed, rows)
+
+    def _packed(self, objects: Objects, obj: np.ndarray) -> np.ndarray:
+        """Whether each of the objects ``obj`` is cached in a pack (smaller than ``remote_pack_below``)."""
+        return objects.sizes[obj] < self.pack_below
+
+    def _records(self, objects: Objects, obj: np.ndarray, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per object of ``obj``: whether where its bytes are is known (a block's file is
+        named by its key; a packed object's needs a record), and its record (pack, offset,
+        length, CRC-32C; zeros for a block)."""
+        known, rows = ~packed, np.zeros((len(obj), 4), dtype=np.int64)
+        if packed.any():
+            known[packed], rows[packed] = self._packs.find(_tag_keys(objects.tags(obj[packed])))
+        return known, rows
+
+    def _files(self, objects: Objects, ukeys: np.ndarray, packed: np.ndarray,
+               rows: np.ndarray) -> tuple[PathTable, np.ndarray, np.ndarray]:
+        """The files the blocks ``ukeys`` are read from: a table of them, and per block its
+        file's number in the table and the offset of its bytes there."""
+        names = objects.names(ukeys, self.root)
+        at, base = np.arange(len(ukeys)), np.zeros(len(ukeys), dtype=np.int64)
+        if packed.any():
+            packs = self._packs.paths
+            names = PathTable(np.concatenate([names.blob, packs.blob]),
+                              np.concatenate([names.offsets[:-1], packs.offsets + names.offsets[-1]]), self.root)
+            at[packed], base[packed] = len(ukeys) + rows[packed, 0], rows[packed, 1]
+        return names, at, base
 
     def _meet(self, objects: Objects, ukeys: np.ndarray, unmet: np.ndarray, pieces: tuple[np.ndarray, ...],
-              view: np.ndarray, bufs: list[Any], placed: np.ndarray) -> np.ndarray:
+              view: np.ndarray, bufs: list[Any], placed: np.ndarray, packed: np.ndarray,
+              rows: np.ndarray) -> np.ndarray:
         """Read the blocks ``ukeys[unmet]`` this process has not met from their files, whole,
         checking each one's size and CRC-32C, in one pass on this thread: a block whose only
         piece (``pieces``: per piece its block's position in ``ukeys``, offset in the block,
         length, destination) is all of it lands in the batch (``view``; ``placed``), another
-        one in a buffer of its own (``bufs``). Returns the positions of the blocks not
-        found whole (a bad file is removed): they are fetched."""
+        one in a buffer of its own (``bufs``). A packed object (``packed``) is read from its
+        record (``rows``) and checked against the record's CRC-32C. Returns the positions of
+        the blocks not found whole (a bad block file is removed, a bad record forgotten):
+        they are fetched."""
         which, p_off, p_len, p_dest = pieces
         keys = ukeys[unmet]
         obj, block = objects.locate(keys)
@@ -368,26 +650,144 @@ class BlockCache:
         only[which] = np.arange(len(which))  # a block's piece (its last, which is its only one where it has one)
         piece = only[unmet]
         direct = (np.bincount(which, minlength=len(ukeys))[unmet] == 1) & (p_off[piece] == 0) & (p_len[piece] == want)
-        names = objects.names(keys, self.root)
+        names = list(objects.names(keys, self.root))
+        small = packed[unmet].tolist()
+        for i in np.flatnonzero(packed[unmet]).tolist():
+            names[i] = self._packs.paths[int(rows[unmet[i], 0])]
         spare = bytearray(_TRAILER.size + 1)
-        met, absent = [], []
-        for k, path, n, into, j, dest in zip(unmet.tolist(), names, want.tolist(), direct.tolist(), piece.tolist(),
-                                            p_dest[piece].tolist()):
+        met, absent, spoiled = [], [], []
+        for i, (k, n, into, j, dest) in enumerate(zip(unmet.tolist(), want.tolist(), direct.tolist(), piece.tolist(),
+                                                     p_dest[piece].tolist())):
             out = view[dest: dest + n] if into else np.empty(n, dtype=np.uint8)
-            if not _read_checked(path, out, spare):
+            if not (_read_packed(names[i], int(rows[k, 1]), out, int(rows[k, 3])) if small[i]
+                    else _read_checked(names[i], out, spare)):
                 absent.append(k)
-            elif into:
+                if small[i]:
+                    spoiled.append(k)
+                continue
+            if into:
                 placed[j] = True
-                met.append(k)
             else:
                 bufs[k] = out
-                met.append(k)
+            met.append(i)
+        if spoiled:
+            self._packs.spoil(_tag_keys(objects.tags(objects.locate(ukeys[spoiled])[0])), rows[spoiled])
         if met:
-            found = ukeys[met]
+            found = keys[met]
             seen = objects.seen(self.root)
             seen[found] = time.monotonic()
-            self._pool("write").submit(self._touch, seen, found, objects.names(found, self.root))
+            self._pool("write").submit(self._touch, seen, found, [names[i] for i in met])
         return np.asarray(absent, dtype=np.int64)
+
+    def _fetched_packed(self, objects: Objects, keys: np.ndarray, pool: ThreadPoolExecutor) -> list[Any]:
+        """Per object of ``keys`` (each cached whole in a pack, none found in the records
+        yet): its bytes, downloaded now under the node's claim (appended behind), or read
+        from the record another process appended meanwhile, waited for while that
+        process holds the claim (taken over once it ends). Raises the first error."""
+        obj = objects.locate(keys)[0]
+        tags = objects.tags(obj)
+        out: list[Any] = [None] * len(keys)
+        todo = np.arange(len(keys))
+        wait, since = _POLL_S, time.monotonic()
+        while True:
+            futures = self._claim_packed(objects, keys[todo], lambda run, fut, n: pool.submit(_settle, fut, run))
+            first = next((f.exception() for f in futures if f is not None and f.exception() is not None), None)
+            if first is not None:
+                raise first
+            for i, fut in zip(todo.tolist(), futures):
+                out[i] = fut.result() if fut is not None else None
+            left = [i for i in todo.tolist() if out[i] is None]  # recorded by another process (by now)
+            if left:
+                self._packs.refresh()
+                found, rows = self._packs.find(_tag_keys(tags[left]))
+                for i, ok, row in zip(left, found.tolist(), rows):
+                    out[i] = self._read_record(tags[i], row) if ok else None
+            todo = np.asarray([i for i in left if out[i] is None], dtype=np.int64)
+            if not len(todo):
+                return out
+            if time.monotonic() - since > 2 * self.stale_s:
+                raise StorageError(f"waited {time.monotonic() - since:.0f} s for another process to download "
+                                   f"{objects.paths[int(obj[todo[0]])]} into the cache", path=self._packs.folder)
+            time.sleep(wait)
+            wait = min(2 * wait, _POLL_MAX_S)
+
+    def _claim_packed(self, objects: Objects, keys: np.ndarray,
+                      start: Callable[[Callable[[], Any], Future[Any], int], Any]) -> list[Future[Any] | None]:
+        """Per object of ``keys``: the fetch of it in this process (one running, else one
+        started by ``start(run, future, bytes)`` under the node's claim, which it holds until its
+        record is written; a future of None: recorded meanwhile by another process), or
+        None where another process holds the claim."""
+        packs = self._packs
+        obj = objects.locate(keys)[0]
+        tags = objects.tags(obj)
+        raw = [t.tobytes() for t in tags]
+        names = ["pack:" + r.hex() for r in raw]
+        futures: list[Future[Any] | None] = [None] * len(keys)
+        claimed = []
+        with self._lock:
+            for i, name in enumerate(names):
+                fut = self._inflight.get(name)
+                if fut is None and packs.claim(raw[i]):
+                    fut = self._inflight[name] = Future()
+                    claimed.append(i)
+                futures[i] = fut
+        if claimed:
+            packs.refresh()  # what finished between this process's look at the records and its claims
+            found, _ = packs.find(_tag_keys(tags[claimed]))
+            for i, ok in zip(claimed, found.tolist()):
+                fut = futures[i]
+                if ok:
+                    packs.release([raw[i]])
+                    self._done(names[i], 0)
+                    fut.set_result(None)
+                else:
+                    start(lambda i=i: self._download_packed(objects, int(keys[i]), int(obj[i]), raw[i], names[i]), fut,
+                          int(objects.sizes[obj[i]]))
+        return futures
+
+    def _download_packed(self, objects: Objects, key: int, obj: int, tag: bytes, name: str) -> Any:
+        """Download a packed object (its claim held): its bytes, appended to this process's pack behind."""
+        try:
+            info = objects.info(obj)
+            buf = self._download_reserved(info, 0, info.size)
+        except BaseException:
+            self._packs.release([tag])
+            self._done(name, 0)
+            raise
+        try:
+            self._pool("write").submit(self._append, objects, key, tag, name, buf)
+        except RuntimeError:  # the interpreter is exiting (its thread pools take no more work): write here
+            self._append(objects, key, tag, name, buf)
+        return buf
+
+    def _append(self, objects: Objects, key: int, tag: bytes, name: str, buf: Any) -> None:
+        """Append a downloaded object to this process's pack and give its claim back (the
+        writer thread); a failure leaves it uncached, with a warning."""
+        kept = False
+        try:
+            self._packs.append([(tag, buf)], self.pack_bytes)
+            kept = True
+        except OSError as exc:
+            if exc.errno in _FULL:
+                self._warn_full(self._packs.folder, exc)
+            elif not self._warned_write:
+                self._warned_write = True
+                warnings.warn(f"{_cache_error(self._packs.folder, exc)}; reading on without caching", stacklevel=2)
+        finally:
+            self._packs.release([tag])
+            if kept:
+                objects.seen(self.root)[key] = time.monotonic()
+                with self._lock:
+                    self._added += len(buf)
+            self._done(name, len(buf))
+
+    def _read_record(self, tag: np.ndarray, row: np.ndarray) -> Any:
+        """The bytes of the record ``row`` of ``tag``, None where they fail its CRC-32C (then forgotten)."""
+        out = bytearray(int(row[2]))
+        if _read_packed(self._packs.paths[int(row[0])], int(row[1]), out, int(row[3])):
+            return out
+        self._packs.spoil(_tag_keys(tag[None]), row[None])
+        return None
 
     def _fetched(self, objects: Objects, keys: np.ndarray, pool: ThreadPoolExecutor) -> list[Any]:
         """Per block of ``keys``: its bytes when downloaded just now (or still waiting to
@@ -427,11 +827,16 @@ class BlockCache:
         if not len(keys):
             return 0
         obj, block = objects.locate(keys)
+        started = 0
+        packed = self._packed(objects, obj)
+        if packed.any():  # one look at the records: the objects recorded are not fetched
+            known, _ = self._records(objects, obj, packed)
+            started += self._prefetch_packed(objects, keys[packed & ~known])
+            keys, obj, block = keys[~packed], obj[~packed], block[~packed]
         want = np.minimum(self.block, objects.sizes[obj] - block * self.block).tolist()
         names = list(objects.names(keys, self.root))
         # one pass over the names: a block whose file has its size is not fetched (its read checks its CRC)
         fetch = [k for k, (path, n) in enumerate(zip(names, want)) if not _sized(path, n + _TRAILER.size)]
-        started = 0
         for k in fetch:
             where, path, n = (int(keys[k]), int(obj[k]), int(block[k])), names[k], want[k]
             with self._lock:
@@ -442,14 +847,34 @@ class BlockCache:
                 self._ahead += n
                 fut: Future[Any] = Future()
                 self._inflight[path] = fut
-                self._queued.append((objects, where, path, fut, n))
+                self._queued.append((lambda where=where, path=path: self._get(objects, where, path), path, fut, n))
             started += n
+        self._start_fetchers()
+        return started
+
+    def _prefetch_packed(self, objects: Objects, keys: np.ndarray) -> int:
+        """``prefetch`` of packed objects not recorded yet: those this node has not claimed,
+        as many as fit in the window; returns the bytes started."""
+        if not len(keys):
+            return 0
+        with self._lock:
+            room = self.window - self._ahead
+        keys = keys[np.cumsum(objects.sizes[objects.locate(keys)[0]]) <= room]
+        queued: list[tuple[Callable[[], Any], str, Future[Any], int]] = []
+        self._claim_packed(objects, keys, lambda run, fut, n: queued.append((run, "", fut, n)))
+        with self._lock:
+            self._ahead += sum(n for *_, n in queued)
+            self._queued.extend(queued)
+        self._start_fetchers()
+        return sum(n for *_, n in queued)
+
+    def _start_fetchers(self) -> None:
+        """Threads for the queued fetches ahead, up to ``remote_requests`` running."""
         with self._lock:
             threads = min(self.requests - self._fetchers, len(self._queued))
             self._fetchers += threads
         for _ in range(threads):
             threading.Thread(target=self._fetch_ahead, name="gpuio-cache-ahead").start()
-        return started
 
     def _fetch_ahead(self) -> None:
         """A thread of ``prefetch``: runs the queued fetches until none is left. Once the
@@ -462,16 +887,13 @@ class BlockCache:
                     self._fetchers -= 1
                     self._changed.notify_all()
                     return
-                objects, where, path, fut, n = self._queued.popleft()
+                run, path, fut, n = self._queued.popleft()
             try:
                 if not threading.main_thread().is_alive():
                     self._done(path, 0)
                     fut.set_exception(StorageError("not fetched ahead: the interpreter is exiting", path=path))
-                elif fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(self._get(objects, where, path))
-                    except BaseException as exc:  # the reader that joins this fetch raises it
-                        fut.set_exception(exc)
+                else:
+                    _settle(fut, run)
             finally:
                 with self._lock:
                     self._ahead -= n
@@ -638,18 +1060,26 @@ class BlockCache:
             _unlink(part)
 
     # ---- the LRU order and the budget -------------------------------------------------
-    def _touch_stale(self, objects: Objects, keys: np.ndarray) -> None:
-        """Touch, on the writer thread, the blocks of ``keys`` last touched over
-        ``_RECHECK_S`` ago (so other processes evict them last); one found gone is met
-        again by the next read."""
+    def _touch_stale(self, objects: Objects, keys: np.ndarray, packed: np.ndarray, rows: np.ndarray) -> None:
+        """Touch, on the writer thread, the files of the blocks of ``keys`` (their packs
+        where ``packed``, by ``rows``) last touched over ``_RECHECK_S`` ago (so other
+        processes evict them last); one found gone is met again by the next read."""
         now = time.monotonic()
         seen = objects.seen(self.root)
         last = seen[keys]
-        stale = keys[(last > 0) & (now - last >= _RECHECK_S)]
-        if not len(stale):
+        stale = (last > 0) & (now - last >= _RECHECK_S)
+        if not stale.any():
             return
-        seen[stale] = now
-        self._pool("write").submit(self._touch, seen, stale, objects.names(stale, self.root))
+        seen[keys[stale]] = now
+        self._pool("write").submit(self._touch, seen, keys[stale], self._paths(objects, keys[stale], packed[stale],
+                                                                            rows[stale]))
+
+    def _paths(self, objects: Objects, keys: np.ndarray, packed: np.ndarray, rows: np.ndarray) -> list[str]:
+        """The files of the blocks ``keys``: their block files, or where ``packed`` their packs."""
+        names = list(objects.names(keys, self.root))
+        for i in np.flatnonzero(packed).tolist():
+            names[i] = self._packs.paths[int(rows[i, 0])]
+        return names
 
     @staticmethod
     def _touch(seen: np.ndarray, keys: np.ndarray, names: PathTable) -> None:
@@ -660,12 +1090,12 @@ class BlockCache:
             except FileNotFoundError:
                 seen[key] = 0
 
-    def _maybe_evict(self, objects: Objects, keys: np.ndarray) -> None:
+    def _maybe_evict(self, objects: Objects, keys: np.ndarray, packed: np.ndarray, rows: np.ndarray) -> None:
         with self._lock:
             if self._added * _EVICT_SHARE < self.budget:
                 return
             self._added = 0
-        self.evict(set(objects.names(keys, self.root)))
+        self.evict(set(self._paths(objects, keys, packed, rows)))
 
     def evict(self, keep: set[str] = frozenset()) -> int:
         """Remove the least recently used blocks until the cache holds at most its
@@ -685,6 +1115,12 @@ class BlockCache:
                     st = entry.stat()
                 except FileNotFoundError:
                     continue
+                if folder.name == "packs":  # a pack goes whole, never while its process appends to it
+                    if entry.name.endswith(".pack"):
+                        total += st.st_size
+                        if not _writing(entry.path[: -len(".pack")] + ".rec"):
+                            blocks.append((st.st_mtime, entry.path, st.st_size))
+                    continue
                 if entry.name.endswith(".part"):
                     if now - st.st_mtime > self.stale_s:  # a claim of a process that died: no one takes it over
                         _unlink(entry.path)
@@ -698,6 +1134,8 @@ class BlockCache:
             if path in keep:
                 continue
             _unlink(path)
+            if path.endswith(".pack"):
+                _unlink(path[: -len(".pack")] + ".rec")
             total -= size
         return total
 
@@ -731,6 +1169,46 @@ def _read_checked(path: str, out: Any, spare: bytearray) -> bool:
         return True
     _unlink(path)
     return False
+
+
+def _read_packed(path: str, offset: int, out: Any, crc: int) -> bool:
+    """Read a packed object's bytes (``len(out)`` from ``offset`` of the pack ``path``)
+    into ``out``: whether they are all there and match the record's CRC-32C ``crc``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return False
+    try:
+        got = os.preadv(fd, [out], offset)
+    finally:
+        os.close(fd)
+    return got == len(out) and crc32c(out) == crc
+
+
+def _writing(rec: str) -> bool:
+    """Whether a process appends to the pack of the record file ``rec`` (holds its lock)."""
+    try:
+        fd = os.open(rec, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        return not _lock(fd, fcntl.F_RDLCK, 0)
+    finally:
+        os.close(fd)
+
+
+def _tag_keys(tags: np.ndarray) -> np.ndarray:
+    """Tags (``(n, 20)`` bytes) as the pack table's keys (``S20``)."""
+    return np.ascontiguousarray(tags).view(f"S{_TAG}").reshape(-1)
+
+
+def _settle(fut: Future[Any], run: Callable[[], Any]) -> None:
+    """Run ``run`` for the future ``fut``: its result or its error."""
+    if fut.set_running_or_notify_cancel():
+        try:
+            fut.set_result(run())
+        except BaseException as exc:  # the reader that joins this fetch raises it
+            fut.set_exception(exc)
 
 
 def _sized(path: str, n: int) -> bool:

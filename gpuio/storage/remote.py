@@ -65,7 +65,7 @@ __all__ = ["SCHEMES", "SETTINGS", "ObjectInfo", "RemoteBackend", "RemoteFile", "
 
 SCHEMES = ("s3://", *_clouds.CLOUD_SCHEMES, "http://", "https://")
 # the settings of remote reads (gpuio.config); a Reader takes them when it is made
-SETTINGS = ("remote_client", "remote_unsigned", "remote_cache", "remote_cache_dir", "remote_cache_budget", "remote_block", "remote_requests",
+SETTINGS = ("remote_client", "remote_unsigned", "remote_cache", "remote_cache_dir", "remote_cache_budget", "remote_block", "remote_pack_below", "remote_requests",
             "remote_readahead", "remote_gap", "remote_part", "remote_retries", "remote_timeout", "cache_dir")
 _PRESIGN_S = 3600  # lifetime of a presigned URL (urllib3 client)
 _RESIGN_S = 1800  # a presigned URL older than this is signed again before use
