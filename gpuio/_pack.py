@@ -358,8 +358,8 @@ class _Job:
                         raise type(exc)(f"packing field {field!r}: {exc.reason}", path=where.file,
                                         offset=where.offset, sample=int(part[j])) from exc
         name = f"shard-{k:05d}.gpk"
-        pieces = _layout(records, {n: (c.take(rows) if isinstance(c, Ragged) else c[rows])
-                                   for n, c in self.index.values.items()})
+        values = {n: (c.take(rows) if isinstance(c, Ragged) else c[rows]) for n, c in self.index.values.items()}
+        pieces = _layout(records, len(self.spec["extents"]), values)
         crc = 0
         for piece in pieces:
             crc = crc32c(piece, crc)
@@ -426,10 +426,10 @@ def _shrunk(data: bytes, sample: int, max_side: int, quality: int) -> bytes:
 _ZEROS = memoryview(bytes(BLOCK))  # the padding before a record is shorter than a block
 
 
-def _layout(records: list[list[Any]], values: dict[str, np.ndarray | Ragged]) -> list[Any]:
+def _layout(records: list[list[Any]], nf: int, values: dict[str, np.ndarray | Ragged]) -> list[Any]:
     """One shard's bytes as pieces in order (no copy of the records): header, record
     table, value columns, then each record after the zeros its alignment needs."""
-    n, nf = len(records), len(records[0]) if records else 0
+    n = len(records)
     flat = [r for sample in records for r in sample]
     lengths = np.array([len(r) for r in flat], dtype=np.int64)
     blob_values = values_blob(values)
