@@ -343,3 +343,24 @@ def test_from_seaweedfs_equals_local(tmp_path, s3, compression):
             assert batch["label"][j] == want[i]["label"]
     if compression is None:
         assert index.meta["index_bytes_read"] == header_bytes(tmp_path / "ds")
+
+
+def test_cli_index_inspect_and_check(tmp_path, capsys):
+    from gpuio.cli import main
+
+    write_mds(tmp_path / "ds", columns={"photo": "jpeg", "label": "int"})
+    main(["index", "mds", str(tmp_path / "ds"), "--out", str(tmp_path / "i.npz")])
+    assert "23 samples in" in capsys.readouterr().out
+    main(["inspect", str(tmp_path / "i.npz")])
+    text = capsys.readouterr().out
+    assert "format mds" in text and "photo                parsed from '__sample__'" in text
+    index = gpuio.SampleIndex.load(tmp_path / "i.npz")
+    ext = index.extents["__sample__"]
+    path, at = index.files[ext.file[5]], int(ext.offset[5])
+    data = bytearray(open(path, "rb").read())
+    data[at + 4 + 2: at + 4 + 40] = bytes(38)  # the JPEG's header zeroed: it no longer decodes
+    open(path, "wb").write(data)
+    assert main(["check", str(tmp_path / "i.npz")]) == 1
+    text = capsys.readouterr().out
+    assert "22 of 23 samples good, 1 bad (reading every field, decoding photo" in text
+    assert "sample 5" in text and path in text
