@@ -73,12 +73,14 @@ class ImagePolicy(NamedTuple):
 
 
 def _restart_markers() -> Any:
-    """The module ``gpuio.ops.restart``, or a ``ConfigError`` saying it is missing."""
-    try:
-        from gpuio.ops import restart
-    except ImportError as exc:
-        raise ConfigError(f"restart markers need gpuio.ops.restart, which this build of gpuio lacks ({exc}); "
-                          f"pack without --restart-interval") from None
+    """``gpuio.ops.restart`` (imported when used: it loads the decoders); a
+    ``ConfigError`` where its transcoder, ``gpuio.ops._jpeg``, was not built."""
+    from gpuio.ops import restart
+    from gpuio.ops.decode import native_jpeg
+
+    if native_jpeg() is None:
+        raise ConfigError("restart markers need gpuio.ops._jpeg, which was not built (rebuild gpuio with a C "
+                          "compiler and libjpeg's headers; gpuio info lists the C extensions)")
     return restart
 
 
