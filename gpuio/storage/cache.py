@@ -42,6 +42,11 @@ Rules:
   batch being read;
 - a full cache disk (ENOSPC, EDQUOT, EFBIG) is a warning: the batch gets the bytes it
   downloaded, and they are not kept;
+- objects smaller than ``remote_pack_below`` are not a file each: they are appended to
+  shared pack files (``_Packs``: each process appends to packs of its own, a record
+  per object that every process reads; one download per object on the node by a lock
+  on a byte of a claims file; eviction removes whole packs), with the same rules of
+  verification, write-behind and read-ahead;
 - the reads themselves are the posix backend's (its C read loop), from the block files,
   whose names a batch gets from NumPy arrays per index (``Objects``): a later epoch
   reads local disk with no Python per block.
