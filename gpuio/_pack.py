@@ -7,8 +7,8 @@ records, write it whole), run here or on ``workers`` processes. A shard depends 
 on its samples and the options, so the same source and options give the same bytes,
 whatever the workers. The destination holds a lock (``.gpuio-pack.lock``) while a pack
 runs, and a progress file (``.gpuio-pack.json``: the source's fingerprint, the options
-and each finished shard's CRC-32C); a pack that finds one of the same source and options
-keeps the shards whose bytes match their CRC and writes the rest. ``index.json`` is
+and each finished shard's size and CRC-32C); a pack that finds one of the same source and
+options keeps the shards still there as written (``_Dest.holds``) and writes the rest. ``index.json`` is
 written last.
 """
 
@@ -147,7 +147,7 @@ def _pack(source: SampleIndex | str | os.PathLike[str], dest: str | os.PathLike[
                               f"({PROGRESS_NAME}); choose another destination or remove it")
         done: dict[int, dict[str, Any]] = {}
         for key, info in (state or {}).get("done", {}).items():
-            if out.crc(info["name"]) == info["crc32c"]:  # a shard kept must read back as it was written
+            if out.holds(info):  # a shard kept must read back as it was written
                 done[int(key)] = info
         todo = [k for k in range(len(bounds)) if k not in done]
 
@@ -533,10 +533,20 @@ class _Dest:
             raise StorageError(f"not the JSON gpuio pack writes ({exc}); remove it to pack again",
                                path=f"{self.base}/{name}") from None
 
-    def crc(self, name: str) -> int | None:
-        """CRC-32C of object ``name``, or None where there is none."""
-        data = self.read(name)
-        return None if data is None else crc32c(data)
+    def holds(self, info: dict[str, Any]) -> bool:
+        """Whether the shard ``info`` (its entry in the progress file) is there as it was
+        written: locally, its CRC-32C read back; in S3, its size (a PUT stores an object
+        whole, checksummed by botocore on the way), not downloaded again."""
+        if not self.remote:
+            data = self.read(info["name"])
+            return data is not None and crc32c(data) == info["crc32c"]
+        bucket, key = self._key(info["name"])
+        try:
+            return self._s3().head_object(Bucket=bucket, Key=key)["ContentLength"] == info["bytes"]
+        except Exception as exc:  # botocore's ClientError (404), connection errors ...
+            if "404" in str(exc) or "Not Found" in str(exc):
+                return False
+            raise StorageError(f"cannot ask for the object: {exc}", path=f"{self.base}/{info['name']}") from exc
 
     def remove(self, name: str) -> None:
         if self.remote:

@@ -78,11 +78,14 @@ def test_a_remote_pack_resumes_and_is_locked(s3, tmp_path):
     gpuio.pack(tree, url, shard_size=250_000)
     whole = _objects(s3, "run2/")
     spec = json.loads(whole["index.json"])
-    # as if stopped after its first shard: the progress file names it, index.json not written yet
-    s3.put_object(Bucket=BUCKET, Key="run2/.gpuio-pack.json", Body=json.dumps(
-        {"source": spec["source"], "options": spec["options"], "done": {"0": spec["shards"][0]}}))
+    # as if stopped after its second shard, index.json not written yet
     s3.delete_object(Bucket=BUCKET, Key="run2/index.json")
-    for shard in spec["shards"][1:]:
+    for shard in spec["shards"][2:]:
         s3.delete_object(Bucket=BUCKET, Key=f"run2/{shard['name']}")
+    second = spec["shards"][1]["name"]  # there, but cut short: not the shard the progress file names
+    s3.put_object(Bucket=BUCKET, Key=f"run2/{second}", Body=whole[second][:-1])
+    s3.put_object(Bucket=BUCKET, Key="run2/.gpuio-pack.json", Body=json.dumps(
+        {"source": spec["source"], "options": spec["options"], "done": {"0": spec["shards"][0],
+                                                                        "1": spec["shards"][1]}}))
     gpuio.pack(tree, url, shard_size=250_000)
     assert _objects(s3, "run2/") == whole
