@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from crc32c import crc32c
 from gpuio.bench._common import BenchError, machine, print_table, write_json
 
 import gpuio
@@ -298,6 +299,10 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
                 row(dataset, "gpuio.read, cache off", lambda r=reader, i=index, b=batch: _epoch(r, i, b), n)
                 reader.close()
             _gpuio_rows(row, os.path.join(folder, "cache"), dataset, make, local, batch, loader=local is local_tree)
+        # where a cached first epoch's client CPU goes beside its GETs: the checksum and the cache write alone
+        objects = [open(os.path.join(root, k[len("tree/"):]), "rb").read() for k in small_keys]
+        row("small objects", SPLIT_CRC, lambda: sum(len(b) for b in objects if crc32c(b) >= 0), len(objects))
+        row("small objects", SPLIT_WRITE, lambda: _append_all(objects, folder), len(objects))
         _shards(rows, row, folder, s3, small_keys, pool, only)
         if any(only in f"{LMDB}: {method}" for method in LMDB_ROWS):  # built only for its rows
             _lmdb(row, folder, s3, small_keys)
@@ -389,6 +394,8 @@ def _gpuio_rows(row: Callable[..., None], cache: str, dataset: str, make: Callab
 
 
 SHARD_SAMPLES = 100  # samples per tar shard
+SPLIT_CRC = "split: the CRC-32C of every object's bytes (the cache's checksum, alone)"
+SPLIT_WRITE = "split: every object's bytes appended to one file (the cache's pack write, alone)"
 AGAIN_READ = "gpuio.read epochs 2-4 (cache; index and reader made again)"
 AGAIN_LOADER = "gpuio Loader epochs 2-4 (cache; index and Loader made again; shuffled, batches of 64)"
 AGAIN_LOCAL = "gpuio Loader, the same files on local disk (shuffled, batches of 64)"
@@ -518,6 +525,8 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
     for old in readers:
         old.close()
     competitors = [(dataset, "s3fs (fsspec) cat of whole shards", lambda: _s3fs_epoch(shard_keys), n, True),
+                   (dataset, "s3fs (fsspec) filecache of whole shards (keeps a local copy)",
+                    lambda: _s3fs_filecache(folder, shard_keys), n, True),
                    (dataset, "webdataset over HTTP (curl, presigned URLs)", lambda: _webdataset_epoch(s3, shard_keys),
                     n, False),
                    (dataset, "litdata StreamingDataset (its chunk format)", lambda: _litdata(folder, tree, names, s3),
@@ -525,7 +534,9 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
                    (dataset, "mosaicml-streaming StreamingDataset (MDS)", lambda: _mosaic(folder, tree, names, s3),
                     n, True),
                    ("small objects", "s3fs (fsspec) cat, one call for all objects", lambda: _s3fs_epoch(small_keys),
-                    len(small_keys), True)]
+                    len(small_keys), True),
+                   ("small objects", "s3fs (fsspec) filecache, one cat for all objects (keeps a local copy)",
+                    lambda: _s3fs_filecache(folder, small_keys), len(small_keys), True)]
     for where, method, make, items, second in competitors:
         if only in f"{where}: {method}":  # not made otherwise (litdata's and mosaic's make write their shards)
             _competitor(rows, row, where, method, make, items, second=second)
@@ -550,6 +561,19 @@ def _competitor(rows: list[dict[str, Any]], row: Callable[..., None], dataset: s
         row(dataset, f"{method}, epoch 2", again, items)
 
 
+def _append_all(objects: list[bytes], folder: str) -> int:
+    """Append ``objects`` to a new file in ``folder`` (one write each, as the cache's
+    packs take them), then remove it; returns the bytes written."""
+    fd, path = tempfile.mkstemp(dir=folder)
+    try:
+        for data in objects:
+            os.write(fd, data)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return sum(len(b) for b in objects)
+
+
 def _loader_epoch(loader: gpuio.Loader, field: str = "jpg") -> int:
     nbytes = 0
     for batch in loader:
@@ -564,6 +588,30 @@ def _s3fs_epoch(keys: list[str]) -> Callable[[], int]:
                            client_kwargs={"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}, skip_instance_cache=True)
     paths = [f"{BUCKET}/{k}" for k in keys]
     return lambda: sum(len(v) for v in fs.cat(paths).values())
+
+
+def _s3fs_filecache(folder: str, keys: list[str]) -> tuple[Callable[[], None], Callable[[], int],
+                                                             Callable[[], int]]:
+    """s3fs behind fsspec's whole-file cache (``filecache``): each object copied to local
+    disk when first read, the copy read after."""
+    import fsspec
+    import s3fs  # noqa: F401 - the s3 protocol of the target
+
+    cache = os.path.join(folder, "s3fs-cache")
+    paths = [f"{BUCKET}/{k}" for k in keys]
+    held: list[Any] = []
+
+    def empty() -> None:
+        shutil.rmtree(cache, ignore_errors=True)
+        held[:] = [fsspec.filesystem("filecache", target_protocol="s3", cache_storage=cache, skip_instance_cache=True,
+                                     target_options={"key": os.environ["AWS_ACCESS_KEY_ID"],
+                                                     "secret": os.environ["AWS_SECRET_ACCESS_KEY"],
+                                                     "client_kwargs": {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}})]
+
+    def epoch() -> int:
+        return sum(len(v) for v in held[0].cat(paths).values())
+
+    return empty, epoch, epoch
 
 
 def _webdataset_epoch(s3: Any, keys: list[str]) -> Callable[[], int]:
