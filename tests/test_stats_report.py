@@ -37,6 +37,10 @@ def test_a_slow_op_on_one_worker_binds_its_workers(tmp_path):
     assert v.bottleneck == "Sleep" and v.resource == "workers"
     assert "raise threads (now 1" in v.advice
     assert v.numbers["stage_busy"]["Sleep"] >= 0.8 and v.numbers["cpu_busy"] < 0.85
+    for k, _ in enumerate(ld):  # a pass left early closes the stages: the verdict still knows their window
+        if k == 3:
+            break
+    assert ld.report().resource == "workers"
 
 
 class Burn:
@@ -60,7 +64,8 @@ def test_an_op_on_every_core_binds_the_cpu(tmp_path):
     v = ld.report()
     assert v.band == "highly input-bound" and v.bottleneck == "Burn" and v.resource == "cpu"
     assert "more threads cannot help" in v.advice
-    assert v.numbers["cpu_busy"] >= 0.85 or v.numbers["threads_waiting_for_a_core"] >= 0.5
+    n = v.numbers  # its cores saturated, or taken by other processes while it wanted them
+    assert n["cpu_busy"] >= 0.85 or (n["core_demand"] >= 0.5 and n["waited_for_core_share"] >= 0.3)
 
 
 def test_throttled_storage_binds_the_network(tmp_path, monkeypatch):

@@ -144,13 +144,15 @@ class Executor:
     # ---- lifetime ---------------------------------------------------------------------
     def start(self) -> None:
         for i, stage in enumerate(self.stages):
-            for j in range(1 if stage.gpu else max(1, stage.workers)):
-                self._spawn(self._work, f"{self._name}-{stage.name}-{j}", i)
+            threads = [self._spawn(self._work, f"{self._name}-{stage.name}-{j}", i)
+                       for j in range(1 if stage.gpu else max(1, stage.workers))]
+            self.hook.workers(stage.name, [t.native_id for t in threads])
 
-    def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> None:
+    def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> threading.Thread:
         t = threading.Thread(target=target, name=name, args=args, daemon=True)
         self._threads.append(t)
         t.start()
+        return t
 
     def close(self) -> None:
         """Stop and join every thread (idempotent). Blocked threads are woken at once:

@@ -119,8 +119,11 @@ class PipelineStats:
         self._cpu_since = 0.0
         self._machine = [0, 0]  # the machine's busy and all CPU ticks during passes ended (Linux)
         self._machine_since = (0, 0)
-        self._queued = 0.0  # seconds this process's threads waited for a core during passes ended (Linux)
-        self._queued_since = 0.0
+        # per stage (and "parts", the ops' pool): its threads' seconds on a core and ready
+        # to run but waiting for one, during passes ended (Linux; schedstat)
+        self._threads: dict[str, tuple[int, ...]] = {}
+        self._sched: dict[str, list[float]] = {}
+        self._sched_since: dict[str, tuple[float, float]] = {}
         self.in_flight: dict[str, int] = {}  # bytes read and not yet handed over, by where they lie
         self.peak_in_flight = 0
         self._gpu_lock = threading.Lock()
@@ -141,7 +144,7 @@ class PipelineStats:
         with self._lock:
             self._since, self._cpu_since = time.perf_counter(), time.process_time()
             self._machine_since = _machine_ticks()
-            self._queued_since = _run_queue_wait()
+            self._sched_since = self._sched_now()
 
     def pass_ended(self) -> None:
         with self._lock:
@@ -151,7 +154,11 @@ class PipelineStats:
                 busy, total = _machine_ticks()
                 self._machine[0] += busy - self._machine_since[0]
                 self._machine[1] += total - self._machine_since[1]
-                self._queued += _run_queue_wait() - self._queued_since
+                for group, (on, waited) in self._sched_now().items():
+                    was = self._sched_since.get(group, (0.0, 0.0))
+                    acc = self._sched.setdefault(group, [0.0, 0.0])
+                    acc[0] += max(0.0, on - was[0])  # threads that ended meanwhile count no more
+                    acc[1] += max(0.0, waited - was[1])
                 self._since = None
 
     def taken(self, name: str, depth: int, starved: float) -> None:
@@ -248,26 +255,43 @@ class PipelineStats:
         return old
 
     # ---- what they add up to -------------------------------------------------------------
-    def wall(self) -> tuple[float, float, float, float]:
-        """Seconds passes ran, process CPU seconds during them, seconds its threads were
-        ready to run but waited for a core, and the share of the machine's CPU time that
-        was busy then (every process), the running pass included."""
+    def workers(self, name: str, native_ids: list[int]) -> None:
+        """Stage ``name`` runs on the threads of these native ids (from now on)."""
         with self._lock:
-            wall, cpu, queued = self._wall, self._cpu, self._queued
+            self._threads[name] = tuple(native_ids)
+
+    def _sched_now(self) -> dict[str, tuple[float, float]]:
+        """Per stage, and for ``parts`` (the threads of the ops' pool, ``gpuio-ops``), its
+        threads' seconds on a core and waiting for one so far."""
+        groups = dict(self._threads)
+        groups["parts"] = tuple(t.native_id for t in threading.enumerate()
+                                if t.name.startswith("gpuio-ops") and t.native_id is not None)
+        return {group: _schedstat(tids) for group, tids in groups.items()}
+
+    def wall(self) -> tuple[float, float, dict[str, tuple[float, float]], float]:
+        """Seconds passes ran, process CPU seconds during them, per stage (and ``parts``)
+        its threads' seconds on a core and waiting for one then, and the share of the
+        machine's CPU time that was busy (every process), the running pass included."""
+        with self._lock:
+            wall, cpu = self._wall, self._cpu
+            sched = {group: tuple(acc) for group, acc in self._sched.items()}
             busy, total = self._machine
             if self._since is not None:
                 wall += time.perf_counter() - self._since
                 cpu += time.process_time() - self._cpu_since
-                queued += _run_queue_wait() - self._queued_since
+                for group, (on, waited) in self._sched_now().items():
+                    was = self._sched_since.get(group, (0.0, 0.0))
+                    acc = sched.get(group, (0.0, 0.0))
+                    sched[group] = (acc[0] + max(0.0, on - was[0]), acc[1] + max(0.0, waited - was[1]))
                 now = _machine_ticks()
                 busy, total = busy + now[0] - self._machine_since[0], total + now[1] - self._machine_since[1]
-        return wall, cpu, queued, busy / total if total > 0 else 0.0
+        return wall, cpu, sched, busy / total if total > 0 else 0.0
 
     def snapshot(self) -> dict[str, Any]:
         """The figures now (see ``Loader.stats``)."""
         if self._gpu_pending:
             self._read_gpu_timings()
-        wall, cpu, queued, machine = self.wall()
+        wall, cpu, sched, machine = self.wall()
         with self._lock:
             stages = dict(self.stages)
             in_flight = dict(self.in_flight)
@@ -294,14 +318,18 @@ class PipelineStats:
                        "bytes_per_s": remote.nbytes / wall if wall > 0 else 0.0}
         cores = cpu_budget()
         return {
-            "stages": {name: m.as_dict(wall) for name, m in stages.items()},
+            "stages": {name: {**m.as_dict(wall), "on_core_s": round(sched.get(name, (0.0, 0.0))[0], 6),
+                              "waited_for_core_s": round(sched.get(name, (0.0, 0.0))[1], 6)}
+                       for name, m in stages.items()},
             "consumer": consumer,
             "remote": fetches,
             "bytes_in_flight": in_flight,
             "peak_bytes_in_flight": peak,
             "cpu": {"seconds": round(cpu, 6), "cores": cores,
                     "busy": round(cpu / (wall * cores), 4) if wall > 0 else 0.0, "machine_busy": round(machine, 4),
-                    "waited_for_cores_s": round(queued, 6)},
+                    "waited_for_cores_s": round(sum(w for _, w in sched.values()), 6),
+                    "parts": {"on_core_s": round(sched.get("parts", (0.0, 0.0))[0], 6),
+                              "waited_for_core_s": round(sched.get("parts", (0.0, 0.0))[1], 6)}},
         }
 
 
@@ -329,21 +357,18 @@ def _machine_ticks() -> tuple[int, int]:
     return total - ticks[3] - ticks[4], total
 
 
-def _run_queue_wait() -> float:
-    """Seconds this process's threads (those alive now) have spent ready to run but
-    waiting for a core (``/proc/self/task/*/schedstat``; 0.0 where there is none)."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 0.0
-    ns = 0
-    for task in tasks:
+def _schedstat(tids: tuple[int, ...]) -> tuple[float, float]:
+    """Seconds these threads of this process have been on a core and ready to run but
+    waiting for one (``/proc/self/task/<id>/schedstat``; 0.0 where there is none)."""
+    on = waited = 0
+    for tid in tids:
         try:
-            with open(f"/proc/self/task/{task}/schedstat") as f:
-                ns += int(f.read().split()[1])
-        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                fields = f.read().split()
+            on, waited = on + int(fields[0]), waited + int(fields[1])
+        except (OSError, ValueError, IndexError):  # a thread that ended, or no schedstat here
             continue
-    return ns / 1e9
+    return on / 1e9, waited / 1e9
 
 
 def cpu_budget() -> int:
@@ -388,7 +413,8 @@ def _cgroup_quota() -> float | None:
 _BANDS = ((0.05, "not input-bound"), (0.20, "moderately input-bound"), (float("inf"), "highly input-bound"))
 _SATURATED = 0.8  # a busy share at or above this: the workers (or cores) have no time to spare
 _CPU_SATURATED = 0.85
-_CONTENDED = 0.5  # threads ready to run and waiting for a core, on average: the cores are taken
+_DEMAND = 0.5  # the bottleneck wanted a core this share of its working time ...
+_CONTENDED = 0.3  # ... and waited for one this share of that: other threads or processes take the cores
 
 
 class Verdict:
@@ -457,13 +483,19 @@ def verdict(s: dict[str, Any], *, threads: int, prefetch: int, window: int, want
                        f"the stages would keep {wanted}, so the stages wait for buffers; {stage_says}",
                        f"raise buffer_budget to about {need:,} bytes (gpuio.config.override(buffer_budget=...) "
                        "or GPUIO_BUFFER_BUDGET), or use a smaller batch_size", numbers)
-    wall = max(s["seconds"], 1e-9)
-    contended = cpu["waited_for_cores_s"] / wall  # threads ready to run, on average, that found no core
-    numbers["threads_waiting_for_a_core"] = contended
-    if cpu["busy"] >= _CPU_SATURATED or contended >= _CONTENDED:
+    # the bottleneck's threads (an op stage's with the ops' part pool): the time they wanted a core, and
+    # waited for one
+    pool = top not in ("read", "parse")
+    on = st.get("on_core_s", 0.0) + (cpu["parts"]["on_core_s"] if pool else 0.0)
+    waited = st.get("waited_for_core_s", 0.0) + (cpu["parts"]["waited_for_core_s"] if pool else 0.0)
+    demand = (on + waited) / st["seconds"] if st.get("seconds") else 0.0
+    contended = waited / (on + waited) if on + waited > 0 else 0.0
+    numbers.update(core_demand=demand, waited_for_core_share=contended)
+    if cpu["busy"] >= _CPU_SATURATED or (demand >= _DEMAND and contended >= _CONTENDED):
         others = "" if cpu["busy"] >= _CPU_SATURATED else (
-            f", and its threads waited for a core {contended:.1f} at a time on average while the machine's cores "
-            f"were {100 * cpu['machine_busy']:.0f}% busy: other processes take them")
+            f"; {top}'s threads{' and the ops part pool' if pool else ''} waited for a core {100 * contended:.0f}% of the time it wanted "
+            f"one, while the machine's cores were {100 * cpu['machine_busy']:.0f}% busy: other threads or "
+            "processes take them")
         return Verdict(share, band, top, "cpu",
                        f"the process used {cpu['busy'] * cpu['cores']:.1f} of its {cpu['cores']} cores "
                        f"({100 * cpu['busy']:.0f}%){others}; {stage_says}",

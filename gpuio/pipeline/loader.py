@@ -268,6 +268,7 @@ class Loader:
         self._resume: EpochPlan | None = None  # the next pass's plan, set by load_state_dict
         self._executor: Executor | None = None  # kept across completed passes
         self._wanted = 0  # batches in flight the stages and prefetch want (the budget may allow fewer)
+        self._window = 0  # batches in flight the last pass kept, at most
         self._passing = False  # a pass is between its first and last batch
         self._inline = False  # the next pass reads on the consumer's thread (see _INLINE_BELOW)
         self._readers: dict[str, Reader] = {}
@@ -477,6 +478,7 @@ class Loader:
         stages = self._stages()
         self._wanted = self.prefetch + sum(1 if s.gpu else s.workers for s in stages)
         window = min(self._wanted, self._max_in_flight)
+        self._window = window
         ex = Executor(stages, window=window, device=self.device, hook=self._stats,
                       name=f"gpuio-loader{self.rank}")
         ex.start()
@@ -706,7 +708,8 @@ class Loader:
             if extent_fields:
                 path = self.index.extent(sample, extent_fields[0]).file
         key = self._key(sample) if sample is not None and sample >= 0 else None
-        return PipelineError(f"{type(err).__name__}: {err}", stage=stage, sample=sample, key=key, path=path)
+        rank = f"rank {self.rank} of {self.world_size}: " if self.world_size > 1 else ""  # which process of a job
+        return PipelineError(f"{rank}{type(err).__name__}: {err}", stage=stage, sample=sample, key=key, path=path)
 
     def stats(self) -> dict[str, Any]:
         """Throughput and where the time goes, over every pass so far; safe to call from
@@ -718,14 +721,16 @@ class Loader:
         (all workers together), ``ms_per_batch``, ``busy`` (seconds over workers times the
         passes' wall time: 1.0 is every worker busy all the time), ``p50_ms``/``p99_ms``
         latency per batch, ``queue_mean`` (its input queue's length at each take),
-        ``starved_s`` (its workers' wait for input, between passes included) and
-        ``blocked_s`` (finished batches' wait for their turn to go on, in order); a GPU
-        stage adds the same of its device time, from CUDA events on its stream
+        ``starved_s`` (its workers' wait for input, between passes included),
+        ``blocked_s`` (finished batches' wait for their turn to go on, in order),
+        ``on_core_s`` and ``waited_for_core_s`` (its threads' time on a core, and ready
+        to run with none free, from Linux's schedstat); a GPU stage adds the same of its device time, from CUDA events on its stream
         (``gpu_seconds``, ``gpu_busy``, ``gpu_p50_ms``, ``gpu_p99_ms``). ``consumer``:
         the training loop's ``wait_s`` in ``next()`` (hand-off included; each pass's
         first batch apart, in ``start_up_s``) and ``work_s`` between batches, each with
-        p50/p99 per batch, and ``input_share``, the wait's share of the two. ``remote``: the ranged GETs of object storage (requests,
-        bytes, seconds, p50/p99 per GET, retries included). ``bytes_in_flight``: bytes
+        p50/p99 per batch, and ``input_share``, the wait's share of the two. ``remote``:
+        the ranged GETs of object storage (requests, bytes, seconds, p50/p99 per GET,
+        retries included). ``bytes_in_flight``: bytes
         read and not yet handed over, by where they lie (``host``, ``pinned``, ``gpu``),
         and ``peak_bytes_in_flight``; ``threads``: the threads per CPU stage and, where
         ``"auto"`` chose them, the figures it took (``cores``, ``affinity``, ``quota``,
@@ -733,8 +738,9 @@ class Loader:
         (read buffers, in use and cached) and its ``budget``. ``cpu``: the process's CPU
         seconds during passes, the ``cores`` it may use (affinity, cgroup quota,
         ``torchrun``'s local world size), their ``busy`` share, ``waited_for_cores_s``
-        (its threads' time ready to run with no core free) and ``machine_busy`` (the
-        share of the machine's CPU time busy with any process). ``queues``: batches
+        (the stages' threads' time ready to run with no core free), ``parts`` (the same
+        two figures of the ops' part pool) and ``machine_busy`` (the share of the
+        machine's CPU time busy with any process). ``queues``: batches
         waiting before each stage now; ``window``: the most batches the running pass
         keeps in flight; ``inline``: whether the last pass ran on the consumer's thread
         (see ``prefetch``); ``consumer_wait_s``: all the consumer's waits, start-ups included. ``skipped``
@@ -809,7 +815,7 @@ class Loader:
         s = self.stats()
         settings = {name: config.get(name) for name in ("io_threads", "read_parts", "remote_requests",
                                                         "remote_cache")}
-        return verdict(s, threads=self.threads, prefetch=self.prefetch, window=s["window"], wanted=self._wanted,
+        return verdict(s, threads=self.threads, prefetch=self.prefetch, window=self._window, wanted=self._wanted,
                        settings=settings)
 
 
@@ -870,7 +876,8 @@ def _profiled(name: str) -> Any:
     """A ``torch.profiler`` range named ``name`` while a torch profiler runs, else nothing
     (a range costs microseconds even where no profiler records it)."""
     torch = sys.modules.get("torch")
-    if torch is None or not torch.autograd._profiler_enabled():
+    enabled = getattr(torch.autograd, "_profiler_enabled", None) if torch is not None else None
+    if torch is None or (enabled is not None and not enabled()):
         return contextlib.nullcontext()
     return torch.profiler.record_function(name)
 
