@@ -246,8 +246,8 @@ static size_t walk_header(const uint8_t *data, size_t size, size_t *scan, uint8_
 /* The JPEG of the restart intervals of `data` (whose header d->cinfo has read) that cover
  * the window win (rows win[0]..win[2], columns win[1]..win[3] of the 1/denom-scaled image)
  * and EDGE pixels around it on each side (the context the chroma upsampler reads) into
- * d->sub: `data`'s header (no metadata) with the frame's size changed, the intervals' entropy-coded data
- * with their restart markers numbered anew, EOI. `restarts` (`count` uint32): where each
+ * d->sub: `data`'s header (no metadata) with the frame's size changed, the intervals'
+ * entropy-coded data with their restart markers numbered anew, EOI. `restarts` (`count` uint32): where each
  * interval's entropy-coded data starts in `data`. It serves where an interval is a whole
  * number of MCU rows or an even part of one, in a single sequential scan. Its size in
  * bytes, *top and *left the full-image pixel of its first; 0 where the intervals do not
@@ -303,8 +303,7 @@ static long sub_jpeg(Decoder *d, const uint8_t *data, size_t size, const uint8_t
     uint8_t *out = d->sub;
     size_t n = 0, taken = scan; /* taken: the bytes of `data` read so far (the intervals taken are disjoint) */
     walk_header(data, size, &scan, out, &n, h, w);
-    const size_t header = n;
-    unsigned rst = 0;
+    unsigned rst = 0, first = 1;
     for (size_t b = b0; b < b1; ++b)
         for (size_t j = j0; j < j1; ++j) {
             const size_t k = b * across + j, start = read32(restarts + 4 * k, 1);
@@ -317,11 +316,12 @@ static long sub_jpeg(Decoder *d, const uint8_t *data, size_t size, const uint8_t
                 return -1;
             }
             taken = next;
-            if (n > header) {
+            if (!first) { /* RST0, RST1 ... RST7, RST0 ... between the intervals */
                 out[n++] = 0xFF;
                 out[n++] = (uint8_t)(0xD0 + rst);
                 rst = (rst + 1) % 8;
             }
+            first = 0;
             memcpy(out + n, data + start, end - start);
             n += end - start;
         }
