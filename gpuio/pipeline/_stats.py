@@ -493,8 +493,8 @@ def verdict(s: dict[str, Any], *, threads: int, prefetch: int, window: int, want
     numbers.update(core_demand=demand, waited_for_core_share=contended)
     if cpu["busy"] >= _CPU_SATURATED or (demand >= _DEMAND and contended >= _CONTENDED):
         others = "" if cpu["busy"] >= _CPU_SATURATED else (
-            f"; {top}'s threads{' and the ops part pool' if pool else ''} waited for a core {100 * contended:.0f}% of the time they wanted "
-            f"one, while the machine's cores were {100 * cpu['machine_busy']:.0f}% busy: other threads or "
+            f"; {top}'s threads{' and the ops part pool' if pool else ''} waited for a core "
+            f"{100 * contended:.0f}% of the time they wanted one, while the machine's cores were {100 * cpu['machine_busy']:.0f}% busy: other threads or "
             "processes take them")
         return Verdict(share, band, top, "cpu",
                        f"the process used {cpu['busy'] * cpu['cores']:.1f} of its {cpu['cores']} cores "

@@ -724,7 +724,8 @@ class Loader:
         ``starved_s`` (its workers' wait for input, between passes included),
         ``blocked_s`` (finished batches' wait for their turn to go on, in order),
         ``on_core_s`` and ``waited_for_core_s`` (its threads' time on a core, and ready
-        to run with none free, from Linux's schedstat); a GPU stage adds the same of its device time, from CUDA events on its stream
+        to run with none free, from Linux's schedstat); a GPU stage adds the same of
+        its device time, from CUDA events on its stream
         (``gpu_seconds``, ``gpu_busy``, ``gpu_p50_ms``, ``gpu_p99_ms``). ``consumer``:
         the training loop's ``wait_s`` in ``next()`` (hand-off included; each pass's
         first batch apart, in ``start_up_s``) and ``work_s`` between batches, each with
