@@ -16,11 +16,21 @@ leaves as uint8 views into the batch buffer (``decode_image`` decodes the images
 ``numpy``/``no_header_numpy``/``tensor``/``no_header_tensor`` as array views, ``pil`` as
 an ``HWC`` uint8 array, ``int``/``float``/``bool``/``str`` as values.
 
-A compressed chunk (``zstd`` whole-file, per batch of items or per item) decodes only
-through its frames, and its items' positions are inside them: each chunk is
-decompressed once, at indexing, into ``<cache_dir>/litdata/`` (reused while the
-source's size and mtime or ETag are unchanged) and the copy is indexed as above;
-``meta["decompressed_from"]`` lists the sources.
+Compressed chunks (``compression="zstd"``), by ``compression_level``:
+
+- ``batch`` (optimize's default for zstd): frames of items (256 by default), each a zstd
+  frame, after a table of them. An item's extent is its frame, the smallest unit that
+  decodes alone, widened back by the item's place in the frame (which tells the parse
+  step which item it is); the parse step decompresses each frame once per batch, however
+  many of its items the batch holds. A shuffled epoch reads about one frame per sample:
+  for random access over large items prefer uncompressed chunks.
+- ``sample``: each item its own zstd frame, at the place of the item: the extent is the
+  frame, decompressed by the parse step.
+- ``chunk``: the whole file one zstd frame, where the items' places are known only after
+  decompressing it all: each chunk is decompressed once, at indexing, into
+  ``<cache_dir>/litdata/`` (reused while the source's size and mtime or ETag are
+  unchanged) and the copy is indexed in place; ``meta["decompressed_from"]`` lists the
+  sources.
 
 Pickled leaves (``pickle``, ``graph:pickle``) are refused unless ``allow_pickle=True``:
 loading a pickle runs code. Leaves gpuio does not decode (``json``, ``video``, ``audio``
@@ -88,21 +98,20 @@ def litdata(roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], al
         chunks += [(root, k, c, codec) for k, c in enumerate(listed)]
     found = each_shard(_index_chunk, chunks, "indexing LitData chunks", [c.get("chunk_bytes") or 0
                                                                           for _, _, c, _ in chunks])
-    paths = [p for p, _, _, _ in found]
-    counts = [len(o) - 1 for _, o, _, _ in found]
-    files = np.repeat(np.arange(len(paths), dtype=np.int32), counts)
-    starts = np.concatenate([o[:-1] for _, o, _, _ in found])
-    lengths = np.concatenate([np.diff(o) for _, o, _, _ in found])
+    paths = [c.path for c in found]
+    files = np.repeat(np.arange(len(paths), dtype=np.int32), [len(c.starts) for c in found])
     meta: dict[str, Any] = {"format": "litdata", "leaves": dict(leaves), "chunks": len(paths),
                             "images": [n for n, f in leaves.items() if f.split(":", 1)[0] in ("jpeg", "image")],
-                            "index_bytes_read": int(bytes_read + sum(n for _, _, n, _ in found))}
-    sources = [src for _, _, _, src in found]
+                            "index_bytes_read": int(bytes_read + sum(c.read for c in found))}
+    sources = [c.source for c in found]
     if any(src is not None for src in sources):
         meta["decompressed_from"] = sources
     else:
         meta.update(object_versions(paths))
-    return SampleIndex(PathTable.from_paths(paths), {ITEM_FIELD: Extents(files, starts, lengths)},
-                       parser=LitDataParser([list(c) for c in leaves.items()], allow_pickle), meta=meta)
+    parser = LitDataParser([list(c) for c in leaves.items()], allow_pickle,
+                           {c.path: c.frames for c in found if c.frames}, [c.path for c in found if c.zstd_items])
+    extents = Extents(files, np.concatenate([c.starts for c in found]), np.concatenate([c.lengths for c in found]))
+    return SampleIndex(PathTable.from_paths(paths), {ITEM_FIELD: extents}, parser=parser, meta=meta)
 
 
 def _index_json(root: str) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
@@ -197,19 +206,68 @@ def _kind(fmt: str) -> str | None:
     return None
 
 
-def _index_chunk(item: tuple[str, int, dict[str, Any], str | None], advance: Callable[[int], None]
-                 ) -> tuple[str, np.ndarray, int, str | None]:
-    """``(path of the uncompressed chunk, item offsets (n + 1), bytes read, compressed
-    source or None)`` of one chunk entry."""
+class _Chunk:
+    """One chunk as indexed: the file its extents lie in, their starts and lengths, the
+    bytes indexing read, the compressed source of a decompressed copy, and for the parse
+    step the zstd frames (``[[offset, end], ...]``) or whether each item is a zstd frame."""
+
+    def __init__(self, path: str, starts: np.ndarray, lengths: np.ndarray, read: int, source: str | None = None,
+                 frames: list[list[int]] | None = None, zstd_items: bool = False) -> None:
+        self.path, self.starts, self.lengths, self.read, self.source = path, starts, lengths, read, source
+        self.frames, self.zstd_items = frames, zstd_items
+
+
+def _index_chunk(item: tuple[str, int, dict[str, Any], str | None], advance: Callable[[int], None]) -> _Chunk:
+    """The extents of one chunk entry's items."""
     root, k, c, codec = item
     path = root + "/" + c["filename"]
-    source, read = None, 0
-    if codec is not None:
-        source = path
-        path, read = decompressed_copy(source, "litdata", functools.partial(_unzip_chunk, source, codec))
-    offsets, n = _chunk_offsets(path, c, k)
+    if codec == "zstd:batch":
+        out = _framed(path, c, k)
+    else:
+        source, read = None, 0
+        if codec == "zstd":
+            source = path
+            path, read = decompressed_copy(source, "litdata", functools.partial(decompress, "zstd", path=source))
+        offsets, n = _chunk_offsets(path, c, k)
+        out = _Chunk(path, offsets[:-1], np.diff(offsets), read + n, source, zstd_items=codec == "zstd:sample")
     advance(int(c.get("chunk_bytes") or 0))
-    return path, offsets, read + n, source
+    return out
+
+
+def _framed(path: str, c: dict[str, Any], k: int) -> _Chunk:
+    """A chunk written with ``compression_level="batch"``: magic, the items' offsets in the
+    decompressed concatenation, a table of zstd frames (first item, items, file offset,
+    compressed and decompressed bytes), the frames. An item's extent is its frame widened
+    back by its place in the frame (``offset - j``, ``length + j``: the bytes before a
+    frame are the header or earlier frames, at least one per item), which tells the parse
+    step which item of the frame; the frame ends where the extent ends."""
+    where = {"path": path, "sample": f"chunk {k}"}
+    f, size = open_exact(path, "LitData chunk")
+    with closing_file(f):
+        head = read_at(path, _FRAMED_PREFIX.size, 0, f)
+        if len(head) < _FRAMED_PREFIX.size or not head.startswith(_FRAMED_MAGIC):
+            raise FormatError(f"not a zstd-framed LitData chunk: it starts with {head[:8]!r}, not {_FRAMED_MAGIC!r}",
+                              offset=0, **where)
+        _, version, _, n, _, frames = _FRAMED_PREFIX.unpack_from(head, 0)
+        if version != 1 or n != c["chunk_size"]:
+            raise FormatError(f"framed chunk version {version} of {n} items; gpuio reads version 1, index.json says "
+                              f"{c['chunk_size']} items", offset=0, **where)
+        tables = read_at(path, 4 * (n + 1) + _FRAME.size * frames, _FRAMED_PREFIX.size, f)
+    if len(tables) < 4 * (n + 1) + _FRAME.size * frames:
+        raise FormatError(f"truncated chunk: {size} bytes end inside its tables of {n} items and {frames} frames",
+                          offset=size, **where)
+    table = np.array([_FRAME.unpack_from(tables, 4 * (n + 1) + i * _FRAME.size) for i in range(frames)],
+                     dtype=np.int64).reshape(-1, 5)
+    first, count, offset, length = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
+    body = _FRAMED_PREFIX.size + len(tables)
+    ends = offset + length
+    if (count < 1).any() or first[0] != 0 or (first[1:] != (first + count)[:-1]).any() or (first + count)[-1] != n \
+            or offset[0] != body or (offset[1:] != ends[:-1]).any() or ends[-1] > size:
+        raise FormatError(f"the frame table does not cut the chunk ({size} bytes, {n} items) into frames of items "
+                          f"one after the other", offset=_FRAMED_PREFIX.size + 4 * (n + 1), **where)
+    j = np.arange(n) - np.repeat(first, count)  # each item's place in its frame
+    return _Chunk(path, np.repeat(offset, count) - j, np.repeat(length, count) + j, len(head) + len(tables),
+                  frames=np.stack([offset, ends], 1).tolist())
 
 
 def _chunk_offsets(path: str, c: dict[str, Any], k: int) -> tuple[np.ndarray, int]:
@@ -243,106 +301,102 @@ def _chunk_offsets(path: str, c: dict[str, Any], k: int) -> tuple[np.ndarray, in
     return offsets, 4 + len(table)
 
 
-def _unzip_chunk(source: str, codec: str, data: bytes) -> bytes:
-    """A compressed chunk as the uncompressed chunk it was written from."""
-    if codec == "zstd":
-        return decompress("zstd", data, source)
-    if codec == "zstd:batch":
-        return _unframe(source, data)
-    if codec == "zstd:sample":  # the classic layout, each item its own zstd frame
-        n = int(np.frombuffer(data[:4], "<u4")[0]) if len(data) >= 4 else -1
-        offsets = np.frombuffer(data[4: 8 + 4 * n], "<u4").astype(np.int64) if n >= 0 else np.zeros(0)
-        if n < 0 or len(offsets) != n + 1 or offsets[0] != 8 + 4 * n or (np.diff(offsets) < 0).any() \
-                or offsets[-1] > len(data):
-            raise FormatError("the per-item zstd chunk's offsets table does not cut it into items", path=source,
-                              offset=0)
-        items = [decompress("zstd", data[a:b], source, a) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
-        return _classic(items)
-    raise FormatError(f"compression {codec!r}, which gpuio does not read", path=source, offset=0)
-
-
-def _unframe(source: str, data: bytes) -> bytes:
-    """A ``compression_level="batch"`` chunk (magic, the items' offsets in the
-    decompressed concatenation, a table of zstd frames) as the classic chunk."""
-    if len(data) < _FRAMED_PREFIX.size or not data.startswith(_FRAMED_MAGIC):
-        raise FormatError(f"not a zstd-framed LitData chunk: it starts with {data[:8]!r}, not {_FRAMED_MAGIC!r}",
-                          path=source, offset=0)
-    _, version, _, n, _, frames = _FRAMED_PREFIX.unpack_from(data, 0)
-    table_at = _FRAMED_PREFIX.size + 4 * (n + 1)
-    if version != 1 or table_at + _FRAME.size * frames > len(data):
-        raise FormatError(f"framed chunk version {version} with {n} items in {frames} frames does not fit its "
-                          f"{len(data)} bytes", path=source, offset=0)
-    logical = np.frombuffer(data, "<u4", n + 1, _FRAMED_PREFIX.size).astype(np.int64)
-    parts = []
-    for i in range(frames):
-        at = table_at + i * _FRAME.size
-        _, _, offset, size, decoded = _FRAME.unpack_from(data, at)
-        if offset + size > len(data):
-            raise FormatError(f"frame {i} at byte {offset} of {size} bytes runs past the file", path=source,
-                              offset=at)
-        part = decompress("zstd", data[offset: offset + size], source, offset)
-        if len(part) != decoded:
-            raise FormatError(f"frame {i} decompresses to {len(part)} bytes, its table says {decoded}", path=source,
-                              offset=offset)
-        parts.append(part)
-    body = b"".join(parts)
-    if (np.diff(logical) < 0).any() or logical[0] != 0 or logical[-1] != len(body):
-        raise FormatError(f"the items' offsets do not cut the {len(body)} decompressed bytes", path=source,
-                          offset=_FRAMED_PREFIX.size)
-    return _classic([body[a:b] for a, b in zip(logical[:-1].tolist(), logical[1:].tolist())])
-
-
-def _classic(items: list[bytes]) -> bytes:
-    """Items laid out as an uncompressed chunk: count, offsets, items."""
-    n = len(items)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum([len(i) for i in items], out=offsets[1:])
-    offsets += 8 + 4 * n
-    return np.uint32(n).tobytes() + offsets.astype("<u4").tobytes() + b"".join(items)
-
-
 class _Bad(Exception):
     """A leaf that does not decode, at byte ``args[1]`` of the item (internal)."""
 
 
 class LitDataParser(Parser):
     """Splits a LitData item (``__item__``) into its leaves and decodes each by its
-    LitData format (see the module docstring); pickled leaves only with ``allow_pickle``."""
+    LitData format (see the module docstring); pickled leaves only with ``allow_pickle``.
+    In the files of ``frames`` (``{path: [[offset, end], ...]}``) an extent is an item's
+    zstd frame widened back by the item's place in it, and each frame is decompressed
+    once per batch; in the files of ``zstd_items`` each item is a zstd frame."""
 
     name = "litdata"
     source = ITEM_FIELD
 
-    def __init__(self, leaves: list[list[str]], allow_pickle: bool = False) -> None:
+    def __init__(self, leaves: list[list[str]], allow_pickle: bool = False,
+                 frames: dict[str, list[list[int]]] | None = None, zstd_items: Sequence[str] = ()) -> None:
         self.leaves = [(str(n), str(f)) for n, f in leaves]
         self.allow_pickle = bool(allow_pickle)
         pickled = [n for n, f in self.leaves if f in _PICKLED]
         if pickled and not self.allow_pickle:
             raise ConfigError(f"leaves {pickled} are pickled, and loading a pickle runs code: allow_pickle=True")
         self.fields = tuple(n for n, _ in self.leaves)
+        self.frames = dict(frames or {})
+        self.zstd_items = list(zstd_items)
+        self._frame_at = {p: {end: start for start, end in f} for p, f in self.frames.items()}
+        self._zstd_items = frozenset(self.zstd_items)
 
     def config(self) -> dict[str, Any]:
-        return {"leaves": [list(c) for c in self.leaves], "allow_pickle": self.allow_pickle}
+        return {"leaves": [list(c) for c in self.leaves], "allow_pickle": self.allow_pickle, "frames": self.frames,
+                "zstd_items": self.zstd_items}
 
     def parse(self, records: Sequence[np.ndarray], samples: np.ndarray, paths: Sequence[str],
               offsets: np.ndarray) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {name: [] for name in self.fields}
-        head = 4 * len(self.leaves)
+        frames: dict[tuple[str, int], tuple[np.ndarray, list[int]]] = {}  # decompressed once per batch
         for j, record in enumerate(records):
+            path, at = paths[j], int(offsets[j])
             try:
-                if len(record) < head:
-                    raise _Bad(f"{len(record)} bytes, fewer than the {head}-byte table of leaf sizes", 0)
-                sizes = np.frombuffer(record[:head], "<u4").tolist()
-                if head + sum(sizes) != len(record):
-                    raise _Bad(f"leaf sizes {sizes[:8]} add up to {sum(sizes)} bytes, the item has "
-                               f"{len(record) - head} after them", 0)
-                pos = head
-                for (name, fmt), n in zip(self.leaves, sizes):
-                    out[name].append(_leaf(record[pos: pos + n], name, fmt, pos))
-                    pos += n
+                item, pos = self._item(record, path, at, frames)
+                for name, value in zip(self.fields, self._split(item, pos)):
+                    out[name].append(value)
             except _Bad as exc:
-                raise FormatError(f"bad LitData item: {exc.args[0]}", path=paths[j], sample=int(samples[j]),
-                                  offset=int(offsets[j]) + exc.args[1]) from None
+                raise FormatError(f"bad LitData item: {exc.args[0]}", path=path, sample=int(samples[j]),
+                                  offset=at + exc.args[1]) from None
+            except FormatError as exc:  # a frame that does not decompress
+                raise FormatError(exc.reason, path=path, sample=int(samples[j]), offset=exc.offset) from None
         return out
+
+    def _item(self, record: np.ndarray, path: str, at: int, frames: dict[tuple[str, int], tuple[np.ndarray, list[int]]]
+              ) -> tuple[np.ndarray, int]:
+        """``(the item's bytes, their place in the file for messages)``."""
+        if path in self._zstd_items:
+            return np.frombuffer(decompress("zstd", record, path, at), dtype=np.uint8), 0
+        starts = self._frame_at.get(path)
+        if starts is None:
+            return record, 0
+        begin = starts.get(at + len(record))
+        if begin is None or begin < at:
+            raise _Bad(f"the extent ({len(record)} bytes) ends where no zstd frame of the chunk ends: an index made "
+                       f"for another file", 0)
+        key = (path, begin)
+        if key not in frames:
+            data = np.frombuffer(decompress("zstd", record[begin - at:], path, begin), dtype=np.uint8)
+            frames[key] = data, self._item_starts(data)
+        data, bounds = frames[key]
+        k = begin - at
+        if k + 1 >= len(bounds):
+            raise _Bad(f"item {k} of a zstd frame of {len(bounds) - 1} items", begin - at)
+        return data[bounds[k]: bounds[k + 1]], begin - at
+
+    def _item_starts(self, data: np.ndarray) -> list[int]:
+        """Where each item of a decompressed frame starts, and its end: an item is one
+        ``uint32`` size per leaf, then the leaves."""
+        head, bounds, pos = 4 * len(self.leaves), [0], 0
+        while pos < len(data):
+            if pos + head > len(data):
+                raise _Bad(f"a decompressed frame's last {len(data) - pos} bytes are no item", 0)
+            pos += head + int(np.frombuffer(data[pos: pos + head], "<u4").sum(dtype=np.int64))
+            bounds.append(pos)
+        if pos != len(data):
+            raise _Bad(f"the items' leaf sizes run {pos - len(data)} bytes past their decompressed frame", 0)
+        return bounds
+
+    def _split(self, item: np.ndarray, at: int) -> list[Any]:
+        head = 4 * len(self.leaves)
+        if len(item) < head:
+            raise _Bad(f"{len(item)} bytes, fewer than the {head}-byte table of leaf sizes", at)
+        sizes = np.frombuffer(item[:head], "<u4").tolist()
+        if head + sum(sizes) != len(item):
+            raise _Bad(f"leaf sizes {sizes[:8]} add up to {sum(sizes)} bytes, the item has {len(item) - head} "
+                       f"after them", at)
+        values, pos = [], head
+        for (name, fmt), n in zip(self.leaves, sizes):
+            values.append(_leaf(item[pos: pos + n], name, fmt, at + pos))
+            pos += n
+        return values
 
 
 def _leaf(data: np.ndarray, name: str, fmt: str, pos: int) -> Any:

@@ -4,6 +4,7 @@ needs torchvision)."""
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
@@ -16,6 +17,7 @@ from PIL import Image
 import gpuio
 from gpuio import formats, ops
 from gpuio.errors import ConfigError, FormatError
+litdata_format = importlib.import_module("gpuio.formats.litdata")  # the module, not the function
 from gpuio.storage import remote
 
 from remote_env import ACCESS_KEY, SECRET_KEY, SeaweedS3, upload_tree, weed_binary
@@ -87,7 +89,7 @@ def _cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("compression", [None, "zstd", "zstd:chunk", "zstd:sample"])
-def test_items_equal_litdata_streaming_dataset(tmp_path, compression):
+def test_items_equal_litdata_streaming_dataset(tmp_path, compression, monkeypatch):
     codec, _, level = (compression or "").partition(":")
     write(tmp_path / "ds", optimize=compression is None, compression=codec or None,
           **({"compression_level": level} if level else {}))
@@ -101,15 +103,23 @@ def test_items_equal_litdata_streaming_dataset(tmp_path, compression):
     batch = gpuio.storage.read_fields(index, rows, list(index.meta["leaves"]))
     for j, i in enumerate(rows.tolist()):
         assert_same({k: v[j] for k, v in batch.items()}, want[i])
-    if compression is None:  # in place: index.json and the chunks' offsets tables
-        folder = tmp_path / "ds"
-        expected = os.path.getsize(folder / "index.json") + sum(
-            4 + 4 * (c["chunk_size"] + 1) for c in json.load(open(folder / "index.json"))["chunks"])
-        assert index.meta["index_bytes_read"] == expected
-        assert all(p.startswith(str(folder)) for p in index.files)
-    else:
+    folder = tmp_path / "ds"
+    chunks = json.load(open(folder / "index.json"))["chunks"]
+    if compression == "zstd:chunk":  # a whole-file zstd chunk decodes only whole: decompressed once, at indexing
         assert all(p.startswith(str(tmp_path / "cache" / "litdata")) for p in index.files)
         assert len(index.meta["decompressed_from"]) == 3
+        return
+    # read in place: index.json and each chunk's offsets table (and frame table)
+    head = 24 + 24 if compression == "zstd" else 4  # framed: its prefix and one frame's entry; else the count
+    assert index.meta["index_bytes_read"] == os.path.getsize(folder / "index.json") + sum(
+        head + 4 * (c["chunk_size"] + 1) for c in chunks)
+    assert all(p.startswith(str(folder)) for p in index.files)
+    if compression == "zstd":  # each frame decompressed once per batch, however many of its items the batch holds
+        calls = []
+        real = litdata_format.decompress
+        monkeypatch.setattr(litdata_format, "decompress", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+        gpuio.storage.read_fields(index, rows, ["label"])
+        assert len(calls) == 3
 
 
 def test_loader_decodes_the_image_leaf_and_saved_index_reloads(tmp_path):
@@ -185,11 +195,12 @@ def test_bad_framed_chunk(tmp_path):
     with pytest.raises(FormatError, match="not a zstd-framed LitData chunk") as err:
         formats.litdata(ds)
     assert err.value.path == path and err.value.offset == 0
-    with open(path, "wb") as f:  # a frame's bytes damaged
+    with open(path, "wb") as f:  # a frame's bytes damaged: found when a batch decompresses it
         f.write(good[:-20] + bytes(20))
+    index = formats.litdata(ds)
     with pytest.raises(FormatError, match="zstd") as err:
-        formats.litdata(ds)
-    assert err.value.path == path
+        index[0]
+    assert err.value.path == path and err.value.sample == 0
 
 
 def test_from_seaweedfs_equals_local(tmp_path, monkeypatch):
