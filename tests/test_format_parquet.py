@@ -50,7 +50,8 @@ def hf(tmp_path_factory):
     ds = _hf_dataset(40)
     ds.to_parquet(os.fspath(folder / "plain.parquet"))
     table = pq.read_table(folder / "plain.parquet")
-    pq.write_table(table, folder / "snappy.parquet", row_group_size=7, data_page_size=3000)
+    pq.write_table(table, folder / "snappy.parquet", row_group_size=7, data_page_size=3000, write_batch_size=2,
+                   dictionary_pagesize_limit=1500)  # dictionary pages, then PLAIN pages once they fill
     pq.write_table(table, folder / "zstd.parquet", row_group_size=16, data_page_size=2000, compression="zstd",
                    data_page_version="2.0", write_page_index=True, use_dictionary=False)
     return folder, ds
@@ -67,12 +68,22 @@ def _check_equal(index, ds, rows=None):
         assert got["caption"][j] == ds[r]["caption"]
 
 
-@pytest.mark.parametrize("name, kind", [("plain", "exact"), ("snappy", "pages"), ("zstd", "pages")])
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    """Decompressed copies of dictionary chunks go to a folder of the test's own."""
+    monkeypatch.setenv("GPUIO_CACHE_DIR", os.fspath(tmp_path / "gpuio-cache"))
+
+
+@pytest.mark.parametrize("name, kind", [("plain", "exact"), ("snappy", "exact"), ("zstd", "pages")])
 def test_reads_equal_datasets(hf, name, kind):
     folder, ds = hf
     index = parquet(folder / f"{name}.parquet")
     assert len(index) == len(ds)
     assert index.meta["extents"] == {"image.bytes": kind}
+    assert bool(index.meta["decompressed"]) == (name == "snappy")  # dictionary chunks: copied once
+    if name == "snappy":
+        again = parquet(folder / f"{name}.parquet").meta["index_bytes_read"]  # the copy is reused: no image read
+        assert again + index.nbytes("image.bytes") <= index.meta["data_bytes"] < index.meta["index_bytes_read"] * 2
     assert index.meta["images"] == ["image.bytes"]
     assert index.meta["class_names"] == {"label": NAMES}
     _check_equal(index, ds)
@@ -157,24 +168,26 @@ def test_errors_name_the_file_row_group_and_byte(hf, tmp_path):
     bad.write_bytes(data[: len(data) // 2])
     with pytest.raises(FormatError, match=r"bad\.parquet.*magic"):
         parquet(bad)
-    # a page header that lies about its size: the first data page of the image column
-    meta = pq.ParquetFile(folder / "snappy.parquet").metadata.row_group(1).column(0)
-    at = meta.dictionary_page_offset
-    header, end = read_struct(data, at)
-    size = header[3]
-    pos = data.index(_zigzag_field(3, size), at, end)
-    lied = bytearray(data)
-    lied[pos: pos + len(_zigzag_field(3, size))] = _zigzag_field(3, size + 1 if size % 64 != 63 else size - 1)
-    bad.write_bytes(bytes(lied))
-    with pytest.raises(FormatError, match=r"bad\.parquet.*row group 1, column 'image\.bytes'.*at byte \d+"):
-        index = parquet(bad)
-        gpuio.storage.read_fields(index, np.arange(len(index)), ("image.bytes",))
+    # a page header that lies about its size: found at indexing (a dictionary chunk, decompressed then) or at
+    # the read (a page unit)
+    for name in ("snappy", "zstd"):
+        data = (folder / f"{name}.parquet").read_bytes()
+        meta = pq.ParquetFile(folder / f"{name}.parquet").metadata.row_group(1).column(0)
+        at = meta.dictionary_page_offset or meta.data_page_offset
+        header, end = read_struct(data, at)
+        field = _size_field(header[3])
+        pos = data.index(field, at, end)
+        bad.write_bytes(data[:pos] + _size_field(header[3] + 1) + data[pos + len(field):])
+        with pytest.raises(FormatError, match=r"bad\.parquet: (sample \d+ )?at byte \d+: (row group 1, )?column "
+                                              r"'image\.bytes'"):
+            index = parquet(bad)
+            gpuio.storage.read_fields(index, np.arange(len(index)), ("image.bytes",))
     with pytest.raises(ConfigError, match="columns"):
         parquet(folder / "plain.parquet", fields=["nope"])
 
 
-def _zigzag_field(field, value):
-    """A compact-protocol i32 field header (delta 1 from field 2) and its zigzag varint."""
+def _size_field(value):
+    """A compact-protocol i32 field header (delta 1 from the field before) and its zigzag varint."""
     v, out = (value << 1) ^ (value >> 31), bytearray([(1 << 4) | 5])
     while v >= 0x80:
         out.append(v & 0x7F | 0x80)
@@ -224,7 +237,9 @@ def s3server(tmp_path_factory):
     server.stop()
 
 
-def test_s3_reads_equal_local(hf, s3server, monkeypatch, tmp_path):
+@pytest.fixture
+def s3(s3server, monkeypatch, tmp_path):
+    """The server's boto3 client, with gpuio pointed at the server and a fresh cache folder."""
     from remote_env import ACCESS_KEY, SECRET_KEY
 
     from gpuio.storage import remote
@@ -238,26 +253,27 @@ def test_s3_reads_equal_local(hf, s3server, monkeypatch, tmp_path):
     for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(var, raising=False)
     remote.reset_client()
-    folder, ds = hf
     boto = s3server.boto()
-    try:
-        boto.create_bucket(Bucket="hfdata")
-        for name in ("plain", "snappy", "zstd"):
-            boto.upload_file(os.fspath(folder / f"{name}.parquet"), "hfdata", f"hf/{name}.parquet")
-    finally:
-        boto.close()
-    try:
-        for name in ("plain", "snappy", "zstd"):
-            index = parquet(f"s3://hfdata/hf/{name}.parquet")
-            assert index.meta["extents"] == {"image.bytes": "pages"}  # remote: page extents through the cache
-            _check_equal(index, ds)
-        index = parquet("s3://hfdata/hf/*.parquet", fields=["image.bytes", "label"])
-        assert len(index) == 3 * len(ds)
-        got = run_epoch(gpuio.Loader(index, 16, output="numpy", threads=2))
-        assert sum(len(b["index"]) for b in got) == len(index)
-        want = ds.cast_column("image", datasets.Image(decode=False))
-        for b in got:
-            for j, r in enumerate(b["index"].tolist()):
-                assert b["image.bytes"][j].tobytes() == want[r % len(ds)]["image"]["bytes"]
-    finally:
-        remote.reset_client()
+    yield boto
+    boto.close()
+    remote.reset_client()
+
+
+def test_s3_reads_equal_local(hf, s3):
+    folder, ds = hf
+    s3.create_bucket(Bucket="hfdata")
+    for name in ("plain", "snappy", "zstd"):
+        s3.upload_file(os.fspath(folder / f"{name}.parquet"), "hfdata", f"hf/{name}.parquet")
+    for name in ("plain", "snappy", "zstd"):
+        index = parquet(f"s3://hfdata/hf/{name}.parquet")
+        # remote: page extents through the cache; dictionary chunks decompressed once at indexing
+        assert index.meta["extents"] == {"image.bytes": "exact" if name == "snappy" else "pages"}
+        _check_equal(index, ds)
+    index = parquet("s3://hfdata/hf/*.parquet", fields=["image.bytes", "label"])
+    assert len(index) == 3 * len(ds)
+    got = run_epoch(gpuio.Loader(index, 16, output="numpy", threads=2))
+    assert sum(len(b["index"]) for b in got) == len(index)
+    want = ds.cast_column("image", datasets.Image(decode=False))
+    for b in got:
+        for j, r in enumerate(b["index"].tolist()):
+            assert b["image.bytes"][j].tobytes() == want[r % len(ds)]["image"]["bytes"]
