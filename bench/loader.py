@@ -151,8 +151,12 @@ def raw_read(reader: gpuio.Reader, index: gpuio.SampleIndex, batch: int, epoch: 
     return rows, nbytes
 
 
-def traced_epoch(loader: gpuio.Loader, path: str) -> tuple[int, int]:
-    loader.trace(path, batches=1 << 30)  # the whole epoch, written when it ends
+def traced_epoch(loader: gpuio.Loader, path: str, epoch: int) -> tuple[int, int]:
+    """One epoch captured whole, written to a new file when it ends (rewriting one file
+    in place costs a flush to disk on ext4, which a capture's throughput is not)."""
+    if os.path.exists(f"{path}.{epoch - 1}.json"):
+        os.remove(f"{path}.{epoch - 1}.json")
+    loader.trace(f"{path}.{epoch}.json", batches=1 << 30)
     return gpuio_epoch(loader)
 
 
@@ -352,11 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         tl = torch_loader(index, args.batch_size, args.workers, images)
         with gpuio.Reader("cpu") as reader:
             raw_epochs = itertools.count()  # the k-th raw epoch reads the loader's k-th epoch
-            trace_path = os.path.join(args.root or cache_dir(), f"loader-trace-{kind}.json")
+            trace_path, traced = os.path.join(args.root or cache_dir(), f"loader-trace-{kind}"), itertools.count()
             epochs = {"raw read (Reader.read)": lambda: raw_read(reader, index, args.batch_size, next(raw_epochs)),
                       "gpuio.Loader" + (" + image ops" if images else ""): lambda: gpuio_epoch(loader),
                       "gpuio.Loader + trace" + (" + image ops" if images else ""):
-                          lambda: traced_epoch(loader, trace_path),
+                          lambda: traced_epoch(loader, trace_path, next(traced)),
                       f"torch DataLoader ({args.workers} workers)" + (" + same ops" if images else ""):
                           lambda: torch_epoch(tl)}
             if dali == "installed":

@@ -64,7 +64,8 @@ class Tracer:
     def _tid(self) -> int:
         tid = threading.get_native_id()
         if tid not in self._threads:
-            self._threads[tid] = threading.current_thread().name
+            with self._lock:  # write() copies the names under it
+                self._threads[tid] = threading.current_thread().name
         return tid
 
     # ---- PipelineStats forwards these ----------------------------------------------------
@@ -112,9 +113,11 @@ class Tracer:
         def us(t: float) -> float:
             return round((t - self._origin) * _US, 3)
 
+        with self._lock:
+            threads = dict(self._threads)
         out: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "gpuio"}}]
         out += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
-                for tid, name in list(self._threads.items())]
+                for tid, name in threads.items()]
         for tid, name, cat, t0, t1, seq, flow in list(self._spans):
             ts, end = us(t0), us(t1)
             out.append({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid, "ts": ts,
@@ -131,8 +134,9 @@ class Tracer:
 
     def write(self) -> str:
         """Save the events as ``{"traceEvents": [...]}`` at ``path``; returns the path."""
-        with open(self.path, "w") as f:
-            json.dump({"traceEvents": self.events(), "displayTimeUnit": "ms"}, f)
+        text = json.dumps({"traceEvents": self.events(), "displayTimeUnit": "ms"})
+        with open(self.path, "w") as f:  # one write (json.dump writes piece by piece)
+            f.write(text)
         return self.path
 
 
