@@ -20,7 +20,9 @@ bytes against the source's (the rewrite also makes the Huffman tables optimal, w
 shrinks JPEGs written without that) and the seconds it took to mark them on one core;
 ``per round`` is the median over rounds of a row's pass against the ceiling's pass of the
 same round; ``CPU ms/image`` the process CPU time of a row's cheapest pass, and the
-ceiling's against it (a loaded machine moves it less than images/s). Before timing, every restart row's outputs are checked equal to the source
+ceiling's against it (a loaded machine moves it less than images/s), and of that pass the
+CPU time per image the fused decode spent decoding JPEG windows and resampling them (the
+rest: the images it decodes whole, CMYK and EXIF-rotated, and Python). Before timing, every restart row's outputs are checked equal to the source
 row's (the same crops): the decode from intervals is bit-exact.
 """
 
@@ -40,6 +42,7 @@ from gpuio.batch import Batch, sample_seeds
 from gpuio.bench._common import BenchError, interleaved_rounds, machine, print_table, sample_root, write_json
 from gpuio.bench.images import MEAN, STD, _paths, cpu_timed, decode_only
 from gpuio.errors import FormatError
+from gpuio.ops.decode import native_jpeg
 from gpuio.ops.restart import add_restart_markers, restarts_field
 
 PIPELINES = {"train": "decode, random resized crop 224, flip, normalize to float32 CHW",
@@ -86,6 +89,26 @@ def chain_run(pipeline: str, bufs: list[np.ndarray], restarts: list[np.ndarray] 
     return run
 
 
+def stage_timed(run: Callable[[], Iterator[Any]], passes: list[tuple[float, float]]) -> Callable[[], Iterator[Any]]:
+    """``run``, appending each pass's CPU seconds per item in the fused decode's two stages
+    (``gpuio.ops._jpeg.stage_times``: decoding, resampling; all threads) to ``passes``."""
+    jpeg = native_jpeg()
+
+    def timed() -> Iterator[Any]:
+        jpeg.time_stages(True)
+        start, items = jpeg.stage_times(), 0
+        try:
+            for batch in run():
+                items += int(batch.shape[0])
+                yield batch
+        finally:
+            end = jpeg.stage_times()
+            jpeg.time_stages(False)
+        passes.append(tuple((b - a) / max(items, 1) for a, b in zip(start, end)))
+
+    return timed
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", help="a JPEG file tree (default: the gpuio sample dataset)")
@@ -127,7 +150,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append({"pipeline": pipeline, "name": name, "size": sum(map(len, data)) / source_bytes,
                          "mark_s": seconds})
     cpu: dict[str, list[float]] = {}
-    runs = {key: cpu_timed(run, cpu.setdefault(key, [])) for key, run in runs.items()}
+    stages: dict[str, list[tuple[float, float]]] = {}
+    runs = {key: cpu_timed(run if "decode only" in key else stage_timed(run, stages.setdefault(key, [])),
+                           cpu.setdefault(key, [])) for key, run in runs.items()}
     per_round: dict[str, list[float]] = {}
     speeds, failed = interleaved_rounds(runs, args.epochs, count, desc="restart rows", rounds=per_round)
     for pipeline in pipelines:
@@ -137,6 +162,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if key in speeds:
                 row["images_s"] = speeds[key]
                 row["cpu_ms"] = 1e3 * min(cpu[key][1:])  # the first pass is the untimed warm-up
+                if stages.get(key):  # the split of the cheapest pass
+                    cheapest = stages[key][1:][int(np.argmin(cpu[key][1:]))]
+                    row["decode_ms"], row["resample_ms"] = (1e3 * t for t in cheapest)
                 if ceiling in speeds:
                     row["of_ceiling"] = speeds[key] / speeds[ceiling]
                     row["of_ceiling_per_round"] = float(np.median(np.divide(per_round[key], per_round[ceiling])))
@@ -146,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table(rows, [("pipeline", "pipeline", "s"), ("name", "row", "s"), ("images_s", "images/s", ".1f"),
                        ("of_ceiling", "of decode only", ".2f"), ("of_ceiling_per_round", "per round", ".2f"),
                        ("cpu_ms", "CPU ms/image", ".3f"), ("of_ceiling_cpu", "of decode only (CPU)", ".2f"),
+                       ("decode_ms", "decode ms", ".3f"), ("resample_ms", "resample ms", ".3f"),
                        ("size", "bytes vs source", ".4f"), ("mark_s", "marking s", ".1f"), ("note", "note", "s")])
     payload = {"benchmark": "restart", "machine": info, "dataset": {"root": root, "images": count},
                "batch": args.batch, "epochs": args.epochs, "results": rows}

@@ -70,4 +70,5 @@ def test_bench_rows_run_on_a_small_tree(trees, tmp_path):
         (p, n) for p in ("train", "val")
         for n in ("decode only (source)", "gpuio, source", "gpuio, restarts every row", "gpuio, restarts 4")]
     assert all(r["images_s"] > 0 and r["cpu_ms"] > 0 for r in rows)
+    assert all(r["decode_ms"] > 0 and r["resample_ms"] > 0 for r in rows if r["name"].startswith("gpuio"))
     assert all(0.5 < r["size"] < 1.5 for r in rows if "restarts" in r["name"])
