@@ -105,8 +105,8 @@ def simple_chunk(content: np.ndarray, path: str, offset: int) -> list[np.ndarray
                           f"unless its 'transpose' option is set)", path=path, offset=offset)
     end = CHUNK_HEADER + head.data_size
     if end > len(content):
-        raise FormatError(f"truncated Riegeli chunk: its data needs {head.data_size} bytes, {len(content) - CHUNK_HEADER} "
-                          f"follow its header", path=path, offset=offset)
+        raise FormatError(f"truncated Riegeli chunk: its data needs {head.data_size} bytes, "
+                          f"{len(content) - CHUNK_HEADER} follow its header", path=path, offset=offset)
     data = content[CHUNK_HEADER: end]
     at = offset + CHUNK_HEADER  # for messages; the data's place counts no block headers
     if not len(data):

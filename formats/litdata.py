@@ -52,7 +52,7 @@ import numpy as np
 from gpuio.errors import ConfigError, DataError, FormatError
 from gpuio.formats._files import each_shard, full_path, shard_paths
 from gpuio.formats.mds import (closing_file, decompress, decompressed_copy, jpeg_array_items, open_exact, pil_pixels,
-                               read_at)
+                               read_at, read_json)
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
 from gpuio.storage.remote import object_versions
 
@@ -117,13 +117,7 @@ def litdata(roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], al
 def _index_json(root: str) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
     """``(config, chunk entries, bytes read)`` of ``root``'s ``index.json``, checked."""
     path = root + "/index.json"
-    f, size = open_exact(path, "LitData index.json")
-    with closing_file(f):
-        text = read_at(path, size, 0, f)
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        raise FormatError(f"index.json is not JSON ({exc})", path=path, offset=0) from None
+    obj, size = read_json(path, "LitData index.json")
     cfg = obj.get("config") if isinstance(obj, dict) else None
     chunks = obj.get("chunks") if isinstance(obj, dict) else None
     if not isinstance(cfg, dict) or not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):

@@ -48,8 +48,8 @@ from gpuio.formats._files import each_shard, full_path, open_regular_file, shard
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
 from gpuio.storage.remote import RemoteFile, client as remote_client, is_url, object_versions, url_path
 
-__all__ = ["mds", "MDSParser", "decompress", "decompressed_copy", "check_hashes", "read_at", "open_exact", "closing_file", "pil_pixels",
-           "jpeg_array_items"]
+__all__ = ["mds", "MDSParser", "decompress", "decompressed_copy", "check_hashes", "read_at", "read_json", "open_exact",
+           "closing_file", "pil_pixels", "jpeg_array_items"]
 
 _SCALARS = {"uint8": "<u1", "uint16": "<u2", "uint32": "<u4", "uint64": "<u8", "int8": "<i1", "int16": "<i2",
             "int32": "<i4", "int64": "<i8", "float16": "<f2", "float32": "<f4", "float64": "<f8", "int": "<i8"}
@@ -118,6 +118,18 @@ def read_at(path: str, n: int, offset: int, f: Any = None) -> bytes:
     return remote.pread(n, offset)
 
 
+def read_json(path: str, what: str) -> tuple[Any, int]:
+    """``(the JSON document in path, its size in bytes)``; a file that is not JSON is a
+    ``FormatError``."""
+    f, size = open_exact(path, what)
+    with closing_file(f):
+        text = read_at(path, size, 0, f)
+    try:
+        return json.loads(text), size
+    except ValueError as exc:
+        raise FormatError(f"{what} is not JSON ({exc})", path=path, offset=0) from None
+
+
 def open_exact(path: str, what: str) -> tuple[Any, int]:
     """``(file, size)``; a URL opens with no read-ahead, so that header reads fetch only
     their bytes."""
@@ -130,13 +142,7 @@ def open_exact(path: str, what: str) -> tuple[Any, int]:
 def _index_json(root: str) -> tuple[list[dict[str, Any]], int]:
     """The shard entries of ``root``'s ``index.json`` and its size in bytes, checked."""
     path = root + "/index.json"
-    f, size = open_exact(path, "MDS index.json")
-    with closing_file(f):
-        text = read_at(path, size, 0, f)
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        raise FormatError(f"index.json is not JSON ({exc})", path=path, offset=0) from None
+    obj, size = read_json(path, "MDS index.json")
     shards = obj.get("shards") if isinstance(obj, dict) else None
     if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
         raise FormatError("index.json has no list of shards (MDSWriter writes {\"version\": 2, \"shards\": "
@@ -270,7 +276,8 @@ def _shard_offsets(path: str, s: dict[str, Any], k: int) -> tuple[np.ndarray, in
                int(np.flatnonzero(np.diff(offsets) < 0)[0]) + 1 if (np.diff(offsets) < 0).any() else n)
         raise FormatError(f"the offsets table does not cut the shard ({size} bytes) into samples: offset {bad} is "
                           f"{int(offsets[bad])} (the samples start after the {header_end}-byte table and its JSON, "
-                          f"rise, and end at the end of the file{'; the file is cut short' if offsets[-1] > size else ''})",
+                          f"rise, and end at the end of the file"
+                          f"{'; the file is cut short' if offsets[-1] > size else ''})",
                           offset=4 + 4 * bad, **where)
     raw_bytes = s["raw_data"].get("bytes")
     if raw_bytes is not None and raw_bytes != size:

