@@ -30,8 +30,8 @@ target allows.
   epoch (``Loader.trace``; the file written at the epoch's end is part of its time):
   the cost of capturing (target: <= 5% of throughput). Its statistics (``stats()``) are
   always on, so the loader's own row includes them; a second table times the calls a
-  batch makes to them (and to an attached tracer, and the check for a running
-  ``torch.profiler`` around ``next()``) on their own, in microseconds per batch, against the loader's
+  batch makes to them (and to an attached tracer, and the ``torch.profiler`` range
+  around ``next()``) on their own, in microseconds per batch, against the loader's
   milliseconds per batch;
 - ``torch DataLoader``: ``num_workers`` = cores, each sample read with ``os.pread``
   (and, with ops, decoded with simplejpeg, cropped and resized with OpenCV, flipped and
@@ -162,8 +162,8 @@ def traced_epoch(loader: gpuio.Loader, path: str, epoch: int) -> tuple[int, int]
 
 def hook_cost_us(tracer_path: str | None, n: int = 20000) -> float:
     """Microseconds per batch of the calls a two-stage CPU pass makes to its statistics
-    (and to a tracer capturing, with ``tracer_path``), plus the loader's check for a
-    running torch profiler around ``next()``, on one thread."""
+    (and to a tracer capturing, with ``tracer_path``), plus the torch.profiler range
+    around ``next()`` where torch is installed, on one thread."""
     import contextlib
 
     from gpuio.pipeline._stats import PipelineStats
@@ -191,8 +191,7 @@ def hook_cost_us(tracer_path: str | None, n: int = 20000) -> float:
         stats.moved("host", 100_000)
         stats.started("next")
         t0 = clock()
-        with (torch.profiler.record_function("gpuio.Loader.next") if torch and torch.autograd._profiler_enabled()
-              else contextlib.nullcontext()):
+        with torch.profiler.record_function("gpuio.Loader.next") if torch else contextlib.nullcontext():
             pass
         stats.moved("host", -100_000)
         stats.waited(k, t0, clock(), first=k == 0)

@@ -874,13 +874,10 @@ def _read_ahead(works: Iterator[_Work], index: SampleIndex, readers: dict[str, R
 
 
 def _profiled(name: str) -> Any:
-    """A ``torch.profiler`` range named ``name`` while a torch profiler runs, else nothing
-    (a range costs microseconds even where no profiler records it)."""
+    """A ``torch.profiler`` range named ``name`` where torch is imported (it records only
+    inside a running profiler; a few microseconds where none runs), else nothing."""
     torch = sys.modules.get("torch")
-    enabled = getattr(torch.autograd, "_profiler_enabled", None) if torch is not None else None
-    if torch is None or (enabled is not None and not enabled()):
-        return contextlib.nullcontext()
-    return torch.profiler.record_function(name)
+    return torch.profiler.record_function(name) if torch is not None else contextlib.nullcontext()
 
 
 def _weak(method: Any) -> Any:
