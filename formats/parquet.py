@@ -16,9 +16,10 @@ Where a value lies is found from the footer (Thrift's compact protocol,
   PLAIN-encoded (``datasets`` >= 4.6 writes image, audio and video columns so), a value is
   a u32 length and its bytes after the page header and definition levels. Indexing reads
   each page's header and levels and each value's 4-byte length; the extent is the value.
-- **dictionary chunks** (pyarrow's default): the dictionary page holds the values
-  compressed as one block, up to a whole row group's, so no smaller unit decodes alone;
-  the chunk is decompressed once at indexing into ``<cache_dir>/parquet/`` (``gpuio.config``
+- **dictionary chunks** (pyarrow's default), and compressed chunks with a page over
+  ``PAGE_UNIT_LIMIT`` bytes: the dictionary page holds the values compressed as one block,
+  up to a whole row group's, and pyarrow writes a page per 1,024 rows, so no small unit
+  decodes alone; the chunk is decompressed once at indexing into ``<cache_dir>/parquet/`` (``gpuio.config``
   ``cache_dir``; reused while the file's size and mtime or ETag are unchanged), whose
   values are exact extents (``index.meta["decompressed"]`` lists the copies). Remote files
   with such chunks have every binary chunk copied so: an index reads either objects or
@@ -57,7 +58,7 @@ from gpuio.index import UNKNOWN_LENGTH, Extents, PathTable, Ragged, SampleIndex
 from gpuio.storage.remote import client as remote_client
 from gpuio.storage.remote import is_url, object_versions, url_path
 
-__all__ = ["parquet", "PageParser", "follow_paths", "hf_features", "hf_meta"]
+__all__ = ["parquet", "PageParser", "PAGE_UNIT_LIMIT", "follow_paths", "hf_features", "hf_meta"]
 
 MAGIC = b"PAR1"
 # Parquet's Thrift enums and field ids (parquet.thrift)
@@ -70,6 +71,9 @@ _CODECS = {0: None, 1: "snappy", 2: "gzip", 4: "brotli", 6: "zstd", 7: "lz4_raw"
 _CODEC_NAMES = {3: "LZO", 5: "LZ4 (Hadoop framing)"}
 _ENCODINGS_READ = {_PLAIN, _PLAIN_DICTIONARY, _RLE, _BIT_PACKED, _RLE_DICTIONARY}
 _HEADER_READ = 256  # bytes read for a page header at first; more when it is longer
+# A compressed chunk with a page larger than this is decompressed once at indexing instead of read as page
+# units: a batch holds a unit per sample (pyarrow writes a page per 1,024 rows, 50 MB of ImageNet JPEGs).
+PAGE_UNIT_LIMIT = 4 << 20
 
 
 class _Bad(Exception):
@@ -101,18 +105,22 @@ def parquet(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
             raise FormatError(f"columns {missing} are missing here (the first file, {paths[0]}, has them)",
                               path=foot.path, offset=foot.size - 8 - foot.length)
     binary = {name: col for name, col in wanted.items() if first.leaves[col].binary}
-    # remote files whose binary columns have dictionary chunks: every binary chunk is copied (an index reads
-    # either objects or local files)
-    copy_all = is_url(paths[0]) and any(_dictionary_chunk(cc) for f in footers for c in binary.values()
-                                        for cc in f.chunks(c))
-    exact = {name: copy_all or not any(_needs_pages(f, col) for f in footers) for name, col in binary.items()}
-    paged = [name for name, ok in exact.items() if not ok]
+    exact = {name: not any(_needs_pages(f, col) for f in footers) for name, col in binary.items()}
+    sizes = [size_or_zero(p) for p in paths]
+    found = each_shard(functools.partial(_index_file, {n: (c, exact[n]) for n, c in binary.items()}, False),
+                       footers, "indexing Parquet files", sizes)
+    if is_url(paths[0]) and any(r[n][2].any() for r in found for n in binary):
+        # some chunks of these objects are decompressed into local copies: all of them are (an index reads
+        # either objects or local files)
+        exact = dict.fromkeys(binary, True)
+        found = each_shard(functools.partial(_index_file, {n: (c, True) for n, c in binary.items()}, True),
+                           footers, "indexing Parquet files", sizes)
+    paged = [name for name in binary if not all(r[name][2].all() for r in found) and not exact[name]]
+    exact = {name: name not in paged for name in binary}
     if len(paged) > 1:
-        raise ConfigError(f"columns {[binary[n] for n in paged]} are compressed or dictionary-encoded, and an index "
-                          f"parses one such column; index them one at a time (fields=[...])")
+        raise ConfigError(f"columns {[binary[n] for n in paged]} are compressed, and an index parses one such "
+                          f"column; index them one at a time (fields=[...])")
     codecs = {f.path: _codec(f, binary[paged[0]]) for f in footers} if paged else {}
-    work = functools.partial(_index_file, {n: (c, exact[n]) for n, c in binary.items()}, copy_all)
-    found = each_shard(work, footers, "indexing Parquet files", [size_or_zero(p) for p in paths])
     values, read_bytes = _read_columns(footers, {n: c for n, c in wanted.items() if n not in binary})
 
     files: list[str] = []  # the files the extents name: Parquet files, decompressed copies, files rows name
@@ -392,27 +400,33 @@ def _index_file(columns: dict[str, tuple[str, bool]], copy_all: bool, foot: _Foo
         for name, (column, exact) in columns.items():
             leaf = foot.leaves[column]
             chunks = foot.chunks(column)
-            copy, copied = _decompressed_copy(src, foot, column, [g for g, cc in enumerate(chunks)
-                                                                  if copy_all or _dictionary_chunk(cc)])
-            parts, in_copy = [], []
+            in_place, to_copy = {}, []
             for g, cc in enumerate(chunks):
+                if copy_all or _dictionary_chunk(cc):
+                    to_copy.append(g)
+                    continue
+                try:
+                    pages = _chunk_pages(src, cc, foot.row_groups[g].get(3, 0))
+                    if exact:
+                        in_place[g] = _exact_values(src, pages, leaf)
+                    elif max(p.end - p.start for p in pages) > PAGE_UNIT_LIMIT:
+                        to_copy.append(g)
+                    else:
+                        in_place[g] = _units(src, pages)
+                except _Bad as exc:
+                    raise FormatError(f"row group {g}, column {column!r}: {exc.args[0]}", path=foot.path,
+                                      offset=exc.args[1]) from None
+            copy, copied = _decompressed_copy(src, foot, column, to_copy)
+            parts = [copied[g] if g in copied else in_place[g] for g in range(len(chunks))]
+            for g, part in enumerate(parts):
                 rows = foot.row_groups[g].get(3, 0)
-                where = f"row group {g}, column {column!r}"
-                if g in copied:
-                    parts.append(copied[g])
-                else:
-                    try:
-                        pages = _chunk_pages(src, cc, rows)
-                        parts.append(_exact_values(src, pages, leaf) if exact else _units(src, pages))
-                    except _Bad as exc:
-                        raise FormatError(f"{where}: {exc.args[0]}", path=foot.path, offset=exc.args[1]) from None
-                in_copy.append(np.full(len(parts[-1][0]), g in copied))
-                if len(parts[-1][0]) != rows:
-                    raise FormatError(f"{where}: its pages hold {len(parts[-1][0])} values, the row group {rows} "
-                                      f"rows", path=foot.path, offset=_chunk_start(cc))
+                if len(part[0]) != rows:
+                    raise FormatError(f"row group {g}, column {column!r}: its pages hold {len(part[0])} values, "
+                                      f"the row group {rows} rows", path=foot.path, offset=_chunk_start(chunks[g]))
             out[name] = (np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64),
                          np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64),
-                         np.concatenate(in_copy) if in_copy else np.zeros(0, bool), copy)
+                         np.concatenate([np.full(len(p[0]), g in copied) for g, p in enumerate(parts)])
+                         if parts else np.zeros(0, bool), copy)
         out["_read"] = src.bytes_read
         advance(foot.size)
         return out

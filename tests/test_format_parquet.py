@@ -111,6 +111,16 @@ def test_exact_index_reads_under_one_percent(tmp_path):
     assert [index[k]["name"] for k in (0, 149)] == ["0.jpg", "149.jpg"]
 
 
+def test_large_compressed_pages_are_decompressed_once(tmp_path):
+    rng = np.random.default_rng(4)
+    blobs = [rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes() for _ in range(5)]
+    pq.write_table(pa.table({"data": pa.array(blobs, pa.binary())}), tmp_path / "big.parquet", compression="zstd",
+                   use_dictionary=False)  # one 5 MiB page: larger than a page unit may be
+    index = parquet(tmp_path / "big.parquet")
+    assert index.meta["extents"] == {"data": "exact"} and len(index.meta["decompressed"]) == 1
+    assert [g.tobytes() for g in gpuio.read(index, [4, 0, 2, 1, 3], "data")] == [blobs[k] for k in (4, 0, 2, 1, 3)]
+
+
 def test_loader_decodes_the_pixels_datasets_decodes(hf):
     folder, ds = hf
     for name in ("plain", "snappy"):
