@@ -9,7 +9,7 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 
 import gpuio
@@ -20,6 +20,7 @@ from gpuio.formats import _riegeli
 from array_record.python.array_record_data_source import ArrayRecordDataSource
 from array_record.python.array_record_module import ArrayRecordWriter
 
+from checkers import check_index_or_gpuio_error
 from remote_env import upload_tree
 
 
@@ -188,3 +189,20 @@ def test_from_seaweedfs_equals_local(tmp_path, seaweed):
     want = reference([folder / "a.array_record", folder / "b.array_record"])
     got = [bytes(b) for batch in gpuio.Loader(index, 5, fields=["data"], output="numpy") for b in batch["data"]]
     assert got == want
+
+
+# where bytes are changed: the headers at the start, the tables at the end, anywhere
+_PLACES = st.one_of(st.integers(0, 300), st.integers(-70_000, -1), st.integers(0, 1 << 20))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(_PLACES, st.integers(0, 255)), min_size=1, max_size=4),
+       st.sampled_from(["group_size:1,uncompressed", "group_size:3,uncompressed", "group_size:1"]))
+def test_damaged_files_give_gpuio_errors_or_records(tmp_path, flips, options):
+    path = tmp_path / f"{len(os.listdir(tmp_path))}.array_record"
+    write(path, records(7), options)
+    data = bytearray(path.read_bytes())
+    for at, value in flips:
+        data[at % len(data)] = value
+    path.write_bytes(bytes(data))
+    check_index_or_gpuio_error(lambda: formats.array_record(path), ["data"])

@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 
 import gpuio
@@ -19,6 +20,7 @@ from gpuio import formats, ops
 from gpuio.errors import ConfigError, FormatError
 litdata_format = importlib.import_module("gpuio.formats.litdata")  # the module, not the function
 
+from checkers import check_exactly_once, check_index_or_gpuio_error, check_resume
 from remote_env import upload_tree
 
 import litdata  # noqa: E402
@@ -216,3 +218,38 @@ def test_from_seaweedfs_equals_local(tmp_path, seaweed):
         for j, i in enumerate(batch["index"].tolist()):
             pixels = np.asarray(Image.open(io.BytesIO(bytes(want[i]["image"]))))
             np.testing.assert_array_equal(batch["image"][j], pixels)
+
+
+def test_frames_across_ranks_exactly_once_and_resume(tmp_path):
+    """zstd frames decompressed by the parse step: every item once per epoch across ranks,
+    and a saved state resumes with the same batches."""
+    write(tmp_path / "ds", n=23, compression="zstd", compression_batch_size=4)
+    index = formats.litdata(tmp_path / "ds")
+    assert sum(len(f) for f in index.parser.frames.values()) == 4 * 2 + 1  # chunks of 5, 5, 5, 5, 3 items in frames of 4
+
+    def make(**kw):
+        return gpuio.Loader(index, 3, fields=["label", "caption"], shuffle=True, seed=4, output="numpy", **kw)
+
+    check_exactly_once(make, len(index), 3, "partial")
+    check_resume(make, epochs=1)
+    want = reference(tmp_path / "ds")
+    for batch in make():
+        assert batch["caption"] == [want[i]["caption"] for i in batch["index"].tolist()]
+
+
+# where bytes are changed: the headers at the start, the tables at the end, anywhere
+_PLACES = st.one_of(st.integers(0, 300), st.integers(-70_000, -1), st.integers(0, 1 << 20))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(_PLACES, st.integers(0, 255)), min_size=1, max_size=4),
+       st.sampled_from([None, "zstd"]))
+def test_damaged_chunks_give_gpuio_errors_or_items(tmp_path, flips, compression):
+    ds = tmp_path / f"ds-{len(os.listdir(tmp_path))}"
+    write(ds, n=8, compression=compression)
+    path = ds / json.load(open(ds / "index.json"))["chunks"][0]["filename"]
+    data = bytearray(path.read_bytes())
+    for at, value in flips:
+        data[at % len(data)] = value
+    path.write_bytes(bytes(data))
+    check_index_or_gpuio_error(lambda: formats.litdata(ds), list(make_sample(0)))

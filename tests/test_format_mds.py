@@ -13,12 +13,14 @@ import types
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 
 import gpuio
 from gpuio import formats, ops
 from gpuio.errors import ConfigError, FormatError, StorageError
 
+from checkers import check_index_or_gpuio_error
 from remote_env import upload_tree
 
 
@@ -339,3 +341,23 @@ def test_cli_index_inspect_and_check(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "22 of 23 samples good, 1 bad (reading every field, decoding photo" in text
     assert "sample 5" in text and path in text
+
+
+# where bytes are changed: the headers at the start, the tables at the end, anywhere
+_PLACES = st.one_of(st.integers(0, 300), st.integers(-70_000, -1), st.integers(0, 1 << 20))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(_PLACES, st.integers(0, 255)), min_size=1, max_size=4),
+       st.integers(0, 2))
+def test_damaged_shards_give_gpuio_errors_or_samples(tmp_path, flips, shard):
+    """Bytes changed anywhere in a shard (its header, offsets, JSON, sizes, values): a
+    gpuio error naming the place, or samples read from inside the shard."""
+    ds = tmp_path / f"ds-{len(os.listdir(tmp_path))}"
+    write_mds(ds, n=12)
+    path = _shard(ds, shard)
+    data = bytearray(open(path, "rb").read())
+    for at, value in flips:
+        data[at % len(data)] = value
+    open(path, "wb").write(data)
+    check_index_or_gpuio_error(lambda: formats.mds(ds), list(COLUMNS))
