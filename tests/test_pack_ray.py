@@ -84,3 +84,10 @@ def test_a_worker_killed_mid_shard_gives_the_same_pack(cluster, tmp_path):
     # the CLI's --ray joins the cluster this process is connected to
     assert main(["pack", saved, "-o", str(tmp_path / "cli"), "--shard-size", "300000", "--ray", "auto"]) == 0
     assert _files(tmp_path / "cli") == _files(whole)
+    # and a packed dataset is read on the cluster as any index is
+    packed = gpuio.formats.packed(dest)
+    rows = gpuio.ray.read(packed, batch_size=8).take_all()
+    assert [int(r["index"]) for r in rows] == list(range(len(packed)))
+    for r in rows:
+        assert bytes(r["data"]) == packed[int(r["index"])]["data"] and int(r["label"]) == packed.values["label"][
+            int(r["index"])]
