@@ -488,7 +488,9 @@ class FaultProxy:
     that HTTP status (a 503 burst, 429 throttling), ``fail_for(seconds, status)`` every
     request for a while; ``truncate(n)`` cuts the next ``n``
     response bodies short; ``drop(n)`` closes the next ``n`` connections without an
-    answer. Faults then stop; other requests pass through unchanged."""
+    answer; ``stall(n)`` holds the next ``n`` requests unanswered until the client
+    hangs up. Faults then stop; other requests pass through unchanged. ``asked`` holds
+    each request's (method, path, Range header), in order."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
@@ -496,6 +498,7 @@ class FaultProxy:
         self._until: tuple[float, int] | None = None  # (when, status) of fail_for
         self._lock = threading.Lock()
         self.requests = 0
+        self.asked: list[tuple[str, str, str]] = []
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -522,9 +525,16 @@ class FaultProxy:
         with self._lock:
             self._faults += [("drop", 0)] * n
 
-    def _next_fault(self) -> tuple[str, int] | None:
+    def stall(self, n: int) -> None:
+        with self._lock:
+            self._faults += [("stall", 0)] * n
+
+    def _next_fault(self, head: bytes) -> tuple[str, int] | None:
+        lines = head.decode("latin1").split("\r\n")
+        ranges = [ln.split(":", 1)[1].strip() for ln in lines if ln.lower().startswith("range:")]
         with self._lock:
             self.requests += 1
+            self.asked.append((*lines[0].split(" ")[:2], ranges[0] if ranges else ""))
             if self._until is not None and time.monotonic() < self._until[0]:
                 return ("status", self._until[1])
             return self._faults.pop(0) if self._faults else None
@@ -547,8 +557,13 @@ class FaultProxy:
                 if not chunk:
                     return
                 head += chunk
-            fault = self._next_fault()
+            fault = self._next_fault(head)
             if fault is not None and fault[0] == "drop":
+                return
+            if fault is not None and fault[0] == "stall":
+                with contextlib.suppress(OSError):  # until the client hangs up (or 30 s)
+                    while conn.recv(65536):
+                        pass
                 return
             if fault is not None and fault[0] == "status":
                 body = b"injected fault"
