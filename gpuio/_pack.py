@@ -30,7 +30,7 @@ from crc32c import crc32c
 from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, StorageError
 from gpuio.formats.packed import (BLOCK, FORMAT_NAME, HEADER_BYTES, INDEX_NAME, PAGE, VERSION, Header, align,
-                                  place, value_schema, values_blob)
+                                  join, place, value_schema, values_blob)
 from gpuio.index import Ragged, SampleIndex
 from gpuio.storage.remote import is_http, is_url
 
@@ -233,11 +233,24 @@ def _open_source(path: str) -> SampleIndex:
     """The index of a path gpuio reads: a saved index, a packed dataset, a file tree."""
     from gpuio import formats
 
-    if not is_url(path) and os.path.isfile(path):
+    if is_url(path):
+        return formats.packed(path) if path.endswith(INDEX_NAME) or _has_object(join(path, INDEX_NAME)) \
+            else formats.filetree(path)
+    if os.path.isfile(path):
         return formats.packed(path) if path.endswith(INDEX_NAME) else SampleIndex.load(path)
-    if not is_url(path) and os.path.isfile(os.path.join(path, INDEX_NAME)):
+    if os.path.isfile(os.path.join(path, INDEX_NAME)):
         return formats.packed(path)
     return formats.filetree(path)
+
+
+def _has_object(url: str) -> bool:
+    from gpuio.storage.remote import client
+
+    try:
+        client().head(url)
+    except (DataError, StorageError):  # missing (404), or not to be had
+        return False
+    return True
 
 
 def _policies(index: SampleIndex, images: ImagePolicy | Mapping[str, ImagePolicy]) -> dict[str, ImagePolicy]:

@@ -60,6 +60,9 @@ def test_pack_into_s3_reads_back_from_s3_and_http(s3, tmp_path):
         for i, data in enumerate(batch):
             assert data.tobytes() == want[i]["data"]
         np.testing.assert_array_equal(got.values["label"], want.values["label"])
+    # a packed dataset in S3 is a source like any other
+    again = gpuio.formats.packed(gpuio.pack(url, tmp_path / "again", shard_size=250_000))
+    assert [again[i]["data"] for i in range(len(want))] == [want[i]["data"] for i in range(len(want))]
     with http_server(str(tmp_path / "local")) as base:
         got = gpuio.formats.packed(base)
         loader = gpuio.Loader(got, 5, output="numpy")
