@@ -88,6 +88,7 @@ def test_stage_and_consumer_figures(tmp_path):
     assert 10 <= c["work_p50_ms"] <= 20
     assert c["wait_s"] > 0 and 0 < c["input_share"] < 1
     assert c["input_share"] == pytest.approx(c["wait_s"] / (c["wait_s"] + c["work_s"]), abs=1e-3)
+    assert 0 < c["hand_off_s"] < c["wait_s"] + c["start_up_s"] and c["hand_off_p99_ms"] >= c["hand_off_p50_ms"]
     assert s["consumer_wait_s"] == pytest.approx(c["wait_s"] + c["start_up_s"], abs=2e-6)
     assert sum(s["bytes_in_flight"].values()) == 0
     assert 0 < s["peak_bytes_in_flight"] <= (s["window"] + 1) * BATCH * 3000

@@ -77,16 +77,21 @@ def test_trace_of_n_batches_tracks_counters_flows(tmp_path):
     counters = {e["name"] for e in events if e["ph"] == "C"}
     assert {"queue before Sleep", "queue before read", "bytes in flight"} <= counters
     # every batch the consumer took: a flow from its read span, through Sleep, to the wait
-    flows = defaultdict(dict)
+    flows = defaultdict(list)
     for e in events:
         if e["ph"] in "stf":
-            flows[e["id"]][e["ph"]] = e
+            flows[e["id"]].append(e)
             assert inside_a_span(e, tracks)
     taken = [e["args"]["batch"] for e in waits]
-    for seq in taken:
-        s, t, f = flows[seq]["s"], flows[seq]["t"], flows[seq]["f"]
-        assert threads[s["tid"]] == "gpuio-loader0-read-0" and threads[t["tid"]].startswith("gpuio-loader0-Sleep")
-        assert s["ts"] < t["ts"] < f["ts"] and f["bp"] == "e"
+    for seq in taken:  # read -> Sleep -> hand-off (the consumer's thread) -> next
+        points = sorted(flows[seq], key=lambda e: e["ts"])
+        assert [p["ph"] for p in points] == ["s", "t", "t", "f"] and points[-1]["bp"] == "e"
+        assert [threads[p["tid"]] for p in points] == [
+            "gpuio-loader0-read-0", threads[points[1]["tid"]], threading.current_thread().name,
+            threading.current_thread().name]
+        assert threads[points[1]["tid"]].startswith("gpuio-loader0-Sleep")
+    hand_offs = [e for e in spans if e["name"] == "hand-off"]
+    assert len(hand_offs) == 5 and all(threads[e["tid"]] == threading.current_thread().name for e in hand_offs)
 
 
 def test_trace_at_construction_and_an_inline_pass_nest(tmp_path):

@@ -110,6 +110,7 @@ class PipelineStats:
         self.stages: dict[str, _Meter] = {}
         self.consumer_wait = _Meter()  # next(): from the call to the batch handed over
         self.start_up = _Meter()  # the same for each pass's first batch (threads start, the stages fill)
+        self.hand_off = _Meter()  # the part of next() that hands a batch to the consumer's framework
         self.consumer_work = _Meter()  # the training step: from a hand-over to the next call
         self.remote = _Meter()  # ranged GETs of object storage, all threads together
         self._wall = 0.0  # seconds of passes ended
@@ -225,6 +226,13 @@ class PipelineStats:
         if tracer is not None:
             tracer.consumer(seq, t0, t1)
 
+    def handed(self, seq: int, t0: float, t1: float) -> None:
+        """Item ``seq`` was handed to the consumer's framework (and stream) from ``t0`` to ``t1``."""
+        _add(self.hand_off, t1 - t0)
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.span("hand-off", seq, t0, t1)
+
     def worked(self, seconds: float) -> None:
         """The consumer spent ``seconds`` on a batch before asking for the next."""
         _add(self.consumer_work, seconds)
@@ -309,6 +317,10 @@ class PipelineStats:
                 "work_p99_ms": round(1e3 * work.latency.quantile(0.99), 3),
             }
             step = wait.seconds + work.seconds
+        with self.hand_off.lock:
+            consumer.update(hand_off_s=round(self.hand_off.seconds, 6),
+                            hand_off_p50_ms=round(1e3 * self.hand_off.latency.quantile(0.5), 3),
+                            hand_off_p99_ms=round(1e3 * self.hand_off.latency.quantile(0.99), 3))
             consumer["input_share"] = round(wait.seconds / step, 4) if step > 0 else 0.0
         remote = self.remote
         with remote.lock:

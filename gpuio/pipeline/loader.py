@@ -435,7 +435,10 @@ class Loader:
                         raise self._pipeline_error(item.stage or "?", item.payload, item.error) from item.error
                     (out, real), event, seq = item.payload, item.event, item.seq
                     del item  # while the next batch is awaited, the consumer's hold is the only one
+                    stats.started("hand-off")
+                    t_hand = time.perf_counter()
                     batch = self._collate.hand_off(out, event)
+                    stats.handed(seq, t_hand, time.perf_counter())
                     del out, event
                 self._pos += 1
                 with self._lock:
@@ -729,7 +732,9 @@ class Loader:
         (``gpu_seconds``, ``gpu_busy``, ``gpu_p50_ms``, ``gpu_p99_ms``). ``consumer``:
         the training loop's ``wait_s`` in ``next()`` (hand-off included; each pass's
         first batch apart, in ``start_up_s``) and ``work_s`` between batches, each with
-        p50/p99 per batch, and ``input_share``, the wait's share of the two. ``remote``:
+        p50/p99 per batch, ``input_share``, the wait's share of the two, and
+        ``hand_off_s`` with p50/p99, the part of the wait that hands a batch to its
+        framework (and on a GPU to the consumer's stream). ``remote``:
         the ranged GETs of object storage (requests, bytes, seconds, p50/p99 per GET,
         retries included). ``bytes_in_flight``: bytes
         read and not yet handed over, by where they lie (``host``, ``pinned``, ``gpu``),
