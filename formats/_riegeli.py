@@ -23,7 +23,7 @@ from gpuio.errors import FormatError
 from gpuio.formats.mds import decompress
 
 __all__ = ["BLOCK", "BLOCK_HEADER", "CHUNK_HEADER", "ChunkHeader", "file_position", "without_block_headers",
-           "chunk_header", "simple_chunk", "varint"]
+           "chunk_header", "simple_chunk", "simple_chunk_parts", "varint", "varints"]
 
 BLOCK = 1 << 16
 BLOCK_HEADER = 24
@@ -85,6 +85,25 @@ def varint(buf: Any, pos: int, end: int, path: str, offset: int) -> tuple[int, i
         shift += 7
 
 
+def varints(buf: np.ndarray, path: str, offset: int) -> np.ndarray:
+    """Every varint64 of ``buf`` (uint8, varints back to back), as uint64, with NumPy
+    (no Python loop per value)."""
+    buf = np.asarray(buf, dtype=np.uint8)
+    last = buf < 0x80
+    if len(buf) and not last[-1]:
+        raise FormatError("truncated varint at the end of a Riegeli chunk's record sizes", path=path,
+                          offset=offset + len(buf))
+    group = np.concatenate(([0], np.cumsum(last)[:-1])) if len(buf) else np.zeros(0, np.int64)
+    ends = np.flatnonzero(last)
+    starts = np.concatenate(([0], ends[:-1] + 1)) if len(ends) else ends
+    place = np.arange(len(buf)) - starts[group]
+    if len(place) and place.max() > 9:
+        raise FormatError("an overlong varint in a Riegeli chunk's record sizes", path=path,
+                          offset=offset + int(starts[group[np.argmax(place)]]))
+    parts = (buf & 0x7F).astype(np.uint64) << (7 * place).astype(np.uint64)
+    return np.add.reduceat(parts, starts) if len(ends) else np.zeros(0, np.uint64)
+
+
 def _block(buf: Any, codec: str, path: str, offset: int) -> np.ndarray:
     """A compressed block (varint decompressed size, then the codec's bytes) decompressed."""
     size, pos = varint(buf, 0, len(buf), path, offset)
@@ -98,6 +117,14 @@ def _block(buf: Any, codec: str, path: str, offset: int) -> np.ndarray:
 def simple_chunk(content: np.ndarray, path: str, offset: int) -> list[np.ndarray]:
     """The records of a simple chunk (``content``: its header and data, block headers
     taken out), views into ``content`` where it is uncompressed."""
+    sizes, values = simple_chunk_parts(content, path, offset)
+    bounds = np.concatenate(([0], np.cumsum(sizes.astype(np.int64)))).tolist()
+    return [values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def simple_chunk_parts(content: np.ndarray, path: str, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(record sizes, the records back to back)`` of a simple chunk, as ``simple_chunk``
+    reads it, checked: the sizes add up to the records' bytes and the header's count."""
     head = chunk_header(content, path, offset)
     if head.chunk_type != SIMPLE:
         kind = chr(head.chunk_type) if 32 < head.chunk_type < 127 else f"{head.chunk_type:#x}"
@@ -122,16 +149,11 @@ def simple_chunk(content: np.ndarray, path: str, offset: int) -> list[np.ndarray
     if kind:
         sizes_raw = _block(sizes_raw, _CODECS[kind], path, at + pos)
         values = _block(values, _CODECS[kind], path, at + pos + sizes_size)
-    sizes, p = [], 0
-    while p < len(sizes_raw):
-        n, p = varint(sizes_raw, p, len(sizes_raw), path, at + pos)
-        sizes.append(n)
-    if len(sizes) != head.num_records or sum(sizes) != len(values) or len(values) != head.decoded_data_size:
-        raise FormatError(f"the chunk's {len(sizes)} record sizes ({sum(sizes)} bytes) do not match its header "
+    sizes = varints(sizes_raw, path, at + pos)
+    total = int(sizes.sum(dtype=np.uint64)) if len(sizes) else 0
+    if (len(sizes) != head.num_records or total != len(values) or len(values) != head.decoded_data_size
+            or (len(sizes) and int(sizes.max()) > len(values))):
+        raise FormatError(f"the chunk's {len(sizes)} record sizes ({total} bytes) do not match its header "
                           f"({head.num_records} records, {head.decoded_data_size} bytes) and its {len(values)} bytes "
                           f"of records", path=path, offset=offset)
-    out, p = [], 0
-    for n in sizes:
-        out.append(values[p: p + n])
-        p += n
-    return out
+    return sizes, values

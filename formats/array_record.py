@@ -40,7 +40,7 @@ import numpy as np
 from gpuio.errors import DataError, FormatError
 from gpuio.formats._files import each_shard, full_path, shard_paths, size_or_zero
 from gpuio.formats._riegeli import (BLOCK, BLOCK_HEADER, CHUNK_HEADER, chunk_header, file_position, simple_chunk,
-                                    varint, without_block_headers)
+                                    simple_chunk_parts, varint, varints, without_block_headers)
 from gpuio.formats.mds import closing_file, open_exact, read_at
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
 from gpuio.storage.remote import object_versions
@@ -157,14 +157,14 @@ def _footer(reads: _Reads, at: int) -> np.ndarray:
     """``[chunk_offset, decoded_data_size, num_records]`` per data chunk, from the footer
     chunk at ``at``, checked."""
     path = reads.path
-    records = simple_chunk(reads.chunk(at), path, at)
-    meta = _proto(records[0], path, at) if records else {}
+    sizes, values = simple_chunk_parts(reads.chunk(at), path, at)
+    first = int(sizes[0]) if len(sizes) else 0
+    meta = _proto(values[:first], path, at) if len(sizes) else {}
     info = _proto(meta[1], path, at) if isinstance(meta.get(1), bytes) else {}
-    rows = [_proto(r, path, at) for r in records[1:]]
-    table = np.array([[r.get(1, -1), r.get(2, -1), r.get(3, -1)] for r in rows], dtype=np.int64).reshape(-1, 3)
-    if not info or info.get(2, 0) != len(rows) or info.get(3, 0) != int(table[:, 2].sum()):
+    table = _entries(sizes[1:], values[first:], path, at)
+    if not info or info.get(2, 0) != len(table) or info.get(3, 0) != int(table[:, 2].sum()):
         raise FormatError(f"the footer's metadata ({info.get(2)} chunks, {info.get(3)} records) does not match its "
-                          f"{len(rows)} chunk entries", path=path, offset=at)
+                          f"{len(table)} chunk entries", path=path, offset=at)
     offsets = table[:, 0]
     bad = (offsets < len(_SIGNATURE)) | (offsets >= at) | (table[:, 2] < 1)
     bad[1:] |= offsets[1:] <= offsets[:-1]
@@ -173,6 +173,18 @@ def _footer(reads: _Reads, at: int) -> np.ndarray:
         raise FormatError(f"footer entry {k}: a chunk of {int(table[k, 2])} records at byte {int(offsets[k])}, which "
                           f"is not after the chunk before it and before the footer (byte {at})", path=path, offset=at)
     return table
+
+
+def _entries(sizes: np.ndarray, values: np.ndarray, path: str, at: int) -> np.ndarray:
+    """``[chunk_offset, decoded_data_size, num_records]`` of the footer's
+    ``ArrayRecordFooter`` messages (``values``, of ``sizes``): with NumPy where each is
+    the writer's three varint fields in order, else message by message."""
+    stream = varints(values, path, at) if len(values) and values[-1] < 0x80 else np.zeros(0, np.uint64)
+    if len(stream) == 6 * len(sizes) and (stream.reshape(-1, 6)[:, ::2] == [8, 16, 24]).all():
+        return stream.reshape(-1, 6)[:, 1::2].astype(np.int64)
+    bounds = np.concatenate(([0], np.cumsum(sizes.astype(np.int64)))).tolist()
+    rows = [_proto(values[a:b], path, at) for a, b in zip(bounds[:-1], bounds[1:])]
+    return np.array([[r.get(1, -1), r.get(2, -1), r.get(3, -1)] for r in rows], dtype=np.int64).reshape(-1, 3)
 
 
 def _first_data(reads: _Reads, begin: int) -> int:

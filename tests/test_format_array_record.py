@@ -206,3 +206,14 @@ def test_damaged_files_give_gpuio_errors_or_records(tmp_path, flips, options):
         data[at % len(data)] = value
     path.write_bytes(bytes(data))
     check_index_or_gpuio_error(lambda: formats.array_record(path), ["data"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, (1 << 63) - 1), max_size=40))
+def test_vectorized_varints_equal_the_scalar_reader(values):
+    buf = np.frombuffer(b"".join(_varint(v) for v in values), np.uint8)
+    got, pos, scalar = _riegeli.varints(buf, "x", 0), 0, []
+    while pos < len(buf):
+        v, pos = _riegeli.varint(buf, pos, len(buf), "x", 0)
+        scalar.append(v)
+    assert got.tolist() == scalar == values
