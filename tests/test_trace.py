@@ -4,6 +4,7 @@ batch's read to the consumer; torch.profiler sees the wait in next()."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -177,3 +178,14 @@ def test_the_nesting_check_refuses_crossing_spans():
     check_nesting([{**span, "ts": 0, "dur": 10}, {**span, "ts": 2, "dur": 3}, {**span, "ts": 10, "dur": 1}])
     with pytest.raises(AssertionError, match="crosses"):
         check_nesting([{**span, "ts": 0, "dur": 10}, {**span, "ts": 5, "dur": 10}])
+
+
+def test_a_capture_never_run_leaves_no_watcher(tmp_path):
+    from gpuio.ops import _cpu_pool
+
+    before = len(_cpu_pool._watchers)
+    ld = gpuio.Loader(tree(tmp_path / "t"), 4, output="numpy", trace=tmp_path / "never.json")
+    assert len(_cpu_pool._watchers) == before + 1
+    del ld
+    gc.collect()
+    assert len(_cpu_pool._watchers) == before and not (tmp_path / "never.json").exists()

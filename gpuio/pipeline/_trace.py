@@ -29,6 +29,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 __all__ = ["Tracer"]
@@ -56,6 +57,7 @@ class Tracer:
         self._streams: dict[str, tuple[int, float]] = {}  # GPU stage -> (its track, where its last span ends)
         self._lock = threading.Lock()
         self._nvtx = _nvtx() if nvtx else None
+        self.on_part = _weakly(self.part)  # for ops._cpu_pool.watch_parts: holds the tracer weakly
 
     @property
     def done(self) -> bool:
@@ -99,8 +101,10 @@ class Tracer:
         self.taken += 1
 
     def part(self, name: str, t0: float, t1: float) -> None:
-        """A part of an op ran on a thread of ``ops._cpu_pool`` (this one)."""
-        self._spans.append((self._tid(), name, "part", t0, t1, None, None))
+        """A part of an op ran on a thread of ``ops._cpu_pool`` (this one); none are kept
+        once the capture has its batches."""
+        if not self.done:
+            self._spans.append((self._tid(), name, "part", t0, t1, None, None))
 
     def counter(self, name: str, values: dict[str, int]) -> None:
         self._counters.append((name, time.perf_counter(), dict(values)))
@@ -138,6 +142,19 @@ class Tracer:
         with open(self.path, "w") as f:  # one write (json.dump writes piece by piece)
             f.write(text)
         return self.path
+
+
+def _weakly(method: Any) -> Any:
+    """``method`` (bound), called through a weak reference to its object: a no-op once
+    the object is gone."""
+    ref, func = weakref.ref(method.__self__), method.__func__
+
+    def call(*args: Any) -> None:
+        obj = ref()
+        if obj is not None:
+            func(obj, *args)
+
+    return call
 
 
 def _nvtx() -> Any:

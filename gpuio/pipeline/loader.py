@@ -543,6 +543,11 @@ class Loader:
         if ex is not None:
             ex.close()
         _close_readers(getattr(self, "_readers", {}))
+        stats = getattr(self, "_stats", None)
+        if stats is not None and stats.tracer is not None:  # a capture never finished: no file
+            from gpuio.ops._cpu_pool import watch_parts
+
+            watch_parts(stats.tracer.on_part, on=False)
 
     # ---- stages ------------------------------------------------------------------------
     def _stages(self) -> list[Stage]:
@@ -799,8 +804,8 @@ class Loader:
         tracer = Tracer(path, batches, nvtx=self.device.is_cuda)
         old = self._stats.attach(tracer)
         if old is not None:
-            watch_parts(old.part, on=False)
-        watch_parts(tracer.part)
+            watch_parts(old.on_part, on=False)
+        watch_parts(tracer.on_part)
 
     def _end_trace(self) -> None:
         """Stop the capture and write its file."""
@@ -808,7 +813,7 @@ class Loader:
 
         tracer = self._stats.attach(None)
         if tracer is not None:
-            watch_parts(tracer.part, on=False)
+            watch_parts(tracer.on_part, on=False)
             tracer.write()
 
     def report(self) -> Verdict:
