@@ -60,19 +60,20 @@ def array_record(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
 
     Fields: ``__record__`` (the bytes read: the record, or its compressed chunk) and,
     parsed after the read, ``data`` (the record's bytes). ``index.meta``:
-    ``index_bytes_read``, ``chunked`` (per file, whether its extents are whole chunks).
+    ``index_bytes_read``, ``data_bytes`` (the files' sizes), ``chunked`` (per file, whether
+    its extents are whole chunks).
     """
     paths = [full_path(p) for p in shard_paths(paths, "ArrayRecord file")]
     if not paths:
         raise DataError("no samples: an empty list of ArrayRecord files was given")
     found = each_shard(_index_file, paths, "indexing ArrayRecord files", [size_or_zero(p) for p in paths])
-    counts = [len(s) for s, _, _, _ in found]
-    files = np.repeat(np.arange(len(paths), dtype=np.int32), counts)
-    starts = np.concatenate([s for s, _, _, _ in found])
-    lengths = np.concatenate([n for _, n, _, _ in found])
-    chunked = [c for _, _, _, c in found]
+    files = np.repeat(np.arange(len(paths), dtype=np.int32), [len(f.starts) for f in found])
+    starts = np.concatenate([f.starts for f in found])
+    lengths = np.concatenate([f.lengths for f in found])
+    chunked = [f.chunked for f in found]
     meta: dict[str, Any] = {"format": "array_record", "chunked": chunked,
-                            "index_bytes_read": int(sum(r for _, _, r, _ in found)), **object_versions(paths)}
+                            "index_bytes_read": int(sum(f.read for f in found)),
+                            "data_bytes": int(sum(f.size for f in found)), **object_versions(paths)}
     parser = ArrayRecordParser([p for p, c in zip(paths, chunked) if c])
     return SampleIndex(PathTable.from_paths(paths), {RECORD_FIELD: Extents(files, starts, lengths)},
                        parser=parser, meta=meta)
@@ -103,9 +104,16 @@ class _Reads:
             if size else head
 
 
-def _index_file(path: str, advance: Callable[[int], None]) -> tuple[np.ndarray, np.ndarray, int, bool]:
-    """``(extent starts, extent lengths, bytes read, whether the extents are chunks)`` of
-    one file's records."""
+class _File:
+    """One file as indexed: its records' extent starts and lengths, the bytes indexing
+    read, the file's size, and whether the extents are whole chunks."""
+
+    def __init__(self, starts: np.ndarray, lengths: np.ndarray, read: int, size: int, chunked: bool) -> None:
+        self.starts, self.lengths, self.read, self.size, self.chunked = starts, lengths, read, size, chunked
+
+
+def _index_file(path: str, advance: Callable[[int], None]) -> _File:
+    """The extents of one file's records."""
     f, size = open_exact(path, "ArrayRecord file")
     with closing_file(f):
         reads = _Reads(path, f, size)
@@ -131,7 +139,7 @@ def _index_file(path: str, advance: Callable[[int], None]) -> tuple[np.ndarray, 
         else:
             out = _records_in_place(reads, chunks)
     advance(size)
-    return out[0], out[1], reads.total, bool((chunks[:, 2] == 1).all())
+    return _File(out[0], out[1], reads.total, size, bool((chunks[:, 2] == 1).all()))
 
 
 def _footer_offset(reads: _Reads) -> int:

@@ -80,7 +80,8 @@ def litdata(roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], al
     Fields: ``__item__`` (each item's bytes as stored) and, parsed after the read, every
     leaf of the sample under its pytree path. ``index.meta``: ``leaves`` (field ->
     LitData format), ``images`` (the ``jpeg`` and ``image`` leaves, which ``decode_image()``
-    finds), ``index_bytes_read`` (bytes indexing read), ``chunks``.
+    finds), ``index_bytes_read`` (bytes indexing read), ``data_bytes`` (the chunks' bytes, as
+    ``index.json`` lists them), ``chunks``.
     """
     roots = [full_path(r).rstrip("/") for r in shard_paths(roots, "LitData dataset folder")]
     if not roots:
@@ -102,7 +103,8 @@ def litdata(roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], al
     files = np.repeat(np.arange(len(paths), dtype=np.int32), [len(c.starts) for c in found])
     meta: dict[str, Any] = {"format": "litdata", "leaves": dict(leaves), "chunks": len(paths),
                             "images": [n for n, f in leaves.items() if f.split(":", 1)[0] in ("jpeg", "image")],
-                            "index_bytes_read": int(bytes_read + sum(c.read for c in found))}
+                            "index_bytes_read": int(bytes_read + sum(c.read for c in found)),
+                            "data_bytes": int(sum(c.get("chunk_bytes") or 0 for _, _, c, _ in chunks))}
     sources = [c.source for c in found]
     if any(src is not None for src in sources):
         meta["decompressed_from"] = sources

@@ -76,7 +76,8 @@ def mds(roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], allow_
     whole and checks the hashes ``index.json`` lists (compressed shards are always
     checked, since indexing reads them). ``index.meta``: ``columns`` (name -> MDS
     encoding), ``images`` (the ``jpeg`` and ``png`` columns, which ``decode_image()``
-    finds), ``index_bytes_read`` (bytes indexing read), ``shards``.
+    finds), ``index_bytes_read`` (bytes indexing read), ``data_bytes`` (the shards' bytes, as
+    ``index.json`` lists them), ``shards``.
     """
     roots = [full_path(r).rstrip("/") for r in shard_paths(roots, "MDS dataset folder")]
     if not roots:
@@ -98,7 +99,9 @@ def mds(roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], allow_
     lengths = np.concatenate([np.diff(o) for _, o, _, _ in found])
     meta: dict[str, Any] = {"format": "mds", "columns": dict(columns), "shards": len(paths),
                             "images": [n for n, e in columns.items() if e in _IMAGES],
-                            "index_bytes_read": int(bytes_read), "verified": bool(verify)}
+                            "index_bytes_read": int(bytes_read), "verified": bool(verify),
+                            "data_bytes": int(sum((s.get("zip_data") if s.get("compression") else s["raw_data"])
+                                                  .get("bytes", 0) for _, _, s in shards))}
     sources = [src for _, _, _, src in found]
     if any(src is not None for src in sources):
         meta["decompressed_from"] = sources

@@ -66,6 +66,7 @@ def test_records_equal_grains_data_source(tmp_path, options):
     want = reference(paths)
     assert len(index) == len(want) == 80
     assert index.meta["chunked"] == ["group_size:1" in options] * 2
+    assert index.meta["data_bytes"] == sum(os.path.getsize(p) for p in paths)
     for i in range(len(index)):
         assert index[i]["data"] == want[i]
     rows = np.random.default_rng(0).permutation(len(index))

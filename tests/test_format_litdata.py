@@ -98,6 +98,7 @@ def test_items_equal_litdata_streaming_dataset(tmp_path, compression, monkeypatc
     want = reference(tmp_path / "ds")
     assert len(index) == len(want) == 13 and index.meta["chunks"] == 3
     assert set(index.meta["leaves"]) == set(want[0])
+    assert index.meta["data_bytes"] == sum(os.path.getsize(p) for p in (tmp_path / "ds").glob("chunk-*"))
     for i in range(len(index)):
         assert_same(index[i], want[i])
     rows = np.arange(len(index))[::-1]

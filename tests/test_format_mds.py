@@ -155,6 +155,8 @@ def test_samples_equal_the_library_reader(tmp_path, compression):
     want = reference(tmp_path / "ds")
     assert len(index) == len(want) == 23
     assert index.meta["shards"] > 2 and index.meta["columns"] == dict(sorted(COLUMNS.items()))
+    assert index.meta["data_bytes"] == sum(os.path.getsize(tmp_path / "ds" / f) for f in os.listdir(tmp_path / "ds")
+                                           if f.startswith("shard."))
     for i in range(len(index)):
         assert_same(index[i], want[i])
     batch = gpuio.storage.read_fields(index, np.arange(len(index))[::-1], list(COLUMNS))
