@@ -148,6 +148,19 @@ def test_loader_contracts(hf, name):
     check_resume(make, epochs=1)
 
 
+def test_cli_index_inspect_check(hf, tmp_path, capsys):
+    from gpuio.cli import main
+
+    folder, ds = hf
+    out = tmp_path / "i.npz"
+    assert main(["index", "parquet", os.fspath(folder / "zstd.parquet"), "--fields", "image.bytes,label",
+                 "-o", os.fspath(out)]) == 0
+    assert main(["inspect", os.fspath(out)]) == 0
+    assert "parsed from 'image.bytes.page'" in capsys.readouterr().out
+    assert main(["check", os.fspath(out)]) == 0  # every sample read and its image decoded
+    assert f"{len(ds)} of {len(ds)} samples good" in capsys.readouterr().out
+
+
 def test_several_files_brace_range_and_rows_by_path(tmp_path, hf):
     _, ds = hf
     for k in range(3):
