@@ -53,9 +53,9 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "cache_dir": ("", "where sample datasets and indexes go; default ~/.cache/gpuio"),
     "remote_client": ("auto", "the client of remote GETs: auto (obstore; urllib3 in a forked child of a "
                               "process that used obstore, whose runtime does not survive fork), obstore, urllib3"),
-    "remote_unsigned": (False, "send s3:// requests unsigned (a public bucket, no credentials); "
-                               "AWS_NO_SIGN_REQUEST=true does the same"),
-    "remote_cache": (True, "keep the bytes of s3:// and http(s):// data in the node-local cache tier"),
+    "remote_unsigned": (False, "send s3:// and az:// requests unsigned (a public bucket or container, "
+                               "no credentials); AWS_NO_SIGN_REQUEST=true does the same"),
+    "remote_cache": (True, "keep the bytes of object storage (s3://, gs://, az://) and http(s):// data in the node-local cache tier"),
     "remote_cache_dir": ("", "the node-local cache of remote data; default <cache_dir>/remote"),
     "remote_cache_budget": (64 * GiB, "bytes the remote cache may hold; least recently used blocks go first"),
     "remote_block": (8 * MiB, "remote objects are cached whole up to this size, larger ones in blocks of it"),
