@@ -814,7 +814,7 @@ class PageParser:
 
     def parse(self, records: Sequence[np.ndarray], samples: np.ndarray, paths: Sequence[str],
               offsets: np.ndarray) -> dict[str, list[Any]]:
-        pages: dict[tuple[str, int], list[np.ndarray]] = {}  # the values of each page decoded in this batch
+        pages: dict[tuple[str, int], tuple[_Page, list[np.ndarray]]] = {}  # each page decoded in this batch
         out = []
         for j, record in enumerate(records):
             key = (paths[j], int(offsets[j]))
@@ -822,18 +822,20 @@ class PageParser:
                 out.append(record)
                 continue
             try:
-                unit = _Unit(self.codecs[key[0]], self.max_def)
-                page = _page_at(lambda k, at: bytes(record[at: at + k]), 0, len(record))
-                row = len(record) - page.end
-                if page.kind not in (_DATA_PAGE, _DATA_PAGE_V2) or not 0 <= row < page.values:
-                    raise _Bad(f"the page header says a page of type {page.kind} ending at byte {page.end} with "
-                               f"{page.values} values, its extent {len(record)} bytes: a page header that lies, "
-                               f"or an index made for another file", 0)
                 if key not in pages:
-                    present, values = unit.page_values(record, page)
+                    page = _page_at(lambda k, at: bytes(record[at: at + k]), 0, len(record))
+                    if page.kind not in (_DATA_PAGE, _DATA_PAGE_V2):
+                        raise _Bad(f"the page header says a page of type {page.kind}, not a data page", 0)
+                    present, values = _Unit(self.codecs[key[0]], self.max_def).page_values(record, page)
                     it = iter(values)
-                    pages[key] = [next(it) if p else record[:0] for p in present.tolist()]
-                out.append(pages[key][row])
+                    pages[key] = page, [next(it) if p else record[:0] for p in present.tolist()]
+                page, values = pages[key]
+                row = len(record) - page.end
+                if not 0 <= row < page.values:
+                    raise _Bad(f"the page header says a page ending at byte {page.end} with {page.values} values, "
+                               f"its extent {len(record)} bytes: a page header that lies, or an index made for "
+                               f"another file", 0)
+                out.append(values[row])
             except _Bad as exc:
                 raise FormatError(f"column {self.field!r}, page at byte {key[1]}: {exc.args[0]}",
                                   path=paths[j], sample=int(samples[j]), offset=key[1] + exc.args[1]) from None
@@ -920,7 +922,7 @@ def _plain_byte_arrays(body: np.ndarray, count: int, at: int) -> list[np.ndarray
     for _ in range(count):
         if pos + 4 > n:
             raise _Bad(f"the page's values end after {len(out)} of {count}", at)
-        m = int(body[pos]) | int(body[pos + 1]) << 8 | int(body[pos + 2]) << 16 | int(body[pos + 3]) << 24
+        (m,) = struct.unpack_from("<I", body, pos)
         if pos + 4 + m > n:
             raise _Bad(f"a value of {m} bytes runs past its page", at)
         out.append(body[pos + 4: pos + 4 + m])
