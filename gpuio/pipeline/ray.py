@@ -27,8 +27,9 @@ Position: the dataset keeps its order (``preserve_order`` is set on its context)
 consumer that has taken ``rows`` rows has consumed a prefix of the epoch's order;
 ``state_dict`` turns that count into a Loader state, which ``read(state=...)`` (or a
 ``Loader``, on any number of ranks) resumes from, each remaining sample exactly once.
-A worker that dies mid-read has its task run again by Ray Data (rows the task had
-already handed out are not handed out twice); Ray Data retries without limit unless
+A worker that dies mid-read, or a node lost with its raylet, has its task run again by
+Ray Data on the workers left (rows the task had already handed out are not handed out
+twice: the rows stay the epoch's order, each once); Ray Data retries without limit unless
 ``ray_remote_args={"max_retries": k}`` bounds it, after which iterating the dataset
 raises Ray's ``WorkerCrashedError``. A bad sample stops the ingest with the
 ``PipelineError`` naming it and its file: a skipped row would shift the row count a
