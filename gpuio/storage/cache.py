@@ -681,7 +681,8 @@ class BlockCache:
             found = keys[met]
             seen = objects.seen(self.root)
             seen[found] = time.monotonic()
-            self._pool("write").submit(self._touch, seen, found, [names[i] for i in met])
+            self._pool("write").submit(self._touch, seen, *self._paths(objects, found, packed[unmet[met]],
+                                                                       rows[unmet[met]]))
         return np.asarray(absent, dtype=np.int64)
 
     def _fetched_packed(self, objects: Objects, keys: np.ndarray, pool: ThreadPoolExecutor) -> list[Any]:
@@ -1076,31 +1077,33 @@ class BlockCache:
         if not stale.any():
             return
         seen[keys[stale]] = now
-        self._pool("write").submit(self._touch, seen, keys[stale], self._paths(objects, keys[stale], packed[stale],
-                                                                            rows[stale]))
+        self._pool("write").submit(self._touch, seen, *self._paths(objects, keys[stale], packed[stale], rows[stale]))
 
-    def _paths(self, objects: Objects, keys: np.ndarray, packed: np.ndarray, rows: np.ndarray) -> list[str]:
-        """The files of the blocks ``keys``: their block files, or where ``packed`` their packs."""
-        names = list(objects.names(keys, self.root))
-        for i in np.flatnonzero(packed).tolist():
-            names[i] = self._packs.paths[int(rows[i, 0])]
-        return names
+    def _paths(self, objects: Objects, keys: np.ndarray, packed: np.ndarray,
+               rows: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """The files of the blocks ``keys``: the keys of those in block files, and the
+        names of their files followed by the packs of the others (each pack once)."""
+        blocks = keys[~packed]
+        packs = np.unique(rows[packed, 0]).tolist()
+        return blocks, list(objects.names(blocks, self.root)) + [self._packs.paths[p] for p in packs]
 
     @staticmethod
-    def _touch(seen: np.ndarray, keys: np.ndarray, names: PathTable) -> None:
-        """Touch the block files ``names`` (mtime: the LRU order); one found gone is not met."""
-        for key, path in zip(keys.tolist(), names):
+    def _touch(seen: np.ndarray, keys: np.ndarray, names: list[str]) -> None:
+        """Touch the files ``names`` (mtime: the LRU order); a block file of ``keys`` (the
+        first names) found gone is not met."""
+        for k, path in enumerate(names):
             try:
                 os.utime(path)
             except FileNotFoundError:
-                seen[key] = 0
+                if k < len(keys):
+                    seen[keys[k]] = 0
 
     def _maybe_evict(self, objects: Objects, keys: np.ndarray, packed: np.ndarray, rows: np.ndarray) -> None:
         with self._lock:
             if self._added * _EVICT_SHARE < self.budget:
                 return
             self._added = 0
-        self.evict(set(self._paths(objects, keys, packed, rows)))
+        self.evict(set(self._paths(objects, keys, packed, rows)[1]))
 
     def evict(self, keep: set[str] = frozenset()) -> int:
         """Remove the least recently used blocks until the cache holds at most its
