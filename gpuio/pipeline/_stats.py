@@ -29,6 +29,8 @@ import time
 from collections import deque
 from typing import Any
 
+from gpuio.device import require
+
 __all__ = ["Histogram", "PipelineStats", "cpu_budget"]
 
 _BUCKETS_PER_OCTAVE = 4  # bucket k holds latencies up to 2**(k/4) microseconds: within 19%
@@ -209,10 +211,10 @@ class PipelineStats:
                 passed.append(self._gpu_pending.popleft())
         if not passed:
             return
-        from cupy.cuda import get_elapsed_time  # events exist only where CuPy is in use
+        cp = require("cupy")  # events exist only where CuPy is in use
 
         for name, seq, submitted, start, end in passed:
-            seconds = get_elapsed_time(start, end) / 1e3
+            seconds = cp.cuda.get_elapsed_time(start, end) / 1e3  # milliseconds
             _add(self.stages[name], seconds, gpu=True)
             tracer = self.tracer
             if tracer is not None:
