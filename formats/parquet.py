@@ -107,14 +107,15 @@ def parquet(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     binary = {name: col for name, col in wanted.items() if first.leaves[col].binary}
     exact = {name: not any(_needs_pages(f, col) for f in footers) for name, col in binary.items()}
     sizes = [size_or_zero(p) for p in paths]
+    # one process: decompressing a copy calls pyarrow, whose own threads make a forked pool unsafe
     found = each_shard(functools.partial(_index_file, {n: (c, exact[n]) for n, c in binary.items()}, False),
-                       footers, "indexing Parquet files", sizes)
+                       footers, "indexing Parquet files", sizes, processes=False)
     if is_url(paths[0]) and any(r[n][2].any() for r in found for n in binary):
         # some chunks of these objects are decompressed into local copies: all of them are (an index reads
         # either objects or local files)
         exact = dict.fromkeys(binary, True)
         found = each_shard(functools.partial(_index_file, {n: (c, True) for n, c in binary.items()}, True),
-                           footers, "indexing Parquet files", sizes)
+                           footers, "indexing Parquet files", sizes, processes=False)
     paged = [name for name in binary if not all(r[name][2].all() for r in found) and not exact[name]]
     exact = {name: name not in paged for name in binary}
     if len(paged) > 1:
@@ -751,15 +752,15 @@ def _chunk_values(buf: np.ndarray, leaf: _Leaf, codec: str | None) -> list[Any]:
     def read(k: int, at: int) -> bytes:
         return bytes(buf[at: at + k])
 
-    unit = _Unit(codec, leaf.max_def, leaf.physical)
+    decoder = _ChunkDecoder(codec, leaf.max_def, leaf.physical)
     pos, out = 0, []
     while pos < len(buf):
         page = _page_at(read, pos, len(buf))
         pos = page.end
         if page.kind == _DICTIONARY_PAGE:
-            unit.dictionary = unit.plain(unit.body(buf, page), page.values, page.body)
+            decoder.dictionary = decoder.plain(decoder.body(buf, page), page.values, page.body)
         elif page.kind in (_DATA_PAGE, _DATA_PAGE_V2):
-            present, values = unit.page_values(buf, page)
+            present, values = decoder.page_values(buf, page)
             if leaf.physical == _BYTE_ARRAY:
                 it = iter(values)
                 out.append([next(it) if p else None for p in present.tolist()])
@@ -826,7 +827,7 @@ class PageParser:
                     page = _page_at(lambda k, at: bytes(record[at: at + k]), 0, len(record))
                     if page.kind not in (_DATA_PAGE, _DATA_PAGE_V2):
                         raise _Bad(f"the page header says a page of type {page.kind}, not a data page", 0)
-                    present, values = _Unit(self.codecs[key[0]], self.max_def).page_values(record, page)
+                    present, values = _ChunkDecoder(self.codecs[key[0]], self.max_def).page_values(record, page)
                     it = iter(values)
                     pages[key] = page, [next(it) if p else record[:0] for p in present.tolist()]
                 page, values = pages[key]
@@ -842,7 +843,7 @@ class PageParser:
         return {self.field: out}
 
 
-class _Unit:
+class _ChunkDecoder:
     """Decodes the pages of one column chunk (of physical type ``physical``); a
     dictionary-encoded page needs ``dictionary`` set first."""
 
