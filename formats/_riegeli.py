@@ -46,10 +46,8 @@ def without_block_headers(raw: np.ndarray, offset: int) -> np.ndarray:
     first = -(-offset // BLOCK) * BLOCK
     if first >= offset + len(raw):
         return raw
-    keep = np.ones(len(raw), dtype=bool)
-    for b in range(first - offset, len(raw), BLOCK):
-        keep[b: b + BLOCK_HEADER] = False
-    return raw[keep]
+    cuts = range(first - offset, len(raw), BLOCK)
+    return np.concatenate([raw[:cuts[0]], *(raw[b + BLOCK_HEADER: b + BLOCK] for b in cuts)])
 
 
 class ChunkHeader:

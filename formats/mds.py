@@ -36,6 +36,7 @@ import os
 import pickle
 import posixpath
 import re
+import threading
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -310,8 +311,7 @@ def decompress(codec: str, data: Any, path: str, offset: int = 0) -> bytes:
     bad data is a ``FormatError`` naming ``path`` and ``offset``."""
     try:
         if codec == "zstd":
-            zstandard = _module("zstandard", "zstandard")
-            return zstandard.ZstdDecompressor().decompressobj().decompress(bytes(data))
+            return _zstd().decompressobj().decompress(data)
         if codec == "gz":
             return gzip.decompress(data)
         if codec == "bz2":
@@ -328,6 +328,17 @@ def decompress(codec: str, data: Any, path: str, offset: int = 0) -> bytes:
         raise
     raise FormatError(f"compression {codec!r}, which gpuio does not read; it reads {', '.join(_CODECS)}",
                       path=path, offset=offset)
+
+
+_THREAD = threading.local()
+
+
+def _zstd() -> Any:
+    """This thread's zstd decompressor (one is not thread-safe, and making one per call
+    costs more than decompressing a small frame)."""
+    if not hasattr(_THREAD, "zstd"):
+        _THREAD.zstd = _module("zstandard", "zstandard").ZstdDecompressor()
+    return _THREAD.zstd
 
 
 def _module(name: str, package: str) -> Any:

@@ -218,3 +218,15 @@ def test_vectorized_varints_equal_the_scalar_reader(values):
         v, pos = _riegeli.varint(buf, pos, len(buf), "x", 0)
         scalar.append(v)
     assert got.tolist() == scalar == values
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 4 << 16).filter(lambda at: at % (1 << 16) == 0 or at % (1 << 16) >= 24),
+       st.integers(0, 3 << 16))
+def test_block_headers_taken_out_of_any_span(offset, length):
+    """The bytes of file positions ``offset..offset+length`` (a span starts outside a block
+    header, as chunks and records do) keep exactly those not in the 24 bytes after a
+    multiple of 64 KiB."""
+    positions = np.arange(offset, offset + length, dtype=np.int64)
+    got = _riegeli.without_block_headers(positions, offset)
+    np.testing.assert_array_equal(got, positions[positions % (1 << 16) >= 24])
