@@ -267,8 +267,10 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
     offsets, lengths = ext.offset[order].tolist(), ext.length[order].tolist()
     # page-aligned for O_DIRECT and huge-page backed as gpuio's buffers are (with 4 KiB
     # pages, the kernel pins many more pages per O_DIRECT read, which would hold the
-    # ceiling's direct reads below gpuio's own)
-    seq_mem = mmap.mmap(-1, max(4096, sum(_padded(os.path.getsize(p), True) for p in ceiling_paths)))
+    # ceiling's direct reads below gpuio's own). Private, as gpuio's: a shared anonymous
+    # mapping is shmem, whose huge pages are off by default, so MADV_HUGEPAGE would not take
+    seq_mem = mmap.mmap(-1, max(4096, sum(_padded(os.path.getsize(p), True) for p in ceiling_paths)),
+                        flags=mmap.MAP_PRIVATE)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         seq_mem.madvise(mmap.MADV_HUGEPAGE)
     seq_buf = np.frombuffer(seq_mem, dtype=np.uint8)
