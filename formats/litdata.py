@@ -51,8 +51,8 @@ import numpy as np
 
 from gpuio.errors import ConfigError, DataError, FormatError
 from gpuio.formats._files import each_shard, full_path, shard_paths
-from gpuio.formats.mds import (closing_file, decompress, decompressed_copy, jpeg_array_items, open_exact, pil_pixels,
-                               read_at, read_json)
+from gpuio.formats.mds import (closing_file, decompress, decompressed_copy, jpeg_array_items, offsets_table,
+                               open_exact, pil_pixels, read_at, read_json)
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
 from gpuio.storage.remote import object_versions
 
@@ -248,7 +248,8 @@ def _framed(path: str, c: dict[str, Any], k: int) -> _Chunk:
         if version != 1 or n != c["chunk_size"]:
             raise FormatError(f"framed chunk version {version} of {n} items; gpuio reads version 1, index.json says "
                               f"{c['chunk_size']} items", offset=0, **where)
-        tables = read_at(path, 4 * (n + 1) + _FRAME.size * frames, _FRAMED_PREFIX.size, f)
+        want = 4 * (n + 1) + _FRAME.size * frames
+        tables = read_at(path, want, _FRAMED_PREFIX.size, f) if _FRAMED_PREFIX.size + want <= size else b""
     if len(tables) < 4 * (n + 1) + _FRAME.size * frames:
         raise FormatError(f"truncated chunk: {size} bytes end inside its tables of {n} items and {frames} frames",
                           offset=size, **where)
@@ -272,21 +273,11 @@ def _chunk_offsets(path: str, c: dict[str, Any], k: int) -> tuple[np.ndarray, in
     where = {"path": path, "sample": f"chunk {k}"}
     f, size = open_exact(path, "LitData chunk")
     with closing_file(f):
-        head = read_at(path, 8, 0, f)
-        if head.startswith(_FRAMED_MAGIC[:4]):
+        if read_at(path, 4, 0, f) == _FRAMED_MAGIC[:4]:
             raise FormatError("a zstd-framed chunk in a dataset whose index.json says it is not compressed",
                               offset=0, **where)
-        if len(head) < 8:
-            raise FormatError(f"truncated chunk: {size} bytes, not even its item count and first offset",
-                              offset=0, **where)
-        n = int(np.frombuffer(head[:4], "<u4")[0])
-        if n != c["chunk_size"]:
-            raise FormatError(f"the chunk holds {n} items, index.json says {c['chunk_size']}", offset=0, **where)
-        table = read_at(path, 4 * (n + 1), 4, f)
-    if len(table) < 4 * (n + 1):
-        raise FormatError(f"truncated chunk: {size} bytes end inside the table of {n + 1} item offsets",
-                          offset=size, **where)
-    offsets = np.frombuffer(table, "<u4").astype(np.int64)
+        offsets = offsets_table(path, f, size, c["chunk_size"], "chunk", "items", where)
+    n = len(offsets) - 1
     rises = np.diff(offsets) >= 0
     if offsets[0] != 8 + 4 * n or not rises.all() or offsets[-1] > size:
         bad = 0 if offsets[0] != 8 + 4 * n else int(np.flatnonzero(~rises)[0]) + 1 if not rises.all() else n
@@ -294,7 +285,7 @@ def _chunk_offsets(path: str, c: dict[str, Any], k: int) -> tuple[np.ndarray, in
                           f"{int(offsets[bad])} (the items start right after the table, rise, and end within the "
                           f"file{'; the file is cut short' if offsets[-1] > size else ''})", offset=4 + 4 * bad,
                           **where)
-    return offsets, 4 + len(table)
+    return offsets, 8 + 4 * n
 
 
 class _Bad(Exception):

@@ -50,7 +50,7 @@ from gpuio.index import Extents, Parser, PathTable, SampleIndex
 from gpuio.storage.remote import RemoteFile, client as remote_client, is_url, object_versions, url_path
 
 __all__ = ["mds", "MDSParser", "decompress", "decompressed_copy", "check_hashes", "read_at", "read_json", "open_exact",
-           "closing_file", "pil_pixels", "jpeg_array_items"]
+           "closing_file", "offsets_table", "pil_pixels", "jpeg_array_items"]
 
 _SCALARS = {"uint8": "<u1", "uint16": "<u2", "uint32": "<u4", "uint64": "<u8", "int8": "<i1", "int16": "<i2",
             "int32": "<i4", "int64": "<i8", "float16": "<f2", "float32": "<f4", "float64": "<f8", "int": "<i8"}
@@ -253,28 +253,37 @@ def _index_shard(verify: bool, item: tuple[str, int, dict[str, Any]], advance: C
     return path, offsets, read + n, source
 
 
+def offsets_table(path: str, f: Any, size: int, expected: int, unit: str, items: str, where: dict[str, Any]
+                  ) -> np.ndarray:
+    """The table that starts an MDS shard and a LitData chunk: ``uint32 n`` (which must be
+    ``expected``), then ``uint32 offsets[n + 1]``; as int64 (``4 * (n + 2)`` bytes read).
+    ``unit``/``items``: what the file and its entries are called, for messages."""
+    head = read_at(path, 4, 0, f)
+    if len(head) < 4:
+        raise FormatError(f"truncated {unit}: {size} bytes, not even the 4-byte count of {items}", offset=0, **where)
+    n = int(np.frombuffer(head, "<u4")[0])
+    if n != expected:
+        raise FormatError(f"the {unit} holds {n} {items}, index.json says {expected}", offset=0, **where)
+    table = read_at(path, 4 * (n + 1), 4, f) if 4 * (n + 2) <= size else b""
+    if len(table) < 4 * (n + 1):
+        raise FormatError(f"truncated {unit}: {size} bytes end inside the table of {n + 1} offsets of its {items}",
+                          offset=size, **where)
+    return np.frombuffer(table, "<u4").astype(np.int64)
+
+
 def _shard_offsets(path: str, s: dict[str, Any], k: int) -> tuple[np.ndarray, int]:
     """The ``n + 1`` sample offsets of a raw shard, checked against its size and its
     ``index.json`` entry; and the bytes read for them."""
     where = {"path": path, "sample": f"shard {k}"}
     f, size = open_exact(path, "MDS shard")
     with closing_file(f):
-        head = read_at(path, 4, 0, f)
-        if len(head) < 4:
-            raise FormatError(f"truncated shard: {size} bytes, not even the 4-byte sample count", offset=0, **where)
-        n = int(np.frombuffer(head, "<u4")[0])
-        if n != s["samples"]:
-            raise FormatError(f"the shard holds {n} samples, index.json says {s['samples']}", offset=0, **where)
-        table = read_at(path, 4 * (n + 1), 4, f)
-        if len(table) < 4 * (n + 1):
-            raise FormatError(f"truncated shard: {size} bytes end inside the table of {n + 1} sample offsets",
-                              offset=size, **where)
-        offsets = np.frombuffer(table, "<u4").astype(np.int64)
+        offsets = offsets_table(path, f, size, s["samples"], "shard", "samples", where)
+        n = len(offsets) - 1
         header_end = 8 + 4 * n
         config_bytes = b""
-        if offsets[0] > header_end:
+        if header_end < offsets[0] <= size:
             config_bytes = read_at(path, int(offsets[0]) - header_end, header_end, f)
-    read = 4 + len(table) + len(config_bytes)
+    read = header_end + len(config_bytes)
     if offsets[0] < header_end or (np.diff(offsets) < 0).any() or offsets[-1] != size:
         bad = (0 if offsets[0] < header_end else
                int(np.flatnonzero(np.diff(offsets) < 0)[0]) + 1 if (np.diff(offsets) < 0).any() else n)
