@@ -22,8 +22,9 @@ Compressed chunks (``compression="zstd"``), by ``compression_level``:
   frame, after a table of them. An item's extent is its frame, the smallest unit that
   decodes alone, widened back by the item's place in the frame (which tells the parse
   step which item it is); the parse step decompresses each frame once per batch, however
-  many of its items the batch holds. A shuffled epoch reads about one frame per sample:
-  for random access over large items prefer uncompressed chunks.
+  many of its items the batch holds. A shuffled epoch reads about one frame per sample,
+  so a chunk whose frames average over ``COPY_FRAMES_OVER`` bytes (1 MiB; 256 JPEGs make
+  tens of MB) is decompressed once at indexing instead, as ``chunk`` below.
 - ``sample``: each item its own zstd frame, at the place of the item: the extent is the
   frame, decompressed by the parse step.
 - ``chunk``: the whole file one zstd frame, where the items' places are known only after
@@ -56,7 +57,7 @@ from gpuio.formats.mds import (closing_file, decompress, decompressed_copy, jpeg
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
 from gpuio.storage.remote import object_versions
 
-__all__ = ["litdata", "LitDataParser"]
+__all__ = ["litdata", "LitDataParser", "COPY_FRAMES_OVER"]
 
 ITEM_FIELD = "__item__"
 # LitData's dtype codes: no_header_numpy:N (NumPy's scalar types in its order) and no_header_tensor:N / tensor
@@ -70,6 +71,10 @@ _PICKLED = ("pickle", "graph:pickle")
 _FRAMED_MAGIC = b"LDFZ01\0\0"
 _FRAMED_PREFIX = struct.Struct("<8sHHIII")  # magic, version, flags, items, items per frame, frames
 _FRAME = struct.Struct("<IIQII")  # first item, items, file offset, compressed bytes, decompressed bytes
+# zstd frames averaging more bytes than this are decompressed once, at indexing: a shuffled
+# batch reads about one frame per sample, and frames of large items (256 JPEGs: tens of MB)
+# would make every batch read hundreds of times its samples' bytes
+COPY_FRAMES_OVER = 1 << 20
 
 
 def litdata(roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], allow_pickle: bool = False
@@ -262,9 +267,56 @@ def _framed(path: str, c: dict[str, Any], k: int) -> _Chunk:
             or offset[0] != body or (offset[1:] != ends[:-1]).any() or ends[-1] > size:
         raise FormatError(f"the frame table does not cut the chunk ({size} bytes, {n} items) into frames of items "
                           f"one after the other", offset=_FRAMED_PREFIX.size + 4 * (n + 1), **where)
+    read = len(head) + len(tables)
+    if length.mean() > COPY_FRAMES_OVER:  # a shuffled batch would read a frame per sample: decompress once
+        copy, n_read = decompressed_copy(path, "litdata", functools.partial(_unframe, path))
+        offsets, n_head = _chunk_offsets(copy, c, k)
+        return _Chunk(copy, offsets[:-1], np.diff(offsets), read + n_read + n_head, source=path)
     j = np.arange(n) - np.repeat(first, count)  # each item's place in its frame
-    return _Chunk(path, np.repeat(offset, count) - j, np.repeat(length, count) + j, len(head) + len(tables),
+    return _Chunk(path, np.repeat(offset, count) - j, np.repeat(length, count) + j, read,
                   frames=np.stack([offset, ends], 1).tolist())
+
+
+def _unframe(source: str, data: bytes) -> bytes:
+    """A ``compression_level="batch"`` chunk (magic, the items' offsets in the
+    decompressed concatenation, a table of zstd frames) as the classic chunk."""
+    if len(data) < _FRAMED_PREFIX.size or not data.startswith(_FRAMED_MAGIC):
+        raise FormatError(f"not a zstd-framed LitData chunk: it starts with {data[:8]!r}, not {_FRAMED_MAGIC!r}",
+                          path=source, offset=0)
+    _, version, _, n, _, frames = _FRAMED_PREFIX.unpack_from(data, 0)
+    table_at = _FRAMED_PREFIX.size + 4 * (n + 1)
+    if version != 1 or table_at + _FRAME.size * frames > len(data):
+        raise FormatError(f"framed chunk version {version} with {n} items in {frames} frames does not fit its "
+                          f"{len(data)} bytes", path=source, offset=0)
+    logical = np.frombuffer(data, "<u4", n + 1, _FRAMED_PREFIX.size).astype(np.int64)
+    parts = []
+    for i in range(frames):
+        at = table_at + i * _FRAME.size
+        _, _, offset, size, decoded = _FRAME.unpack_from(data, at)
+        if offset + size > len(data):
+            raise FormatError(f"frame {i} at byte {offset} of {size} bytes runs past the file", path=source,
+                              offset=at)
+        part = decompress("zstd", data[offset: offset + size], source, offset)
+        if len(part) != decoded:
+            raise FormatError(f"frame {i} decompresses to {len(part)} bytes, its table says {decoded}", path=source,
+                              offset=offset)
+        parts.append(part)
+    body = b"".join(parts)
+    if (np.diff(logical) < 0).any() or logical[0] != 0 or logical[-1] != len(body):
+        raise FormatError(f"the items' offsets do not cut the {len(body)} decompressed bytes", path=source,
+                          offset=_FRAMED_PREFIX.size)
+    return _classic([body[a:b] for a, b in zip(logical[:-1].tolist(), logical[1:].tolist())])
+
+
+def _classic(items: list[bytes]) -> bytes:
+    """Items laid out as an uncompressed chunk: count, offsets, items."""
+    n = len(items)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(i) for i in items], out=offsets[1:])
+    offsets += 8 + 4 * n
+    return np.uint32(n).tobytes() + offsets.astype("<u4").tobytes() + b"".join(items)
+
+
 
 
 def _chunk_offsets(path: str, c: dict[str, Any], k: int) -> tuple[np.ndarray, int]:

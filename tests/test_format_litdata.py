@@ -117,6 +117,10 @@ def test_items_equal_litdata_streaming_dataset(tmp_path, compression, monkeypatc
         head + 4 * (c["chunk_size"] + 1) for c in chunks)
     assert all(p.startswith(str(folder)) for p in index.files)
     if compression == "zstd":  # each frame decompressed once per batch, however many of its items the batch holds
+        monkeypatch.setattr(litdata_format, "COPY_FRAMES_OVER", 0)  # large frames: decompressed once, at indexing
+        copied = formats.litdata(folder)
+        assert all(p.startswith(str(tmp_path / "cache" / "litdata")) for p in copied.files)
+        assert [copied[i]["caption"] for i in range(13)] == [w["caption"] for w in want]
         calls = []
         real = litdata_format.decompress
         monkeypatch.setattr(litdata_format, "decompress", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
