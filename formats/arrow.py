@@ -147,9 +147,9 @@ def _index_file(pa: Any, path: str, buf: Any, fields: Any, wanted: dict[str, str
             raise FormatError(f"not an Arrow IPC stream: its first message is {first.type if first else 'missing'}, "
                               f"not a schema", path=path, offset=start)
         schema = pa.ipc.read_schema(first)
-    except (pa.ArrowException, OSError) as exc:
+        leaves = _leaves(pa, schema)
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # a name that is not UTF-8
         raise FormatError(f"not an Arrow IPC stream or file: {exc}", path=path, offset=start) from None
-    leaves = _leaves(pa, schema)
     if wanted is None:
         wanted = _wanted(pa, fields, leaves, path)
     missing = [c for c in wanted.values() if c not in leaves]

@@ -80,6 +80,26 @@ class _Bad(Exception):
     """Malformed page bytes: ``args == (reason, byte offset within the unit)`` (internal)."""
 
 
+# The Thrift structs read, as the types of the fields used (parquet.thrift): a struct read
+# is checked against its spec once, so that the code after it meets only these types.
+_PAGE_HEADER = {1: int, 2: int, 3: int, 5: {1: int, 2: int}, 7: {1: int, 2: int},
+                8: {1: int, 4: int, 5: int, 6: int, 7: int}}
+_OFFSET_INDEX = {1: [{1: int, 2: int, 3: int}]}
+_FILE_META = {2: [{1: int, 3: int, 4: bytes, 5: int, 6: int, 10: dict}], 3: int,
+              4: [{1: [{1: bytes, 3: {2: [int], 4: int, 7: int, 9: int, 11: int}, 4: int, 5: int}], 3: int}],
+              5: [{1: bytes, 2: bytes}]}
+
+
+def _typed(value: Any, spec: Any) -> bool:
+    """Whether ``value`` (a struct as ``formats._thrift`` reads it) has ``spec``'s types
+    where it has those fields."""
+    if isinstance(spec, dict):
+        return isinstance(value, dict) and all(k not in value or _typed(value[k], t) for k, t in spec.items())
+    if isinstance(spec, list):
+        return isinstance(value, list) and all(_typed(v, spec[0]) for v in value)
+    return isinstance(value, spec)
+
+
 def parquet(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
             fields: Sequence[str] | Mapping[str, str] | None = None) -> SampleIndex:
     """Index the rows of one or more Parquet files (``s3://``/``http(s)://`` URLs,
@@ -290,6 +310,9 @@ def _footer(path: str) -> _Footer:
             meta, end = read_struct(src.read(length, at))
         except ThriftError as exc:
             raise FormatError(f"bad footer (FileMetaData): {exc.args[0]}", path=path, offset=at + exc.args[1]) from None
+        if not _typed(meta, _FILE_META):
+            raise FormatError("bad footer (FileMetaData): a field holds another type than parquet.thrift says",
+                              path=path, offset=at)
         return _Footer(path, src.size, length, meta)
     finally:
         src.close()
@@ -378,6 +401,8 @@ def _page_at(read: Callable[[int, int], bytes], start: int, limit: int) -> _Page
                 n *= 16
                 continue
             raise _Bad(f"bad page header: {exc.args[0]}", start + exc.args[1]) from None
+    if not _typed(header, _PAGE_HEADER):
+        raise _Bad("bad page header: a field holds another type than parquet.thrift says", start)
     page = _Page(header, start, start + end)
     size = header.get(3, -1)
     if header.get(1) not in (_DATA_PAGE, _DICTIONARY_PAGE, _DATA_PAGE_V2, 1) or size < 0 or page.end > limit:
@@ -531,6 +556,8 @@ def _chunk_pages(src: _Source, cc: dict[int, Any], rows: int) -> list[_PageSpan]
             index, _ = read_struct(src.read(cc[5], at))
         except ThriftError as exc:
             raise _Bad(f"bad offset index: {exc.args[0]}", at + exc.args[1]) from None
+        if not _typed(index, _OFFSET_INDEX):
+            raise _Bad("bad offset index: a field holds another type than parquet.thrift says", at)
         locs = index.get(1) or []
         spans = []
         if locs and locs[0].get(1, start) > start:  # the dictionary page comes before the first data page
@@ -720,7 +747,10 @@ def _read_columns(footers: list[_Footer], wanted: dict[str, str]) -> tuple[dict[
                     end = start + cc[3].get(7, 0)
                     buf = np.frombuffer(src.read(end - start, start), dtype=np.uint8)
                     try:
-                        parts[name].extend(_chunk_values(buf, leaf, codec))
+                        values = _chunk_values(buf, leaf, codec)
+                        if leaf.is_string:
+                            _check_utf8(values)
+                        parts[name].extend(values)
                     except _Bad as exc:
                         raise FormatError(f"row group {g}, column {column!r}: {exc.args[0]}", path=foot.path,
                                           offset=start + exc.args[1]) from None
@@ -741,6 +771,16 @@ def _read_columns(footers: list[_Footer], wanted: dict[str, str]) -> tuple[dict[
                               f"without nulls", path=footers[0].path)
         out[name] = np.concatenate([np.asarray(p) for p in got]) if got else np.zeros(0)
     return out, read
+
+
+def _check_utf8(parts: list[list[Any]]) -> None:
+    for part in parts:
+        for k, v in enumerate(part):
+            try:
+                if v is not None:
+                    bytes(v).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _Bad(f"a string value ({k} of its page) is not UTF-8: {exc.reason}", 0) from None
 
 
 def _chunk_values(buf: np.ndarray, leaf: _Leaf, codec: str | None) -> list[Any]:

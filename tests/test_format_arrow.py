@@ -93,7 +93,7 @@ def test_errors_name_the_file_and_byte(saved, tmp_path):
         arrow(bad)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_corrupt_bytes_give_gpuio_errors(saved, tmp_path_factory, data):
     folder, _ = saved
