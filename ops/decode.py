@@ -48,6 +48,7 @@ from PIL import Image, UnidentifiedImageError
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
+from gpuio.ops.restart import restarts_field
 
 __all__ = ["DecodeImage", "decode_image", "decode_cpu", "decode_region", "region_decodable", "jpeg_facts",
            "facts_info", "jpeg_info", "JpegInfo",
@@ -354,13 +355,15 @@ def _gpu_decoder(nvimgcodec: Any, device: int) -> Any:
 
 class DecodeImage(Op):
     """Decode ``field`` (encoded bytes per row) into ``out`` (HWC uint8 per row). The
-    encoded bytes must be in host memory (``host_inputs``): both decoders parse there."""
+    encoded bytes must be in host memory (``host_inputs``): both decoders parse there,
+    and so are the images' restart offsets where the batch has them (``<field>.restarts``,
+    read by the fused CPU decode: ``gpuio.ops.restart``)."""
 
     def __init__(self, field: str = "data", out: str = "image", color: str = "rgb") -> None:
         if color not in COLORS:
             raise ConfigError(f"color {color!r}; choose one of {', '.join(COLORS)}")
         self.field, self.out, self.color = field, out, color
-        self.host_inputs = (field,)
+        self.host_inputs = (field, restarts_field(field))
 
     def __call__(self, batch: Batch) -> Batch:
         bufs = batch.data[self.field]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import numpy as np
 
 from gpuio.errors import ConfigError, DependencyError, FormatError
-from gpuio.ops.decode import byte_view, native_jpeg
 
 __all__ = ["add_restart_markers", "restarts_field"]
 
@@ -54,6 +53,8 @@ def add_restart_markers(jpeg: bytes | np.ndarray, interval_mcus: int, *,
     ``ConfigError`` for an interval outside 0-65535, and ``DependencyError`` where
     ``gpuio.ops._jpeg`` was not built.
     """
+    from gpuio.ops.decode import byte_view, native_jpeg  # here: the decoders name restarts_field
+
     if not 0 <= interval_mcus <= 65535:
         raise ConfigError(f"restart interval {interval_mcus}: 0 (every MCU row) to 65535 MCUs")
     module = native_jpeg()

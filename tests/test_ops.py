@@ -122,7 +122,7 @@ def test_decode_bad_bytes_raise_or_skip(pixels):
 def test_decode_bad_color_and_bytes_input(pixels):
     with pytest.raises(ConfigError, match="color"):
         ops.decode_image(color="bgr")
-    assert ops.decode_image().host_inputs == ("data",)
+    assert ops.decode_image().host_inputs == ("data", "data.restarts")
     img = ops.decode_image()(make_batch([encode(pixels).tobytes()])).data["image"][0]
     assert img.shape == (120, 160, 3)
 
@@ -285,7 +285,7 @@ def test_compose_pipeline_contract(pixels):
     bufs = [encode(pixels), encode(pixels[:90]), encode(pixels, progressive=True)]
     pipe = ops.Compose([ops.decode_image(), ops.random_resized_crop(32), ops.flip(),
                         ops.normalize([127.0] * 3, [64.0] * 3)])
-    assert pipe.host_inputs == ("data",)
+    assert pipe.host_inputs == ("data", "data.restarts")
     out = pipe(make_batch(bufs, seed=1)).data["image"]
     again = pipe(make_batch(bufs, seed=1)).data["image"]
     other = pipe(make_batch(bufs, seed=2)).data["image"]

@@ -13,6 +13,7 @@ from gpuio import ops
 from gpuio.ops import fused
 from gpuio.ops.decode import native_jpeg
 from gpuio.sample import make_image_tree
+from conftest import to_host
 
 pytestmark = pytest.mark.skipif(native_jpeg() is None, reason="gpuio.ops._jpeg not built (no libjpeg headers)")
 
@@ -72,3 +73,21 @@ def test_bench_rows_run_on_a_small_tree(trees, tmp_path):
     assert all(r["images_s"] > 0 and r["cpu_ms"] > 0 for r in rows)
     assert all(r["decode_ms"] > 0 and r["resample_ms"] > 0 for r in rows if r["name"].startswith("gpuio"))
     assert all(0.5 < r["size"] < 1.5 for r in rows if "restarts" in r["name"])
+
+
+def test_the_restart_offsets_are_read_on_the_host_and_not_handed_over(trees, device):
+    """``data.restarts`` is an input of the decoder (read into host memory, never placed
+    on a GPU), not a column of the batches; it comes when ``fields=`` names it."""
+    _, packed = trees
+    index = gpuio.formats.packed(packed)
+    decode = ops.decode_image()
+    assert decode.host_inputs == ("data", "data.restarts")
+    chain = [decode, *CHAINS["train"]()]
+    batches = list(gpuio.Loader(index, 8, ops=chain, device=device, output="numpy"))
+    assert [sorted(b) for b in batches] == [["image", "index", "label"]] * 3
+    with pytest.raises(KeyError, match="DecodeImage read it to decode 'data' into 'image'"):
+        batches[0]["data.restarts"]
+    named = next(iter(gpuio.Loader(index, 8, fields=["data", "data.restarts"], ops=chain, device=device,
+                                   output="numpy")))
+    got = [bytes(to_host(o)) for o in named["data.restarts"]]
+    assert got == [index[i]["data.restarts"] for i in to_host(named["index"]).tolist()] and len(got) == 8

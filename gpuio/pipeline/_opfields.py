@@ -112,9 +112,10 @@ def _check_normalize(op: Any, field: str, channels: int | None) -> None:
 
 
 def consumed_fields(ops: Sequence[Any], fields: Sequence[str]) -> dict[str, str]:
-    """Encoded fields that a decoder turns into another field: ``{field: note}``, the
-    note saying where their content went. The loader hands these over only when asked
-    for by name (``fields=``)."""
+    """Encoded fields that a decoder turns into another field, and the other fields it
+    reads to do so (a JPEG's restart offsets): ``{field: note}``, the note saying where
+    their content went. The loader hands these over only when asked for by name
+    (``fields=``)."""
     notes = {}
     for op in flat_ops(ops):
         field, made = getattr(op, "field", None), _made(op)
@@ -122,6 +123,10 @@ def consumed_fields(ops: Sequence[Any], fields: Sequence[str]) -> dict[str, str]
             notes[field] = (f"this batch has no {field!r}: {type(op).__name__} decoded it into {made[0]!r} "
                             f"(batch[{made[0]!r}]); the encoded bytes come too when the Loader's fields= "
                             f"names {field!r}")
+            for used in op.host_inputs:
+                if used != field and used in fields and used not in made:
+                    notes[used] = (f"this batch has no {used!r}: {type(op).__name__} read it to decode {field!r} "
+                                   f"into {made[0]!r}; it comes too when the Loader's fields= names {used!r}")
     return notes
 
 
