@@ -110,8 +110,9 @@ def parquet(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     that is not a list. Binary columns are extent fields (see the module docstring for
     exact and page extents), the others value fields. ``index.meta``: ``images`` (the
     ``Image()`` columns' bytes fields), ``class_names`` (``{field: ClassLabel names}``),
-    ``index_bytes_read``, ``data_bytes`` (the files' sizes) and ``extents`` (``{field:
-    "exact" | "pages"}``).
+    ``index_bytes_read``, ``data_bytes`` (the files' sizes), ``extents`` (``{field:
+    "exact" | "pages"}``) and ``decompressed`` (the copies of dictionary chunks and
+    chunks of large pages, in ``<cache_dir>/parquet/``).
     """
     paths = [full_path(p) for p in shard_paths(paths, "Parquet file")]
     if not paths:
