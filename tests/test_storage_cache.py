@@ -260,7 +260,10 @@ def test_a_process_killed_while_appending_loses_nothing_recorded(tmp_path, monke
                 f.write(b"gpr1" + os.urandom(20))
             with open(rec[0][:-4] + ".pack", "ab") as f:  # bytes whose record was never written
                 f.write(os.urandom(5000))
-            before = proxy.requests
+            before = -1
+            while before != proxy.requests:  # the dead child's last requests counted by the proxy's threads
+                before = proxy.requests
+                time.sleep(0.3)
             assert _epoch(SampleIndex.load(tmp_path / "index.npz")) == want
             assert proxy.requests - before == len(names) - len(recorded)
         finally:
@@ -290,3 +293,30 @@ def test_packs_are_evicted_whole_and_never_while_appended_to(tmp_path, monkeypat
         assert sorted(n[:-5] for n in left) == sorted(n[:-4] for n in os.listdir(packs) if n.endswith(".rec"))
         with gpuio.Reader("cpu") as reader:
             assert [bytes(a) for a in reader.read(index, np.arange(len(index)))] == want
+
+
+def test_packs_start_again_when_the_cache_folder_is_emptied_under_the_process(tmp_path):
+    """The cache folder removed while a process holds its pack open (a user's rm -rf, a
+    benchmark emptying it between passes): the next epoch downloads each object once into
+    a new pack, and the epoch after reads the packs with no GET (a counting proxy)."""
+    import shutil
+
+    from remote_env import FaultProxy
+
+    names = _npys(tmp_path / "data", np.random.default_rng(6), 20)
+    local = formats.numpy([str(tmp_path / "data" / name) for name in names])
+    want = [bytes(a) for a in gpuio.read(local, np.arange(len(local)))]
+    with http_server(str(tmp_path / "data")) as base:
+        proxy = FaultProxy(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+        try:
+            index = formats.numpy([f"{proxy.url}/{name}" for name in names])
+            for _ in range(2):
+                shutil.rmtree(cache_folder(), ignore_errors=True)
+                for epoch in range(2):
+                    before = proxy.requests
+                    with gpuio.Reader("cpu") as reader:
+                        assert [bytes(a) for a in reader.read(index, np.arange(len(index)))] == want
+                    assert proxy.requests - before == (len(names) if epoch == 0 else 0)
+            assert len([n for n in os.listdir(os.path.join(cache_folder(), "packs")) if n.endswith(".pack")]) == 1
+        finally:
+            proxy.close()

@@ -347,6 +347,9 @@ class _Packs:
 
     def claim(self, tag: bytes) -> bool:
         """Take the claim on downloading the object ``tag`` (False: another process holds it)."""
+        if self._claims is not None and _removed(self._claims):  # the cache folder was emptied meanwhile
+            os.close(self._claims)
+            self._claims = None
         if self._claims is None:
             os.makedirs(self.folder, exist_ok=True)
             self._claims = os.open(os.path.join(self.folder, "claims"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -363,7 +366,7 @@ class _Packs:
         crcs = [crc32c(buf) for _, buf in entries]
         with self._write_lock:
             total = sum(len(buf) for _, buf in entries)
-            if self._own is None or (self._own[3] and self._own[3] + total > limit):
+            if self._own is None or (self._own[3] and self._own[3] + total > limit) or _removed(self._own[2]):
                 self._start_pack()
             number, data_fd, rec_fd, at = self._own
             records, rows, offset = [], [], at
@@ -455,6 +458,11 @@ def _lock(fd: int, kind: int, offset: int) -> bool:
     except (BlockingIOError, PermissionError):
         return False
     return True
+
+
+def _removed(fd: int) -> bool:
+    """Whether the file open as ``fd`` was removed (the cache folder emptied under this process)."""
+    return os.fstat(fd).st_nlink == 0
 
 
 def _claim_offset(tag: bytes) -> int:
