@@ -146,6 +146,14 @@ def parquet(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     values, read_bytes = _read_columns(footers, {n: c for n, c in wanted.items() if n not in binary})
 
     files: list[str] = []  # the files the extents name: Parquet files, decompressed copies, files rows name
+    file_ids: dict[str, int] = {}
+
+    def file_id(path: str) -> int:
+        if path not in file_ids:
+            file_ids[path] = len(files)
+            files.append(path)
+        return file_ids[path]
+
     extents: dict[str, Extents] = {}
     for name, col in binary.items():
         offsets = np.concatenate([r[name][0] for r in found])
@@ -153,8 +161,8 @@ def parquet(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         ids = []
         for k, r in enumerate(found):  # rows of dictionary chunks lie in the file's decompressed copy
             in_copy, copy = r[name][2], r[name][3]
-            ids.append(np.where(in_copy, _file_id(files, copy) if in_copy.any() else -1,
-                                _file_id(files, paths[k]) if not in_copy.all() else -1).astype(np.int32))
+            ids.append(np.where(in_copy, file_id(copy) if in_copy.any() else -1,
+                                file_id(paths[k]) if not in_copy.all() else -1).astype(np.int32))
         ids = _external_files(col, first, footers, np.concatenate(ids), offsets, lengths, files)
         extents[name if exact[name] else f"{name}.page"] = Extents(ids, offsets, lengths)
     parser = None
@@ -173,12 +181,6 @@ def parquet(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         files = list(paths)
     return SampleIndex(PathTable.from_paths(files), extents, values, parser, meta=meta)
 
-
-def _file_id(files: list[str], path: str) -> int:
-    """``path``'s place in ``files``, appended when new (few files: a scan)."""
-    if path not in files:
-        files.append(path)
-    return files.index(path)
 
 
 # ---- files: local or remote, every byte read counted -------------------------------
