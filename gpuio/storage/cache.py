@@ -704,7 +704,7 @@ class BlockCache:
         todo = np.arange(len(keys))
         wait, since = _POLL_S, time.monotonic()
         while True:
-            futures = self._claim_packed(objects, keys[todo], lambda run, fut, n: pool.submit(_settle, fut, run))
+            futures = self._claim_packed(objects, keys[todo], lambda run, fut, n, name: pool.submit(_settle, fut, run))
             first = next((f.exception() for f in futures if f is not None and f.exception() is not None), None)
             if first is not None:
                 raise first
@@ -726,9 +726,9 @@ class BlockCache:
             wait = min(2 * wait, _POLL_MAX_S)
 
     def _claim_packed(self, objects: Objects, keys: np.ndarray,
-                      start: Callable[[Callable[[], Any], Future[Any], int], Any]) -> list[Future[Any] | None]:
+                      start: Callable[[Callable[[], Any], Future[Any], int, str], Any]) -> list[Future[Any] | None]:
         """Per object of ``keys``: the fetch of it in this process (one running, else one
-        started by ``start(run, future, bytes)`` under the node's claim, which it holds until its
+        started by ``start(run, future, bytes, name in flight)`` under the node's claim, which it holds until its
         record is written; a future of None: recorded meanwhile by another process), or
         None where another process holds the claim."""
         packs = self._packs
@@ -756,7 +756,7 @@ class BlockCache:
                     fut.set_result(None)
                 else:
                     start(lambda i=i: self._download_packed(objects, int(keys[i]), int(obj[i]), raw[i], names[i]), fut,
-                          int(objects.sizes[obj[i]]))
+                          int(objects.sizes[obj[i]]), names[i])
         return futures
 
     def _download_packed(self, objects: Objects, key: int, obj: int, tag: bytes, name: str) -> Any:
@@ -875,7 +875,7 @@ class BlockCache:
             room = self.window - self._ahead
         keys = keys[np.cumsum(objects.sizes[objects.locate(keys)[0]]) <= room]
         queued: list[tuple[Callable[[], Any], str, Future[Any], int]] = []
-        self._claim_packed(objects, keys, lambda run, fut, n: queued.append((run, "", fut, n)))
+        self._claim_packed(objects, keys, lambda run, fut, n, name: queued.append((run, name, fut, n)))
         with self._lock:
             self._ahead += sum(n for *_, n in queued)
             self._queued.extend(queued)
