@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import os
 import socket
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any, NamedTuple
@@ -28,24 +29,35 @@ import numpy as np
 from crc32c import crc32c
 
 from gpuio import config
-from gpuio.errors import ConfigError, DataError, DependencyError, StorageError
+from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
 from gpuio.formats.packed import (BLOCK, FORMAT_NAME, HEADER_BYTES, INDEX_NAME, PAGE, VERSION, Header, align,
                                   join, place, value_schema, values_blob)
 from gpuio.index import Ragged, SampleIndex
 from gpuio.storage.remote import is_http, is_url
 
-__all__ = ["ImagePolicy", "pack", "ray_pack"]
+__all__ = ["DEFAULT_RESTART_INTERVAL", "ImagePolicy", "pack", "ray_pack"]
 
 LOCK_NAME = ".gpuio-pack.lock"
 PROGRESS_NAME = ".gpuio-pack.json"
 _READ_ROWS = 256  # samples read from the source per batch
+# MCUs per restart interval when the policy names none: chosen by bench/restart.py (bench/RESULTS.md)
+DEFAULT_RESTART_INTERVAL = 4
+_UNMARKED = ("not_jpeg", "refused")  # why an image was kept without restart markers
 
 
 class ImagePolicy(NamedTuple):
-    """How ``pack`` stores an image field. Defaults keep the source's bytes.
+    """How ``pack`` stores an image field. The default adds restart markers to JPEGs
+    (lossless) and keeps every other image's bytes.
 
-    - ``restart_interval``: add JPEG restart markers every this many MCUs (lossless)
-      and store their offsets in ``<field>.restarts``; 0: none;
+    - ``restart_interval``: add JPEG restart markers every this many MCUs (lossless; the
+      interval fitted to the image's MCU rows as ``gpuio.ops.restart.add_restart_markers``
+      fits it) and store their offsets in ``<field>.restarts``; 0: none, the source's
+      bytes; None (the default): ``DEFAULT_RESTART_INTERVAL`` where ``gpuio.ops._jpeg``
+      was built, else 0 (with a warning), and 0 where the source has the field's offsets
+      already (a packed dataset). Images that are not JPEGs, and JPEGs that
+      libjpeg's transcoder refuses (truncated, lossless, 12-bit ...), keep their bytes and
+      an empty ``<field>.restarts``; the packed index counts them in
+      ``meta["unmarked"]`` (``{field: {"not_jpeg": n, "refused": n}}``);
     - ``max_side``: images whose longer side exceeds this many pixels are resized
       (area filter) to that longer side and re-encoded as baseline 4:2:0 RGB JPEGs at
       ``quality`` (lossy); 0: none;
@@ -53,7 +65,7 @@ class ImagePolicy(NamedTuple):
       (an uncompressed TIFF: decoding is a copy); 0: none.
     """
 
-    restart_interval: int = 0
+    restart_interval: int | None = None
     max_side: int = 0
     quality: int = 90
     raw_below: int = 0
@@ -61,11 +73,13 @@ class ImagePolicy(NamedTuple):
     def check(self, field: str) -> None:
         """A ``ConfigError`` naming ``field`` unless every value is one a pack can use."""
         for name, value in self._asdict().items():
+            if value is None and name == "restart_interval":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"image policy of {field!r}: {name} must be a non-negative integer, got {value!r}")
         if not 1 <= self.quality <= 100:
             raise ConfigError(f"image policy of {field!r}: quality {self.quality}, choose 1 to 100")
-        if self.restart_interval > 0xFFFF:
+        if (self.restart_interval or 0) > 0xFFFF:
             raise ConfigError(f"image policy of {field!r}: restart_interval {self.restart_interval}; a JPEG's "
                               f"restart interval is at most 65535 MCUs")
         if self.restart_interval:
@@ -92,7 +106,9 @@ def pack(source: SampleIndex | str | os.PathLike[str], dest: str | os.PathLike[s
     prefix); returns ``dest``. Read it with ``gpuio.formats.packed(dest)``.
 
     ``images``: one ``ImagePolicy`` for every image field, or ``{field: policy}`` (other
-    fields keep their bytes). ``workers``: processes writing shards at once.
+    fields keep their bytes); the default adds restart markers to the JPEGs (lossless),
+    ``ImagePolicy(restart_interval=0)`` keeps every byte of the source. ``workers``:
+    processes writing shards at once.
     ``shard_size``: source bytes per shard (default: the ``pack_shard_size`` setting).
     Every field of the source is kept, in its order, with its metadata. A pack
     interrupted before its end goes on where it stopped when run again with the same
@@ -162,6 +178,9 @@ def _pack(source: SampleIndex | str | os.PathLike[str], dest: str | os.PathLike[
             advance(int(sum(counts[k] for k in done)))
             run(job, todo, bounds, lambda k, info: (record(k, info), advance(int(counts[k]))))
         spec["shards"] = [done[k] for k in range(len(bounds))]
+        if job.marked:
+            spec["meta"]["unmarked"] = {f: {why: sum(s["unmarked"][f][why] for s in spec["shards"])
+                                            for why in _UNMARKED} for f in job.marked}
         out.write(INDEX_NAME, _dumps(spec))
         out.remove(PROGRESS_NAME)
     return out.base
@@ -268,10 +287,31 @@ def _policies(index: SampleIndex, images: ImagePolicy | Mapping[str, ImagePolicy
     for field, policy in chosen.items():
         if not isinstance(policy, ImagePolicy):
             raise ConfigError(f"the policy of {field!r} is a {type(policy).__name__}; give a gpuio.ImagePolicy")
+    if any(p.restart_interval is None for p in chosen.values()):
+        from gpuio.ops.restart import restarts_field
+
+        default = _default_interval()  # a field whose offsets the source has (a packed dataset) keeps them
+        chosen = {f: p if p.restart_interval is not None else
+                  p._replace(restart_interval=0 if restarts_field(f) in index.fields else default)
+                  for f, p in chosen.items()}
+    for field, policy in chosen.items():
         policy.check(field)
         if policy.restart_interval and _restart_markers().restarts_field(field) in index.fields:
             raise ConfigError(f"the source has a field {_restart_markers().restarts_field(field)!r} already")
-    return {f: p for f, p in chosen.items() if p != ImagePolicy()}
+    return {f: p for f, p in chosen.items() if p != ImagePolicy(restart_interval=0)}
+
+
+def _default_interval() -> int:
+    """``DEFAULT_RESTART_INTERVAL``, or 0 with a warning where ``gpuio.ops._jpeg`` (the
+    transcoder) was not built: a pack by default never fails for want of it."""
+    from gpuio.ops.decode import native_jpeg
+
+    if native_jpeg() is not None:
+        return DEFAULT_RESTART_INTERVAL
+    warnings.warn("packing the images as their source bytes, without the default restart markers: "
+                  "gpuio.ops._jpeg was not built (rebuild gpuio with a C compiler and libjpeg's headers for "
+                  "crops that decode faster)", UserWarning, stacklevel=4)
+    return 0
 
 
 def _spec(index: SampleIndex, policies: dict[str, ImagePolicy], label: str | None, shard_size: int
@@ -285,7 +325,8 @@ def _spec(index: SampleIndex, policies: dict[str, ImagePolicy], label: str | Non
         if f in policies and policies[f].restart_interval:
             extents.append(_restart_markers().restarts_field(f))
     intervals = {f: p.restart_interval for f, p in policies.items() if p.restart_interval}
-    meta = {k: v for k, v in index.meta.items() if k not in ("format", "remote", "images", "options", "source")}
+    meta = {k: v for k, v in index.meta.items()
+            if k not in ("format", "remote", "images", "options", "source", "unmarked")}
     options = {"shard_size": shard_size, "images": {f: p._asdict() for f, p in sorted(policies.items())},
                "restart_interval": (next(iter(intervals.values())) if len(set(intervals.values())) == 1
                                     else intervals) if intervals else 0}
@@ -345,6 +386,7 @@ class _Job:
 
     def __init__(self, index: SampleIndex, spec: dict[str, Any], policies: dict[str, ImagePolicy], dest: str):
         self.index, self.spec, self.policies, self.dest = index, spec, policies, dest
+        self.marked = [f for f, p in policies.items() if p.restart_interval]  # fields given restart markers
         self._reader: Any = None
 
     def close(self) -> None:
@@ -361,13 +403,14 @@ class _Job:
             self._reader = Reader("cpu")
         rows = np.arange(start, end)
         records: list[list[Any]] = [[] for _ in rows]
+        unmarked = {f: dict.fromkeys(_UNMARKED, 0) for f in self.marked}
         for a in range(0, len(rows), _READ_ROWS):
             part = rows[a: a + _READ_ROWS]
             for field in self.index.extents:
                 got = self._reader.read(self.index, part, field)
                 for j, data in enumerate(got):
                     try:
-                        records[a + j].extend(self._store(field, int(part[j]), data))
+                        records[a + j].extend(self._store(field, int(part[j]), data, unmarked))
                     except DataError as exc:  # a decode or a transcode: name the source's file and record
                         where = self.index.extent(int(part[j]), field)
                         raise type(exc)(f"packing field {field!r}: {exc.reason}", path=where.file,
@@ -379,11 +422,13 @@ class _Job:
         for piece in pieces:
             crc = crc32c(piece, crc)
         _Dest(self.dest).write(name, pieces)
-        return {"name": name, "samples": len(rows), "bytes": sum(len(p) for p in pieces), "crc32c": crc}
+        info = {"name": name, "samples": len(rows), "bytes": sum(len(p) for p in pieces), "crc32c": crc}
+        return {**info, "unmarked": unmarked} if unmarked else info
 
-    def _store(self, field: str, sample: int, data: Any) -> list[Any]:
+    def _store(self, field: str, sample: int, data: Any, unmarked: dict[str, dict[str, int]]) -> list[Any]:
         """The records ``field``'s bytes ``data`` of ``sample`` become (the image, then
-        its restart offsets where the policy adds markers)."""
+        its restart offsets where the policy adds markers); an image kept without
+        markers is counted in ``unmarked[field]``."""
         policy = self.policies.get(field)
         if policy is None:
             return [data]  # a view of the read buffer, written as it is
@@ -398,8 +443,13 @@ class _Job:
         if not policy.restart_interval:
             return [out]
         if image_format(out) != "jpeg":
+            unmarked[field]["not_jpeg"] += 1
             return [out, b""]
-        marked, offsets = _restart_markers().add_restart_markers(out, policy.restart_interval)
+        try:
+            marked, offsets = _restart_markers().add_restart_markers(out, policy.restart_interval)
+        except FormatError:  # libjpeg cannot transcode it; the reader decodes (or refuses) it as it would the source
+            unmarked[field]["refused"] += 1
+            return [out, b""]
         return [bytes(marked), np.ascontiguousarray(offsets, dtype="<u4").tobytes()]
 
 

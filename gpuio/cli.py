@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 import gpuio
+from gpuio._pack import DEFAULT_RESTART_INTERVAL
 from gpuio.bench._common import SAMPLE_COUNT, BenchError, cache_dir, sample_root
 from gpuio.errors import ConfigError, GpuioError
 from gpuio.sample import make_image_tree
@@ -322,7 +323,7 @@ def _cmd_pack(args: argparse.Namespace) -> None:
         raise ConfigError("--quality is the quality of the images --max-side re-encodes: give --max-side too")
     if args.ray and args.workers != 1:
         raise ConfigError("--workers applies to a pack on this node; with --ray the cluster's CPUs write the shards")
-    policy = gpuio.ImagePolicy(restart_interval=args.restart_interval or 0, max_side=args.max_side or 0,
+    policy = gpuio.ImagePolicy(restart_interval=args.restart_interval, max_side=args.max_side or 0,
                                quality=90 if args.quality is None else args.quality, raw_below=args.raw_below or 0)
     t0 = time.perf_counter()
     if args.format:
@@ -341,6 +342,11 @@ def _cmd_pack(args: argparse.Namespace) -> None:
     stored = sum(index.nbytes(f) for f in index.extents)
     print(f"{len(index):,} samples in {len(index.files):,} shards, {stored:,} bytes of records: {dest} "
           f"in {time.perf_counter() - t0:.1f} s")
+    interval = index.meta["options"]["restart_interval"]
+    for field, kept in index.meta.get("unmarked", {}).items():
+        every = interval.get(field) if isinstance(interval, dict) else interval
+        print(f"{field}: restart markers every {every} MCUs; kept as their bytes: {kept['not_jpeg']:,} images that "
+              f"are not JPEGs, {kept['refused']:,} JPEGs libjpeg could not transcode")
 
 
 def _size(text: str) -> int:
@@ -361,6 +367,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 
@@ -510,8 +523,10 @@ def _build_parser() -> argparse.ArgumentParser:
                       "pack_shard_size setting, 128 MiB)")
     pack.add_argument("--images", help="the image fields the options below apply to, comma separated (default: "
                       "every image field)")
-    pack.add_argument("--restart-interval", type=_positive, metavar="MCUS",
-                      help="add JPEG restart markers every MCUS MCUs and store their offsets (lossless)")
+    pack.add_argument("--restart-interval", type=_non_negative, metavar="MCUS",
+                      help="add JPEG restart markers every MCUS MCUs and store their offsets (lossless: crops "
+                      "decode only the intervals they cover); 0: none, the source's bytes (default: "
+                      f"{DEFAULT_RESTART_INTERVAL} where gpuio.ops._jpeg was built, else 0)")
     pack.add_argument("--max-side", type=_positive, metavar="PIXELS", help="resize images whose longer side is "
                       "larger to PIXELS (area filter) and re-encode them as baseline 4:2:0 JPEGs (lossy)")
     pack.add_argument("--quality", type=int, help="JPEG quality of the images --max-side re-encodes (default: 90)")

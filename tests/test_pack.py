@@ -88,7 +88,7 @@ def test_every_field_round_trips_with_the_alignment_rules(tars, tmp_path):
     assert (got.extents["cls"].offset < got.extents["bin"].offset).any()  # small records in the padding
     # the CLI indexes any format first: the same bytes
     assert main(["pack", "--format", "webdataset", *tars, "--fields", "bin,cls,txt", "-o", str(tmp_path / "cli"),
-                 "--shard-size", "6MiB", "--images", "bin"]) == 0
+                 "--shard-size", "6MiB", "--images", "bin", "--restart-interval", "0"]) == 0
     assert _files(dest) == _files(tmp_path / "cli")
 
 
@@ -118,9 +118,13 @@ def test_value_fields_of_every_kind_and_a_reader_loop(tmp_path):
     check_resume(lambda: gpuio.Loader(got, 7, shuffle=True, seed=3, output="numpy"))
 
 
+PASS_THROUGH = gpuio.ImagePolicy(restart_interval=0)
+
+
 def test_same_bytes_whatever_the_workers_and_the_cli(tree, tmp_path):
-    one = gpuio.pack(tree, tmp_path / "one", shard_size=300_000)
-    assert main([ "pack", tree, "-o", str(tmp_path / "two"), "--workers", "2", "--shard-size", "300000"]) == 0
+    one = gpuio.pack(tree, tmp_path / "one", shard_size=300_000, images=PASS_THROUGH)
+    assert main(["pack", tree, "-o", str(tmp_path / "two"), "--workers", "2", "--shard-size", "300000",
+                 "--restart-interval", "0"]) == 0
     assert _files(one) == _files(tmp_path / "two")
     assert len(_files(one)) > 3
     _same_samples(gpuio.formats.filetree(tree), gpuio.formats.packed(one))
@@ -130,9 +134,9 @@ def test_same_bytes_whatever_the_workers_and_the_cli(tree, tmp_path):
     assert gpuio.SampleIndex.load(tmp_path / "p.idx").meta["images"] == ["data"]
     # packed again into the same place: nothing to do; other options there: refused
     before = _files(one)
-    assert gpuio.pack(tree, one, shard_size=300_000) == one and _files(one) == before
+    assert gpuio.pack(tree, one, shard_size=300_000, images=PASS_THROUGH) == one and _files(one) == before
     with pytest.raises(ConfigError, match="another source or options"):
-        gpuio.pack(tree, one, shard_size=100_000)
+        gpuio.pack(tree, one, shard_size=300_000)  # the default: restart markers
 
 
 def test_an_interrupted_pack_keeps_its_verified_shards(tree, tmp_path):
@@ -178,7 +182,7 @@ def test_max_side_and_raw_below(tree, tmp_path):
     src = gpuio.formats.filetree(tree)
     gpuio.storage.learn_lengths(src)
     small = int(np.median(src.extents["data"].length))
-    policy = gpuio.ImagePolicy(max_side=200, quality=80, raw_below=small)
+    policy = gpuio.ImagePolicy(restart_interval=0, max_side=200, quality=80, raw_below=small)
     got = gpuio.formats.packed(gpuio.pack(src, tmp_path / "p", images=policy))
     assert got.meta["options"]["images"]["data"]["max_side"] == 200
     raws = shrunk = 0
@@ -232,13 +236,69 @@ def test_restart_interval(tree, tmp_path):
         np.testing.assert_array_equal(a["image"], b["image"])
 
 
-def test_a_bad_image_names_its_file(tree, tmp_path):
+def test_a_bad_image_is_kept_as_it_is_or_named(tree, tmp_path):
     bad = tmp_path / "src" / "class_0" / "bad.jpg"
     bad.parent.mkdir(parents=True)
     good = open(gpuio.formats.filetree(tree).files[0], "rb").read()
     bad.write_bytes(good[: len(good) // 3])
+    # libjpeg cannot add markers to it: kept as its bytes (the reader refuses it as it would the source's)
+    got = gpuio.formats.packed(gpuio.pack(str(tmp_path / "src"), tmp_path / "p",
+                                          images=gpuio.ImagePolicy(restart_interval=2)))
+    assert got[0]["data"] == bad.read_bytes() and got[0]["data.restarts"] == b""
+    assert got.meta["unmarked"] == {"data": {"not_jpeg": 0, "refused": 1}}
+    # a policy that decodes it names its file
     with pytest.raises(FormatError, match=r"bad\.jpg.*packing field 'data'"):
-        gpuio.pack(str(tmp_path / "src"), tmp_path / "p", images=gpuio.ImagePolicy(restart_interval=2))
+        gpuio.pack(str(tmp_path / "src"), tmp_path / "q", images=gpuio.ImagePolicy(max_side=8))
+
+
+def _train_epoch(index) -> list[tuple[np.ndarray, np.ndarray]]:
+    chain = [gpuio.ops.decode_image(), gpuio.ops.random_resized_crop(64), gpuio.ops.flip(),
+             gpuio.ops.normalize([120.0] * 3, [60.0] * 3)]
+    loader = gpuio.Loader(index, 5, ops=chain, shuffle=True, seed=4, output="numpy")
+    return [(b["image"], b["label"], sorted(b)) for b in loader]
+
+
+def test_the_default_marks_jpegs_and_keeps_other_images(tree, tmp_path, capsys):
+    src = tmp_path / "src"
+    jpegs = gpuio.formats.filetree(tree).files
+    for k in range(12):
+        (src / f"class_{k % 2}").mkdir(parents=True, exist_ok=True)
+        (src / f"class_{k % 2}" / f"{k:02d}.jpg").write_bytes(open(jpegs[k], "rb").read())
+    Image.fromarray(decode_cpu(open(jpegs[0], "rb").read(), "rgb", 0)).save(src / "class_1" / "png.png")
+    source = gpuio.formats.filetree(str(src))
+    dest = gpuio.pack(str(src), tmp_path / "p", shard_size=200_000)
+    got = gpuio.formats.packed(dest)
+    assert got.meta["options"]["restart_interval"] == 4 and got.fields == ("data", "data.restarts", "label")
+    assert got.meta["unmarked"] == {"data": {"not_jpeg": 1, "refused": 0}}
+    for i in range(len(source)):
+        before, after = source[i]["data"], got[i]["data"]
+        offsets = np.frombuffer(got[i]["data.restarts"], "<u4")
+        if before.startswith(b"\x89PNG"):
+            assert after == before and len(offsets) == 0
+        else:  # the intervals are an MCU row or an even part of one: at least one per row
+            assert after != before and len(offsets) >= -(-jpeg_info(after).height // 16)
+            np.testing.assert_array_equal(decode_cpu(after, "rgb", i), decode_cpu(before, "rgb", i))
+    want, packed = _train_epoch(source), _train_epoch(got)
+    assert len(packed) == len(want) == 3
+    for (image, label, names), (want_image, want_label, _) in zip(packed, want):
+        assert names == ["image", "index", "label"]  # no data.restarts handed over
+        assert np.array_equal(label, want_label) and np.array_equal(image, want_image)
+    # the CLI's default is the same, and so are the bytes on 2 workers; it says what it kept
+    capsys.readouterr()
+    assert main(["pack", str(src), "-o", str(tmp_path / "cli"), "--workers", "2", "--shard-size", "200000"]) == 0
+    assert _files(dest) == _files(tmp_path / "cli") and len(_files(dest)) > 3
+    assert "data: restart markers every 4 MCUs; kept as their bytes: 1 images that are not JPEGs, 0 JPEGs" \
+        in capsys.readouterr().out
+
+
+def test_without_the_transcoder_the_default_keeps_the_bytes(tree, tmp_path, monkeypatch):
+    as_is = gpuio.pack(tree, tmp_path / "as-is", images=PASS_THROUGH)
+    monkeypatch.setattr(gpuio.ops.decode, "native_jpeg", lambda: None)  # gpuio.ops._jpeg not built
+    with pytest.warns(UserWarning, match="gpuio.ops._jpeg was not built"):
+        dest = gpuio.pack(tree, tmp_path / "p")
+    assert _files(dest) == _files(as_is)
+    with pytest.raises(ConfigError, match="gpuio.ops._jpeg, which was not built"):
+        gpuio.pack(tree, tmp_path / "q", images=gpuio.ImagePolicy(restart_interval=2))
 
 
 def test_a_bad_shard_names_itself(tree, tmp_path):
