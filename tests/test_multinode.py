@@ -334,3 +334,49 @@ def test_a_stalled_read_stops_its_rank_naming_it_the_url_and_the_range(store, tm
     assert ("GET", url[4:], f"bytes={first}-{last}") in proxy.asked, "the range named is not one asked for"
     assert "after 2 tries" in message, message
     assert 2 <= waited < 2 + 4, f"a stalled read took {waited:.1f} s to fail (2 tries of 1 s each)"
+
+
+_CLAIMER = """
+import sys
+import gpuio
+from gpuio.index import SampleIndex
+loader = gpuio.Loader(SampleIndex.load(sys.argv[1]), 4, threads=1, output="numpy")
+next(iter(loader))  # its first GET stalls: the process dies holding the block's claim
+"""
+
+
+def test_a_claim_left_by_a_killed_process_is_taken_over_at_once(store, tmp_path, monkeypatch):
+    """A process killed while it downloads a block (as a node's ranks are when the job
+    stops) leaves the block's ``.part`` claim in the node's cache; the restarted job on
+    that node downloads the block at once, not after the stall limit (270 s by default)."""
+    import gpuio
+    from gpuio.index import SampleIndex
+
+    _, saved_index, port = store
+    proxy = FaultProxy(("127.0.0.1", port))
+    cache = tmp_path / "cache"
+    try:
+        proxy.stall(1)  # the first GET: the other blocks are fetched and written
+        for name, value in (("AWS_ENDPOINT_URL", proxy.url), ("GPUIO_REMOTE_CACHE_DIR", str(cache)),
+                            ("GPUIO_REMOTE_BLOCK", str(BLOCK))):
+            monkeypatch.setenv(name, value)
+        claimer = subprocess.Popen([sys.executable, "-c", _CLAIMER, saved_index], env={**os.environ, **AWS})
+        deadline = time.monotonic() + 60
+        while not (proxy.asked and list(cache.rglob("*.part"))) and claimer.poll() is None:
+            assert time.monotonic() < deadline, "the reader made no claim"
+            time.sleep(0.02)
+        claimer.kill()
+        claimer.wait()
+        claims = list(cache.rglob("*.part"))
+        assert claims, "the killed process left no claim"
+        remote.reset_client()
+        loader = gpuio.Loader(SampleIndex.load(saved_index), B, threads=1, output="numpy")
+        t0 = time.monotonic()
+        batch = next(iter(loader))
+        waited = time.monotonic() - t0
+        loader.close()
+    finally:
+        proxy.close()
+        remote.reset_client()
+    assert [bytes(d) for d in batch["bin"]] == [_payload(i) for i in batch["index"].tolist()]
+    assert waited < 10, f"the restarted reader waited {waited:.0f} s for a dead process's claim"

@@ -93,6 +93,8 @@ _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _WRITERS = 2  # threads writing blocks behind the reads
 _MAGIC = b"gpc2"  # a block file's trailer: this, then the CRC-32C of the block's bytes (little-endian)
 _TRAILER = struct.Struct("<4sI")
+_CLAIM_LOCKS = hasattr(fcntl, "F_OFD_SETLK")  # a block claim is locked by its process (Linux)
+_CLAIM_GRACE_S = 1.0  # a claim younger than this may not be locked yet
 # a process's pack takes appends up to this size (at most 1/_PACK_SHARE of the budget: eviction
 # removes whole packs), then it starts another
 _PACK_BYTES = 64 << 20
@@ -463,6 +465,18 @@ def _lock(fd: int, kind: int, offset: int) -> bool:
 def _removed(fd: int) -> bool:
     """Whether the file open as ``fd`` was removed (the cache folder emptied under this process)."""
     return os.fstat(fd).st_nlink == 0
+
+
+def _claim_held(part: str) -> bool:
+    """Whether a live process holds the block claim ``part`` (its lock, taken by ``_obtain``)."""
+    try:
+        fd = os.open(part, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return True  # renamed into place or removed: nothing to break
+    try:
+        return not _lock(fd, fcntl.F_RDLCK, 0)
+    finally:
+        os.close(fd)
 
 
 def _claim_offset(tag: bytes) -> int:
@@ -973,6 +987,8 @@ class BlockCache:
                     return self._download_reserved(info, block, want), None
                 raise _cache_error(path, exc) from exc
             break
+        if _CLAIM_LOCKS:
+            _lock(fd, fcntl.F_WRLCK, 0)  # held while this process lives: a dead one's claim is free at once
         try:
             if self._present(path, want):  # written by another process while we took the claim
                 _unlink(part)
@@ -1064,13 +1080,14 @@ class BlockCache:
         return True
 
     def _break_stale(self, part: str) -> None:
-        """Remove a download in progress that has not finished within the stall limit
-        (its process died or hangs); its block is then downloaded again."""
+        """Remove a download in progress whose process died (its claim's lock is free:
+        a restarted job need not wait) or that has not finished within the stall limit
+        (its process hangs); its block is then downloaded again."""
         try:
             age = time.time() - os.stat(part).st_mtime
         except FileNotFoundError:
             return
-        if age > self.stale_s:
+        if age > self.stale_s or (_CLAIM_LOCKS and age > _CLAIM_GRACE_S and not _claim_held(part)):
             _unlink(part)
 
     # ---- the LRU order and the budget -------------------------------------------------
