@@ -12,9 +12,10 @@ Rules:
 - a block is written to a temporary file (``.part``) and renamed into place: a reader
   sees a whole block or none;
 - one download per block on the node: the process that creates ``<block>.part``
-  (``O_EXCL``) downloads into it, the others wait for the block (a ``.part`` older than
-  the stall limit, ``remote_timeout`` x (``remote_retries`` + 1) seconds, is left by a
-  dead or hung process and is taken over); within a process, one fetch per block;
+  (``O_EXCL``) downloads into it, holding a lock on it, the others wait for the block (a
+  ``.part`` whose lock is free is left by a dead process, one older than the stall limit,
+  ``remote_timeout`` x (``remote_retries`` + 1) seconds, by a hung one: either is taken
+  over); within a process, one fetch per block;
 - writes are behind the reads: a downloaded block's bytes go to the batch at once, and
   its file is written and renamed on a writer thread. Until then this process serves
   the block from memory, other processes wait for the rename. At most
