@@ -48,11 +48,10 @@ from PIL import Image, UnidentifiedImageError
 from gpuio.batch import Batch, Op
 from gpuio.device import require
 from gpuio.errors import ConfigError, FormatError
-from gpuio.ops.restart import restarts_field
 
 __all__ = ["DecodeImage", "decode_image", "decode_cpu", "decode_region", "region_decodable", "jpeg_facts",
            "facts_info", "jpeg_info", "JpegInfo",
-           "orient", "decode_rows", "COLORS", "image_format", "gpu_decodable", "decode_gpu", "upload"]
+           "orient", "decode_rows", "COLORS", "image_format", "gpu_decodable", "decode_gpu", "upload", "restarts_field"]
 
 COLORS = ("rgb", "gray", "unchanged")
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
@@ -93,6 +92,12 @@ def _exif_orientation(seg: memoryview) -> int:
     except struct.error:
         return 1
     return 1
+
+
+def restarts_field(field: str) -> str:
+    """The name of the field that holds the restart offsets of the encoded images in
+    ``field``: ``"<field>.restarts"``, one uint32 array per sample (``gpuio.ops.restart``)."""
+    return f"{field}.restarts"
 
 
 def byte_view(buf: Any) -> np.ndarray:

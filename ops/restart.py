@@ -21,14 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from gpuio.errors import ConfigError, DependencyError, FormatError
+from gpuio.ops.decode import byte_view, native_jpeg, restarts_field
 
 __all__ = ["add_restart_markers", "restarts_field"]
-
-
-def restarts_field(field: str) -> str:
-    """The name of the field that holds the restart offsets of the encoded images in
-    ``field``: ``"<field>.restarts"``, one uint32 array per sample."""
-    return f"{field}.restarts"
 
 
 def add_restart_markers(jpeg: bytes | np.ndarray, interval_mcus: int, *,
@@ -53,8 +48,6 @@ def add_restart_markers(jpeg: bytes | np.ndarray, interval_mcus: int, *,
     ``ConfigError`` for an interval outside 0-65535, and ``DependencyError`` where
     ``gpuio.ops._jpeg`` was not built.
     """
-    from gpuio.ops.decode import byte_view, native_jpeg  # here: the decoders name restarts_field
-
     if not 0 <= interval_mcus <= 65535:
         raise ConfigError(f"restart interval {interval_mcus}: 0 (every MCU row) to 65535 MCUs")
     module = native_jpeg()
