@@ -310,7 +310,7 @@ def _default_interval() -> int:
         return DEFAULT_RESTART_INTERVAL
     warnings.warn("packing the images as their source bytes, without the default restart markers: "
                   "gpuio.ops._jpeg was not built (rebuild gpuio with a C compiler and libjpeg's headers for "
-                  "crops that decode faster)", UserWarning, stacklevel=4)
+                  "crops that decode faster)", UserWarning, stacklevel=5)
     return 0
 
 
