@@ -242,7 +242,8 @@ def dali_cpu(root: str, batch: int, threads: int, count: int, pipeline: str = "t
     return run
 
 
-def _paths(root: str) -> list[str]:
+def image_paths(root: str) -> list[str]:
+    """The JPEG files of the sample tree under ``root``, absolute paths in the tree's order."""
     return list(gpuio.formats.filetree(root).files)  # absolute paths
 
 
@@ -263,7 +264,7 @@ def decode_only(root: str, batch: int, threads: int, count: int, pipeline: str =
     jpeg = decode.native_jpeg()
     if jpeg is None:
         raise ImportError("gpuio.ops._jpeg was not built", name="gpuio.ops._jpeg")
-    bufs = [np.fromfile(path, np.uint8) for path in _paths(root)[:count]]
+    bufs = [np.fromfile(path, np.uint8) for path in image_paths(root)[:count]]
     facts = decode.jpeg_facts(bufs)
     whole = decode.region_decodable(facts).tolist()
     largest = int((facts[:, 3] * facts[:, 4]).max(initial=1)) * 3
@@ -310,7 +311,7 @@ def spdl_loader(root: str, batch: int, threads: int, pipeline: str = "train") ->
     import torch
     from spdl.pipeline import PipelineBuilder
 
-    paths = _paths(root)
+    paths = image_paths(root)
     try:  # the Python package imports without FFmpeg's libraries; its first decode loads them
         spdl.io.demux_image(paths[0])
     except (OSError, RuntimeError) as exc:

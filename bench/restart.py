@@ -40,7 +40,7 @@ import gpuio
 from gpuio import ops
 from gpuio.batch import Batch, sample_seeds
 from gpuio.bench._common import BenchError, interleaved_rounds, machine, print_table, sample_root, write_json
-from gpuio.bench.images import MEAN, STD, _paths, cpu_timed, decode_only
+from gpuio.bench.images import MEAN, STD, cpu_timed, decode_only, image_paths
 from gpuio.errors import FormatError
 from gpuio.ops.decode import native_jpeg
 from gpuio.ops.restart import add_restart_markers, restarts_field
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     root = args.root or sample_root(args.count)
-    paths = _paths(root)
+    paths = image_paths(root)
     count = len(paths) - len(paths) % args.batch
     bufs = [np.fromfile(p, np.uint8) for p in paths[:count]]
     intervals = [int(n) for n in args.intervals.split(",")]
