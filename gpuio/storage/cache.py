@@ -275,8 +275,10 @@ class _Packs:
         self.names: list[str] = []  # pack number -> name
         self._number: dict[str, int] = {}
         self._read_to: list[int] = []  # per pack, the bytes of its record file read
-        # the records, sorted by tag: per record its pack, offset, length (-1: found bad) and CRC-32C
-        self.table: tuple[np.ndarray, np.ndarray] = (np.empty(0, dtype=f"S{_TAG}"), np.empty((0, 4), dtype=np.int64))
+        # the records, in runs sorted by tag (newer runs later; merged as a binary counter merges, so
+        # that adding n records costs O(n log n) in all): per record its tags and its pack, offset,
+        # length (-1: found bad) and CRC-32C
+        self._runs: list[tuple[np.ndarray, np.ndarray]] = []
         self.paths = PathTable.from_paths([], root)  # the pack files by number, relative to the root
         self._lock = threading.Lock()  # the table and the names
         self._fresh()
@@ -295,29 +297,35 @@ class _Packs:
     def find(self, tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per tag (``S20``): whether a good record of it is known, and the record (pack,
         offset, length, CRC-32C; the latest of its tag)."""
-        keys, rows = self.table
-        at = np.searchsorted(keys, tags, side="right") - 1
-        row = rows[np.maximum(at, 0)] if len(keys) else np.zeros((len(tags), 4), dtype=np.int64)
-        found = (at >= 0) & (keys[np.maximum(at, 0)] == tags if len(keys) else False) & (row[:, 2] >= 0)
-        return np.asarray(found, dtype=bool), row
+        row = np.zeros((len(tags), 4), dtype=np.int64)
+        known = np.zeros(len(tags), dtype=bool)
+        for keys, rows in reversed(self._runs):  # the newest record of a tag counts, good or bad
+            at = np.maximum(np.searchsorted(keys, tags, side="right") - 1, 0)
+            hit = ~known & (keys[at] == tags)
+            row[hit], known[hit] = rows[at[hit]], True
+        return known & (row[:, 2] >= 0), row
 
     def spoil(self, tags: np.ndarray, row: np.ndarray) -> None:
         """Forget the records ``row`` of ``tags``: their bytes failed their CRC-32C."""
-        keys, rows = self.table
-        for tag, (pack, offset) in zip(tags.tolist(), row[:, :2].tolist()):
-            lo, hi = np.searchsorted(keys, tag), np.searchsorted(keys, tag, side="right")
-            for k in range(lo, hi):
-                if rows[k, 0] == pack and rows[k, 1] == offset:
-                    rows[k, 2] = -1
+        for keys, rows in self._runs:
+            for tag, (pack, offset) in zip(tags.tolist(), row[:, :2].tolist()):
+                lo, hi = np.searchsorted(keys, tag), np.searchsorted(keys, tag, side="right")
+                for k in range(lo, hi):
+                    if rows[k, 0] == pack and rows[k, 1] == offset:
+                        rows[k, 2] = -1
 
     def _insert(self, tags: list[bytes], rows: list[tuple[int, int, int, int]]) -> None:
         if not tags:
             return
-        keys, old = self.table
-        new = np.array(tags, dtype=f"S{_TAG}")
-        order = np.argsort(new, kind="stable")
-        at = np.searchsorted(keys, new[order], side="right")  # after the older records of a tag
-        self.table = (np.insert(keys, at, new[order]), np.insert(old, at, np.array(rows, dtype=np.int64)[order], axis=0))
+        runs = list(self._runs)
+        runs.append((np.array(tags, dtype=f"S{_TAG}"), np.array(rows, dtype=np.int64)))
+        while len(runs) > 1 and len(runs[-2][0]) <= 2 * len(runs[-1][0]):
+            newer, older = runs.pop(), runs.pop()
+            runs.append((np.concatenate([older[0], newer[0]]), np.concatenate([older[1], newer[1]])))
+        keys, merged = runs[-1]
+        order = np.argsort(keys, kind="stable")  # a tag's newer records after its older ones
+        runs[-1] = (keys[order], merged[order])
+        self._runs = runs
 
     def refresh(self) -> None:
         """Read the records appended since this process last looked; forget the packs removed."""
@@ -333,8 +341,8 @@ class _Packs:
                     self.names.append(name)
                     self._read_to.append(0)
             if gone:
-                lost = np.isin(self.table[1][:, 0], [self._number[n] for n in gone])
-                self.table[1][lost, 2] = -1
+                for _, rows in self._runs:
+                    rows[np.isin(rows[:, 0], [self._number[n] for n in gone]), 2] = -1
                 for name in gone:  # never seen again: names hold a process id and a random part
                     self._read_to[self._number[name]] = -1
             self.paths = PathTable.from_paths([f"packs/{n}.pack" for n in self.names], os.path.dirname(self.folder))
