@@ -54,7 +54,7 @@ from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
 from gpuio.formats._files import each_shard, full_path, shard_paths, size_or_zero
 from gpuio.formats._thrift import ThriftError, read_struct
-from gpuio.index import UNKNOWN_LENGTH, Extents, PathTable, Ragged, SampleIndex
+from gpuio.index import UNKNOWN_LENGTH, Extents, Parser, PathTable, Ragged, SampleIndex
 from gpuio.storage.remote import client as remote_client
 from gpuio.storage.remote import is_url, object_versions, url_path
 
@@ -839,7 +839,7 @@ def hf_meta(features: dict[str, Any], columns: Mapping[str, str], binary: Sequen
 
 # ---- the parse step: values out of compressed or dictionary-encoded pages -------------
 
-class PageParser:
+class PageParser(Parser):
     """Turns the page units of ``source`` (see the module docstring) into the values of
     ``field``: uint8 arrays (a null value: empty). Each page is decompressed once per
     batch, however many of its values the batch holds. ``codecs``: each Parquet file's
