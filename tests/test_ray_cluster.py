@@ -121,13 +121,15 @@ def _remove_when_held(cluster, workers, marker: str, removed: list) -> None:
     removed.append(node_id)
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`use_push_based_shuffle` is deprecated")  # Ray Data's own context,
+@pytest.mark.filterwarnings("ignore:`use_polars` is deprecated")  # copied to the workers
 def test_a_node_removed_and_a_worker_killed_mid_pass(cluster):
     cluster, workers, index, folder = cluster
     order = np.asarray(epoch_order(N, True, SEED, EPOCH)).tolist()
     held, died = str(folder / "held"), str(folder / "died")
-    # the node is removed while its task holds order position 10 (its third batch: two blocks handed out)
-    ops = [_HoldOnce(held, order[10]), _DieOnce(died, order[25])]
+    # 4 read tasks of 2 batches: the node is removed while its task holds its second batch (position 14),
+    # its first handed out; a worker dies in the second batch of the last task (position 29)
+    ops = [_HoldOnce(held, order[14]), _DieOnce(died, order[29])]
     ds = gray.read(index, ops=ops, batch_size=B, shuffle=True, seed=SEED, epoch=EPOCH, override_num_blocks=4)
     removed: list[str] = []
     remover = threading.Thread(target=_remove_when_held, args=(cluster, workers, held, removed))
