@@ -121,8 +121,7 @@ def _remove_when_held(cluster, workers, marker: str, removed: list) -> None:
     removed.append(node_id)
 
 
-@pytest.mark.filterwarnings("ignore:`use_push_based_shuffle` is deprecated")  # Ray Data's own context,
-@pytest.mark.filterwarnings("ignore:`use_polars` is deprecated")  # copied to the workers
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")  # Ray's own settings, copied
 def test_a_node_removed_and_a_worker_killed_mid_pass(cluster):
     cluster, workers, index, folder = cluster
     order = np.asarray(epoch_order(N, True, SEED, EPOCH)).tolist()
