@@ -7,14 +7,21 @@ Rows:
   ``MDSWriter`` and webdataset's ``ShardWriter`` with the samples cut into as many parts,
   one writer per part on as many processes (as each library's docs parallelize them);
   ``litdata.optimize`` where it imports (it needs torchvision);
-- size: the packed dataset's bytes against the source's;
+- size: the packed dataset's bytes (shards and ``index.json``) against the source's, and
+  the overhead split: alignment padding (4 KiB starts of records of 32 KiB and more, 4 MiB
+  blocks), each shard's header, table and value columns, ``index.json``; with the same split
+  computed for this sample's image sizes scaled to ImageNet's mean (``--computed-mean``),
+  placed by the writer's own rule (``formats.packed.place``);
 - a Loader epoch of the train chain (decode, random resized crop 224, flip, normalize) and
   of the val chain (resize 256, center crop 224, normalize) on the source tree and on the packed
   dataset (``bench/images.py``'s chains), with the decode-only ceiling of each chain on
   the source (``images.decode_only``);
 - cold reads: every record of the packed shards through ``gpuio.Reader`` with the page
-  cache dropped, against ``bench/storage.py``'s ceiling (the fastest of a sequential, a
-  parallel and an O_DIRECT read) of the shard files themselves.
+  cache dropped, in ``--batch`` batches and in one batch, each against ``bench/storage.py``'s
+  ceiling measured in the same rounds (listed after it): the fastest of its sequential,
+  parallel and O_DIRECT reads of the same bytes (the records, back to back in one file), in
+  ``--cold-repeat`` interleaved rounds (one cold read takes a fraction of a second, and the
+  machine's other load spreads single reads by 2x and more).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import numpy as np
 import gpuio
 from gpuio.bench import images, storage
 from gpuio.bench._common import cache_dir, machine, sample_root
+from gpuio.formats.packed import INDEX_NAME, PAGE, align, place
 
 __all__ = ["main"]
 
@@ -118,6 +126,66 @@ def _on_processes(fn: Callable[[Any], None], parts: list[Any]) -> None:
         list(pool.map(fn, parts))
 
 
+def _records_file(index: gpuio.SampleIndex, out: str) -> str:
+    """The records of ``index``'s data field, back to back in one file (flushed, so that its
+    pages can be dropped): the bytes a cold read of every record delivers, laid out for the
+    sequential ceiling."""
+    ext = index.extents["data"]
+    with open(out, "wb") as dst:
+        for k in np.lexsort((ext.offset, ext.file)).tolist():
+            with open(index.files[int(ext.file[k])], "rb") as src:
+                dst.write(os.pread(src.fileno(), int(ext.length[k]), int(ext.offset[k])))
+        dst.flush()
+        os.fsync(dst.fileno())
+    return out
+
+
+def _padding(offset: np.ndarray, length: np.ndarray) -> tuple[int, int]:
+    """The unfilled bytes before the records of one shard's data region, in bytes: those
+    the 4 KiB start of a record of 32 KiB or more asks for, and those beyond
+    them that keep a record within a 4 MiB block."""
+    pages = blocks = 0
+    order = np.argsort(offset, kind="stable")
+    end = int(offset[order[0]])
+    for at, n in zip(offset[order].tolist(), length[order].tolist()):
+        if at > end:
+            paged = align(end, PAGE)
+            pages += min(at, paged) - end
+            blocks += max(0, at - paged)
+        end = max(end, at + n)
+    return pages, blocks
+
+
+def _overhead(index: gpuio.SampleIndex, folder: str) -> dict[str, int]:
+    """A packed dataset's bytes beyond its records' own: alignment padding (4 KiB starts,
+    4 MiB blocks), the shards' header, table and value columns (all before the first
+    record), and ``index.json``."""
+    split = {"records": 0, "padding, 4 KiB starts": 0, "padding, 4 MiB blocks": 0, "header+table+values": 0,
+             "index.json": os.path.getsize(os.path.join(folder, INDEX_NAME))}
+    exts = list(index.extents.values())
+    for f, path in enumerate(index.files.many(np.arange(len(index.files)))):
+        offset = np.concatenate([e.offset[e.file == f] for e in exts]).astype(np.int64)
+        length = np.concatenate([e.length[e.file == f] for e in exts]).astype(np.int64)
+        pages, blocks = _padding(offset, length)
+        split["records"] += int(length.sum())
+        split["padding, 4 KiB starts"] += pages
+        split["padding, 4 MiB blocks"] += blocks
+        split["header+table+values"] += int(offset.min())
+    return split
+
+
+def _computed_overhead(lengths: np.ndarray, measured: dict[str, int], n: int, mean: float) -> dict[str, float]:
+    """The split of ``_overhead`` computed, not measured, for images of ``lengths`` scaled to
+    a ``mean`` bytes: padding from the writer's rule (``place``) over one shard's worth of
+    them, repeated; header, table, values and ``index.json`` as measured per sample."""
+    scaled = np.maximum(1, np.round(lengths * (mean / lengths.mean()))).astype(np.int64)
+    shard = np.resize(scaled, max(1, int(gpuio.config.get("pack_shard_size") // mean)))
+    pages, blocks = _padding(place(shard, 0), shard)
+    per_image = {"padding, 4 KiB starts": pages / len(shard), "padding, 4 MiB blocks": blocks / len(shard),
+                 "header+table+values": measured["header+table+values"] / n, "index.json": measured["index.json"] / n}
+    return {k: v / mean for k, v in per_image.items()}
+
+
 def _chain(pipeline: str) -> Any:
     """The issue's chains: train as ``bench/images.py``'s; val resize 256, center crop 224."""
     if pipeline == "train":
@@ -147,6 +215,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--restart-interval", default="",
                         help="also pack with restart markers every N MCUs (a comma list: one pack each) and run "
                              "the chains on each")
+    parser.add_argument("--cold-repeat", type=int, default=10,
+                        help="rounds of the cold reads (gpuio's and each way of the ceiling); the fastest counts")
+    parser.add_argument("--computed-mean", type=float, default=110e3,
+                        help="also compute the size overhead for images of this mean size in bytes (ImageNet's: "
+                             "about 110 KB)")
     parser.add_argument("--out", default=os.path.join(cache_dir(), "results", "bench-pack.json"))
     args = parser.parse_args(argv)
     root = sample_root(args.count)
@@ -154,12 +227,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n, source_bytes = len(src), src.nbytes("data")
     work = tempfile.mkdtemp(prefix="gpuio-bench-pack-", dir=cache_dir())
     rows: list[dict[str, Any]] = []
-    print(f"{n} images, {source_bytes / 1e6:.1f} MB, from {root}; {args.workers} workers; {machine()['cpu']}")
+    loadavg = [os.getloadavg()]  # the machine's other load, at the start and the end
+    print(f"{n} images, {source_bytes / 1e6:.1f} MB, from {root}; {args.workers} workers; {machine()['cpu']}; "
+          f"load average {loadavg[0][0]:.1f}")
     try:
         _samples(src, range(n))  # the source read once: every writer starts from a warm page cache
         dest = os.path.join(work, "packed")
-        gpuio.pack(src, dest, workers=args.workers)
-        t_pack = _best(lambda out: gpuio.pack(src, out, workers=args.workers), work, args.repeat)
+        keep = gpuio.ImagePolicy(restart_interval=0)  # pass-through, as the other writers store the images
+        gpuio.pack(src, dest, workers=args.workers, images=keep)
+        t_pack = _best(lambda out: gpuio.pack(src, out, workers=args.workers, images=keep), work, args.repeat)
         rows.append({"row": "pack: gpuio.pack", "s": t_pack})
         items = [(src.files[src.extents["data"].file[i]], int(src.values["label"][i])) for i in range(n)]
         writers = {  # name: (import, write into a folder)
@@ -180,8 +256,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             t = _best(write, work, args.repeat)
             rows.append({"row": name, "s": t, "ratio": t / t_pack})
         packed = gpuio.formats.packed(dest)
-        packed_bytes = sum(os.path.getsize(p) for p in packed.files)
+        split = _overhead(packed, dest)
+        packed_bytes = sum(split.values())
         rows.append({"row": "size: packed / source", "bytes": packed_bytes, "ratio": packed_bytes / source_bytes})
+        computed = _computed_overhead(src.extents["data"].length.astype(np.int64), split, n, args.computed_mean)
+        for part, nbytes in split.items():
+            if part != "records":
+                rows.append({"row": f"size: {part}", "bytes": nbytes, "share": nbytes / source_bytes})
+        for part, share in {**computed, "all overhead": sum(computed.values())}.items():
+            rows.append({"row": f"size: {part}, {args.computed_mean / 1e3:.0f} KB mean (computed)", "share": share})
         chains = {"source tree": src, "packed pass-through": packed}
         for interval in [int(v) for v in args.restart_interval.split(",") if v]:
             marked = os.path.join(work, f"marked-{interval}")
@@ -208,25 +291,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 t = min(times[m])
                 rows.append({"row": f"{pipeline}: {m}", "s": t, "img_s": n / t,
                              **({"ratio": ceiling / t} if m != names[0] else {})})
-        shards = packed.files.many(np.arange(len(packed.files)))
-        for r in storage.measure("packed", packed, shards, batch=args.batch, repeat=3, caches=("cold",)):
-            if r["method"] == "gpuio":
-                rows.append({"row": "cold: gpuio.Reader, every record, vs ceiling", "s": r.get("seconds"),
-                             "MB_s": r["GB/s"] * 1e3 if "GB/s" in r else None, "ratio": r.get("vs ceiling"),
-                             **({"why": r["failed"]} if "failed" in r else {})})
-                if r.get("ceiling GB/s"):
-                    rows.append({"row": "cold: ceiling (bench/storage.py, the shard files)",
-                                 "MB_s": r["ceiling GB/s"] * 1e3})
+        records = [_records_file(packed, os.path.join(work, "records.bin"))]
+        bounds = (storage.SEQUENTIAL, storage.PARALLEL, storage.PARTS, storage.DIRECT, storage.DIRECT_DEEP)
+        for batch in dict.fromkeys((args.batch, n)):  # the Loader's batches, and one batch of every record
+            cold = storage.measure("packed", packed, records, batch=batch, repeat=args.cold_repeat, caches=("cold",))
+            for r in cold:
+                if r["method"] == "gpuio":
+                    rows.append({"row": f"cold: gpuio.Reader, batches of {batch}, vs ceiling", "s": r.get("seconds"),
+                                 "MB_s": r["GB/s"] * 1e3 if "GB/s" in r else None, "ratio": r.get("vs ceiling"),
+                                 **({"why": r["failed"]} if "failed" in r else {})})
+            ways = sorted((r for r in cold if r["method"] in bounds and "seconds" in r), key=lambda r: r["seconds"])
+            rows += [{"row": f"cold: {r['method']}, the records in one file", "s": r["seconds"],
+                      "MB_s": r["GB/s"] * 1e3, "ratio": r["vs ceiling"]} for r in ways]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{'row':48s} {'seconds':>8s} {'figure':>14s} {'ratio':>7s}")
+    loadavg.append(os.getloadavg())
+    print(f"{'row':60s} {'seconds':>8s} {'figure':>14s} {'ratio':>7s}")
     for r in rows:
         figure = (f"{r['img_s']:.0f} img/s" if "img_s" in r else f"{r['MB_s']:.0f} MB/s" if r.get("MB_s")
-                  else f"{r['bytes'] / 1e6:.1f} MB" if "bytes" in r else "")
-        secs = f"{r['s']:.2f}" if r.get("s") is not None else "-"
+                  else f"{r['share']:.2%}" if "share" in r else f"{r['bytes'] / 1e6:.1f} MB" if "bytes" in r else "")
+        secs = f"{r['s']:.3f}" if r.get("s") is not None else "-"
         ratio = f"{r['ratio']:.2f}" if r.get("ratio") else ""
-        print(f"{r['row']:48s} {secs:>8s} {figure:>14s} {ratio:>7s}" + (f"  {r['why']}" if "why" in r else ""))
-    result = {"machine": machine(), "count": n, "source_bytes": source_bytes, "workers": args.workers, "rows": rows}
+        print(f"{r['row']:60s} {secs:>8s} {figure:>14s} {ratio:>7s}" + (f"  {r['why']}" if "why" in r else ""))
+    print(f"load average (1, 5, 15 min): start {', '.join(f'{v:.1f}' for v in loadavg[0])}; "
+          f"end {', '.join(f'{v:.1f}' for v in loadavg[1])}")
+    result = {"machine": machine(), "load_average": {"start": loadavg[0], "end": loadavg[1]}, "count": n,
+              "source_bytes": source_bytes, "workers": args.workers, "rows": rows}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
