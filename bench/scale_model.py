@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import math
 import os
 import subprocess
@@ -211,7 +212,7 @@ def check() -> list[dict[str, Any]]:
                                        str(SMALL["ranks_per_node"]), str(SMALL["batch"]), str(SMALL["epochs"])],
                                       env={**env, "GPUIO_REMOTE_CACHE_DIR": os.path.join(folder, f"cache{k}")},
                                       stdout=subprocess.PIPE, text=True) for k in range(SMALL["nodes"])]
-            measured = [eval_json(p.communicate(timeout=300)[0]) for p in procs]
+            measured = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
         finally:
             server.kill()
     ext = index.extents["bin"]
@@ -222,15 +223,10 @@ def check() -> list[dict[str, Any]]:
     for epoch in range(SMALL["epochs"]):
         predicted = blocks * (1 - (1 - q) ** (epoch + 1))
         for k in range(SMALL["nodes"]):
-            rows.append({"case": f"node {k}, after epoch {epoch + 1}", "model": predicted, "measured": measured[k][epoch],
-                         "ratio": measured[k][epoch] / predicted})
+            got = measured[k][epoch]
+            rows.append({"case": f"node {k}, after epoch {epoch + 1}", "model": predicted, "measured": got,
+                         "ratio": got / predicted})
     return rows
-
-
-def eval_json(text: str) -> Any:
-    import json
-
-    return json.loads(text.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -258,7 +254,8 @@ def main() -> None:
     print_table(rows, [("dataset", "dataset", ""), ("layout", "layout", ""), ("nodes", "nodes", "d"),
                        ("cold_gets_per_s", "cold GET/s", ",.0f"), ("prefixes", "prefixes", ",.1f"),
                        ("amplification", "bytes x", ".1f"), ("node_mb_per_s", "MB/s/node", ",.0f"),
-                       ("cache_gb_per_node", "cache GB/node", ",.0f"), ("list_s_all_ranks", "list s (all ranks)", ",.1f"),
+                       ("cache_gb_per_node", "cache GB/node", ",.0f"),
+                       ("list_s_all_ranks", "list s (all ranks)", ",.1f"),
                        ("index_mb", "index MB", ",.0f"), ("index_s_per_rank", "index s/rank", ".2f"),
                        ("order_s_per_rank", "order s/rank", ".3f"), ("binding", "binds first", "")])
     checked = check() if args.check else []

@@ -155,7 +155,9 @@ class _Node:
 
     def __init__(self, work: str, node: int, nnodes: int, port: int, phase: str, env: dict[str, str]) -> None:
         self.log = open(os.path.join(work, f"node{node}-{phase}.log"), "w")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
+        # c10d rendezvous numbers the nodes in the order they join (torchrun ignores --node_rank with it)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=2",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
                os.path.abspath(__file__), work, phase]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **env, "GPUIO_TEST_NODE": str(node)},
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -192,21 +194,18 @@ def store(tmp_path_factory):
     request of theirs but the blocks' GETs) and the store's port."""
     folder = tmp_path_factory.mktemp("multinode")
     server = SeaweedS3(str(folder / "weed"))
-    saved = {k: os.environ.get(k) for k in (*AWS, "AWS_ENDPOINT_URL", "AWS_PROFILE")}
     try:
-        os.environ.update(AWS, AWS_ENDPOINT_URL=server.endpoint)
-        os.environ.pop("AWS_PROFILE", None)
-        remote.reset_client()
-        index = formats.webdataset(_shards(server), fields=("bin", "cls"))
-        index.save(str(folder / "index.npz"))
-        yield index, str(folder / "index.npz"), int(server.endpoint.rsplit(":", 1)[1])
+        with pytest.MonkeyPatch.context() as env:
+            for name, value in {**AWS, "AWS_ENDPOINT_URL": server.endpoint}.items():
+                env.setenv(name, value)
+            env.delenv("AWS_PROFILE", raising=False)
+            remote.reset_client()
+            index = formats.webdataset(_shards(server), fields=("bin", "cls"))
+            index.save(str(folder / "index.npz"))
+            yield index, str(folder / "index.npz"), int(server.endpoint.rsplit(":", 1)[1])
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         remote.reset_client()
+        server.kill()
         server.kill()
 
 

@@ -9,7 +9,6 @@ stops part way resumes from gpuio.ray's state with exactly the rows it had not t
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ from gpuio.pipeline.order import epoch_order
 from gpuio.storage import remote
 
 from remote_env import ACCESS_KEY, SECRET_KEY, SeaweedS3
+from test_ray import _DieOnce
 
 N, B, SEED, EPOCH = 32, 4, 11, 2
 AWS = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
@@ -53,27 +53,14 @@ class _HoldOnce(Op):
         return batch
 
 
-class _DieOnce(Op):
-    """Kills the worker process it runs in (SIGKILL) the first time it sees sample ``at``."""
-
-    def __init__(self, marker: str, at: int) -> None:
-        self.marker, self.at = marker, at
-
-    def __call__(self, batch):
-        if self.at in batch.index.tolist() and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return batch
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """SeaweedFS with N .npy files, and the cluster, its workers pointed at the store;
     yields (cluster, the worker nodes, the index, a folder for markers)."""
     folder = tmp_path_factory.mktemp("ray-cluster")
     server = SeaweedS3(str(folder / "weed"))
-    saved = {k: os.environ.get(k) for k in (*AWS, "AWS_ENDPOINT_URL", "AWS_PROFILE")}
     cluster = None
+    env = pytest.MonkeyPatch()
     try:
         s3 = server.boto()
         s3.create_bucket(Bucket="data")
@@ -82,8 +69,9 @@ def cluster(tmp_path_factory):
             np.save(path, _array(i))
             s3.put_object(Bucket="data", Key=f"npy/{i:03d}.npy", Body=path.read_bytes())
         s3.close()
-        os.environ.update(AWS, AWS_ENDPOINT_URL=server.endpoint)  # the raylets' and so the workers'
-        os.environ.pop("AWS_PROFILE", None)
+        for name, value in {**AWS, "AWS_ENDPOINT_URL": server.endpoint}.items():  # the raylets' and workers'
+            env.setenv(name, value)
+        env.delenv("AWS_PROFILE", raising=False)
         remote.reset_client()
         index = formats.numpy("s3://data/npy")
         # a node whose raylet stops answering is declared dead after about a second, not 15
@@ -94,17 +82,14 @@ def cluster(tmp_path_factory):
         workers = [cluster.add_node(num_cpus=1, env_vars={"GPUIO_REMOTE_CACHE_DIR": str(folder / f"cache{k}")})
                    for k in range(2)]
         ray.init(address=cluster.address, logging_level="ERROR")
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ops travel by value
+        for module in (__name__, _DieOnce.__module__):  # the ops travel by value
+            ray.cloudpickle.register_pickle_by_value(sys.modules[module])
         yield cluster, workers, index, folder
     finally:
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        env.undo()
         remote.reset_client()
         server.kill()
 
