@@ -46,6 +46,11 @@ def watch_parts(watcher: Callable[[str, float, float], None], on: bool = True) -
     _watchers = tuple(w for w in _watchers if w != watcher) + ((watcher,) if on else ())
 
 
+def part_watchers() -> int:
+    """How many watchers ``watch_parts`` holds now."""
+    return len(_watchers)
+
+
 def cpu_pool() -> ThreadPoolExecutor:
     """The pool (made on first use, and anew in a forked child)."""
     global _pool

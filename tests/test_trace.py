@@ -183,9 +183,9 @@ def test_the_nesting_check_refuses_crossing_spans():
 def test_a_capture_never_run_leaves_no_watcher(tmp_path):
     from gpuio.ops import _cpu_pool
 
-    before = len(_cpu_pool._watchers)
+    before = _cpu_pool.part_watchers()
     ld = gpuio.Loader(tree(tmp_path / "t"), 4, output="numpy", trace=tmp_path / "never.json")
-    assert len(_cpu_pool._watchers) == before + 1
+    assert _cpu_pool.part_watchers() == before + 1
     del ld
     gc.collect()
-    assert len(_cpu_pool._watchers) == before and not (tmp_path / "never.json").exists()
+    assert _cpu_pool.part_watchers() == before and not (tmp_path / "never.json").exists()
