@@ -291,6 +291,7 @@ def test_two_nodes_exactly_once_one_download_per_block_and_a_node_lost(store, tm
     assert len(epoch2) == len(set(epoch2)) and not set(epoch2) & set(gets[0]), "node 0 downloaded a block again"
     assert not set(again) & (set(gets[0]) | set(epoch2)), "the resumed job downloaded blocks node 0 held"
     assert set(again) == _blocks(index, after) - set(gets[0]) - set(epoch2)
+    assert _blocks(index, after) - set(again), "the resumed job read no block from node 0's cache"
 
 
 if __name__ == "__main__":
