@@ -16,6 +16,13 @@ extents), ``pyarrow-parquet`` (``pyarrow.parquet.write_table`` defaults: snappy 
 dictionary, decompressed once at indexing), ``pyarrow-zstd`` (zstd without a dictionary,
 pages of about 1 MB: page extents, decompressed once per batch), ``hf-arrow`` (``save_to_disk``).
 
+Also ``mds`` (mosaicml-streaming's ``MDSWriter``, uncompressed: samples read in place),
+``litdata`` (``litdata.optimize``, uncompressed), ``array_record`` (array_record's writer,
+``group_size:1`` and its default zstd: each record's chunk, decompressed by the parse
+step) and ``array_record-plain`` (uncompressed), each against that library's own loader
+(``StreamingDataset`` + ``DataLoader``, ``litdata.StreamingDataLoader``, Grain's
+``DataLoader`` over ``ArrayRecordDataSource``) with the same Pillow work per image.
+
 ``--remote``: ``hf-parquet`` in SeaweedFS (started on loopback), the two ways to index it
 side by side: page extents read through the node-local cache (what ``formats.parquet``
 does) against a one-time scan (the object copied whole through the cache, then exact
@@ -28,11 +35,16 @@ downloads.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import io
 import math
 import os
 import random
+import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,6 +84,8 @@ def write_datasets(root: str, folder: str) -> dict[str, Any]:
 
 
 def make_index(name: str, path: str) -> Any:
+    if name in STREAMING:
+        return STREAMING[name](path)
     return gpuio.formats.arrow(path) if name.endswith("arrow") else gpuio.formats.parquet(path)
 
 
@@ -83,7 +97,8 @@ def index_rows(name: str, path: str) -> list[dict[str, Any]]:
         index = make_index(name, path)
         seconds = time.perf_counter() - t0
         read, size = index.meta["index_bytes_read"], index.meta["data_bytes"]
-        kind = index.meta.get("extents", {"image.bytes": "exact"})["image.bytes"]
+        kind = index.meta.get("extents", {"image.bytes": "exact"})["image.bytes"] if name not in STREAMING else (
+            "chunk, parse step" if name == "array_record" else "in place")
         rows.append({"format": name, "when": when, "samples": len(index), "index_s": seconds, "read_kb": read / 1024,
                      "read_pct": 100 * read / size, "data_mb": size / 1e6,
                      "extents": f"{kind}{' (decompressed copy)' if index.meta.get('decompressed') else ''}"})
@@ -255,6 +270,153 @@ class _Fetched:
         self.nbytes += nbytes
 
 
+def streaming_module(name: str) -> types.ModuleType:
+    """A module of mosaicml-streaming, imported without the package's ``__init__`` (its
+    vision, text and dataloader modules import torchvision and transformers, which the
+    writer and StreamingDataset do not need)."""
+    if "streaming" not in sys.modules:
+        root = importlib.util.find_spec("streaming").submodule_search_locations[0]
+        for pkg, folder in (("streaming", root), ("streaming.base", os.path.join(root, "base"))):
+            module = types.ModuleType(pkg)
+            module.__path__ = [folder]
+            sys.modules[pkg] = module
+    return importlib.import_module(name)
+
+
+def _sample(path_label: tuple[str, int]) -> dict[str, Any]:
+    """One LitData sample (module level: optimize's workers call it): the JPEG as the file
+    holds it, and its label."""
+    from PIL import Image
+
+    path, label = path_label
+    return {"image": Image.open(path), "label": label}
+
+
+def write_streaming(root: str, folder: str) -> dict[str, str]:
+    """The sample tree written by mosaicml-streaming's MDSWriter, litdata.optimize and
+    array_record's writer (zstd, its default, and uncompressed), each once."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+    from PIL import Image
+
+    tree = gpuio.formats.filetree(root)
+    files, labels = list(tree.files), np.asarray(tree.values["label"]).tolist()
+    out = {"mds": os.path.join(folder, "mds"), "litdata": os.path.join(folder, "litdata"),
+           "array_record": os.path.join(folder, "zstd.array_record"),
+           "array_record-plain": os.path.join(folder, "plain.array_record")}
+    if not os.path.exists(out["mds"]):
+        writer = streaming_module("streaming.base.format.mds.writer").MDSWriter
+        with writer(out=out["mds"], columns={"image": "jpeg", "label": "int"}) as w:
+            for p, label in zip(files, labels):
+                w.write({"image": Image.open(p), "label": label})
+    if not os.path.exists(os.path.join(out["litdata"], "index.json")):
+        import multiprocessing
+
+        import litdata
+
+        method = multiprocessing.get_start_method(allow_none=True)
+        litdata.optimize(fn=_sample, inputs=list(zip(files, labels)), output_dir=out["litdata"],
+                         chunk_bytes="64MB", num_workers=1, mode="overwrite")
+        multiprocessing.set_start_method(method, force=True)  # optimize sets spawn for the whole process
+    for name, options in (("array_record", "group_size:1"), ("array_record-plain", "group_size:1,uncompressed")):
+        if not os.path.exists(out[name]):
+            w = ArrayRecordWriter(out[name], options)
+            for p in files:
+                w.write(open(p, "rb").read())
+            w.close()
+    return out
+
+
+def _train_classes() -> dict[str, Callable[[], type]]:
+    """Makers of the library-based classes the competitors' worker processes unpickle by
+    name (each base class comes from a library imported only when its row runs)."""
+
+    def mds() -> type:
+        base = streaming_module("streaming.base.dataset").StreamingDataset
+        return type("MDSTrain", (base,), {"__getitem__": lambda self, i: self.train(base.__getitem__(self, i)["image"]),
+                                          "__module__": __name__})
+
+    def lit() -> type:
+        import litdata
+
+        def item(self: Any, i: Any) -> Any:  # its JPEG decoder needs torchvision: the bytes, decoded by Pillow
+            from PIL import Image
+
+            return self.train(Image.open(io.BytesIO(bytes(litdata.StreamingDataset.__getitem__(self, i)["image"]))))
+
+        return type("LitTrain", (litdata.StreamingDataset,), {"__getitem__": item, "__module__": __name__})
+
+    def grain_decode() -> type:
+        import grain.python as grain
+
+        def map_(self: Any, record: bytes) -> Any:
+            from PIL import Image
+
+            return self.train(Image.open(io.BytesIO(record))).numpy()
+
+        return type("GrainDecode", (grain.MapTransform,), {"__init__": lambda self, train: setattr(self, "train", train),
+                                                            "map": map_, "__module__": __name__})
+
+    return {"MDSTrain": mds, "LitTrain": lit, "GrainDecode": grain_decode}
+
+
+def __getattr__(name: str) -> Any:
+    """``MDSTrain``, ``LitTrain`` and ``GrainDecode``, made on first use, here and in the
+    loaders' worker processes."""
+    makers = _train_classes()
+    if name not in makers:
+        raise AttributeError(name)
+    cls = globals()[name] = makers[name]()
+    return cls
+
+
+def library_epoch(name: str, path: str, batch: int, workers: int, train: Callable[[Any], Any]
+                  ) -> tuple[str, Callable[[], Iterator[Any]]]:
+    """``(label, one pass)`` of the library's own loader with ``train`` (decode + augment
+    of a PIL image) in ``workers`` processes."""
+    import torch
+
+    if name == "mds":
+        ds = __getattr__("MDSTrain")(local=path, shuffle=True, batch_size=batch)
+        ds.train = train
+        loader = torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=workers, drop_last=True,
+                                             persistent_workers=workers > 0)
+        return "StreamingDataset + DataLoader", lambda: iter(loader)
+    if name == "litdata":
+        import litdata
+        from litdata.streaming.serializers import BytesSerializer
+
+        ds = __getattr__("LitTrain")(path, shuffle=True, serializers={"jpeg": BytesSerializer()})
+        ds.train = train
+        loader = litdata.StreamingDataLoader(ds, batch_size=batch, num_workers=workers, drop_last=True,
+                                             persistent_workers=workers > 0)
+        return "litdata StreamingDataLoader", lambda: iter(loader)
+    import grain.python as grain
+    from absl import flags
+    from array_record.python.array_record_data_source import ArrayRecordDataSource
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    decode = __getattr__("GrainDecode")
+    source = ArrayRecordDataSource([path])
+    # one loader over endless epochs, each pass taking an epoch's batches: its workers
+    # start once, as the other loaders' persistent workers do
+    sampler = grain.IndexSampler(num_records=len(source), shard_options=grain.NoSharding(), shuffle=True,
+                                 num_epochs=None, seed=0)
+    batches = iter(grain.DataLoader(data_source=source, sampler=sampler, worker_count=workers,
+                                    operations=[decode(train), grain.Batch(batch, drop_remainder=True)]))
+
+    def run() -> Iterator[Any]:
+        for _ in range(len(source) // batch):
+            yield next(batches)
+
+    return "Grain DataLoader", run
+
+
+# the other libraries' formats: name -> the gpuio format that indexes it
+STREAMING = {"mds": gpuio.formats.mds, "litdata": gpuio.formats.litdata, "array_record": gpuio.formats.array_record,
+             "array_record-plain": gpuio.formats.array_record}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--count", type=int, default=1000, help="images in the sample (default 1000)")
@@ -270,6 +432,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     folder = os.path.join(os.path.dirname(root), f"formats-{args.count}")
     os.makedirs(folder, exist_ok=True)
     paths = write_datasets(root, folder)
+    paths.update(write_streaming(root, folder))
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores; {args.count} JPEGs, batch {args.batch}, "
           f"{args.threads} threads / workers")
@@ -283,18 +446,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     epoch_table = []
     for name, path in paths.items():
-        runs = {"gpuio Loader": gpuio_epoch(make_index(name, path), args.batch, args.threads),
-                "datasets + DataLoader": hf_epoch(name, path, args.batch, args.threads)}
+        own, run = (library_epoch(name, path, args.batch, args.threads, pillow_train) if name in STREAMING
+                    else ("datasets + DataLoader", hf_epoch(name, path, args.batch, args.threads)))
+        runs = {"gpuio Loader": gpuio_epoch(make_index(name, path), args.batch, args.threads), own: run}
         speed, failed = interleaved_rounds(runs, args.epochs, desc=name)
         for who in runs:
             epoch_table.append({"format": name, "loader": who, "images_s": speed.get(who),
-                                "ratio": speed[who] / speed["datasets + DataLoader"]
-                                if who in speed and "datasets + DataLoader" in speed else None,
+                                "ratio": speed[who] / speed[own] if who in speed and own in speed else None,
                                 "error": failed.get(who, "")})
-        del runs  # the DataLoader's workers end before the next rows run
+        del runs, run  # the DataLoader's workers end before the next rows run
     print("\nepoch: decode, random resized crop 224, flip, normalize (images/s, best pass)")
     print_table(epoch_table, [("format", "format", ""), ("loader", "loader", ""), ("images_s", "images/s", ".1f"),
-                              ("ratio", "x datasets", ".2f"), ("error", "error", "")])
+                              ("ratio", "x own loader", ".2f"), ("error", "error", "")])
 
     parquets = ("hf-parquet", "pyarrow-parquet", "pyarrow-zstd")
     raw_table = [r for n in parquets for r in raw_rows(n, paths[n], args.batch)]
