@@ -11,7 +11,8 @@ start per pass):
   payloads in flight (queued, being worked on, or finished and waiting), before it
   waits and again once it has taken the payload it returns, so that the next one is
   under way while the consumer holds this one; nothing runs ahead of the consumer by
-  more than ``window`` and no feeder thread is needed;
+  more than ``window`` and no feeder thread is needed; ``deepen(window)`` widens it
+  for the next ``get()`` (the loader's read-ahead tuner);
 - each stage has ``workers`` threads and an input queue (a ``SimpleQueue``: it never
   holds more than ``window`` items, and its get and put cost no Python-level locks, which
   on two cores showed in every batch's hand-off); a worker that finishes
@@ -120,6 +121,11 @@ class Executor:
         consumer) and the most items it keeps in flight."""
         names = [s.name for s in self.stages]
         return {"queues": {name: q.qsize() for name, q in zip(names, self._queues)}, "window": self._window}
+
+    def deepen(self, window: int) -> None:
+        """Keep up to ``window`` payloads in flight from the next ``get()`` on (the
+        consumer's thread calls it, between ``get()`` calls; a window is never narrowed)."""
+        self._window = max(self._window, window)
 
     def _after_fork(self) -> None:
         self._forked = True  # the threads stayed in the parent; locks they held stay held

@@ -22,6 +22,7 @@ Rules the figures follow:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -31,7 +32,7 @@ from typing import Any
 
 from gpuio.device import require
 
-__all__ = ["Histogram", "PipelineStats", "cpu_budget"]
+__all__ = ["Histogram", "PipelineStats", "ReadAhead", "cpu_budget"]
 
 _BUCKETS_PER_OCTAVE = 4  # bucket k holds latencies up to 2**(k/4) microseconds: within 19%
 _BUCKETS = 124  # up to 2**31 us, some 36 minutes
@@ -551,3 +552,85 @@ def verdict(s: dict[str, Any], *, threads: int, prefetch: int, window: int, want
                    "between stages and for the consumer",
                    f"raise prefetch (now {prefetch}, {window} batches in flight) so that more batches are under way",
                    numbers)
+
+
+_TUNE_BATCHES = 8  # batches the read-ahead tuner looks at before each decision
+_MOST_PREFETCH = 64  # read-ahead depth the tuner never goes beyond, whatever the budget allows
+_log = logging.getLogger("gpuio")
+
+
+class ReadAhead:
+    """Read-ahead depth (``Loader(prefetch="auto")``) chosen online from the figures.
+
+    The loader tells it each batch's wait in ``next()`` and the consumer's work after it
+    (``batch``); every ``_TUNE_BATCHES`` batches it looks at that span: while the
+    consumer waited at least tf.data's lower band (5%) of its step time, no stage's
+    workers were saturated (busy below ``_SATURATED``, on a GPU its device time too) and
+    the process left some of its cores free, the depth doubles (one more at least), up to
+    ``room``, the most the buffer budget allows. It holds once the consumer no longer
+    waits, a stage or the CPU is saturated (more batches ahead cannot make it faster), or
+    the budget binds. Each change, and the first hold of each kind, is a decision
+    ``{batch, setting, from, to, why}`` in ``decisions`` and a log line (``gpuio`` logger)."""
+
+    def __init__(self, stats: PipelineStats, prefetch: int) -> None:
+        self.prefetch = prefetch
+        self.decisions: list[dict[str, Any]] = []
+        self._stats = stats
+        self._held: str | None = None  # the kind of the last hold said (said once until a change)
+        self.begin()
+
+    def begin(self) -> None:
+        """Start a span (at a pass's start: its first batch is start-up, not counted)."""
+        self._wait = self._work = 0.0
+        self._n = 0
+        self._t0, self._cpu0 = time.perf_counter(), time.process_time()
+        self._seconds0 = {name: max(m.seconds, m.gpu_seconds) for name, m in self._stats.stages.items()}
+
+    def batch(self, k: int, wait: float, work: float, room: int) -> int | None:
+        """Batch ``k`` was waited for ``wait`` s and worked on ``work`` s; the new depth,
+        or ``None`` to keep it. ``room``: the deepest read-ahead the budget allows."""
+        self._wait += wait
+        self._work += work
+        self._n += 1
+        if self._n < _TUNE_BATCHES:
+            return None
+        wall = time.perf_counter() - self._t0
+        step = self._wait + self._work
+        share = self._wait / step if step > 0 else 0.0
+        busy = {name: (max(m.seconds, m.gpu_seconds) - self._seconds0.get(name, 0.0)) / (m.workers * wall)
+                for name, m in self._stats.stages.items()} if wall > 0 else {}
+        cores = cpu_budget()
+        cpu = (time.process_time() - self._cpu0) / (wall * cores) if wall > 0 else 0.0
+        self.begin()
+        if share < _BANDS[0][0]:
+            return None
+        waited = f"the consumer waited {100 * share:.0f}% of its step time over {_TUNE_BATCHES} batches"
+        top = max(busy, key=busy.__getitem__) if busy else None
+        if top is not None and busy[top] >= _SATURATED:
+            return self._hold(k, "stage", f"{waited}, but {top}'s workers are {100 * busy[top]:.0f}% busy: "
+                                          "batches further ahead cannot make it faster")
+        if cpu >= _CPU_SATURATED:
+            return self._hold(k, "cpu", f"{waited}, but the process keeps {100 * cpu:.0f}% of its {cores} cores "
+                                        "busy: batches further ahead cannot make it faster")
+        deepest = min(room, _MOST_PREFETCH)
+        if deepest <= self.prefetch:
+            limit = ("the buffer budget holds no more batches in flight" if room <= _MOST_PREFETCH
+                     else f"{_MOST_PREFETCH} is the most the tuner reads ahead")
+            return self._hold(k, "budget", f"{waited}, but {limit}")
+        new = min(deepest, max(2 * self.prefetch, self.prefetch + 1))
+        busiest = f" (busiest stage {top}, {100 * busy[top]:.0f}% busy)" if top is not None else ""
+        bound = "; the buffer budget allows no more" if new == room else ""
+        self._decide(k, new, f"{waited} and no stage is saturated{busiest}{bound}")
+        self._held = None
+        self.prefetch = new
+        return new
+
+    def _hold(self, k: int, kind: str, why: str) -> None:
+        if self._held != kind:
+            self._held = kind
+            self._decide(k, self.prefetch, why)
+        return None
+
+    def _decide(self, k: int, to: int, why: str) -> None:
+        self.decisions.append({"batch": k, "setting": "prefetch", "from": self.prefetch, "to": to, "why": why})
+        _log.info("gpuio.Loader batch %d: prefetch %d -> %d: %s", k, self.prefetch, to, why)

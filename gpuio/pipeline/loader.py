@@ -36,7 +36,7 @@ from gpuio.index import SampleIndex
 from gpuio.pipeline import _frameworks
 from gpuio.pipeline._collate import Collate
 from gpuio.pipeline._executor import Executor, Stage
-from gpuio.pipeline._stats import PipelineStats, Verdict, cpu_budget_parts, verdict
+from gpuio.pipeline._stats import PipelineStats, ReadAhead, Verdict, cpu_budget_parts, verdict
 from gpuio.pipeline._opfields import check_op_fields, consumed_fields, flat_ops, image_fields
 from gpuio.pipeline.order import ORDER_VERSION, EpochOrder, EpochPlan, epoch_order
 from gpuio.storage import Reader, learn_lengths, read_fields
@@ -120,7 +120,14 @@ class Loader:
             no read-ahead, when its consumer spent under 10% of the last complete pass
             between batches: reading ahead could hide no more than that, and the
             hand-off between threads costs more on small machines. It reads ahead
-            again from the pass after one whose consumer worked longer.
+            again from the pass after one whose consumer worked longer. ``"auto"`` (the
+            default; ``None`` is the same) starts at 1 and deepens online: every 8 batches
+            in which the consumer waited 5% or more of its step time while no stage's
+            workers and not the process's cores were saturated, it doubles, up to the
+            batches the buffer budget holds (``buffer_budget``; it is never exceeded);
+            it stops when the consumer no longer waits, a stage saturates or the budget
+            binds. ``stats()["tuning"]`` lists each decision and why (also a log line of
+            the ``gpuio`` logger); an integer is kept as it is.
         threads: worker threads per CPU stage, or ``"auto"`` (the default; ``None`` is
             the same): the cores this process may use, from its affinity mask, its
             cgroup's CPU quota and ``torchrun``'s ``LOCAL_WORLD_SIZE`` (the processes on
@@ -198,7 +205,8 @@ class Loader:
                  fields: Sequence[str] | dict[str, str] | None = None, ops: Sequence[Any] | Any = (),
                  device: str | Device = "cpu", output: str = "torch",
                  shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 last_batch: str = "partial", prefetch: int = 1, threads: int | str | None = "auto",
+                 last_batch: str = "partial", prefetch: int | str | None = "auto",
+                 threads: int | str | None = "auto",
                  on_error: str = "raise", trace: str | os.PathLike[str] | None = None) -> None:
         if not isinstance(index, SampleIndex):
             raise ConfigError(f"index must be a gpuio SampleIndex, got {type(index).__name__}")
@@ -210,8 +218,11 @@ class Loader:
         self._framework = _frameworks.load(output)  # a missing framework is reported here
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error={on_error!r}; choose 'raise' or 'skip'")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ConfigError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        auto_prefetch = prefetch is None or prefetch == "auto"
+        if auto_prefetch:  # read-ahead from one batch beyond the workers, deepened while the consumer waits
+            prefetch = 1
+        elif isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"prefetch must be an integer >= 0 or 'auto', got {prefetch!r}")
         if threads is None or threads == "auto":  # the cores this process may use
             budget = cpu_budget_parts()
             threads = budget["cores"]
@@ -276,6 +287,8 @@ class Loader:
         self._where_read = ("pinned" if self.device.is_cuda else "host", "gpu")
         self._lock = threading.Lock()
         self._stats = PipelineStats()  # the hook every stage reports to (stats(), report(), trace())
+        self._tuner = ReadAhead(self._stats, prefetch) if auto_prefetch else None  # prefetch="auto"
+        self._handed = 0  # batches handed to the consumer, every pass (the tuner's decisions name them)
         if trace is not None:
             self.trace(trace)
         self._flight: deque[tuple[int, int]] = deque()  # (host, device) bytes of each batch read, not handed over
@@ -455,6 +468,9 @@ class Loader:
                 stats.worked(back - handed)
                 busy += back - handed
                 del batch
+                self._handed += 1
+                if self._tuner is not None and not ex.inline:
+                    self._tune(ex, k, handed - asked, back - handed)
             completed = True
         finally:
             stats.pass_ended()
@@ -487,6 +503,22 @@ class Loader:
         ex.start()
         self._executor = ex
         return ex
+
+    def _tune(self, ex: Executor, k: int, wait: float, work: float) -> None:
+        """Tell the read-ahead tuner of pass batch ``k`` (the first is start-up: it only
+        starts the tuner's span) and deepen the executor's window as it decides, within
+        the batches the buffer budget holds."""
+        tuner = self._tuner
+        if k == 0:
+            tuner.begin()
+            return
+        workers = self._wanted - self.prefetch
+        depth = tuner.batch(self._handed, wait, work, room=self._max_in_flight - workers)
+        if depth is None:
+            return
+        self.prefetch, self._wanted = depth, depth + workers
+        self._window = min(self._wanted, self._max_in_flight)
+        ex.deepen(self._window)
 
     def load(self, samples: Sequence[int] | np.ndarray, epoch: int | None = None) -> dict[str, Any]:
         """One batch of ``samples`` (dataset positions, one row each, in this order) on the
@@ -745,7 +777,9 @@ class Loader:
         read and not yet handed over, by where they lie (``host``, ``pinned``, ``gpu``),
         and ``peak_bytes_in_flight``; ``threads``: the threads per CPU stage and, where
         ``"auto"`` chose them, the figures it took (``cores``, ``affinity``, ``quota``,
-        ``local_world_size``); ``buffers``: bytes the loader's buffer pool holds
+        ``local_world_size``); ``prefetch``: the read-ahead depth in force and ``tuning``
+        the decisions of ``prefetch="auto"`` (``batch``: batches handed over by then,
+        ``setting``, ``from``, ``to``, ``why``); ``buffers``: bytes the loader's buffer pool holds
         (read buffers, in use and cached) and its ``budget``. ``cpu``: the process's CPU
         seconds during passes, the ``cores`` it may use (affinity, cgroup quota,
         ``torchrun``'s local world size), their ``busy`` share, ``waited_for_cores_s``
@@ -774,6 +808,8 @@ class Loader:
                 **figures,
                 "buffers": {"held": self._pool.held_bytes, "budget": self._pool.budget},
                 "threads": dict(self._threads_why),
+                "prefetch": self.prefetch,
+                "tuning": list(self._tuner.decisions) if self._tuner is not None else [],
                 "queues": snap["queues"],
                 "consumer_wait_s": round(figures["consumer"]["wait_s"] + figures["consumer"]["start_up_s"], 6),
                 "window": snap["window"],
