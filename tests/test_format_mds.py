@@ -3,13 +3,9 @@ as the library's own shard reader reads them (MDSReader, after its own decompres
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import io
 import json
 import os
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -18,25 +14,11 @@ from PIL import Image
 
 import gpuio
 from gpuio import formats, ops
+from gpuio.bench.formats import streaming_module  # mosaicml-streaming without its package __init__
 from gpuio.errors import ConfigError, FormatError, StorageError
 
 from checkers import check_index_or_gpuio_error
 from remote_env import upload_tree
-
-
-def streaming_module(name: str) -> types.ModuleType:
-    """A module of mosaicml-streaming, imported without running the package's
-    ``__init__``: that one imports its vision, text and dataloader modules, so torchvision
-    and transformers (at versions that pull another torch), which the writer, the
-    compression and the shard reader used here do not need."""
-    if "streaming" not in sys.modules:
-        root = importlib.util.find_spec("streaming").submodule_search_locations[0]
-        for pkg, folder in (("streaming", root), ("streaming.base", os.path.join(root, "base"))):
-            module = types.ModuleType(pkg)
-            module.__path__ = [folder]
-            sys.modules[pkg] = module
-    return importlib.import_module(name)
-
 
 MDSWriter = streaming_module("streaming.base.format.mds.writer").MDSWriter
 
