@@ -22,7 +22,7 @@ from crc32c import crc32c
 
 import gpuio
 from gpuio import formats
-from gpuio.errors import DataError, FormatError, StorageError
+from gpuio.errors import DataError, FormatError, PipelineError, StorageError
 from gpuio.formats.recordio import MAGIC as REC_MAGIC
 from gpuio.storage import remote
 from gpuio.storage.cache import BlockCache, cache_folder, flush
@@ -814,6 +814,63 @@ def test_a_fault_that_persists_names_url_range_and_status(store, each_client, pr
     msg = str(err.value)
     assert index.files[0] in msg and f"bytes 0-{int(index.extents['data'].length[0]) - 1}" in msg
     assert "HTTP 503" in msg and "4 tries" in msg
+
+
+def _stalled_read_fails_fast(read, url, what, error=StorageError):
+    """``read()`` through a proxy that holds every request unanswered, under
+    remote_timeout=1, remote_retries=2: ``error`` naming ``url`` and ``what`` (the range)
+    after 2 tries, within seconds (the fixture's 4 tries of 10 s would take 40)."""
+    t0 = time.monotonic()
+    with pytest.raises(error) as err:
+        read()
+    assert time.monotonic() - t0 < 8
+    msg = str(err.value)
+    assert url in msg and what in msg and "after 2 tries" in msg, msg
+
+
+# the cache tier's fetches and the direct GETs, each by one of the clients
+@pytest.mark.parametrize("store, each_client, cache", [("s3", "obstore", True), ("s3", "urllib3", False)],
+                         indirect=["store", "each_client"], ids=["obstore-cache", "urllib3-direct"])
+def test_an_override_of_timeout_and_retries_holds_after_the_client_exists(store, each_client, proxied, tmp_path,
+                                                                         request, monkeypatch, cache):
+    """The process's client was made with the environment's settings (a read, and a
+    Loader's pass, on its threads); reads under config.override(remote_timeout=1,
+    remote_retries=2) then use those: gpuio.read, a Loader's pass and a RemoteFile
+    opened under it each fail within seconds on a stalled store."""
+    monkeypatch.setenv("GPUIO_REMOTE_CACHE", str(int(cache)))
+    root = _tree(tmp_path / "tree", np.random.default_rng(13))
+    prefix = _prefix(request)
+    store.upload_tree(root, prefix)
+    local, index = formats.filetree(root), formats.filetree(store.url(prefix))
+    assert bytes(gpuio.read(index, [0])[0]) == bytes(gpuio.read(local, [0])[0])
+    _same_loader(local, index)  # the Loader's threads use the client too
+    ext = index.extents["data"]
+    url, n = index.files[1], int(ext.length[1])
+    # an empty cache folder: the blocks cached above are not fetched again
+    with gpuio.config.override(remote_timeout=1, remote_retries=2, remote_cache_dir=str(tmp_path / "cache-2")):
+        opened = remote.RemoteFile(url)
+        proxied.stall(1000)
+        _stalled_read_fails_fast(lambda: gpuio.read(index, [1]), url, "GET bytes 0-")
+        _stalled_read_fails_fast(lambda: opened.read(), url, f"GET bytes 0-{n - 1}")
+        # a Loader names the stage and the sample, then the StorageError
+        _stalled_read_fails_fast(lambda: run_epoch(gpuio.Loader(index, 4, output="numpy")),
+                                 f"StorageError: s3://{BUCKET}/{prefix}/", "GET bytes ", PipelineError)
+
+
+@pytest.mark.parametrize("store", ["s3"], indirect=True)
+def test_an_override_of_retries_upward_rides_out_longer_throttling(store, proxied, tmp_path, request):
+    """Throttling for 2 s outlasts the fixture's 4 tries (their waits add up to about
+    0.7 s) but not 8 tries under config.override, with the process's client made before."""
+    root = _tree(tmp_path / "tree", np.random.default_rng(14))
+    prefix = _prefix(request)
+    store.upload_tree(root, prefix)
+    local, index = formats.filetree(root), formats.filetree(store.url(prefix))
+    proxied.fail_for(2.0, 503)
+    with pytest.raises(StorageError, match="HTTP 503.*after 4 tries"):
+        gpuio.read(index, [0])
+    proxied.fail_for(2.0, 503)
+    with gpuio.config.override(remote_retries=8):
+        _same_reads(local, index)
 
 
 @pytest.mark.parametrize("store, each_client", [c for c in _STORE_CLIENTS if c[0] != "gs"], indirect=True)

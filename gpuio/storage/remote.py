@@ -7,7 +7,9 @@ A dataset path may be a URL: ``s3://bucket/key-or-prefix``, ``gs://bucket/...``,
 store (GCS and Azure addressing, credentials and listings: ``gpuio.storage._clouds``):
 
 - ``is_url``/``is_remote``: whether a path or an index's file table is remote;
-- ``client()``: the process's client (made anew in a forked child). S3 endpoint,
+- ``client()``: the process's client for the settings in effect where it is called
+  (one per combination of ``remote_retries``, ``remote_timeout``, ``remote_unsigned``
+  and ``remote_client`` in use; made anew in a forked child). S3 endpoint,
   region and credentials come from botocore, the AWS SDK for Python, so they are read
   exactly as the AWS SDKs read them (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
   ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_PROFILE`` and
@@ -60,8 +62,8 @@ from gpuio.storage import _clouds
 from gpuio.storage.buffers import Lease
 from gpuio.storage.plan import ReadPlan, build_plan
 
-__all__ = ["SCHEMES", "SETTINGS", "ObjectInfo", "RemoteBackend", "RemoteFile", "client", "is_remote", "is_url",
-           "is_http", "object_versions", "reset_client", "url_path"]
+__all__ = ["SCHEMES", "SETTINGS", "ClientSettings", "ObjectInfo", "RemoteBackend", "RemoteFile", "client",
+           "client_settings", "is_remote", "is_url", "is_http", "object_versions", "reset_client", "url_path"]
 
 SCHEMES = ("s3://", *_clouds.CLOUD_SCHEMES, "http://", "https://")
 # the settings of remote reads (gpuio.config); a Reader takes them when it is made
@@ -139,35 +141,50 @@ def _fetched(t0: float, nbytes: int) -> None:
             watcher.fetched(seconds, nbytes)
 
 
+class ClientSettings(NamedTuple):
+    """The settings a client takes when it is made."""
+
+    retries: int
+    timeout: int
+    unsigned: bool
+    transport: str  # remote_client: auto, obstore or urllib3
+
+
+def client_settings() -> ClientSettings:
+    """The client settings in effect here (a ``config.override`` of the caller's included)."""
+    # a public bucket: requests go unsigned, as the AWS CLI's --no-sign-request sends them
+    unsigned = config.get("remote_unsigned") or os.environ.get("AWS_NO_SIGN_REQUEST", "").lower() in (
+        "1", "true", "yes")
+    return ClientSettings(max(1, config.get("remote_retries")), max(1, config.get("remote_timeout")), unsigned,
+                          config.get("remote_client"))
+
+
 class Client:
-    """Metadata calls (HEAD, listing) and ranged GETs for one process.
+    """Metadata calls (HEAD, listing) and ranged GETs for one process and ``settings``.
 
     botocore (the AWS SDK) gives S3's endpoint, region and credentials and does its
     listings; ``cloud()`` gives GCS's and Azure's (``_clouds``), whose listings urllib3
     does; a transport does the HEADs and the ranged GETs: ``_Obstore``, or ``_Urllib3``
     in a forked child of a process that used obstore (``remote_client``) and for GCS.
-    ``seen`` holds the versions of the objects this process listed or asked about."""
+    ``seen`` holds the versions of the objects this process listed or asked about (shared
+    by the process's clients)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: ClientSettings, seen: dict[str, ObjectInfo]) -> None:
         try:
             import botocore.session
         except ImportError as exc:
             raise DependencyError(f"reading s3://, gs://, az:// and http(s):// URLs needs the gpuio[remote] extra "
                                   f"(pip install 'gpuio[remote]'): {exc}") from exc
-        self.retries = max(1, config.get("remote_retries"))
-        self.timeout = max(1, config.get("remote_timeout"))
-        # a public bucket: requests go unsigned, as the AWS CLI's --no-sign-request sends them
-        self.unsigned = config.get("remote_unsigned") or os.environ.get("AWS_NO_SIGN_REQUEST", "").lower() in (
-            "1", "true", "yes")
+        self.retries, self.timeout, self.unsigned = settings.retries, settings.timeout, settings.unsigned
         self._session = botocore.session.Session()
         self._s3: Any = None
         self._lock = threading.Lock()
-        self.seen: dict[str, ObjectInfo] = {}  # objects listed, opened or read by this process
+        self.seen = seen  # objects listed, opened or read by this process
         # the certificate authorities (AWS_CA_BUNDLE, or ca_bundle in ~/.aws/config) as the
         # AWS SDKs take them: urllib3's; obstore takes none of its own
         self.ca_bundle: str | None = self._session.get_config_variable("ca_bundle")
         self._obstore_untrusted = False  # obstore met a certificate it does not trust: urllib3 reads on
-        choice = config.get("remote_client")
+        choice = settings.transport
         if choice == "auto":
             # obstore's runtime threads do not survive fork(): a child of a process that
             # used it (a DataLoader worker) would wait on them for ever
@@ -756,15 +773,24 @@ def _botocore_reason(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-_client: Client | None = None
+# the process's clients, one per settings in use, the most recent few kept; and the
+# versions of the objects they listed or asked about
+_clients: OrderedDict[ClientSettings, Client] = OrderedDict()
+_seen: dict[str, ObjectInfo] = {}
 _client_lock = RenewedLock()
+_CLIENTS_KEPT = 8
 
 
 def reset_client() -> None:
-    """Forget this process's client, so that the next URL read makes a new one: after
-    the endpoint or the credentials in the environment changed."""
-    global _client
-    _client = None
+    """Forget this process's clients and the objects they saw, so that the next URL read
+    makes a new one: after the endpoint or the credentials in the environment changed."""
+    with _client_lock:
+        _forget_clients()
+
+
+def _forget_clients() -> None:
+    global _clients, _seen
+    _clients, _seen = OrderedDict(), {}
 
 
 _obstore_used = False  # whether this process made an obstore client
@@ -775,20 +801,30 @@ class _ForkHook:
     def _after_fork(self) -> None:
         global _obstore_inherited
         _obstore_inherited = _obstore_inherited or _obstore_used
-        reset_client()  # a parent's connections and locks are not this child's
+        # a parent's connections and locks are not this child's (nor is _client_lock, which
+        # may be renewed after this: not taken here)
+        _forget_clients()
 
 
 _fork_hook = _ForkHook()
 renew_after_fork(_fork_hook)
 
 
-def client() -> Client:
-    """This process's client (botocore and obstore are imported here, on first use)."""
-    global _client
+def client(settings: ClientSettings | None = None) -> Client:
+    """This process's client for ``settings``, by default those in effect here (botocore
+    and obstore are imported here, on first use). Code that reads on worker threads,
+    whose settings are not the caller's, takes ``client_settings()`` in the caller's
+    context and passes them."""
+    if settings is None:
+        settings = client_settings()
     with _client_lock:
-        if _client is None:
-            _client = Client()
-        return _client
+        got = _clients.get(settings)
+        if got is None:
+            got = _clients[settings] = Client(settings, _seen)
+            while len(_clients) > _CLIENTS_KEPT:
+                _clients.popitem(last=False)
+        _clients.move_to_end(settings)
+        return got
 
 
 def object_versions(paths: Sequence[str]) -> dict[str, Any]:
@@ -870,11 +906,13 @@ class RemoteBackend:
     def __init__(self, threads: int | None = None) -> None:
         self.threads = max(1, config.get("remote_requests") if threads is None else threads)
         self.use_cache = config.get("remote_cache")
+        # the client settings of this backend's GETs, which run on its threads
+        self._settings = settings = client_settings()
         self._cache: Any = None
         if self.use_cache:
             from gpuio.storage.cache import BlockCache
 
-            self._cache = BlockCache(lambda *args: client().get(*args))
+            self._cache = BlockCache(lambda *args: client(settings).get(*args))
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         # per index file table, the cache's view of its objects: (the table, its versions, Objects)
@@ -914,7 +952,7 @@ class RemoteBackend:
         urls = paths.many(unique)
         infos = [self._info(urls[k], int(unique[k]), versions) for k in range(len(unique))]
         view = memoryview(lease.array)
-        c = client()
+        c = client(self._settings)
         files, offsets = inverse.tolist(), plan.task_offset.tolist()
         lengths, dests, needs = plan.task_length.tolist(), plan.task_dest.tolist(), plan.task_need.tolist()
 
@@ -948,7 +986,7 @@ class RemoteBackend:
         if versions is not None and len(versions.get("etags", ())) == n:
             sizes, etags = versions["sizes"], versions["etags"]
         else:  # an index made without its objects' versions: as listed, opened or asked now
-            infos = [client().known(url) for url in paths]
+            infos = [client(self._settings).known(url) for url in paths]
             sizes, etags = [i.size for i in infos], [i.etag for i in infos]
         objects = Objects(paths, sizes, etags, self._cache.block)
         with self._lock:
@@ -957,11 +995,10 @@ class RemoteBackend:
                 self._objects.popitem(last=False)
         return objects
 
-    @staticmethod
-    def _info(url: str, file_id: int, versions: dict[str, Any] | None) -> ObjectInfo:
+    def _info(self, url: str, file_id: int, versions: dict[str, Any] | None) -> ObjectInfo:
         if versions is not None and file_id < len(versions.get("etags", ())):
             return ObjectInfo(url, int(versions["sizes"][file_id]), versions["etags"][file_id])
-        return client().known(url)
+        return client(self._settings).known(url)
 
     def close(self) -> None:
         if self._cache is not None:
