@@ -22,7 +22,9 @@ litdata_format = importlib.import_module("gpuio.formats.litdata")  # the module,
 
 from checkers import check_exactly_once, check_index_or_gpuio_error, check_resume
 from remote_env import upload_tree
+from writers_env import add_writers
 
+add_writers()  # litdata, installed without torchvision where the environment lacks it
 import litdata  # noqa: E402
 from litdata.streaming.serializers import BytesSerializer  # noqa: E402
 from litdata.streaming.writer import BinaryWriter  # noqa: E402

@@ -19,6 +19,9 @@ from gpuio.errors import ConfigError, FormatError, StorageError
 
 from checkers import check_index_or_gpuio_error
 from remote_env import upload_tree
+from writers_env import add_writers
+
+add_writers()  # mosaicml-streaming, installed without its dependencies where the environment lacks it
 
 MDSWriter = streaming_module("streaming.base.format.mds.writer").MDSWriter
 
