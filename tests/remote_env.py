@@ -46,6 +46,11 @@ class SeaweedS3(SeaweedServer):
             self.stop()
             raise
 
+    def stop(self, grace: float = 1) -> None:
+        """SIGTERM, then SIGKILL after ``grace`` seconds: a test's data is its own, and weed
+        can take the bench's whole grace to flush what no one reads again."""
+        super().stop(grace)
+
     def boto(self) -> Any:
         import boto3
         from botocore.config import Config
