@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import hashlib
 import io
 import multiprocessing
 import os
@@ -233,6 +234,46 @@ def local_copy(url: str, what: str) -> Iterator[str]:
     finally:
         with suppress(FileNotFoundError):  # removed by an eviction while indexing ran long
             os.unlink(copy)
+
+
+def derived_path(source: str, kind: str, *salt: object) -> str:
+    """Where a file derived from ``source`` at indexing (a decompressed copy) lies:
+    ``<cache_dir>/<kind>/<tag>-<name>``, the tag naming the version of ``source`` (a local
+    file's size and mtime, an object's size and ETag) and ``salt`` (the options it was
+    derived with), so that a changed source or other options get a file of their own."""
+    if is_url(source):
+        info = remote_client().head(source)
+        version = f"{source}\0{info.size}\0{info.etag}"
+    else:
+        try:
+            st = os.stat(source)
+        except OSError as exc:
+            raise StorageError(f"cannot read the file: {exc.strerror or exc}", path=source) from exc
+        version = f"{os.path.abspath(source)}\0{st.st_size}\0{st.st_mtime_ns}"
+    tag = hashlib.sha256("\0".join([version, *map(str, salt)]).encode()).hexdigest()[:24]
+    folder = os.path.join(config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio"), kind)
+    return os.path.join(folder, f"{tag}-{os.path.basename(url_path(source))}")
+
+
+@contextmanager
+def writing_whole(out: str, source: str) -> Iterator[BinaryIO]:
+    """``out`` (a ``derived_path`` of ``source``) written whole or not at all: the block
+    writes a ``.part`` of this process beside it, renamed onto ``out`` when the block ends
+    without an error and removed when it raises."""
+    tmp = f"{out}.{os.getpid()}.part"
+    try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(tmp, "wb") as dst:
+            yield dst
+        os.replace(tmp, out)
+    except StorageError:  # a read of the source: it names the source already
+        raise
+    except OSError as exc:
+        raise StorageError(f"cannot write {os.path.basename(out)} into {os.path.dirname(out)} (cache_dir): "
+                           f"{exc.strerror or exc}", path=source) from exc
+    finally:
+        with suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
 # An indexing shows its bar only once it has run this long, so small datasets stay silent.

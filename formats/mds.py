@@ -43,11 +43,10 @@ from typing import Any
 
 import numpy as np
 
-from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
-from gpuio.formats._files import each_shard, full_path, open_regular_file, shard_paths
+from gpuio.formats._files import derived_path, each_shard, full_path, open_regular_file, shard_paths, writing_whole
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
-from gpuio.storage.remote import RemoteFile, client as remote_client, is_url, object_versions, url_path
+from gpuio.storage.remote import RemoteFile, is_url, object_versions
 
 __all__ = ["mds", "MDSParser", "decompress", "decompressed_copy", "check_hashes", "read_at", "read_json", "open_exact",
            "closing_file", "offsets_table", "pil_pixels", "jpeg_array_items"]
@@ -378,38 +377,16 @@ def check_hashes(data: Any, hashes: dict[str, str], path: str, where: str) -> No
 def decompressed_copy(source: str, kind: str, decode: Callable[[bytes], bytes]) -> tuple[str, int]:
     """``(path of the decompressed copy of source, bytes read from source)``: the copy
     in ``<cache_dir>/<kind>/``, ``decode(the source's bytes)`` (which checks them and raises
-    ``FormatError``), made once per version of ``source`` (a local file or a URL: its
-    size and mtime or ETag)."""
-    if is_url(source):
-        info = remote_client().head(source)
-        version = f"{source}\0{info.size}\0{info.etag}"
-    else:
-        try:
-            st = os.stat(source)
-        except OSError as exc:
-            raise StorageError(f"cannot read the compressed file: {exc.strerror or exc}", path=source) from exc
-        version = f"{os.path.abspath(source)}\0{st.st_size}\0{st.st_mtime_ns}"
-    folder = os.path.join(config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio"), kind)
-    tag = hashlib.sha256(version.encode()).hexdigest()[:24]
-    out = os.path.join(folder, f"{tag}-{os.path.basename(url_path(source))}")
+    ``FormatError``), made once per version of ``source`` (``formats._files.derived_path``)."""
+    out = derived_path(source, kind)
     if os.path.exists(out):
         return out, 0
     f, size = open_exact(source, "compressed file")
     with closing_file(f):
         data = read_at(source, size, 0, f)
     raw = decode(data)
-    tmp = f"{out}.{os.getpid()}.part"
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with open(tmp, "wb") as dst:
-            dst.write(raw)
-        os.replace(tmp, out)
-    except OSError as exc:
-        raise StorageError(f"cannot write the decompressed copy into {folder}: {exc.strerror or exc}",
-                           path=source) from exc
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with writing_whole(out, source) as dst:
+        dst.write(raw)
     return out, len(data)
 
 

@@ -41,7 +41,6 @@ indexes, page headers, levels, value lengths and the value columns).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import struct
@@ -50,13 +49,12 @@ from typing import Any
 
 import numpy as np
 
-from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
-from gpuio.formats._files import each_shard, full_path, shard_paths, size_or_zero
+from gpuio.formats._files import derived_path, each_shard, full_path, shard_paths, size_or_zero, writing_whole
 from gpuio.formats._thrift import ThriftError, read_struct
 from gpuio.index import UNKNOWN_LENGTH, Extents, Parser, PathTable, Ragged, SampleIndex
 from gpuio.storage.remote import client as remote_client
-from gpuio.storage.remote import is_url, object_versions, url_path
+from gpuio.storage.remote import is_url, object_versions
 
 __all__ = ["parquet", "PageParser", "PAGE_UNIT_LIMIT", "follow_paths", "hf_features", "hf_meta"]
 
@@ -473,15 +471,7 @@ def _decompressed_copy(src: _Source, foot: _Footer, column: str, chunks: list[in
     null: offset -1, length 0)."""
     if not chunks:
         return "", {}
-    if is_url(foot.path):
-        version = f"{foot.path}\0{src.size}\0{src.etag}"
-    else:
-        st = os.stat(foot.path)
-        version = f"{os.path.abspath(foot.path)}\0{st.st_size}\0{st.st_mtime_ns}"
-    folder = os.path.join(config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio"),
-                          "parquet")
-    tag = hashlib.sha256(f"{version}\0{column}\0{chunks}".encode()).hexdigest()[:24]
-    out = os.path.join(folder, f"{tag}-{os.path.basename(url_path(foot.path))}.{column}")
+    out = f"{derived_path(foot.path, 'parquet', column, chunks)}.{column}"
     if not (os.path.exists(out) and os.path.exists(out + ".npz")):
         _write_copy(src, foot, column, chunks, out)
     with np.load(out + ".npz", allow_pickle=False) as z:
@@ -493,42 +483,30 @@ def _decompressed_copy(src: _Source, foot: _Footer, column: str, chunks: list[in
 
 def _write_copy(src: _Source, foot: _Footer, column: str, chunks: list[int], out: str) -> None:
     leaf = foot.leaves[column]
-    tmp = f"{out}.{os.getpid()}.part"
     offsets, lengths, counts = [], [], []
-    try:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(tmp, "wb") as f:
-            for g in chunks:
-                cc = foot.chunks(column)[g]
-                start = _chunk_start(cc)
-                end = start + cc[3].get(7, 0)
-                if start < 4 or end > src.size - 8:
-                    raise FormatError(f"row group {g}, column {column!r}: its bytes {start}..{end} lie outside the "
-                                      f"file's data ({src.size} bytes)", path=foot.path, offset=start)
-                try:
-                    values = [v for part in _chunk_values(np.frombuffer(src.read(end - start, start), np.uint8),
-                                                          leaf, _chunk_codec(cc, column)) for v in part]
-                except _Bad as exc:
-                    raise FormatError(f"row group {g}, column {column!r}: {exc.args[0]}", path=foot.path,
-                                      offset=start + exc.args[1]) from None
-                for v in values:
-                    offsets.append(f.tell() if v is not None else -1)
-                    lengths.append(len(v) if v is not None else 0)
-                    if v is not None:
-                        f.write(v)
-                counts.append(len(values))
-        with open(tmp + ".npz", "wb") as f:
-            np.savez(f, offsets=np.asarray(offsets, np.int64), lengths=np.asarray(lengths, np.int64),
-                     counts=np.asarray(counts, np.int64))
-        os.replace(tmp, out)
-        os.replace(tmp + ".npz", out + ".npz")  # last: a copy is complete when its table is there
-    except OSError as exc:
-        raise StorageError(f"cannot write the decompressed copy of column {column!r} into "
-                           f"{os.path.dirname(out)}: {exc.strerror or exc}", path=foot.path) from exc
-    finally:
-        for leftover in (tmp, tmp + ".npz"):
-            if os.path.exists(leftover):
-                os.remove(leftover)
+    with writing_whole(out, foot.path) as f:
+        for g in chunks:
+            cc = foot.chunks(column)[g]
+            start = _chunk_start(cc)
+            end = start + cc[3].get(7, 0)
+            if start < 4 or end > src.size - 8:
+                raise FormatError(f"row group {g}, column {column!r}: its bytes {start}..{end} lie outside the "
+                                  f"file's data ({src.size} bytes)", path=foot.path, offset=start)
+            try:
+                values = [v for part in _chunk_values(np.frombuffer(src.read(end - start, start), np.uint8),
+                                                      leaf, _chunk_codec(cc, column)) for v in part]
+            except _Bad as exc:
+                raise FormatError(f"row group {g}, column {column!r}: {exc.args[0]}", path=foot.path,
+                                  offset=start + exc.args[1]) from None
+            for v in values:
+                offsets.append(f.tell() if v is not None else -1)
+                lengths.append(len(v) if v is not None else 0)
+                if v is not None:
+                    f.write(v)
+            counts.append(len(values))
+    with writing_whole(out + ".npz", foot.path) as f:  # last: a copy is complete when its table is there
+        np.savez(f, offsets=np.asarray(offsets, np.int64), lengths=np.asarray(lengths, np.int64),
+                 counts=np.asarray(counts, np.int64))
 
 
 def _chunk_start(cc: dict[int, Any]) -> int:

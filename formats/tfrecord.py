@@ -27,7 +27,6 @@ into the batch buffer.
 from __future__ import annotations
 
 import functools
-import hashlib
 import mmap
 import os
 import struct
@@ -38,11 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from gpuio import config
 from gpuio.errors import ConfigError, DataError, DependencyError, FormatError, StorageError
-from gpuio.formats._files import each_shard, full_path, int_table, open_regular_file, shard_paths, size_or_zero
-from gpuio.storage.remote import RemoteFile, is_url, object_versions, url_path
-from gpuio.storage.remote import client as remote_client
+from gpuio.formats._files import (derived_path, each_shard, full_path, int_table, open_regular_file, shard_paths,
+                                 size_or_zero, writing_whole)
+from gpuio.storage.remote import RemoteFile, is_url, object_versions
 from gpuio.index import Extents, Parser, PathTable, SampleIndex
 
 __all__ = ["tfrecord", "ExampleParser", "bad_records", "masked_crc32c"]
@@ -289,32 +287,10 @@ def _refuse_compressed(mm: Any, size: int, path: str) -> None:
 def _decompressed(path: str, compression: str) -> str:
     """The uncompressed copy of ``path`` (a local file or a remote object, read by
     ranged GETs) in the cache folder, made once per version of it."""
-    if is_url(path):
-        info = remote_client().head(path)
-        version = f"{path}\0{info.size}\0{info.etag}"
-    else:
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise StorageError(f"cannot read TFRecord file: {exc.strerror or exc}", path=path) from exc
-        version = f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}"
-    folder = os.path.join(config.get("cache_dir") or os.path.join(os.path.expanduser("~"), ".cache", "gpuio"),
-                          "tfrecord")
-    tag = hashlib.sha256(f"{version}\0{compression}".encode()).hexdigest()[:24]
-    out = os.path.join(folder, f"{tag}-{os.path.basename(url_path(path))}")
-    if os.path.exists(out):
-        return out
-    tmp = f"{out}.{os.getpid()}.part"
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with (RemoteFile(path, _CHUNK) if is_url(path) else open(path, "rb")) as src, open(tmp, "wb") as dst:
+    out = derived_path(path, "tfrecord", compression)
+    if not os.path.exists(out):
+        with writing_whole(out, path) as dst, (RemoteFile(path, _CHUNK) if is_url(path) else open(path, "rb")) as src:
             _inflate(src, dst, compression, path)
-        os.replace(tmp, out)
-    except OSError as exc:
-        raise StorageError(f"cannot decompress into {folder}: {exc.strerror or exc}", path=path) from exc
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return out
 
 

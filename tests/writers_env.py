@@ -21,7 +21,8 @@ PACKAGES = {"streaming": "mosaicml-streaming==0.13.0", "litdata": "litdata==0.2.
 
 def add_writers() -> None:
     """Make ``streaming`` and ``litdata`` importable (installing the missing ones)."""
-    missing = [spec for module, spec in PACKAGES.items() if importlib.util.find_spec(module) is None]
+    missing = [spec for module, spec in PACKAGES.items()
+               if module not in sys.modules and importlib.util.find_spec(module) is None]
     if not missing:
         return
     tag = hashlib.sha256(" ".join(sorted(PACKAGES.values())).encode()).hexdigest()[:12]
