@@ -320,3 +320,38 @@ def test_packs_start_again_when_the_cache_folder_is_emptied_under_the_process(tm
             assert len([n for n in os.listdir(os.path.join(cache_folder(), "packs")) if n.endswith(".pack")]) == 1
         finally:
             proxy.close()
+
+
+def test_a_warm_epoch_of_packed_objects_names_no_block_file_and_searches_one_run(tmp_path, monkeypatch):
+    """Small objects downloaded by this process (its pack's records kept in several runs,
+    one per append merged as a binary counter merges). A warm epoch after it, with the
+    index made again, makes no block file name for a packed object (its file is its pack)
+    and each lookup of the records searches one run: lookups with no record added since
+    the last one merge the runs once. Per batch of the warm epoch before: a name per
+    object, and each run searched."""
+    names = _npys(tmp_path / "data", np.random.default_rng(7), 40)
+    local = formats.numpy([str(tmp_path / "data" / name) for name in names])
+    want = _epoch(local)
+    named, searched = [], []
+    make_names, find = cache_mod.Objects.names, cache_mod._Packs.find
+
+    def counted_names(self, keys, root):
+        named.append(len(keys))
+        return make_names(self, keys, root)
+
+    def counted_find(self, tags):
+        searched.append(len(self._runs))
+        return find(self, tags)
+
+    monkeypatch.setattr(cache_mod.Objects, "names", counted_names)
+    monkeypatch.setattr(cache_mod._Packs, "find", counted_find)
+    with http_server(str(tmp_path / "data")) as base:
+        formats.numpy([f"{base}/{name}" for name in names]).save(tmp_path / "index.npz")
+        assert _epoch(SampleIndex.load(tmp_path / "index.npz")) == want
+    assert max(searched) > 1  # the downloads left several runs
+    for epoch in range(2):  # the server is gone: read from the packs
+        named.clear()
+        searched.clear()
+        assert _epoch(SampleIndex.load(tmp_path / "index.npz"), seed=epoch) == want
+        assert sum(named) == 0, named
+        assert len(searched) > 1 and max(searched[1:]) == 1, searched

@@ -279,6 +279,7 @@ class _Packs:
         # that adding n records costs O(n log n) in all): per record its tags and its pack, offset,
         # length (-1: found bad) and CRC-32C
         self._runs: list[tuple[np.ndarray, np.ndarray]] = []
+        self._inserted = False  # records were added since the last lookup
         self.paths = PathTable.from_paths([], root)  # the pack files by number, relative to the root
         self._lock = threading.Lock()  # the table and the names
         self._fresh()
@@ -299,6 +300,10 @@ class _Packs:
         offset, length, CRC-32C; the latest of its tag)."""
         row = np.zeros((len(tags), 4), dtype=np.int64)
         known = np.zeros(len(tags), dtype=bool)
+        with self._lock:  # no record added since the last lookup (a warm epoch): one run to search from now on
+            if len(self._runs) > 1 and not self._inserted:
+                self._runs = [self._merged(self._runs)]
+            self._inserted = False
         for keys, rows in reversed(self._runs):  # the newest record of a tag counts, good or bad
             at = np.maximum(np.searchsorted(keys, tags, side="right") - 1, 0)
             hit = ~known & (keys[at] == tags)
@@ -318,14 +323,21 @@ class _Packs:
         if not tags:
             return
         runs = list(self._runs)
-        runs.append((np.array(tags, dtype=f"S{_TAG}"), np.array(rows, dtype=np.int64)))
+        runs.append(self._merged([(np.array(tags, dtype=f"S{_TAG}"), np.array(rows, dtype=np.int64))]))
         while len(runs) > 1 and len(runs[-2][0]) <= 2 * len(runs[-1][0]):
-            newer, older = runs.pop(), runs.pop()
-            runs.append((np.concatenate([older[0], newer[0]]), np.concatenate([older[1], newer[1]])))
-        keys, merged = runs[-1]
-        order = np.argsort(keys, kind="stable")  # a tag's newer records after its older ones
-        runs[-1] = (keys[order], merged[order])
+            newer = runs.pop()
+            runs[-1] = self._merged([runs[-1], newer])
         self._runs = runs
+        self._inserted = True
+
+    @staticmethod
+    def _merged(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        """One run of the records of ``runs`` (oldest first), sorted by tag, a tag's newer
+        records after its older ones."""
+        keys = np.concatenate([k for k, _ in runs])
+        rows = np.concatenate([r for _, r in runs])
+        order = np.argsort(keys, kind="stable")
+        return keys[order], rows[order]
 
     def refresh(self) -> None:
         """Read the records appended since this process last looked; forget the packs removed."""
@@ -658,13 +670,15 @@ class BlockCache:
                rows: np.ndarray) -> tuple[PathTable, np.ndarray, np.ndarray]:
         """The files the blocks ``ukeys`` are read from: a table of them, and per block its
         file's number in the table and the offset of its bytes there."""
-        names = objects.names(ukeys, self.root)
         at, base = np.arange(len(ukeys)), np.zeros(len(ukeys), dtype=np.int64)
+        names = objects.names(ukeys[~packed], self.root)  # a packed object's file is its pack
+        at[~packed] = np.arange(len(names))
+        blocks = len(names)
         if packed.any():
             packs = self._packs.paths
             names = PathTable(np.concatenate([names.blob, packs.blob]),
                               np.concatenate([names.offsets[:-1], packs.offsets + names.offsets[-1]]), self.root)
-            at[packed], base[packed] = len(ukeys) + rows[packed, 0], rows[packed, 1]
+            at[packed], base[packed] = blocks + rows[packed, 0], rows[packed, 1]
         return names, at, base
 
     def _meet(self, objects: Objects, ukeys: np.ndarray, unmet: np.ndarray, pieces: tuple[np.ndarray, ...],
