@@ -1262,6 +1262,41 @@ def test_presigned_again_reads_the_same_cache_entries(s3, s3server, tmp_path, re
         proxy.close()
 
 
+def test_azure_sas_urls_signed_again_read_the_same_cache_entries(azurite, tmp_path, request):
+    """Blob URLs carrying a SAS token, signed again with another expiry (so another
+    signature): the index made from the new URLs reads the blocks the first URLs cached,
+    with no request (a counting proxy in front of Azurite)."""
+    from azure.storage.blob import BlobSasPermissions, generate_blob_sas
+
+    from remote_env import AZURE_ACCOUNT, AZURE_KEY
+
+    folder = tmp_path / "npys"
+    folder.mkdir()
+    _npys(folder, np.random.default_rng(21), n=4)
+    prefix = _prefix(request)
+    Bucket("az", BUCKET, azurite).upload_tree(str(folder), prefix)
+    names = sorted(p.name for p in folder.iterdir())
+    proxy = FaultProxy(("127.0.0.1", Bucket("az", BUCKET, azurite).port))
+
+    def signed(hours):
+        return [f"{proxy.url}/{AZURE_ACCOUNT}/{BUCKET}/{prefix}/{n}?" + generate_blob_sas(
+            AZURE_ACCOUNT, BUCKET, f"{prefix}/{n}", account_key=AZURE_KEY, permission=BlobSasPermissions(read=True),
+            expiry=time.time() + hours * 3600) for n in names]
+
+    try:
+        first, again = signed(1), signed(2)
+        assert "sig=" in first[0] and first[0] != again[0]
+        local = formats.numpy([os.fspath(folder / n) for n in names])
+        remote.reset_client()
+        _same_reads(local, formats.numpy(first))  # downloads into the cache
+        index = formats.numpy(again)  # its .npy headers: GETs
+        before = proxy.requests
+        _same_reads(local, index)
+        assert proxy.requests == before
+    finally:
+        proxy.close()
+
+
 def test_http_server_without_range_requests(each_client, tmp_path, monkeypatch):
     """A server that answers a range request with the whole object (HTTP 200: Python's
     http.server): an object's first bytes come from such an answer, so objects up to

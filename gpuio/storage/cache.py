@@ -138,17 +138,23 @@ class _Object(NamedTuple):
 # query parameters that sign a URL (S3 SigV4 and V2, GCS, CloudFront), not name the object
 _SIGNING = ("x-amz-", "x-goog-")
 _SIGNING_NAMES = {"awsaccesskeyid", "signature", "expires", "key-pair-id", "policy", "googleaccessid", "x-id"}
+# an Azure SAS token's parameters (a token has sv and sig); short names, so left out only there
+_SAS_NAMES = {"sv", "ss", "srt", "sr", "sp", "st", "se", "sip", "spr", "si", "sig", "sdd", "skoid", "sktid", "skt",
+              "ske", "sks", "skv", "saoid", "suoid", "scid"}
 
 
 def _identity(url: str, etag: str) -> str:
     """What names an object's bytes in the cache: its URL, less the query parameters
-    that only sign it where a strong ETag pins the version, so that the same object
-    presigned again (a new signature, a new expiry) is the same cache entry."""
+    that only sign it (S3, GCS, CloudFront, an Azure SAS token) where a strong ETag pins
+    the version, so that the same object presigned again (a new signature, a new expiry)
+    is the same cache entry."""
     if "?" not in url or not etag or etag.startswith("W/") or not url.startswith(("http://", "https://")):
         return url
     parts = urllib.parse.urlsplit(url)
-    kept = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-            if not (k.lower().startswith(_SIGNING) or k.lower() in _SIGNING_NAMES)]
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    sas = {"sv", "sig"} <= {k.lower() for k, _ in query}
+    kept = [(k, v) for k, v in query
+            if not (k.lower().startswith(_SIGNING) or k.lower() in _SIGNING_NAMES or (sas and k.lower() in _SAS_NAMES))]
     return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(kept), fragment=""))
 
 
