@@ -1218,6 +1218,18 @@ def test_http_server_with_weak_etags(each_client, tmp_path, monkeypatch):
             gpuio.read(index, [len(index) - 1], "bin")
 
 
+def _signed_again_reads_the_cache(folder, names, first, again, proxy):
+    """The .npy files ``names`` of ``folder`` read by the URLs ``first`` (downloaded into
+    the cache) and then by ``again`` (the same objects signed again): equal to the local
+    reads, and ``again``'s reads ask ``proxy`` nothing."""
+    local = formats.numpy([os.fspath(folder / n) for n in names])
+    _same_reads(local, formats.numpy(first))  # downloads into the cache
+    index = formats.numpy(again)  # its .npy headers: GETs
+    before = proxy.requests
+    _same_reads(local, index)
+    assert proxy.requests == before
+
+
 def test_presigned_again_reads_the_same_cache_entries(s3, s3server, tmp_path, request):
     """The same objects presigned again (SigV2 query parameters, then SigV4 ones with
     another expiry): the index made from the new URLs reads the blocks the old URLs
@@ -1250,12 +1262,7 @@ def test_presigned_again_reads_the_same_cache_entries(s3, s3server, tmp_path, re
         assert caught.value.path == expired[0]
         first, again = presigned(signers[0], 600), presigned(signers[1], 900)
         assert all("&Signature=" in u for u in first) and all("X-Amz-Signature=" in u for u in again)
-        local = formats.numpy([os.fspath(folder / n) for n in names])
-        _same_reads(local, formats.numpy(first))  # downloads into the cache
-        index = formats.numpy(again)  # its .npy headers: GETs
-        before = proxy.requests
-        _same_reads(local, index)
-        assert proxy.requests == before
+        _signed_again_reads_the_cache(folder, names, first, again, proxy)
     finally:
         for signer in signers:
             signer.close()
@@ -1286,13 +1293,8 @@ def test_azure_sas_urls_signed_again_read_the_same_cache_entries(azurite, tmp_pa
     try:
         first, again = signed(1), signed(2)
         assert "sig=" in first[0] and first[0] != again[0]
-        local = formats.numpy([os.fspath(folder / n) for n in names])
         remote.reset_client()
-        _same_reads(local, formats.numpy(first))  # downloads into the cache
-        index = formats.numpy(again)  # its .npy headers: GETs
-        before = proxy.requests
-        _same_reads(local, index)
-        assert proxy.requests == before
+        _signed_again_reads_the_cache(folder, names, first, again, proxy)
     finally:
         proxy.close()
 
