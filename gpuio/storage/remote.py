@@ -950,9 +950,9 @@ class RemoteBackend:
             return
         unique, inverse = np.unique(plan.task_file, return_inverse=True)
         urls = paths.many(unique)
-        infos = [self._info(urls[k], int(unique[k]), versions) for k in range(len(unique))]
-        view = memoryview(lease.array)
         c = client(self._settings)
+        infos = [self._info(c, urls[k], int(unique[k]), versions) for k in range(len(unique))]
+        view = memoryview(lease.array)
         files, offsets = inverse.tolist(), plan.task_offset.tolist()
         lengths, dests, needs = plan.task_length.tolist(), plan.task_dest.tolist(), plan.task_need.tolist()
 
@@ -986,7 +986,8 @@ class RemoteBackend:
         if versions is not None and len(versions.get("etags", ())) == n:
             sizes, etags = versions["sizes"], versions["etags"]
         else:  # an index made without its objects' versions: as listed, opened or asked now
-            infos = [client(self._settings).known(url) for url in paths]
+            c = client(self._settings)
+            infos = [c.known(url) for url in paths]
             sizes, etags = [i.size for i in infos], [i.etag for i in infos]
         objects = Objects(paths, sizes, etags, self._cache.block)
         with self._lock:
@@ -995,10 +996,11 @@ class RemoteBackend:
                 self._objects.popitem(last=False)
         return objects
 
-    def _info(self, url: str, file_id: int, versions: dict[str, Any] | None) -> ObjectInfo:
+    @staticmethod
+    def _info(c: Client, url: str, file_id: int, versions: dict[str, Any] | None) -> ObjectInfo:
         if versions is not None and file_id < len(versions.get("etags", ())):
             return ObjectInfo(url, int(versions["sizes"][file_id]), versions["etags"][file_id])
-        return client(self._settings).known(url)
+        return c.known(url)
 
     def close(self) -> None:
         if self._cache is not None:
