@@ -836,7 +836,7 @@ class PageParser(Parser):
 
     def parse(self, records: Sequence[np.ndarray], samples: np.ndarray, paths: Sequence[str],
               offsets: np.ndarray) -> dict[str, list[Any]]:
-        pages: dict[tuple[str, int], tuple[_Page, list[np.ndarray]]] = {}  # each page decoded in this batch
+        pages: dict[tuple[str, int], tuple[_Page, np.ndarray, np.ndarray, Any]] = {}  # each decoded once a batch
         out = []
         for j, record in enumerate(records):
             key = (paths[j], int(offsets[j]))
@@ -849,15 +849,14 @@ class PageParser(Parser):
                     if page.kind not in (_DATA_PAGE, _DATA_PAGE_V2):
                         raise _Bad(f"the page header says a page of type {page.kind}, not a data page", 0)
                     present, values = _ChunkDecoder(self.codecs[key[0]], self.max_def).page_values(record, page)
-                    it = iter(values)
-                    pages[key] = page, [next(it) if p else record[:0] for p in present.tolist()]
-                page, values = pages[key]
+                    pages[key] = page, present, np.cumsum(present) - 1, values  # a set row's place in values
+                page, present, place, values = pages[key]
                 row = len(record) - page.end
                 if not 0 <= row < page.values:
                     raise _Bad(f"the page header says a page ending at byte {page.end} with {page.values} values, "
                                f"its extent {len(record)} bytes: a page header that lies, or an index made for "
                                f"another file", 0)
-                out.append(values[row])
+                out.append(values[place[row]] if present[row] else record[:0])
             except _Bad as exc:
                 raise FormatError(f"column {self.field!r}, page at byte {key[1]}: {exc.args[0]}",
                                   path=paths[j], sample=int(samples[j]), offset=key[1] + exc.args[1]) from None
