@@ -59,7 +59,7 @@ _AHEAD_BATCHES = 256  # batches a pass over remote data draws ahead of its reads
 class _Work:
     """One batch on its way through the stages."""
 
-    __slots__ = ("k", "epoch", "src", "index", "data", "batch", "nbytes")
+    __slots__ = ("k", "epoch", "src", "index", "data", "batch", "held")
 
     def __init__(self, k: int, epoch: int, src: np.ndarray, index: np.ndarray) -> None:
         self.k = k
@@ -68,7 +68,7 @@ class _Work:
         self.index = index  # dataset position per row, -1 for padding rows
         self.data: dict[str, Any] = {}
         self.batch: Batch | None = None
-        self.nbytes = 0
+        self.held = (0, 0)  # bytes read of the host fields, of the device fields
 
     def keep(self, rows: np.ndarray) -> None:
         """Keep only ``rows`` (positions) in src, index and the fields read so far."""
@@ -612,10 +612,10 @@ class Loader:
 
     def _read(self, w: _Work) -> _Work:
         w.data = self._without_bad_samples(w, "read", lambda rows: self._read_rows(w.src[rows]))
-        w.nbytes = sum(int(self.index.extents[f].length[w.src].sum()) for f in self._host_fields + self._dev_fields
-                       if f in self.index.extents)
+        w.held = tuple(sum(int(self.index.extents[f].length[w.src].sum()) for f in fields if f in self.index.extents)
+                       for fields in (self._host_fields, self._dev_fields))
         with self._lock:
-            self._bytes += w.nbytes
+            self._bytes += sum(w.held)
         if not self._parsed:
             self._make_batch(w)
         return w
@@ -623,10 +623,8 @@ class Loader:
     def _read_counted(self, w: _Work) -> _Work:
         """``_read`` in a pass: the batch's bytes count as in flight until it is handed over."""
         w = self._read(w)
-        held = tuple(sum(int(self.index.extents[f].length[w.src].sum()) for f in fields if f in self.index.extents)
-                     for fields in (self._host_fields, self._dev_fields))
-        self._flight.append(held)
-        for where, n in zip(self._where_read, held):
+        self._flight.append(w.held)
+        for where, n in zip(self._where_read, w.held):
             self._stats.moved(where, n)
         return w
 
