@@ -421,6 +421,7 @@ class MDSParser(Parser):
         self.fields = tuple(n for n, _ in self.columns)
         self._sizes = [_fixed_size(e) for _, e in self.columns]
         self._nvar = sum(s is None for s in self._sizes)
+        self._encodings = [e.partition(":")[::2] for _, e in self.columns]  # (base, arg) of each column
 
     def config(self) -> dict[str, Any]:
         return {"columns": [list(c) for c in self.columns], "allow_pickle": self.allow_pickle}
@@ -444,19 +445,18 @@ class MDSParser(Parser):
             raise _Bad(f"{len(record)} bytes, fewer than the {head}-byte table of column sizes", 0)
         var = iter(np.frombuffer(record[:head], "<u4").tolist())
         pos, values = head, []
-        for (name, enc), size in zip(self.columns, self._sizes):
+        for (name, enc), (base, arg), size in zip(self.columns, self._encodings, self._sizes):
             n = next(var) if size is None else size
             if pos + n > len(record):
                 raise _Bad(f"column {name!r} needs {n} bytes at byte {pos}, the sample has {len(record)}", pos)
-            values.append(self._value(record[pos: pos + n], name, enc, pos))
+            values.append(self._value(record[pos: pos + n], name, enc, base, arg, pos))
             pos += n
         if pos != len(record):
             raise _Bad(f"{len(record) - pos} bytes follow the last column (the offsets table and the column "
                        f"sizes disagree)", pos)
         return values
 
-    def _value(self, data: np.ndarray, name: str, enc: str, pos: int) -> Any:
-        base, _, arg = enc.partition(":")
+    def _value(self, data: np.ndarray, name: str, enc: str, base: str, arg: str, pos: int) -> Any:
         try:
             if base in ("bytes", *_IMAGES):
                 return data
@@ -471,12 +471,13 @@ class MDSParser(Parser):
                 return [pil_pixels(item) for item in items] if base == "list[pil]" else items
             if base == "pkl":
                 return pickle.loads(data.tobytes())
-            text = data.tobytes().decode("utf-8")
-            return {"str": str, "str_int": int, "str_float": float, "str_decimal": Decimal,
-                    "json": json.loads}[base](text)
+            return _FROM_TEXT[base](data.tobytes().decode("utf-8"))
         except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError, InvalidOperation,
                 pickle.UnpicklingError, EOFError) as exc:
             raise _Bad(f"column {name!r} ({enc}) does not decode: {exc}", pos) from None
+
+
+_FROM_TEXT = {"str": str, "str_int": int, "str_float": float, "str_decimal": Decimal, "json": json.loads}
 
 
 def _fixed_size(enc: str) -> int | None:
