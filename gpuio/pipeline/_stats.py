@@ -577,6 +577,7 @@ class ReadAhead:
         self.decisions: list[dict[str, Any]] = []
         self._stats = stats
         self._held: str | None = None  # the kind of the last hold said (said once until a change)
+        self._cores = cpu_budget()  # read once: it reads the cgroup's files
         self.begin()
 
     def begin(self) -> None:
@@ -599,7 +600,7 @@ class ReadAhead:
         share = self._wait / step if step > 0 else 0.0
         busy = {name: (max(m.seconds, m.gpu_seconds) - self._seconds0.get(name, 0.0)) / (m.workers * wall)
                 for name, m in self._stats.stages.items()} if wall > 0 else {}
-        cores = cpu_budget()
+        cores = self._cores
         cpu = (time.process_time() - self._cpu0) / (wall * cores) if wall > 0 else 0.0
         self.begin()
         if share < _BANDS[0][0]:
