@@ -198,7 +198,7 @@ class Client:
         presigned URL, a token), which obstore's paths cannot carry, for a ``gs://`` URL
         and after obstore met a certificate it does not trust; else ``transport``."""
         if isinstance(self.transport, _Obstore) and (
-                self._obstore_untrusted or (is_http(url) and "?" in url) or url.startswith("gs://")):
+                self._obstore_untrusted or ("?" in url and is_http(url)) or url.startswith("gs://")):
             return self.plain()
         return self.transport
 
