@@ -366,6 +366,7 @@ class LitDataParser(Parser):
         self.zstd_items = list(zstd_items)
         self._frame_at = {p: {end: start for start, end in f} for p, f in self.frames.items()}
         self._zstd_items = frozenset(self.zstd_items)
+        self._kinds = [(_kind(f), f.partition(":")[2]) for _, f in self.leaves]  # (family, argument) of each leaf
 
     def config(self) -> dict[str, Any]:
         return {"leaves": [list(c) for c in self.leaves], "allow_pickle": self.allow_pickle, "frames": self.frames,
@@ -432,15 +433,13 @@ class LitDataParser(Parser):
             raise _Bad(f"leaf sizes {sizes[:8]} add up to {sum(sizes)} bytes, the item has {len(item) - head} "
                        f"after them", at)
         values, pos = [], head
-        for (name, fmt), n in zip(self.leaves, sizes):
-            values.append(_leaf(item[pos: pos + n], name, fmt, at + pos))
+        for (name, fmt), (kind, arg), n in zip(self.leaves, self._kinds, sizes):
+            values.append(_leaf(item[pos: pos + n], name, fmt, kind, arg, at + pos))
             pos += n
         return values
 
 
-def _leaf(data: np.ndarray, name: str, fmt: str, pos: int) -> Any:
-    kind = _kind(fmt)
-    arg = fmt.partition(":")[2]
+def _leaf(data: np.ndarray, name: str, fmt: str, kind: str | None, arg: str, pos: int) -> Any:
     try:
         if kind in _BYTES:
             return data
