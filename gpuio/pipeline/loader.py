@@ -917,11 +917,16 @@ def _read_ahead(works: Iterator[_Work], index: SampleIndex, readers: dict[str, R
         yield pending.popleft()[0]
 
 
+_UNPROFILED = contextlib.nullcontext()  # reusable: it holds nothing
+
+
 def _profiled(name: str) -> Any:
-    """A ``torch.profiler`` range named ``name`` where torch is imported (it records only
-    inside a running profiler; a few microseconds where none runs), else nothing."""
+    """A ``torch.profiler`` range named ``name`` while a torch profiler runs, else
+    nothing (entering a range costs microseconds per batch even where none runs)."""
     torch = sys.modules.get("torch")
-    return torch.profiler.record_function(name) if torch is not None else contextlib.nullcontext()
+    if torch is not None and torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return _UNPROFILED
 
 
 def _weak(method: Any) -> Any:
