@@ -917,16 +917,11 @@ def _read_ahead(works: Iterator[_Work], index: SampleIndex, readers: dict[str, R
         yield pending.popleft()[0]
 
 
-_UNPROFILED = contextlib.nullcontext()  # reusable: it holds nothing
-
-
 def _profiled(name: str) -> Any:
-    """A ``torch.profiler`` range named ``name`` while a torch profiler runs, else
-    nothing (entering a range costs microseconds per batch even where none runs)."""
+    """A ``torch.profiler`` range named ``name`` where torch is imported (it records only
+    inside a running profiler; a few microseconds where none runs), else nothing."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.autograd._profiler_enabled():
-        return torch.profiler.record_function(name)
-    return _UNPROFILED
+    return torch.profiler.record_function(name) if torch is not None else contextlib.nullcontext()
 
 
 def _weak(method: Any) -> Any:
