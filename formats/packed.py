@@ -17,8 +17,11 @@ A packed dataset is a folder (or an ``s3://`` / ``http(s)://`` prefix) holding
   fields in order. A record of ``ALIGN_FROM`` (32 KiB) or more starts on a 4 KiB
   boundary; no record crosses a ``BLOCK`` (4 MiB) boundary unless it is longer than a
   block, and then it starts on one. So O_DIRECT and cuFile read a large record with no
-  bounce buffer, and one of kvikio's tasks holds it whole. A smaller record may sit in
-  the padding before the aligned record that precedes it. Gaps are zeros.
+  bounce buffer, and one of kvikio's tasks holds it whole. Padding that these rules ask
+  for is filled with records from a little further on (``place``: at most ``WINDOW``
+  records ahead, so a batch's records stay near each other), and a smaller record may sit
+  in the padding before the aligned record that precedes it. The record table says
+  where each record is; readers need no order. Gaps are zeros.
 
 ``index.json`` holds the schema (extent fields; value fields with their kind, dtype and
 row shape; the parser a TFRecord's fields come from; the fields that hold images), the
@@ -57,6 +60,7 @@ HEADER_BYTES = 64
 PAGE = 4 << 10  # records of ALIGN_FROM bytes and more start on a page boundary
 ALIGN_FROM = 32 << 10
 BLOCK = 4 << 20  # no record crosses a block boundary (a longer record starts on one)
+WINDOW = 16  # records after the one being placed that may move forward into its padding
 INDEX_NAME = "index.json"
 FORMAT_NAME = "gpuio.packed"
 
@@ -80,26 +84,60 @@ def align(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def place(lengths: np.ndarray, start: int) -> np.ndarray:
-    """Where records of ``lengths`` bytes go, in order, from byte ``start`` (a block
-    boundary or later), by the alignment rules of the module docstring; a record shorter
+def _start(at: int, n: int) -> int:
+    """Where a record of ``n`` bytes goes at the earliest from byte ``at``, by the alignment
+    rules of the module docstring."""
+    first = align(at, PAGE) if n >= ALIGN_FROM else at
+    if n and first // BLOCK != (first + n - 1) // BLOCK:  # it would cross a block boundary
+        first = align(first, BLOCK)
+    return first
+
+
+def place(lengths: np.ndarray, start: int, window: int = WINDOW) -> np.ndarray:
+    """Where records of ``lengths`` bytes go from byte ``start`` (a block boundary or
+    later), by the alignment rules of the module docstring: in order, except that padding
+    is filled from the ``window`` records after the one being placed. A record shorter
     than ``ALIGN_FROM`` goes into the padding left before the last aligned record where it
-    fits there (so small fields cost no padding of their own)."""
-    offsets = np.empty(len(lengths), dtype=np.int64)
+    fits there; the end of a block that the next record does not fit is filled with the
+    records of the window that fit, the one that leaves the least space first; the
+    padding before an aligned record goes to the small record of the window after which
+    it pads the least, where that is less than it would pad now."""
+    sizes = lengths.tolist()
+    n = len(sizes)
+    offsets = np.full(n, -1, dtype=np.int64)
     at = start
     gap = (start, start)  # the free bytes before the last aligned record (within one block)
-    for k, n in enumerate(lengths.tolist()):
-        if n < ALIGN_FROM and gap[1] - gap[0] >= n:
-            offsets[k] = gap[0]
-            gap = (gap[0] + n, gap[1])
-            continue
-        first = align(at, PAGE) if n >= ALIGN_FROM else at
-        if n and first // BLOCK != (first + n - 1) // BLOCK:  # it would cross a block boundary
-            first = align(first, BLOCK)
+
+    def put(k: int, first: int) -> None:
+        nonlocal at, gap
         if first > at:
             gap = (at, first)
         offsets[k] = first
-        at = first + n
+        at = first + sizes[k]
+
+    for k, size in enumerate(sizes):
+        if offsets[k] >= 0:  # moved forward into padding
+            continue
+        if size < ALIGN_FROM and gap[1] - gap[0] >= size:
+            offsets[k] = gap[0]
+            gap = (gap[0] + size, gap[1])
+            continue
+        first = _start(at, size)
+        ahead = [j for j in range(k + 1, min(n, k + 1 + window)) if offsets[j] < 0]
+        if first > at and first % BLOCK == 0:  # the rest of the block: records of the window that fit
+            while True:
+                fits = [(-(_start(at, sizes[j]) + sizes[j]), j) for j in ahead
+                        if offsets[j] < 0 and _start(at, sizes[j]) + sizes[j] <= first]
+                if not fits:
+                    break
+                j = min(fits)[1]
+                put(j, _start(at, sizes[j]))
+        elif first > at:  # page padding: a small record before it that leaves less
+            pads = [(_start(at + sizes[j], size) - at - sizes[j], j) for j in ahead
+                    if sizes[j] < ALIGN_FROM and _start(at, sizes[j]) == at]
+            if pads and min(pads)[0] < first - at:
+                put(min(pads)[1], at)
+        put(k, _start(at, size))
     return offsets
 
 

@@ -20,7 +20,7 @@ import gpuio
 from checkers import assert_read_matches_files, check_resume, write_tar
 from gpuio.cli import main
 from gpuio.errors import ConfigError, FormatError, StorageError
-from gpuio.formats.packed import ALIGN_FROM, BLOCK, PAGE
+from gpuio.formats.packed import ALIGN_FROM, BLOCK, PAGE, WINDOW, place
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
 from gpuio.ops.decode import decode_cpu, jpeg_info
 from gpuio.sample import make_image_tree
@@ -96,6 +96,33 @@ def test_packed_records_read_on_each_device_with_o_direct(tars, tmp_path, device
     got = gpuio.formats.packed(gpuio.pack(gpuio.formats.webdataset(tars, fields=("bin", "cls")), tmp_path / "p"))
     with gpuio.config.override(o_direct=True):  # the aligned records: no bounce buffer needed
         assert_read_matches_files(got, "bin", device)
+
+
+def _unfilled(offsets: np.ndarray, lengths: np.ndarray) -> int:
+    """The bytes between records laid out at ``offsets``, checked against the rules (no
+    overlap, 4 KiB starts from ALIGN_FROM bytes, no block crossed)."""
+    end = free = 0
+    for k in np.argsort(offsets, kind="stable").tolist():
+        at, n = int(offsets[k]), int(lengths[k])
+        assert at >= end and (n < ALIGN_FROM or at % PAGE == 0) and at // BLOCK == (at + max(n, 1) - 1) // BLOCK
+        free, end = free + at - end, at + n
+    return free
+
+
+def test_padding_is_filled_from_the_next_records():
+    rng = np.random.default_rng(5)  # a fifth of the records small, the rest up to 400 KB
+    lengths = rng.permutation(np.concatenate([rng.integers(1, ALIGN_FROM, 200), rng.integers(ALIGN_FROM, 400_000, 800)]))
+    offsets = place(lengths, 0)
+    assert np.array_equal(offsets, place(lengths, 0))
+    in_order = place(lengths, 0, window=0)  # every record in order: the padding the rules ask for
+    assert _unfilled(offsets, lengths) < 0.7 * _unfilled(in_order, lengths)
+    # a record moves forward by at most WINDOW records; blocks end less than a record early
+    rank = np.empty(len(lengths), dtype=np.int64)
+    rank[np.argsort(offsets, kind="stable")] = np.arange(len(lengths))
+    assert (np.arange(len(lengths)) - rank).max() <= WINDOW
+    ends = (offsets + lengths)[np.argsort(offsets)]
+    for boundary in range(BLOCK, int(ends[-1]), BLOCK):
+        assert boundary - ends[ends <= boundary].max() < 400_000
 
 
 def test_value_fields_of_every_kind_and_a_reader_loop(tmp_path):
