@@ -47,9 +47,10 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "pinned": ("auto", "pin host batch buffers: auto (when a GPU is present), true, false"),
     "max_open_files": (256, "kvikio CuFile handles kept open across batches"),
     "kvikio_compat": ("auto", "kvikio compat mode: auto, on (POSIX bounce) or off (GDS)"),
-    "decode_parts": (0, "a CPU batch's JPEG window decodes (fused with their crop and resize) run as this many "
-                        "parts at once on the process's pool of one thread per core; 0: a part per core, "
-                        "1: on the calling thread"),
+    "decode_parts": ("auto", "a CPU batch's JPEG window decodes (fused with their crop and resize) run as this many "
+                             "parts at once on the process's pool of one thread per core; 0: a part per core, "
+                             "1: on the calling thread; auto: a Loader chooses online within its CPU budget "
+                             "(a part per core outside a Loader)"),
     "cache_dir": ("", "where sample datasets and indexes go; default ~/.cache/gpuio"),
     "remote_client": ("auto", "the client of remote GETs: auto (obstore; urllib3 in a forked child of a "
                               "process that used obstore, whose runtime does not survive fork), obstore, urllib3"),
@@ -75,6 +76,8 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
 # Environment variables still read under a former name (when the new one is not set):
 # setting -> the old variable. Code (get, override) knows only the new names.
 ENV_ALIASES: dict[str, str] = {"read_parts": "GPUIO_READ_STREAMS"}
+
+_AUTO_OR_COUNT = ("decode_parts",)  # settings that take "auto" or a non-negative integer
 
 _overrides: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
     "gpuio_config_overrides", default={}
@@ -113,6 +116,10 @@ def _check(name: str, value: Any, var: str = "") -> Any:
     if name not in DEFAULTS:
         raise ConfigError(f"unknown setting {name!r}; settings are: {', '.join(sorted(DEFAULTS))}")
     default = DEFAULTS[name][0]
+    if name in _AUTO_OR_COUNT:  # "auto" or a non-negative integer
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        default = 0
     if isinstance(value, str) and not isinstance(default, str):
         value = _parse(name, value, default, var or f"GPUIO_{name.upper()}")
     if isinstance(default, bool):
@@ -120,7 +127,8 @@ def _check(name: str, value: Any, var: str = "") -> Any:
             raise ConfigError(f"setting {name!r} must be True or False, got {value!r}")
     elif isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"setting {name!r} must be a non-negative integer, got {value!r}")
+            either = "'auto' or " if name in _AUTO_OR_COUNT else ""
+            raise ConfigError(f"setting {name!r} must be {either}a non-negative integer, got {value!r}")
     choices = {
         "backend": ("auto", "posix", "kvikio"),
         "pinned": ("auto", "true", "false"),

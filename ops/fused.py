@@ -253,7 +253,11 @@ class DecodeFused(Op):
     that end with the end-of-image marker). On a GPU batch
     nvImageCodec decodes only the window the chain reads, then the fused kernel runs
     (no DCT scaling there: outputs equal the two ops in turn up to the region decode's
-    chroma upsampling at the window's edges)."""
+    chroma upsampling at the window's edges). A CPU batch's window decodes run as
+    ``decode_parts`` parts at once on the ops' pool (``uses_decode_parts``: a Loader
+    passes its value, ``"auto"`` tuned online)."""
+
+    uses_decode_parts = True
 
     def __init__(self, decode: DecodeImage, fused: FusedCropResizeNormalize) -> None:
         if decode.out != fused.field:
@@ -345,7 +349,8 @@ class DecodeFused(Op):
                 [restarts[r] for r in these.tolist()] if marked else None)
             return [(int(these[k]), message) for k, message in failed]
 
-        runs = _runs(decoded_pixels, config.get("decode_parts") or cpu_count())
+        parts = config.get("decode_parts")  # "auto" outside a Loader, or 0: a part per core
+        runs = _runs(decoded_pixels, parts if isinstance(parts, int) and parts > 0 else cpu_count())
         failed = [f for got in (cpu_pool().map(decode_resample, runs) if len(runs) > 1
                                 else map(decode_resample, runs)) for f in got]
         marked = {row for row, _ in failed if restarts[row] is not None and len(restarts[row])}
@@ -526,13 +531,15 @@ class Compose(Op):
     fused op (a kernel on a GPU batch, C on a CPU batch), and so does a resampling chain
     with no normalize after it (uint8 HWC out; see ``_fuse``), together with a
     ``decode_image`` right before it (``DecodeFused``). ``host_inputs`` lists the
-    fields its ops need in host memory."""
+    fields its ops need in host memory; ``uses_decode_parts``, whether one of its ops
+    reads the ``decode_parts`` setting."""
 
     def __init__(self, ops: Sequence[Op], *, fuse: bool = True) -> None:
         # a Compose inside (crop_mirror_normalize) is opened, so that its chain fuses with the ops around it
         self.ops = [o for op in ops for o in (op.ops if isinstance(op, Compose) else [op])]
         self.fused = _fuse_decode(_fuse(self.ops)) if fuse else self.ops
         self.host_inputs = tuple(dict.fromkeys(f for op in self.ops for f in getattr(op, "host_inputs", ())))
+        self.uses_decode_parts = any(getattr(op, "uses_decode_parts", False) for op in self.fused)
 
     def __call__(self, batch: Batch) -> Batch:
         for op in self.fused:

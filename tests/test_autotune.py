@@ -1,14 +1,22 @@
 """Loader(prefetch="auto"), the default: the read-ahead deepens while the consumer waits
 and the stages have time to spare, within the buffer budget, and says why in stats()
 and the ``gpuio`` log; a consumer that does not wait, a budget that binds and an
-explicit prefetch each keep it where it is."""
+explicit prefetch each keep it where it is. decode_parts="auto", the default, by the same
+tuner: a JPEG chain's batches split into more parts while its workers are saturated and
+cores idle, never beyond the cores of the CPU budget."""
 
 from __future__ import annotations
 
 import logging
 import time
 
+import numpy as np
+import pytest
+
 import gpuio
+from gpuio import ops
+from gpuio.pipeline._stats import cpu_budget
+from gpuio.sample import make_image_tree
 
 from test_stats import tree
 
@@ -83,3 +91,69 @@ def test_an_explicit_prefetch_is_kept(tmp_path):
     s = ld.stats()
     assert s["tuning"] == [] and s["prefetch"] == 1 and s["window"] == 4
     assert s["consumer"]["input_share"] > 0.1  # it waited, and nothing changed
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory):
+    """40 JPEGs of about 500x375 pixels (10 batches of 4)."""
+    return gpuio.formats.filetree(make_image_tree(tmp_path_factory.mktemp("jpg"), count=40, classes=2,
+                                                  progress=False))
+
+
+def jpeg_loader(index, **kw):
+    chain = ops.Compose([ops.decode_image(), ops.random_resized_crop(64), ops.flip(), ops.normalize()])
+    return gpuio.Loader(index, 4, fields=("data",), ops=[chain], threads=1, output="numpy", **kw)
+
+
+def parts_decided(s):
+    return [d for d in s["tuning"] if d["setting"] == "decode_parts"]
+
+
+def test_a_saturated_decoder_with_idle_cores_splits_its_batches(jpegs, caplog):
+    """One worker decodes while the consumer waits and the process leaves cores idle:
+    its batches split into parts, up to the cores it may use; the pixels equal those of
+    one part."""
+    ld = jpeg_loader(jpegs)
+    with caplog.at_level(logging.INFO, logger="gpuio"):
+        for _ in range(3):
+            last = [b["image"] for b in ld]
+    s, cores = ld.stats(), cpu_budget()
+    decided = parts_decided(s)
+    assert decided and all(d["to"] <= cores for d in decided) and s["decode_parts"] <= cores
+    if cores > 1:  # a planted case: split, with the reason and a log line
+        grown = [d for d in decided if d["to"] > d["from"]]
+        assert grown and grown[0]["from"] == 1 and s["decode_parts"] == grown[-1]["to"] > 1
+        assert all("workers are" in d["why"] and "idle cores" in d["why"] for d in grown)
+        assert any("decode_parts 1 -> 2" in r.getMessage() for r in caplog.records)
+    with gpuio.config.override(decode_parts=1):
+        one = jpeg_loader(jpegs)
+    one.set_epoch(2)  # the epoch of `last`: the same random draws
+    assert np.array_equal(np.concatenate(last), np.concatenate([b["image"] for b in one]))
+    assert parts_decided(one.stats()) == [] and one.stats()["decode_parts"] == 1
+
+
+def test_a_one_core_budget_keeps_one_part(jpegs, monkeypatch):
+    """The same case where the process may use one core (torchrun's local world size
+    takes the rest): the parts stay at one, and a decision says why."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpu_budget()))
+    assert cpu_budget() == 1
+    ld = jpeg_loader(jpegs)
+    for _ in range(2):
+        list(ld)
+    s = ld.stats()
+    decided = parts_decided(s)
+    assert s["decode_parts"] == 1 and decided and all(d["from"] == d["to"] == 1 for d in decided)
+    assert any("one per core" in d["why"] or "cores busy" in d["why"] for d in decided)
+
+
+def test_a_slow_consumer_keeps_one_part_and_an_explicit_value_is_kept(jpegs):
+    ld = jpeg_loader(jpegs)
+    for _ in ld:
+        time.sleep(0.05)
+    assert parts_decided(ld.stats()) == [] and ld.stats()["decode_parts"] == 1
+    with gpuio.config.override(decode_parts=3):  # the value in force when the loader is made
+        ld = jpeg_loader(jpegs)
+    for _ in range(2):
+        list(ld)
+    s = ld.stats()
+    assert s["decode_parts"] == 3 and parts_decided(s) == []

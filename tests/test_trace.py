@@ -122,11 +122,11 @@ def test_trace_at_construction_and_an_inline_pass_nest(tmp_path):
 def test_parts_of_the_op_pool_are_tracks(tmp_path):
     root = make_image_tree(tmp_path / "jpg", count=16, classes=2, progress=False)
     chain = ops.Compose([ops.decode_image(), ops.random_resized_crop(64), ops.flip()])
-    ld = gpuio.Loader(gpuio.formats.filetree(root), 8, fields=("data",), ops=[chain], output="numpy")
     path = tmp_path / "jpeg.json"
-    with gpuio.config.override(decode_parts=2):
-        ld.trace(path, batches=2)
-        got = [b["image"].shape for b in ld]
+    with gpuio.config.override(decode_parts=2):  # a loader takes the value in force when it is made
+        ld = gpuio.Loader(gpuio.formats.filetree(root), 8, fields=("data",), ops=[chain], output="numpy")
+    ld.trace(path, batches=2)
+    got = [b["image"].shape for b in ld]
     assert got == [(8, 64, 64, 3)] * 2
     events = load(path)
     check_nesting(events)

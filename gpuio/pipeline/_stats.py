@@ -32,7 +32,7 @@ from typing import Any
 
 from gpuio.device import require
 
-__all__ = ["Histogram", "PipelineStats", "ReadAhead", "cpu_budget"]
+__all__ = ["Autotune", "Histogram", "PipelineStats", "cpu_budget"]
 
 _BUCKETS_PER_OCTAVE = 4  # bucket k holds latencies up to 2**(k/4) microseconds: within 19%
 _BUCKETS = 124  # up to 2**31 us, some 36 minutes
@@ -554,29 +554,39 @@ def verdict(s: dict[str, Any], *, threads: int, prefetch: int, window: int, want
                    numbers)
 
 
-_TUNE_BATCHES = 8  # batches the read-ahead tuner looks at before each decision
+_TUNE_BATCHES = 8  # batches the tuner looks at before each decision
 _MOST_PREFETCH = 64  # read-ahead depth the tuner never goes beyond, whatever the budget allows
 _log = logging.getLogger("gpuio")
 
 
-class ReadAhead:
-    """Read-ahead depth (``Loader(prefetch="auto")``) chosen online from the figures.
+class Autotune:
+    """The settings a loader chooses online from its figures: the read-ahead depth
+    (``Loader(prefetch="auto")``) and the parts a batch's decodes are split into on the
+    ops' pool (``decode_parts="auto"``, a CPU loader whose ops read it).
 
     The loader tells it each batch's wait in ``next()`` and the consumer's work after it
-    (``batch``); every ``_TUNE_BATCHES`` batches it looks at that span: while the
-    consumer waited at least tf.data's lower band (5%) of its step time, no stage's
-    workers were saturated (busy below ``_SATURATED``, on a GPU its device time too) and
-    the process left some of its cores free, the depth doubles (one more at least), up to
-    ``room``, the most the buffer budget allows. It holds once the consumer no longer
-    waits, a stage or the CPU is saturated (more batches ahead cannot make it faster), or
-    the budget binds. Each change, and the first hold of each kind, is a decision
-    ``{batch, setting, from, to, why}`` in ``decisions`` and a log line (``gpuio`` logger)."""
+    (``batch``); every ``_TUNE_BATCHES`` batches it looks at that span. While the
+    consumer waited at least tf.data's lower band (5%) of its step time and the process
+    left some of its cores free (``_CPU_SATURATED``):
 
-    def __init__(self, stats: PipelineStats, prefetch: int) -> None:
-        self.prefetch = prefetch
+    - no stage's workers saturated (busy below ``_SATURATED``, on a GPU its device time
+      too): the read-ahead depth doubles (one more at least), up to ``room``, the most
+      the buffer budget allows;
+    - the decoding stage's workers saturated: its batches are split into twice the parts
+      (one more at least), up to the cores this process may use (``cpu_budget``), so
+      that the idle cores take parts of the batches the workers hold.
+
+    A setting holds once the consumer no longer waits, the cores are saturated, or its
+    limit binds. Each change, and the first hold of each kind, is a decision
+    ``{batch, setting, from, to, why}`` in ``decisions`` and a log line (``gpuio``
+    logger). ``prefetch`` or ``parts`` ``None``: that setting is not tuned."""
+
+    def __init__(self, stats: PipelineStats, prefetch: int | None, parts: int | None = None,
+                 decoding: str | None = None) -> None:
+        self.prefetch, self.parts, self._decoding = prefetch, parts, decoding
         self.decisions: list[dict[str, Any]] = []
         self._stats = stats
-        self._held: str | None = None  # the kind of the last hold said (said once until a change)
+        self._held: dict[str, str] = {}  # per setting, the kind of the last hold said (once until a change)
         self._cores = cpu_budget()  # read once: it reads the cgroup's files
         self.begin()
 
@@ -587,14 +597,15 @@ class ReadAhead:
         self._t0, self._cpu0 = time.perf_counter(), time.process_time()
         self._seconds0 = {name: max(m.seconds, m.gpu_seconds) for name, m in self._stats.stages.items()}
 
-    def batch(self, k: int, wait: float, work: float, room: int) -> int | None:
-        """Batch ``k`` was waited for ``wait`` s and worked on ``work`` s; the new depth,
-        or ``None`` to keep it. ``room``: the deepest read-ahead the budget allows."""
+    def batch(self, k: int, wait: float, work: float, room: int) -> dict[str, int]:
+        """Batch ``k`` was waited for ``wait`` s and worked on ``work`` s; the settings
+        that change (``"prefetch"``, ``"decode_parts"``) and their new values. ``room``:
+        the deepest read-ahead the budget allows."""
         self._wait += wait
         self._work += work
         self._n += 1
         if self._n < _TUNE_BATCHES:
-            return None
+            return {}
         wall = time.perf_counter() - self._t0
         step = self._wait + self._work
         share = self._wait / step if step > 0 else 0.0
@@ -604,34 +615,70 @@ class ReadAhead:
         cpu = (time.process_time() - self._cpu0) / (wall * cores) if wall > 0 else 0.0
         self.begin()
         if share < _BANDS[0][0]:
-            return None
+            return {}
         waited = f"the consumer waited {100 * share:.0f}% of its step time over {_TUNE_BATCHES} batches"
+        if cpu >= _CPU_SATURATED:
+            why = (f"{waited}, but the process keeps {100 * cpu:.0f}% of its {cores} cores busy: "
+                   "{} cannot make it faster")
+            for setting, value, what in (("prefetch", self.prefetch, "batches further ahead"),
+                                         ("decode_parts", self.parts, "more parts")):
+                if value is not None:
+                    self._hold(k, setting, value, "cpu", why.format(what))
+            return {}
+        changes = {}
+        if self.prefetch is not None:
+            depth = self._deepen(k, waited, busy, room)
+            if depth is not None:
+                changes["prefetch"] = self.prefetch = depth
+        if self.parts is not None:
+            parts = self._split(k, waited, busy, cpu)
+            if parts is not None:
+                changes["decode_parts"] = self.parts = parts
+        return changes
+
+    def _deepen(self, k: int, waited: str, busy: dict[str, float], room: int) -> int | None:
         top = max(busy, key=busy.__getitem__) if busy else None
         if top is not None and busy[top] >= _SATURATED:
-            return self._hold(k, "stage", f"{waited}, but {top}'s workers are {100 * busy[top]:.0f}% busy: "
-                                          "batches further ahead cannot make it faster")
-        if cpu >= _CPU_SATURATED:
-            return self._hold(k, "cpu", f"{waited}, but the process keeps {100 * cpu:.0f}% of its {cores} cores "
-                                        "busy: batches further ahead cannot make it faster")
+            return self._hold(k, "prefetch", self.prefetch, "stage",
+                              f"{waited}, but {top}'s workers are {100 * busy[top]:.0f}% busy: "
+                              "batches further ahead cannot make it faster")
         deepest = min(room, _MOST_PREFETCH)
         if deepest <= self.prefetch:
             limit = ("the buffer budget holds no more batches in flight" if room <= _MOST_PREFETCH
                      else f"{_MOST_PREFETCH} is the most the tuner reads ahead")
-            return self._hold(k, "budget", f"{waited}, but {limit}")
+            return self._hold(k, "prefetch", self.prefetch, "budget", f"{waited}, but {limit}")
         new = min(deepest, max(2 * self.prefetch, self.prefetch + 1))
         busiest = f" (busiest stage {top}, {100 * busy[top]:.0f}% busy)" if top is not None else ""
         bound = "; the buffer budget allows no more" if new == room else ""
-        self._decide(k, new, f"{waited} and no stage is saturated{busiest}{bound}")
-        self._held = None
-        self.prefetch = new
-        return new
+        return self._decide(k, "prefetch", self.prefetch, new, f"{waited} and no stage is saturated{busiest}{bound}")
 
-    def _hold(self, k: int, kind: str, why: str) -> None:
-        if self._held != kind:
-            self._held = kind
-            self._decide(k, self.prefetch, why)
+    def _split(self, k: int, waited: str, busy: dict[str, float], cpu: float) -> int | None:
+        stage = self._decoding
+        if busy.get(stage, 0.0) < _SATURATED:
+            return None  # its workers have time to spare: the read-ahead's turn
+        cores = self._cores
+        saturated = (f"{waited}, {stage}'s workers are {100 * busy[stage]:.0f}% busy and the process keeps "
+                     f"{100 * cpu:.0f}% of its {cores} cores busy")
+        if self.parts >= cores:
+            return self._hold(k, "decode_parts", self.parts, "budget",
+                              f"{saturated}, but a batch's decodes already run as {self.parts} parts, one per "
+                              f"core this process may use")
+        new = min(cores, max(2 * self.parts, self.parts + 1))
+        return self._decide(k, "decode_parts", self.parts, new,
+                            f"{saturated}: the idle cores take parts of the batches the workers hold"
+                            + ("; the cores allow no more" if new == cores else ""))
+
+    def _hold(self, k: int, setting: str, value: int, kind: str, why: str) -> None:
+        if self._held.get(setting) != kind:
+            self._held[setting] = kind
+            self._record(k, setting, value, value, why)
         return None
 
-    def _decide(self, k: int, to: int, why: str) -> None:
-        self.decisions.append({"batch": k, "setting": "prefetch", "from": self.prefetch, "to": to, "why": why})
-        _log.info("gpuio.Loader batch %d: prefetch %d -> %d: %s", k, self.prefetch, to, why)
+    def _decide(self, k: int, setting: str, old: int, new: int, why: str) -> int:
+        self._held.pop(setting, None)
+        self._record(k, setting, old, new, why)
+        return new
+
+    def _record(self, k: int, setting: str, old: int, new: int, why: str) -> None:
+        self.decisions.append({"batch": k, "setting": setting, "from": old, "to": new, "why": why})
+        _log.info("gpuio.Loader batch %d: %s %d -> %d: %s", k, setting, old, new, why)

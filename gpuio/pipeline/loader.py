@@ -36,7 +36,7 @@ from gpuio.index import SampleIndex
 from gpuio.pipeline import _frameworks
 from gpuio.pipeline._collate import Collate
 from gpuio.pipeline._executor import Executor, Stage
-from gpuio.pipeline._stats import PipelineStats, ReadAhead, Verdict, cpu_budget_parts, verdict
+from gpuio.pipeline._stats import Autotune, PipelineStats, Verdict, cpu_budget_parts, verdict
 from gpuio.pipeline._opfields import check_op_fields, consumed_fields, flat_ops, image_fields
 from gpuio.pipeline.order import ORDER_VERSION, EpochOrder, EpochPlan, epoch_order
 from gpuio.storage import Reader, learn_lengths, read_fields
@@ -287,7 +287,14 @@ class Loader:
         self._where_read = ("pinned" if self.device.is_cuda else "host", "gpu")
         self._lock = threading.Lock()
         self._stats = PipelineStats()  # the hook every stage reports to (stats(), report(), trace())
-        self._tuner = ReadAhead(self._stats, prefetch) if auto_prefetch else None  # prefetch="auto"
+        # the op stage that splits its batches' decodes into parts (decode_parts), on the CPU
+        decoding = None if self.device.is_cuda else next(
+            (name for op, name in zip(self.ops, self._op_names) if getattr(op, "uses_decode_parts", False)), None)
+        parts = config.get("decode_parts")  # the setting in force here and now, passed to the op stages' threads
+        auto_parts = parts == "auto" and decoding is not None
+        self._parts = 1 if parts == "auto" else parts  # "auto": from a part per batch, split while cores idle
+        self._tuner = Autotune(self._stats, prefetch if auto_prefetch else None, self._parts if auto_parts else None,
+                               decoding) if auto_prefetch or auto_parts else None
         self._handed = 0  # batches handed to the consumer, every pass (the tuner's decisions name them)
         if trace is not None:
             self.trace(trace)
@@ -505,15 +512,17 @@ class Loader:
         return ex
 
     def _tune(self, ex: Executor, k: int, wait: float, work: float) -> None:
-        """Tell the read-ahead tuner of pass batch ``k`` (the first is start-up: it only
-        starts the tuner's span) and deepen the executor's window as it decides, within
-        the batches the buffer budget holds."""
+        """Tell the tuner of pass batch ``k`` (the first is start-up: it only starts the
+        tuner's span); deepen the executor's window as it decides, within the batches the
+        buffer budget holds, and split the next batches' decodes into the parts it chose."""
         tuner = self._tuner
         if k == 0:
             tuner.begin()
             return
         workers = self._wanted - self.prefetch
-        depth = tuner.batch(self._handed, wait, work, room=self._max_in_flight - workers)
+        changes = tuner.batch(self._handed, wait, work, room=self._max_in_flight - workers)
+        self._parts = changes.get("decode_parts", self._parts)  # the op stages read it at their next batch
+        depth = changes.get("prefetch")
         if depth is None:
             return
         self.prefetch, self._wanted = depth, depth + workers
@@ -683,7 +692,8 @@ class Loader:
             cp = require("cupy")
             with cp.cuda.Device(self.device.index):
                 b.stream = cp.cuda.get_current_stream()
-        out = op(b)
+        with config.override(decode_parts=self._parts):  # this thread's context: the loader's value
+            out = op(b)
         b = out if out is not None else b
         # rows rejected by the op (or by ops inside it, which may have dropped them already)
         errors, b.errors[:] = list(b.errors), []
@@ -775,9 +785,11 @@ class Loader:
         read and not yet handed over, by where they lie (``host``, ``pinned``, ``gpu``),
         and ``peak_bytes_in_flight``; ``threads``: the threads per CPU stage and, where
         ``"auto"`` chose them, the figures it took (``cores``, ``affinity``, ``quota``,
-        ``local_world_size``); ``prefetch``: the read-ahead depth in force and ``tuning``
-        the decisions of ``prefetch="auto"`` (``batch``: batches handed over by then,
-        ``setting``, ``from``, ``to``, ``why``); ``buffers``: bytes the loader's buffer pool holds
+        ``local_world_size``); ``prefetch``: the read-ahead depth in force,
+        ``decode_parts`` the parts a batch's JPEG decodes are split into (the setting
+        in force when the loader was made, ``"auto"`` tuned from 1) and ``tuning`` the
+        decisions of ``prefetch="auto"`` and ``decode_parts="auto"`` (``batch``:
+        batches handed over by then, ``setting``, ``from``, ``to``, ``why``); ``buffers``: bytes the loader's buffer pool holds
         (read buffers, in use and cached) and its ``budget``. ``cpu``: the process's CPU
         seconds during passes, the ``cores`` it may use (affinity, cgroup quota,
         ``torchrun``'s local world size), their ``busy`` share, ``waited_for_cores_s``
@@ -807,6 +819,7 @@ class Loader:
                 "buffers": {"held": self._pool.held_bytes, "budget": self._pool.budget},
                 "threads": dict(self._threads_why),
                 "prefetch": self.prefetch,
+                "decode_parts": self._parts,
                 "tuning": list(self._tuner.decisions) if self._tuner is not None else [],
                 "queues": snap["queues"],
                 "consumer_wait_s": round(figures["consumer"]["wait_s"] + figures["consumer"]["start_up_s"], 6),
