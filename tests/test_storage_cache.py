@@ -355,3 +355,29 @@ def test_a_warm_epoch_of_packed_objects_names_no_block_file_and_searches_one_run
         assert _epoch(SampleIndex.load(tmp_path / "index.npz"), seed=epoch) == want
         assert sum(named) == 0, named
         assert len(searched) > 1 and max(searched[1:]) == 1, searched
+
+
+def test_a_download_into_an_empty_cache_reads_each_block_file_once(tmp_path, monkeypatch):
+    """A first epoch into an empty cache: each block's file is looked for once (the batch's
+    one pass, which finds none) and its download, which asks for the file's size first, reads
+    none (before, each download read the file twice, each time into a zeroed buffer of the
+    block's size: 3 reads per block). The bytes equal the local files'."""
+    monkeypatch.setenv("GPUIO_REMOTE_BLOCK", "4KiB")
+    monkeypatch.setenv("GPUIO_REMOTE_PACK_BELOW", "0")
+    names = _npys(tmp_path / "data", np.random.default_rng(8), 6)
+    local = formats.numpy([str(tmp_path / "data" / name) for name in names])
+    reads = []
+    read_checked = cache_mod._read_checked
+
+    def counted(path, out, spare):
+        reads.append(path)
+        return read_checked(path, out, spare)
+
+    monkeypatch.setattr(cache_mod, "_read_checked", counted)
+    with http_server(str(tmp_path / "data")) as base:
+        index = formats.numpy([f"{base}/{name}" for name in names])
+        got = gpuio.read(index, np.arange(len(names)))
+        flush()
+    assert [a.tobytes() for a in got] == [a.tobytes() for a in gpuio.read(local, np.arange(len(names)))]
+    blocks = [f for _, _, fs in os.walk(cache_folder()) for f in fs]
+    assert len(reads) == len(set(reads)) == len(blocks) > len(names)

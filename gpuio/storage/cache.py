@@ -1099,8 +1099,11 @@ class BlockCache:
 
     @staticmethod
     def _present(path: str, want: int) -> bool:
-        """Whether the block file is there and whole (``_read_checked``), touched: it is in use."""
-        if not _read_checked(path, bytearray(want), bytearray(_TRAILER.size + 1)):
+        """Whether the block file is there and whole (``_read_checked``), touched: it is in use.
+        A file not there at its size is not read (a download asks first: no buffer of the
+        block's size for it)."""
+        if not _sized(path, want + _TRAILER.size) or not _read_checked(path, bytearray(want),
+                                                                       bytearray(_TRAILER.size + 1)):
             return False
         try:
             os.utime(path)
