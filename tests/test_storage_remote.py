@@ -15,6 +15,7 @@ import urllib.parse
 import tarfile
 import struct
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -591,6 +592,34 @@ def test_compressed_tfrecord_from_s3_is_decompressed_once_into_the_cache_folder(
 
 
 # ---- the cache tier ----------------------------------------------------------------
+
+
+@each_store_client
+def test_a_large_get_reads_the_socket_into_the_buffer_it_fills(store, each_client, tmp_path, request):
+    """A GET of 1 MiB or more, by every store and client, is read from the socket
+    straight into the buffer it fills (tracemalloc: a GET into the caller's buffer
+    allocates under a tenth of its bytes; one that returns its bytes, for the cache,
+    allocates one buffer of their size, filled where it lies). Before, urllib3 read a body
+    into bytes of its own and copied them, and obstore collected it into a buffer of its
+    own (untraced: the GET that returns its bytes allocated nothing traced)."""
+    data, url = _random_npy_on(store, tmp_path, request, "big", 3, 3 << 20)
+    raw = (tmp_path / "big.npy").read_bytes()
+    c = remote.client()
+    etag = c.head(url).etag
+    n, start = 2 << 20, 4096
+    out = np.empty(n, dtype=np.uint8)
+    tracemalloc.start()
+    try:
+        c.get_into(url, start, memoryview(out), etag)
+        into_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        got = c.get(url, start, n, etag)
+        get_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out.tobytes() == bytes(got) == raw[start: start + n]
+    assert into_peak < n // 10
+    assert n <= get_peak < n + n // 10
 
 
 def test_second_epoch_reads_the_cache_only(store, tmp_path, request, monkeypatch):

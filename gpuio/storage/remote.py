@@ -42,6 +42,7 @@ import io
 import os
 import random
 import re
+import select
 import threading
 import time
 import urllib.parse
@@ -76,6 +77,10 @@ _RESIGN_S = 1800  # a presigned URL older than this is signed again before use
 _BACKOFF_S = 0.1
 _BACKOFF_MAX_S = 5.0
 _REDIRECTS = 10  # redirects a GET follows (urllib3; obstore follows its client's default)
+# a GET of at least this many bytes is read by http.client straight into the caller's buffer (urllib3's
+# transport; obstore collects a body into a buffer of its own, which is then copied); smaller ones by the
+# client's transport, obstore's requests costing less CPU each
+_READINTO_FROM = 1 << 20
 _INDEXES_KEPT = 8  # indexes whose objects a RemoteBackend's cache keeps in view
 
 
@@ -193,12 +198,15 @@ class Client:
         self._plain: _Urllib3 | None = None  # http(s) URLs with a query (presigned): obstore drops it
         self._clouds: dict[str, Any] = {}  # "gs", "az" -> _clouds.GCS, _clouds.Azure
 
-    def _for(self, url: str) -> Any:
-        """The transport of ``url``: urllib3 for an http(s) URL with a query string (a
-        presigned URL, a token), which obstore's paths cannot carry, for a ``gs://`` URL
-        and after obstore met a certificate it does not trust; else ``transport``."""
+    def _for(self, url: str, n: int = 0) -> Any:
+        """The transport of ``url`` (a GET of ``n`` bytes): urllib3's for a GET of at least
+        ``_READINTO_FROM`` bytes (read straight into the caller's buffer), for an http(s)
+        URL with a query string (a presigned URL, a token), which obstore's paths cannot
+        carry, for a ``gs://`` URL and after obstore met a certificate it does not trust;
+        else ``transport``."""
         if isinstance(self.transport, _Obstore) and (
-                self._obstore_untrusted or ("?" in url and is_http(url)) or url.startswith("gs://")):
+                n >= _READINTO_FROM or self._obstore_untrusted or ("?" in url and is_http(url))
+                or url.startswith("gs://")):
             return self.plain()
         return self.transport
 
@@ -221,12 +229,13 @@ class Client:
                 service = self._clouds.setdefault(kind, service)
         return service
 
-    def _call(self, url: str, request: Callable[[Any], Any]) -> Any:
-        """``request(transport)`` by ``url``'s transport; where obstore does not trust the
-        server's certificate and AWS_CA_BUNDLE names authorities, again by urllib3 with
-        them (and urllib3 from then on). A precondition failed (HTTP 412) is the error of
-        an object replaced, unless the object, asked again, is gone (its 404)."""
-        transport = self._for(url)
+    def _call(self, url: str, request: Callable[[Any], Any], n: int = 0) -> Any:
+        """``request(transport)`` by the transport of ``url`` (a GET of ``n`` bytes); where
+        obstore does not trust the server's certificate and AWS_CA_BUNDLE names
+        authorities, again by urllib3 with them (and urllib3 from then on). A precondition
+        failed (HTTP 412) is the error of an object replaced, unless the object, asked
+        again, is gone (its 404)."""
+        transport = self._for(url, n)
         try:
             return request(transport)
         except _PreconditionFailed:
@@ -236,7 +245,7 @@ class Client:
             if not isinstance(transport, _Obstore) or not self.ca_bundle:
                 raise
             self._obstore_untrusted = True
-            return request(self._for(url))
+            return request(self._for(url, n))
 
     def s3(self) -> Any:
         """The botocore S3 client (endpoint, region and credentials as the AWS SDKs find them)."""
@@ -296,7 +305,7 @@ class Client:
         (ETag, size). ``etag``: the version the index recorded, or None. Retried on
         5xx, 429, a dropped connection or a short body, ``remote_retries`` tries in all."""
         t0 = time.perf_counter()
-        got = self._call(url, lambda transport: transport.get_into(url, start, out, etag))
+        got = self._call(url, lambda transport: transport.get_into(url, start, out, etag), len(out))
         _fetched(t0, len(out))
         return got
 
@@ -305,7 +314,7 @@ class Client:
         retried as ``get_into``: the one the transport received them in (obstore's), so
         that a caller that keeps them (the cache) makes no copy."""
         t0 = time.perf_counter()
-        got = self._call(url, lambda transport: transport.get(url, start, n, etag))
+        got = self._call(url, lambda transport: transport.get(url, start, n, etag), n)
         _fetched(t0, n)
         return got
 
@@ -490,10 +499,12 @@ class _Obstore:
 
 
 class _Urllib3:
-    """HEADs and ranged GETs by urllib3 on presigned URLs (botocore signs), GCS's JSON API
-    and signed Azure requests (``_clouds``), read straight into the caller's buffer: the
-    client of a forked child whose parent used obstore, and of every ``gs://`` URL. Also
-    the GCS and Azure listings."""
+    """HEADs and ranged GETs on presigned URLs (botocore signs), GCS's JSON API and signed
+    Azure requests (``_clouds``): the client of a forked child whose parent used obstore,
+    of every ``gs://`` URL and of every GET of ``_READINTO_FROM`` bytes or more. A GET's
+    body is read by http.client straight into the caller's buffer (urllib3 reads a body
+    into bytes of its own, then copies them), on kept-alive connections of its own; the
+    GCS and Azure listings, metadata and an empty object's GET by urllib3."""
 
     def __init__(self, owner: Client) -> None:
         try:
@@ -501,8 +512,13 @@ class _Urllib3:
         except ImportError as exc:
             raise DependencyError(f"reading s3://, gs://, az:// and http(s):// URLs needs the gpuio[remote] extra "
                                   f"(pip install 'gpuio[remote]'): {exc}") from exc
+        import http.client  # here, as urllib3: import gpuio stays quick
+        import ssl
+
         self.owner = owner
         self._urllib3 = urllib3
+        self._http = http.client
+        self._ssl = ssl
         self.timeout = urllib3.Timeout(connect=owner.timeout, read=owner.timeout)
         conns = max(4, config.get("remote_requests"))
         # redirects followed (a dataset host's URL that sends the GET on to its CDN); every
@@ -511,6 +527,10 @@ class _Urllib3:
         trust = {"ca_certs": owner.ca_bundle} if owner.ca_bundle else {}
         self.http = urllib3.PoolManager(num_pools=64, maxsize=conns, retries=follow, timeout=self.timeout, **trust)
         self._signed: dict[str, tuple[str, float]] = {}  # s3 URL -> (presigned URL, when signed)
+        self._kept = conns  # idle connections kept per origin (GETs)
+        self._idle: dict[tuple[str, str], list[Any]] = {}  # (scheme, host:port) -> idle http.client connections
+        self._idle_lock = threading.Lock()
+        self._tls: Any = None  # the TLS context of https GETs (made on first use)
 
     def http_url(self, url: str) -> str:
         """The URL a GET goes to: presigned for ``s3://``, as given for ``http(s)://``."""
@@ -634,15 +654,13 @@ class _Urllib3:
         headers = {"Range": f"bytes={start}-{end}"}
         if _strong(etag):
             headers["If-Match"] = etag
-        errors = self._urllib3.exceptions
         last = ""
         for attempt in range(self.owner.retries):
             self.owner.backoff(attempt)
-            resp = self._request("GET", url, headers, start, end)
-            status, got = resp.status, -1
+            conn, resp, origin = self._send(url, headers, start, end)
+            status, got, total = resp.status, -1, None
             try:
                 if status not in (200, 206):
-                    resp.drain_conn()
                     raise _status_error(url, start, end, status, resp.reason, etag)
                 got_etag = self._version(url, resp)
                 if etag and got_etag and not _same_version(got_etag, etag):
@@ -652,12 +670,12 @@ class _Urllib3:
                     raise _no_ranges(url, f"GET bytes {start}-{end}", start)
                 got = 0
                 try:
-                    while got < n:
+                    while got < n:  # the socket's bytes land in ``out``: no buffer between
                         k = resp.readinto(out[got:])
                         if not k:
                             break
                         got += k
-                except (errors.HTTPError, OSError) as exc:
+                except (self._http.HTTPException, OSError) as exc:
                     last = f"connection dropped after {got} of {n} bytes ({type(exc).__name__})"
                     continue
                 if got < n:
@@ -667,9 +685,98 @@ class _Urllib3:
                     last = f"body ended after {got} of {n} bytes (HTTP {status})"
                     continue
                 return got_etag, total if total is not None else start + n
-            finally:  # a whole object's answer (HTTP 200) read only in part: its connection goes
-                resp.release_conn() if got >= n and (status == 206 or total == n) else resp.close()
+            finally:  # a connection is kept only with its answer read to the end
+                self._done(conn, resp, origin, got >= n)
         raise StorageError(f"GET bytes {start}-{end}: {last} after {self.owner.retries} tries", path=url, offset=start)
+
+    def _send(self, url: str, headers: dict[str, str], start: int, end: int) -> tuple[Any, Any, tuple[str, str]]:
+        """The GET of bytes ``start``-``end`` of ``url`` (``headers``: its Range and
+        If-Match) by http.client, redirects followed, with retries on 5xx, 429 and dropped
+        connections: (the connection, the response, its body not read, and its origin) of
+        the first try that is none of those."""
+        what = f"GET bytes {start}-{end}"
+        last = ""
+        for attempt in range(self.owner.retries):
+            self.owner.backoff(attempt)
+            sent_url, sent_headers = self._address(url, headers)  # signed anew each try
+            try:
+                conn, resp, origin = self._follow(sent_url, sent_headers)
+            except self._ssl.SSLCertVerificationError as exc:
+                raise _untrusted(url, what, start, str(exc)) from exc
+            except (self._http.HTTPException, OSError) as exc:
+                last = f"connection failed ({type(exc).__name__}: {exc})"
+                continue
+            if resp.status == 429 or resp.status >= 500:
+                last = f"HTTP {resp.status} {resp.reason or ''}".rstrip()
+                conn.close()
+                continue
+            return conn, resp, origin
+        raise StorageError(f"{what}: {last} after {self.owner.retries} tries", path=url, offset=start)
+
+    def _follow(self, sent_url: str, headers: dict[str, str]) -> tuple[Any, Any, tuple[str, str]]:
+        """Send a GET to ``sent_url`` on a kept connection of its origin (a new one where
+        none is idle), following up to ``_REDIRECTS`` redirects (credentials are not sent
+        on to another host): the connection, the response (body not read) and the origin
+        (scheme, host and port) it came from."""
+        for _ in range(_REDIRECTS + 1):
+            parts = urllib.parse.urlsplit(sent_url)
+            origin = (parts.scheme, parts.netloc)
+            conn = self._connection(origin)
+            try:
+                conn.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""), headers=headers)
+                resp = conn.getresponse()
+            except BaseException:
+                conn.close()
+                raise
+            location = resp.getheader("Location")
+            if resp.status not in (301, 302, 303, 307, 308) or not location:
+                return conn, resp, origin
+            conn.close()
+            sent_url = urllib.parse.urljoin(sent_url, location)
+            if urllib.parse.urlsplit(sent_url).netloc != parts.netloc:
+                headers = {k: v for k, v in headers.items() if k.lower() not in _CREDENTIAL_HEADERS}
+        raise self._http.HTTPException(f"more than {_REDIRECTS} redirects")
+
+    def _connection(self, origin: tuple[str, str]) -> Any:
+        """An idle kept-alive connection to ``origin`` (scheme, host and port; one its
+        server has not closed meanwhile), else a new one."""
+        scheme, netloc = origin
+        with self._idle_lock:
+            idle = self._idle.get(origin)
+            while idle:
+                conn = idle.pop()
+                if conn.sock is not None and not _readable(conn.sock):  # closed or sent bytes unasked: not reused
+                    return conn
+                conn.close()
+        if scheme == "https":
+            if self._tls is None:
+                self._tls = self._ssl.create_default_context(cafile=self.owner.ca_bundle)
+            return self._http.HTTPSConnection(netloc, timeout=self.owner.timeout, context=self._tls)
+        return self._http.HTTPConnection(netloc, timeout=self.owner.timeout)
+
+    def _done(self, conn: Any, resp: Any, origin: tuple[str, str], whole: bool) -> None:
+        """Keep ``conn`` for the next GET to ``origin`` where its answer was read to the
+        end (``whole``, and the response closed itself); else close it."""
+        if not (whole and resp.isclosed() and conn.sock is not None):
+            conn.close()
+            return
+        with self._idle_lock:
+            idle = self._idle.setdefault(origin, [])
+            if len(idle) < self._kept:
+                idle.append(conn)
+                return
+        conn.close()
+
+
+_CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization")
+
+
+def _readable(sock: Any) -> bool:
+    """Whether an idle connection's socket has something to read: its server closed it
+    (or sent bytes no request asked for)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _no_ranges(url: str, what: str, start: int) -> StorageError:
