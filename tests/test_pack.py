@@ -125,6 +125,42 @@ def test_padding_is_filled_from_the_next_records():
         assert boundary - ends[ends <= boundary].max() < 400_000
 
 
+def test_batches_read_in_order_are_read_ahead(tmp_path):
+    rng = np.random.default_rng(2)  # records from 1 byte to 120 KB in three shards, some moved into padding
+    n = 600
+    blobs = [rng.integers(0, 256, int(k), dtype=np.uint8).tobytes() for k in rng.choice([1, 5000, 40_000, 120_000], n)]
+    (tmp_path / "blob.bin").write_bytes(b"".join(blobs))
+    src = SampleIndex(PathTable.from_paths([str(tmp_path / "blob.bin")]), {"data": Extents(
+        np.zeros(n), np.cumsum([0] + [len(b) for b in blobs[:-1]]), [len(b) for b in blobs])})
+    got = gpuio.formats.packed(gpuio.pack(src, tmp_path / "p", shard_size=10 << 20))
+    assert len(got.files) == 3
+
+    def check(reader, rows):
+        for row, arr in zip(rows, reader.read(got, rows)):
+            ext = got.extent(row, "data")
+            with open(ext.file, "rb") as f:
+                f.seek(ext.offset)
+                assert arr.tobytes() == f.read(ext.length), f"sample {row}"
+
+    with gpuio.config.override(o_direct=True), gpuio.Reader("cpu") as reader:  # O_DIRECT: read ahead
+        shard = got.extents["data"].file
+        batches = [np.arange(start, min(start + 64, n)) for start in range(0, n, 64)]
+        for rows in batches:  # in order, across the shards' boundaries
+            check(reader, rows.tolist())
+        in_order = reader.read_ahead_batches  # every batch after one in the same shard
+        assert in_order == sum(len(set(shard[a]) | set(shard[b])) == 1 for a, b in zip(batches, batches[1:]))
+        check(reader, rng.permutation(n)[:64].tolist())  # shuffled: read as it is
+        check(reader, list(range(64)))
+        check(reader, list(range(64, 128)))  # after one in order: read ahead again
+        assert reader.read_ahead_batches == in_order + 1
+        first = got.extent(128, "data")  # the next batch's bytes change after they were read ahead
+        with open(first.file, "r+b") as f:
+            f.seek(first.offset)
+            f.write(bytes(255 - b for b in f.read(first.length)))
+        check(reader, list(range(128, 192)))
+        assert reader.read_ahead_batches == in_order + 1
+
+
 def test_value_fields_of_every_kind_and_a_reader_loop(tmp_path):
     rng = np.random.default_rng(1)
     blobs = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in rng.integers(1, 50_000, 30)]

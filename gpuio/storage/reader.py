@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from gpuio import config
-from gpuio._fork import RenewedLock
+from gpuio._fork import RenewedLock, renew_after_fork
 from gpuio.storage.buffers import BufferPool, Lease, default_pool
 from gpuio.device import Device, check_cuda, cuda_available, parse_device, require
 from gpuio.errors import ConfigError, OutOfRangeError, StorageError, open_error, truncated_error
@@ -41,6 +42,69 @@ except ImportError:  # built at install where a C compiler exists; os.stat other
 
 __all__ = ["Reader", "read", "read_fields", "read_sample", "learn_lengths"]
 
+# Read-ahead of consecutive cold batches of one file (a packed dataset read in its order):
+# a batch read with O_DIRECT whose records fill half or more of the stretch of one file
+# they span first queues reads of the stretches after it, each about as long, into
+# buffers of the reader's own, read in the background in pieces in the file's order. A
+# next batch whose records lie mostly in the first of them takes its buffer (no copy):
+# each buffer has room around its stretch for the records of a batch that begins or ends
+# a little outside it, copied from the stretches beside it (or read, where none has
+# them). So the disk always has the coming stretches queued, also while the caller
+# handles a batch. A shuffled batch spans far more than its records: it reads as before.
+_AHEAD_DENSE = 0.5  # the least share of its stretch a batch's records cover for reading on after it
+_AHEAD_TAKEN = 0.25  # the least share of a stretch a batch's records cover for it to take the buffer
+_AHEAD_BYTES = 64 << 20  # stretches are read ahead of the last batch until they hold this many bytes
+_AHEAD_READS = 8  # pieces of them (task_size bytes each) read at once: fewer than are queued, so
+# that they end in the file's order
+_AHEAD_MARGIN = 8  # a stretch reaches this fraction of a batch past where the batch should end
+_PAGE = 4096  # O_DIRECT's alignment
+
+
+def _pages(n: int) -> int:
+    return -(-n // _PAGE) * _PAGE
+
+
+def _stamp(path: str) -> tuple[int, int, int] | None:
+    """What tells a file's versions apart (inode, size, change time); None where it
+    cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class _Ahead(NamedTuple):
+    """A read-ahead: the bytes ``start..end`` of ``path`` (``start`` a page boundary; the
+    file as ``stamp`` says) into ``lease`` from byte ``head`` on, read in pieces,
+    ``(end, future)`` each; the buffer has room for ``head`` bytes of the file before
+    ``start`` and as many after ``end``."""
+
+    path: str
+    stamp: tuple[int, int, int]
+    start: int
+    end: int
+    head: int
+    lease: Lease
+    pieces: list[tuple[int, Future[None]]]
+
+    def wait(self, upto: int) -> None:
+        """Wait for the pieces up to the file's byte ``upto``; a failed one raises its error."""
+        for end, done in self.pieces:
+            done.result()
+            if end >= upto:
+                return
+
+    def bytes_of(self, start: int, end: int) -> np.ndarray:
+        """The buffer's bytes of the file's ``start..end``, which must lie in the stretch."""
+        return self.lease.array[self.head + start - self.start: self.head + end - self.start]
+
+
+class _Into(NamedTuple):
+    """The part of a buffer a read lands in (what a backend's ``read`` takes of a lease)."""
+
+    array: np.ndarray
+
 
 class Reader:
     """Reads batches of extents from an index into buffers on ``device``.
@@ -51,7 +115,8 @@ class Reader:
     reader into host memory always reads with posix, whatever ``backend`` says: kvikio
     lands bytes on the device, and a pipeline that reads on the GPU still parses and
     decodes some fields on the host. Settings not given come from ``gpuio.config`` when
-    the reader is made.
+    the reader is made. Batches read in the order of a file's records with O_DIRECT (cold
+    data) are read ahead: see ``_AHEAD_DENSE`` and what precedes it.
     """
 
     def __init__(self, device: str | Device = "cpu", *, backend: str | None = None,
@@ -93,6 +158,16 @@ class Reader:
         self._remote: Any = None  # the backend of s3:// and http(s):// files, made on first use
         self._upload_streams = threading.local()  # each read thread's upload stream (GPU readers)
         self._remote_settings = {name: config.get(name) for name in REMOTE_SETTINGS}  # ... with these
+        self.read_ahead_batches = 0  # batches taken from a read-ahead's buffer (see _AHEAD_DENSE)
+        self._after_fork()
+        renew_after_fork(self)
+
+    def _after_fork(self) -> None:
+        """A new read-ahead state (in a forked child: the parent's thread is gone)."""
+        self._ahead: list[_Ahead] = []  # read-aheads of consecutive stretches of one file, in order
+        self._taken: _Ahead | None = None  # the one the last batch took (records before the next are there)
+        self._ahead_lock = threading.Lock()
+        self._ahead_thread: ThreadPoolExecutor | None = None
 
     @property
     def lands_on_device(self) -> bool:
@@ -109,22 +184,125 @@ class Reader:
         if is_remote(index.files):
             return self._read_remote(index, extents)
         extents = (*extents[:2], _known_lengths(index.files, *extents))
-        plan = build_plan(*extents, gap=self.gap, align=self.backend.align, task_size=self.task_size,
-                          parts=self.parts)
-        if self.cold_direct and not self.lands_on_device and self.backend.reads_cold_direct(plan, index.files):
-            aligned = build_plan(*extents, gap=self.gap, align=4096, task_size=self.task_size, parts=self.parts)
-            # within the buffer a Loader reserved per batch: the extents plus a merge gap each
-            if self.pool.charge(aligned.nbytes) <= self.pool.charge(int(extents[2].sum()) + len(rows) * self.gap):
-                plan = aligned
         if self.lands_on_device:
+            plan = build_plan(*extents, gap=self.gap, align=self.backend.align, task_size=self.task_size,
+                              parts=self.parts)
             lease = self.pool.acquire(plan.nbytes, self.device)
             self.backend.read(plan, index.files, lease)
+            return lease, plan.sample_dest, plan.sample_length
+        taken = self._take_ahead(index.files, *extents)
+        if taken is not None:
+            lease, dest = taken
+            self._read_ahead(index.files, *extents, going_on=True)
         else:
+            plan = build_plan(*extents, gap=self.gap, align=self.backend.align, task_size=self.task_size,
+                              parts=self.parts)
+            if self.cold_direct and self.backend.reads_cold_direct(plan, index.files):
+                aligned = build_plan(*extents, gap=self.gap, align=_PAGE, task_size=self.task_size,
+                                     parts=self.parts)
+                # within the buffer a Loader reserved per batch: the extents plus a merge gap each
+                if self.pool.charge(aligned.nbytes) <= self.pool.charge(int(extents[2].sum()) + len(rows) * self.gap):
+                    plan = aligned
+            if plan.align >= _PAGE:  # queued before this batch's reads: the disk never waits for the next
+                self._read_ahead(index.files, *extents, going_on=False)
             lease = self.pool.acquire(plan.nbytes, "cpu", pinned=self.pinned)
             self.backend.read(plan, index.files, lease)
-            if self.device.is_cuda:
-                lease = self._upload(lease, plan.nbytes)
-        return lease, plan.sample_dest, plan.sample_length
+            dest = plan.sample_dest
+        if self.device.is_cuda:
+            lease = self._upload(lease, int((dest + extents[2]).max(initial=0)))
+        return lease, dest, extents[2].copy()
+
+    def _take_ahead(self, files: PathTable, file: np.ndarray, offset: np.ndarray,
+                    length: np.ndarray) -> tuple[Lease, np.ndarray] | None:
+        """The buffer of the read-ahead whose stretch holds most of this batch, with the
+        bytes of the batch's records beyond the stretch put around it, and each sample's
+        place in it, where the batch's records lie in one file and cover most of that
+        stretch; else None."""
+        with self._ahead_lock:
+            queue = self._ahead
+            if not queue or not len(file) or not (file == file[0]).all() or files[int(file[0])] != queue[0].path:
+                return None
+            if _stamp(queue[0].path) != queue[0].stamp:  # replaced or changed since: read it afresh
+                self._ahead, self._taken = [], None
+                return None
+            end = offset + length
+            low, high = int(offset.min()), int(end.max())
+            held = [int(length[(offset >= a.start) & (end <= a.end)].sum()) for a in queue]
+            k = int(np.argmax(held))
+            ahead = queue[k]
+            if held[k] < _AHEAD_TAKEN * (ahead.end - ahead.start):
+                return None
+            if low < ahead.start - ahead.head or ahead.head + high - ahead.start > ahead.lease.nbytes:
+                return None
+            before, after = (queue[k - 1] if k else self._taken), (queue[k + 1] if k + 1 < len(queue) else None)
+            self._ahead, self._taken = queue[k + 1:], ahead
+        ahead.wait(ahead.end)  # a failed read-ahead raises its error (the file and offset) here
+        if low < ahead.start:  # from the stretch before, else read
+            if before is not None and before.end == ahead.start and before.start <= low:
+                before.wait(before.end)
+                ahead.bytes_of(low, ahead.start)[...] = before.bytes_of(low, ahead.start)
+            else:
+                self._read_stretch(files, file[0], low // _PAGE * _PAGE, ahead.start, ahead)
+        if high > ahead.end:  # from the stretch after, else read
+            if after is not None and after.end >= high:
+                after.wait(high)
+                ahead.lease.array[ahead.head + ahead.end - ahead.start: ahead.head + high - ahead.start] = \
+                    after.bytes_of(after.start, high)
+            else:
+                self._read_stretch(files, file[0], ahead.end, high, ahead)
+        self.read_ahead_batches += 1
+        return ahead.lease, offset - ahead.start + ahead.head
+
+    def _read_stretch(self, files: PathTable, file: int, start: int, end: int, into: _Ahead) -> None:
+        """Read the file's ``start..end`` (``start`` a page boundary) into its place in
+        ``into``'s buffer."""
+        plan = build_plan(np.array([file]), np.array([start]), np.array([end - start]), gap=0, align=_PAGE,
+                          task_size=self.task_size, parts=self.parts)
+        self.backend.read(plan, files, _Into(into.lease.array[into.head + start - into.start:]))
+
+    def _read_ahead(self, files: PathTable, file: np.ndarray, offset: np.ndarray, length: np.ndarray,
+                    going_on: bool) -> None:
+        """Keep stretches after this batch's records, each about as long as the stretch
+        they span, read or being read in the background, ``_AHEAD_BYTES`` in all (at least
+        one), where the records lie in one file and fill most of their stretch and the
+        buffer pool has room without waiting. ``going_on``: the batch was taken from a
+        read-ahead, whose followers stay; else the read-aheads start afresh."""
+        if not going_on:
+            with self._ahead_lock:
+                self._ahead, self._taken = [], None
+        if not len(file) or not (file == file[0]).all():
+            return
+        first, last = int(offset.min()), int((offset + length).max())
+        span = last - first
+        if span < _PAGE or int(length.sum()) < _AHEAD_DENSE * span:
+            return
+        path = files[int(file[0])]
+        stamp = _stamp(path)
+        if stamp is None:
+            return  # the next batch's own read reports it
+        size = stamp[1]
+        with self._ahead_lock:
+            queue, taken = self._ahead, self._taken
+            at = queue[-1].end if queue else max(last // _PAGE * _PAGE, taken.end if taken is not None else 0)
+            # where the next batches should end, and a little further: a batch that ends early finds
+            # the next one's first bytes at the end of its stretch (a copy), where one that ends late
+            # would wait for the next stretch
+            ends = (_pages(last + k * span + span // _AHEAD_MARGIN) for k in itertools.count(1))
+            while at < size and (not queue or sum(a.end - a.start for a in queue) < _AHEAD_BYTES):
+                stop = min(next(e for e in ends if e >= at + span // 2), size)
+                head = _pages(span // 2)  # room for the next batch's bytes before and after the stretch
+                room = head + _pages(stop - at) + head
+                if self.pool.held_bytes + self.pool.charge(room) > self.pool.budget:
+                    return
+                if self._ahead_thread is None:
+                    self._ahead_thread = ThreadPoolExecutor(_AHEAD_READS, thread_name_prefix="gpuio-read-ahead")
+                ahead = _Ahead(path, stamp, at, stop, head, self.pool.acquire(room, "cpu", pinned=self.pinned), [])
+                for a in range(at, stop, self.task_size):
+                    b = min(a + self.task_size, stop)
+                    ahead.pieces.append((b, self._ahead_thread.submit(self._read_stretch, files, int(file[0]), a, b,
+                                                                      ahead)))
+                queue.append(ahead)
+                at = stop
 
     def prefetch(self, index: SampleIndex, rows: Sequence[int] | np.ndarray, field: str = "data") -> int:
         """Start fetching the remote blocks of ``field`` of ``rows`` into the node-local
@@ -175,7 +353,7 @@ class Reader:
             if stream is None:  # made inside the device: a stream belongs to one
                 stream = self._upload_streams.stream = cp.cuda.Stream(non_blocking=True)
             with stream:  # the device array's release event, too, is recorded after the copy
-                dev.array.set(host.array, stream=stream)
+                dev.array.set(host.array[:nbytes], stream=stream)
             stream.synchronize()  # the host buffer returns to the pool right after
         return dev
 
@@ -199,6 +377,11 @@ class Reader:
 
     def close(self) -> None:
         """End the backend's reader threads and close its files."""
+        with self._ahead_lock:
+            self._ahead, self._taken = [], None
+        if self._ahead_thread is not None:
+            self._ahead_thread.shutdown(wait=True)
+            self._ahead_thread = None
         self.backend.close()
         if self._remote is not None:
             self._remote.close()
