@@ -16,8 +16,9 @@ Rows:
   of the val chain (resize 256, center crop 224, normalize) on the source tree and on the packed
   dataset (``bench/images.py``'s chains), with the decode-only ceiling of each chain on
   the source (``images.decode_only``);
-- cold reads: every record of the packed shards through ``gpuio.Reader`` with the page
-  cache dropped, in ``--batch`` batches and in one batch, each against ``bench/storage.py``'s
+- cold reads: every record of the packed shards through ``gpuio.Reader`` and through a
+  ``gpuio.Loader`` (the data field only, in order) with the page cache dropped, in
+  ``--batch`` batches and in one batch, each against ``bench/storage.py``'s
   ceiling measured in the same rounds (listed after it): the fastest of its sequential,
   parallel and O_DIRECT reads of the same bytes (the records, back to back in one file), in
   ``--cold-repeat`` interleaved rounds (one cold read takes a fraction of a second, and the
@@ -201,6 +202,13 @@ def _loader_epoch(index: gpuio.SampleIndex, pipeline: str, batch: int) -> float:
     return _timed(lambda: [b["image"] for b in loader])
 
 
+def _loader_pass(index: gpuio.SampleIndex, batch: int) -> None:
+    """A pass of a new Loader over the records of ``index``'s data field, in order, as
+    they are (no ops): its reads, read-ahead and hand-over."""
+    for _ in gpuio.Loader(index, batch, fields=("data",), output="numpy"):
+        pass
+
+
 def _ceiling(root: str, pipeline: str, batch: int, count: int) -> float:
     run = images.decode_only(root, batch, os.cpu_count() or 1, count, pipeline)
     return _timed(lambda: list(run()))
@@ -294,10 +302,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         records = [_records_file(packed, os.path.join(work, "records.bin"))]
         bounds = (storage.SEQUENTIAL, storage.PARALLEL, storage.PARTS, storage.DIRECT, storage.DIRECT_DEEP)
         for batch in dict.fromkeys((args.batch, n)):  # the Loader's batches, and one batch of every record
-            cold = storage.measure("packed", packed, records, batch=batch, repeat=args.cold_repeat, caches=("cold",))
+            cold = storage.measure("packed", packed, records, batch=batch, repeat=args.cold_repeat, caches=("cold",),
+                                   more={"gpuio.Loader": functools.partial(_loader_pass, packed, batch)})
             for r in cold:
-                if r["method"] == "gpuio":
-                    rows.append({"row": f"cold: gpuio.Reader, batches of {batch}, vs ceiling", "s": r.get("seconds"),
+                if r["method"] in ("gpuio", "gpuio.Loader"):
+                    way = "gpuio.Reader" if r["method"] == "gpuio" else "gpuio.Loader, data only"
+                    rows.append({"row": f"cold: {way}, batches of {batch}, vs ceiling", "s": r.get("seconds"),
                                  "MB_s": r["GB/s"] * 1e3 if "GB/s" in r else None, "ratio": r.get("vs ceiling"),
                                  **({"why": r["failed"]} if "failed" in r else {})})
             ways = sorted((r for r in cold if r["method"] in bounds and "seconds" in r), key=lambda r: r["seconds"])

@@ -124,10 +124,12 @@ def _batches(n: int, batch: int, order: np.ndarray) -> list[np.ndarray]:
     return [order[i: i + batch] for i in range(0, n, batch)]
 
 
-def _each(reader: gpuio.Reader, index: SampleIndex, batches: list[np.ndarray]) -> None:
-    """Read batch after batch, each dropped before the next as a training loop does."""
-    for b in batches:
-        reader.read(index, b)
+def _each(index: SampleIndex, batches: list[np.ndarray], device: str = "cpu") -> None:
+    """Read batch after batch, each dropped before the next as a training loop does, with
+    a new Reader (none of its read-ahead is left from an earlier run, before a cache drop)."""
+    with gpuio.Reader(device) as reader:
+        for b in batches:
+            reader.read(index, b)
 
 
 def _naive_files(paths: list[str]) -> None:
@@ -245,7 +247,8 @@ RESIDENT_LIMIT = 0.01  # fraction of pages that may stay cached after a drop for
 
 def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: int = 256,
             repeat: int = 3, caches: tuple[str, ...] = ("warm", "cold"), packed: bool = False,
-            baseline: str = "naive loop", memory_bound: bool = False) -> list[dict[str, Any]]:
+            baseline: str = "naive loop", memory_bound: bool = False,
+            more: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Time every method over one dataset (one sample per file unless ``packed``).
 
     Methods run in ``repeat`` rounds, each round starting with the next method, and
@@ -256,7 +259,8 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
     (the fastest of a sequential, a parallel and an O_DIRECT read of the same bytes in one
     file) by more than ``DRIFT``, is a failed measurement: it carries ``failed`` (the
     reason) instead of figures. ``memory_bound``: the warm ceiling also counts copies of
-    the same bytes within memory (``MEMORY_ONE``, ``MEMORY_ALL``)."""
+    the same bytes within memory (``MEMORY_ONE``, ``MEMORY_ALL``). ``more``: other ways of
+    gpuio's to time alongside, ``{name: function}``, judged as ``gpuio``'s."""
     from tqdm import tqdm
 
     ext = index.extents["data"]
@@ -278,9 +282,10 @@ def measure(name: str, index: SampleIndex, ceiling_paths: list[str], *, batch: i
               if ceiling_paths else ())
     all_files = list(dict.fromkeys(paths + ceiling_paths))
     rows: list[dict[str, Any]] = []
-    with gpuio.Reader("cpu") as reader, ThreadPoolExecutor(gpuio.config.get("io_threads")) as pool:
+    with ThreadPoolExecutor(gpuio.config.get("io_threads")) as pool:
         methods = {
-            "gpuio": lambda: _each(reader, index, batches),
+            "gpuio": lambda: _each(index, batches),
+            **(more or {}),
             "naive loop": (lambda: _naive_records(paths[0], offsets, lengths)) if packed
             else (lambda: _naive_files(paths)),
             "np.fromfile": (lambda: _fromfile_records(paths[0], offsets, lengths)) if packed
@@ -455,10 +460,8 @@ def _gpu_methods(index: SampleIndex, batches: list[np.ndarray], paths: list[str]
             torch.from_numpy(np.fromfile(p, dtype=np.uint8)).cuda()
         torch.cuda.synchronize()
 
-    reader = gpuio.Reader("cuda")
-
     def gpuio_cuda() -> None:
-        _each(reader, index, batches)
+        _each(index, batches, "cuda")
         cupy.cuda.runtime.deviceSynchronize()
 
     return {"gpuio -> GPU": gpuio_cuda, "kvikio per file -> GPU": kvikio_per_file,
