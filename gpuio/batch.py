@@ -10,7 +10,9 @@ thread timing, batch composition or resume position.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +71,21 @@ class Batch:
     def xp(self) -> Any:
         """``numpy`` for a CPU batch, ``cupy`` for a GPU batch."""
         return require("cupy") if self.device.is_cuda else np
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[Any]:
+        """The batch's array module for the block: ``numpy`` for a CPU batch; for a GPU
+        batch ``cupy``, with the batch's GPU the current device and its stream (else
+        that device's current stream) the current stream. Every CuPy call of an op
+        runs inside such a block: a worker thread's current device is GPU 0, and its
+        current stream the legacy default stream, until it says otherwise."""
+        if not self.device.is_cuda:
+            yield np
+            return
+        cp = require("cupy")
+        with cp.cuda.Device(self.device.index):  # the current stream is per device: picked inside
+            with self.stream if self.stream is not None else cp.cuda.get_current_stream():
+                yield cp
 
     def rng(self, row: int, salt: int = 0) -> np.random.Generator:
         """The generator for ``row``; ops pass a ``salt`` of their own so that two

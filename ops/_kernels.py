@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from gpuio.batch import Batch
-from gpuio.device import require
 from gpuio.errors import ConfigError
 
 __all__ = ["OPTIONS", "SOURCE", "channel_groups", "check_images", "crop_resize_normalize", "launch_params",
@@ -205,24 +204,20 @@ def crop_resize_normalize(batch: Batch, images: list[Any], boxes: np.ndarray, cl
     if n == 0:
         return []
     channels = check_images(images)
-    cp = require("cupy")
     table, sizes = launch_params([img.data.ptr for img in images], [img.strides for img in images], channels,
                                  clips, out_hw, flips)
     boxes = np.asarray(boxes, np.float32).reshape(n, 4)
     out_hw = table[:, 8:10]
     threads = 256
-    with cp.cuda.Device(batch.device.index):
-        # picked inside the device context: the current stream is per device
-        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-        with stream:
-            out = cp.empty(int(sizes.sum()), dtype=dtype)
-            for c, rows in channel_groups(channels).items():
-                mean, inv_std = (np.zeros(c, np.float32), np.ones(c, np.float32)) if params is None else params(c)
-                args = (cp.asarray(table[rows]), cp.asarray(boxes[rows]),
-                        cp.asarray(np.asarray(mean, np.float32)), cp.asarray(np.asarray(inv_std, np.float32)),
-                        out, np.int32(c), np.int32(_INTERP[interp]), np.int32(antialias), np.int32(layout == "CHW"))
-                pixels = int((out_hw[rows, 0] * out_hw[rows, 1]).max())
-                _kernel(cp, dtype)(((pixels + threads - 1) // threads, len(rows)), (threads,), args)
+    with batch.on_device() as cp:
+        out = cp.empty(int(sizes.sum()), dtype=dtype)
+        for c, rows in channel_groups(channels).items():
+            mean, inv_std = (np.zeros(c, np.float32), np.ones(c, np.float32)) if params is None else params(c)
+            args = (cp.asarray(table[rows]), cp.asarray(boxes[rows]),
+                    cp.asarray(np.asarray(mean, np.float32)), cp.asarray(np.asarray(inv_std, np.float32)),
+                    out, np.int32(c), np.int32(_INTERP[interp]), np.int32(antialias), np.int32(layout == "CHW"))
+            pixels = int((out_hw[rows, 0] * out_hw[rows, 1]).max())
+            _kernel(cp, dtype)(((pixels + threads - 1) // threads, len(rows)), (threads,), args)
     return split_output(out, table, sizes, channels, layout)
 
 

@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 
 from gpuio.batch import Batch, Op
-from gpuio.device import require
 from gpuio.errors import ConfigError, DependencyError, FormatError
 from gpuio.ops.ragged import empty, pack, rows_of, segment_max, segment_span, to_host, unpack
 
@@ -230,12 +229,9 @@ class DecodeAudio(Op):
                 if item is not None:
                     item[0].close()
         if batch.device.is_cuda:  # one upload for the batch, on the batch's stream
-            cp = require("cupy")
-            with cp.cuda.Device(batch.device.index):
-                stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-                with stream:
-                    packed, lengths = pack(np, audio, 0)
-                    audio = unpack(cp.asarray(packed), lengths, 0)
+            with batch.on_device() as cp:
+                packed, lengths = pack(np, audio, 0)
+                audio = unpack(cp.asarray(packed), lengths, 0)
         batch.data[self.out] = audio
         batch.data[self.rate_out] = rates
         batch.drop_rejected()

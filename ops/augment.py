@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from gpuio.batch import Batch, Op
-from gpuio.device import require
 from gpuio.errors import ConfigError, DataError
 from gpuio.ops import _augment
 from gpuio.ops._rng import Streams
@@ -185,16 +184,13 @@ def apply_color(batch: Batch, field: str, matrices: np.ndarray, offsets: np.ndar
     same = np.all(table == np.array([1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0], np.float32), axis=1)
     rows_to_do = [r for r in range(len(rows)) if not same[r]]
     if batch.device.is_cuda:
-        cp = require("cupy")
-        with cp.cuda.Device(batch.device.index):
-            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-            with stream:
-                for shape, idx in _groups(rows, rows_to_do).items():
-                    src = cp.ascontiguousarray(cp.stack([rows[r] for r in idx]))
-                    dst = cp.empty(src.shape, cp.uint8)
-                    _kernel(cp, "color")(src, cp.asarray(table[idx]), shape[0] * shape[1], shape[2], dst)
-                    out = _place(out, idx, dst)
-                batch.data[field] = _container(images, out, cp)
+        with batch.on_device() as cp:
+            for shape, idx in _groups(rows, rows_to_do).items():
+                src = cp.ascontiguousarray(cp.stack([rows[r] for r in idx]))
+                dst = cp.empty(src.shape, cp.uint8)
+                _kernel(cp, "color")(src, cp.asarray(table[idx]), shape[0] * shape[1], shape[2], dst)
+                out = _place(out, idx, dst)
+            batch.data[field] = _container(images, out, cp)
         return
     src = [np.ascontiguousarray(rows[r]) for r in rows_to_do]
     dst = host_outputs(src)
@@ -219,12 +215,9 @@ def apply_levels(batch: Batch, images: list[Any], tables: np.ndarray) -> list[An
         out = [np.empty_like(img) for img in src]
         _augment.lut(src, np.ascontiguousarray(tables, np.uint8), out)
         return out
-    cp = require("cupy")
-    with cp.cuda.Device(batch.device.index):
-        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-        with stream:
-            return [cp.asarray(t[:img.shape[2]])[cp.arange(img.shape[2]), img.astype(cp.int32)]
-                    for img, t in zip(images, tables)]
+    with batch.on_device() as cp:
+        return [cp.asarray(t[:img.shape[2]])[cp.arange(img.shape[2]), img.astype(cp.int32)]
+                for img, t in zip(images, tables)]
 
 
 def histograms(batch: Batch, images: list[Any]) -> np.ndarray:
@@ -235,24 +228,22 @@ def histograms(batch: Batch, images: list[Any]) -> np.ndarray:
     if not batch.device.is_cuda:
         _augment.histogram([np.ascontiguousarray(img) for img in images], counts)
         return counts
-    cp = require("cupy")
-    with cp.cuda.Device(batch.device.index):
-        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-        with stream:
-            groups, parts = _groups(images, list(range(len(images)))), []
-            for (h, w, c), idx in groups.items():
-                parts.append(cp.zeros((len(idx), 4, 256), cp.uint32))
-                src = cp.ascontiguousarray(cp.stack([images[r] for r in idx]))
-                _kernel(cp, "histogram")(src, h * w, c, parts[-1], size=src.size)
-            for idx, part in zip(groups.values(), host_copies(cp, stream, parts)):
-                counts[idx] = part
+    with batch.on_device() as cp:
+        groups, parts = _groups(images, list(range(len(images)))), []
+        for (h, w, c), idx in groups.items():
+            parts.append(cp.zeros((len(idx), 4, 256), cp.uint32))
+            src = cp.ascontiguousarray(cp.stack([images[r] for r in idx]))
+            _kernel(cp, "histogram")(src, h * w, c, parts[-1], size=src.size)
+        for idx, part in zip(groups.values(), host_copies(cp, parts)):
+            counts[idx] = part
     return counts
 
 
-def host_copies(cp: Any, stream: Any, arrays: list[Any]) -> list[np.ndarray]:
-    """``arrays`` (on the current device) copied into one pinned host buffer on
-    ``stream``, with the one wait for ``stream`` that reading them on the host needs;
-    views of the buffer, in order, shaped as the arrays."""
+def host_copies(cp: Any, arrays: list[Any]) -> list[np.ndarray]:
+    """``arrays`` (on the current device) copied into one pinned host buffer on the
+    current stream, with the one wait for that stream that reading them on the host
+    needs; views of the buffer, in order, shaped as the arrays."""
+    stream = cp.cuda.get_current_stream()
     arrays = [cp.ascontiguousarray(a) for a in arrays]
     ends = np.cumsum([0, *(a.nbytes for a in arrays)]).tolist()
     pinned = cp.cuda.alloc_pinned_memory(max(ends[-1], 1))  # CuPy's pinned pool: small, short-lived
@@ -469,12 +460,9 @@ class GaussianBlur(Op):
         if not batch.device.is_cuda:
             batch.data[self.field] = _container(images, self._blur_cpu(rows, weights), np)
             return batch
-        cp = require("cupy")
-        with cp.cuda.Device(batch.device.index):
-            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-            with stream:
-                out = [self._blur_gpu(cp, img, ky, kx) for img, (ky, kx) in zip(rows, weights)]
-                batch.data[self.field] = _container(images, out, cp)
+        with batch.on_device() as cp:
+            out = [self._blur_gpu(cp, img, ky, kx) for img, (ky, kx) in zip(rows, weights)]
+            batch.data[self.field] = _container(images, out, cp)
         return batch
 
     @staticmethod
@@ -533,14 +521,8 @@ class RandomErasing(Op):
         images = batch.data[self.field]
         rows = _rows(images)
         boxes = self.boxes(batch, np.array([img.shape[:2] for img in rows], np.int64).reshape(-1, 2))
-        if batch.device.is_cuda:
-            cp = require("cupy")
-            with cp.cuda.Device(batch.device.index):
-                stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-                with stream:
-                    batch.data[self.field] = _container(images, self._erase(cp, rows, boxes), cp)
-        else:
-            batch.data[self.field] = _container(images, self._erase(np, rows, boxes), np)
+        with batch.on_device() as xp:
+            batch.data[self.field] = _container(images, self._erase(xp, rows, boxes), xp)
         return batch
 
     def _erase(self, xp: Any, rows: list[Any], boxes: np.ndarray) -> list[Any]:
@@ -605,14 +587,8 @@ class Erase(Op):
     def __call__(self, batch: Batch) -> Batch:
         images = batch.data[self.field]
         rows = _rows(images)
-        if batch.device.is_cuda:
-            cp = require("cupy")
-            with cp.cuda.Device(batch.device.index):
-                stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-                with stream:
-                    batch.data[self.field] = _container(images, self._erase(cp, rows), cp)
-        else:
-            batch.data[self.field] = _container(images, self._erase(np, rows), np)
+        with batch.on_device() as xp:
+            batch.data[self.field] = _container(images, self._erase(xp, rows), xp)
         return batch
 
     def _erase(self, xp: Any, rows: list[Any]) -> list[Any]:
@@ -679,13 +655,10 @@ class JpegCompressionDistortion(Op):
         if not batch.device.is_cuda:
             batch.data[self.field] = _container(images, [self._codec(img, q) for img, q in zip(rows, qualities)], np)
             return batch
-        cp = require("cupy")
-        with cp.cuda.Device(batch.device.index):
-            stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-            with stream:
-                host = host_copies(cp, stream, rows)  # one wait for the batch
-                out = [cp.asarray(self._codec(img, q)) for img, q in zip(host, qualities)]  # uploads do not wait
-                batch.data[self.field] = _container(images, out, cp)
+        with batch.on_device() as cp:
+            host = host_copies(cp, rows)  # one wait for the batch
+            out = [cp.asarray(self._codec(img, q)) for img, q in zip(host, qualities)]  # uploads do not wait
+            batch.data[self.field] = _container(images, out, cp)
         return batch
 
 

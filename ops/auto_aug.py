@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 
 from gpuio.batch import Batch, Op
-from gpuio.device import require
 from gpuio.errors import ConfigError, DataError
 from gpuio.ops import _augment
 from gpuio.ops.augment import LUMA, apply_color, apply_levels, histograms, reflect101_index, yiq_matrix
@@ -218,20 +217,17 @@ def _sharpness(batch: Batch, images: list[Any], mags: list[float]) -> list[Any]:
         out = [np.empty_like(img) for img in src]
         _augment.filter3x3(src, kernels, out)
         return out
-    cp = require("cupy")
     out = []
-    with cp.cuda.Device(batch.device.index):
-        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-        with stream:
-            for img, kernel in zip(images, kernels):
-                h, w = img.shape[:2]
-                rows, cols = cp.asarray(reflect101_index(h, 1)), cp.asarray(reflect101_index(w, 1))
-                padded = img.astype(cp.float32)[rows][:, cols]
-                acc = cp.zeros(img.shape, cp.float32)
-                for dy in range(3):
-                    for dx in range(3):
-                        acc += np.float32(kernel[dy, dx]) * padded[dy:dy + h, dx:dx + w]
-                out.append(cp.clip(cp.floor(acc + 0.5), 0, 255).astype(cp.uint8))
+    with batch.on_device() as cp:
+        for img, kernel in zip(images, kernels):
+            h, w = img.shape[:2]
+            rows, cols = cp.asarray(reflect101_index(h, 1)), cp.asarray(reflect101_index(w, 1))
+            padded = img.astype(cp.float32)[rows][:, cols]
+            acc = cp.zeros(img.shape, cp.float32)
+            for dy in range(3):
+                for dx in range(3):
+                    acc += np.float32(kernel[dy, dx]) * padded[dy:dy + h, dx:dx + w]
+            out.append(cp.clip(cp.floor(acc + 0.5), 0, 255).astype(cp.uint8))
     return out
 
 

@@ -8,15 +8,13 @@ C call per batch (``gpuio.ops._augment.jitter``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from gpuio.storage.buffers import pooled_empty
 from gpuio.batch import Batch, Op
-from gpuio.device import require
 from gpuio.errors import ConfigError
 from gpuio.ops import _augment
 from gpuio.ops._rng import Streams
@@ -87,8 +85,8 @@ class Normalize(Op):
                 batch, list(images), box.astype(np.float64), box, hw, np.zeros(len(hw), np.int64),
                 interp="linear", antialias=True, params=self.channel_params, layout=self.layout, dtype=self.dtype)
             return batch
-        with _on_batch_device(batch):
-            batch.data[self.field] = self._normalize_array(batch.xp, images)
+        with batch.on_device() as xp:
+            batch.data[self.field] = self._normalize_array(xp, images)
         return batch
 
     def _normalize_array(self, xp: Any, images: list[Any]) -> Any:
@@ -125,21 +123,6 @@ class Normalize(Op):
         if not direct:
             out[...] = cast(xp, tmp, self.dtype)
         return out
-
-
-@contextlib.contextmanager
-def _on_batch_device(batch: Batch) -> Iterator[None]:
-    """CuPy on a GPU batch's device and stream for the block (nothing on the CPU): a
-    worker thread's current device is GPU 0, and its current stream the legacy default
-    stream, until it says otherwise."""
-    if not batch.device.is_cuda:
-        yield
-        return
-    cp = require("cupy")
-    with cp.cuda.Device(batch.device.index):
-        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-        with stream:
-            yield
 
 
 def _gray(xp: Any, v: Any) -> Any:
@@ -207,8 +190,8 @@ class ColorJitter(Op):
             _augment.jitter(src, np.ascontiguousarray(np.concatenate([steps, factors], axis=1), np.float64), out)
             batch.data[self.field] = out
             return batch
-        with _on_batch_device(batch):
-            batch.data[self.field] = [self._jitter_array(batch.xp, img, row_steps, row_factors)
+        with batch.on_device() as xp:
+            batch.data[self.field] = [self._jitter_array(xp, img, row_steps, row_factors)
                                       for img, row_steps, row_factors in zip(images, steps, factors)]
         return batch
 

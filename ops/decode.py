@@ -420,10 +420,9 @@ def decode_gpu(batch: Batch, rows: list[int], sources: list[Any], color: str, im
     if not rows:
         return
     nvimgcodec = require("nvidia.nvimgcodec")
-    cp = require("cupy")
     params = _decode_params(nvimgcodec, color)
-    with cp.cuda.Device(batch.device.index):
-        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
+    with batch.on_device() as cp:
+        stream = cp.cuda.get_current_stream()
         decoded = _gpu_decoder(nvimgcodec, batch.device.index).decode(sources, params=params, cuda_stream=stream.ptr)
         for row, img in zip(rows, decoded):
             if img is None:
@@ -457,11 +456,8 @@ def upload(batch: Batch, images: list[Any]) -> list[Any]:
     device on its stream; unchanged on a CPU batch."""
     if not batch.device.is_cuda:
         return images
-    cp = require("cupy")
-    with cp.cuda.Device(batch.device.index):  # the current stream is per device: pick it inside
-        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-        with stream:
-            return [cp.asarray(img) if isinstance(img, np.ndarray) else img for img in images]
+    with batch.on_device() as cp:
+        return [cp.asarray(img) if isinstance(img, np.ndarray) else img for img in images]
 
 
 def _decode_params(nvimgcodec: Any, color: str) -> Any:

@@ -587,14 +587,11 @@ class BoxEncoder(Op):
         labels = np.concatenate(labels) if labels else np.zeros(0, np.int32)
         args = (self.criteria, self.offset, self.scale, self.means, self.stds)
         if batch.device.is_cuda:
-            cp = require("cupy")
-            with cp.cuda.Device(batch.device.index):
-                stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-                with stream:
-                    anchors = self._device_anchors.get(batch.device.index)
-                    if anchors is None:
-                        anchors = self._device_anchors[batch.device.index] = cp.asarray(self.anchors)
-                    boxes, labels = encode_boxes(cp, cp.asarray(boxes), counts, cp.asarray(labels), anchors, *args)
+            with batch.on_device() as cp:
+                anchors = self._device_anchors.get(batch.device.index)
+                if anchors is None:
+                    anchors = self._device_anchors[batch.device.index] = cp.asarray(self.anchors)
+                boxes, labels = encode_boxes(cp, cp.asarray(boxes), counts, cp.asarray(labels), anchors, *args)
         else:
             boxes, labels = encode_boxes(np, boxes, counts, labels, self.anchors, *args)
         batch.data[self.field], batch.data[self.labels] = boxes, labels

@@ -30,7 +30,6 @@ import numpy as np
 from PIL import Image
 
 from gpuio.batch import Batch, Op
-from gpuio.device import require
 from gpuio.errors import ConfigError, DataError
 from gpuio.ops._rng import Streams
 
@@ -164,12 +163,9 @@ def _resample_gpu(batch: Batch, img: Any, box: np.ndarray, clip: np.ndarray, out
     t, l, h, w = (int(v) for v in box)
     if (h, w) == out_hw and tuple(float(v) for v in box) == (t, l, h, w):
         return img[t:t + h, l:l + w]
-    cp = require("cupy")
-    with cp.cuda.Device(batch.device.index):
-        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-        with stream:
-            res = resample(img, box, clip, out_hw, interp, antialias, xp=cp)
-            return _to_uint8(res, cp) if img.dtype == np.uint8 else res.astype(img.dtype, copy=False)
+    with batch.on_device() as cp:
+        res = resample(img, box, clip, out_hw, interp, antialias, xp=cp)
+        return _to_uint8(res, cp) if img.dtype == np.uint8 else res.astype(img.dtype, copy=False)
 
 
 class Resize(Op):

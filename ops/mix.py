@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from gpuio.batch import Batch, Op
-from gpuio.device import require
 from gpuio.errors import ConfigError, DataError
 from gpuio.ops import _augment
 from gpuio.ops._rng import Streams
@@ -99,14 +98,8 @@ class _Mix(Op):
     def __call__(self, batch: Batch) -> Batch:
         if len(batch) == 0:
             return batch
-        if batch.device.is_cuda:
-            cp = require("cupy")
-            with cp.cuda.Device(batch.device.index):
-                stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-                with stream:
-                    self._mix(cp, batch)
-        else:
-            self._mix(np, batch)
+        with batch.on_device() as xp:
+            self._mix(xp, batch)
         return batch
 
     def _mix(self, xp: Any, batch: Batch) -> None:  # pragma: no cover - interface

@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from gpuio.batch import Batch, Op
-from gpuio.device import require
 from gpuio.errors import ConfigError
 from gpuio.ops import _augment
 from gpuio.ops.augment import EXACT_OPTIONS, Range, draw, param_range
@@ -117,19 +116,16 @@ def warp(batch: Batch, field: str, matrices: np.ndarray, out_hw: np.ndarray, fil
         _augment.warp(src, np.asarray(matrices, np.float32).reshape(-1, 6), fills, interp, fill is not None, out)
         batch.data[field] = out
         return
-    cp = require("cupy")
     out = []
-    with cp.cuda.Device(batch.device.index):
-        stream = batch.stream if batch.stream is not None else cp.cuda.get_current_stream()
-        with stream:
-            for img, m, (oh, ow) in zip(images, matrices, out_hw.tolist()):
-                ih, iw, c = img.shape
-                levels = np.zeros(c, np.float32) if fill is None else np.broadcast_to(fill, (c,)).astype(np.float32)
-                dst = cp.empty((oh, ow, c), cp.uint8)
-                _kernel(cp)(cp.ascontiguousarray(img), cp.asarray(np.asarray(m, np.float32).ravel()),
-                            cp.asarray(levels), np.int32(ih), np.int32(iw), np.int32(ow), np.int32(c),
-                            np.int32(interp), np.int32(fill is not None), dst)
-                out.append(dst)
+    with batch.on_device() as cp:
+        for img, m, (oh, ow) in zip(images, matrices, out_hw.tolist()):
+            ih, iw, c = img.shape
+            levels = np.zeros(c, np.float32) if fill is None else np.broadcast_to(fill, (c,)).astype(np.float32)
+            dst = cp.empty((oh, ow, c), cp.uint8)
+            _kernel(cp)(cp.ascontiguousarray(img), cp.asarray(np.asarray(m, np.float32).ravel()),
+                        cp.asarray(levels), np.int32(ih), np.int32(iw), np.int32(ow), np.int32(c),
+                        np.int32(interp), np.int32(fill is not None), dst)
+            out.append(dst)
     batch.data[field] = out
 
 

@@ -126,8 +126,26 @@ def _class_name(annotation: ast.AST | None) -> str | None:
     return ast.unparse(annotation).split("|")[0].strip().strip("'\"") or None
 
 
-def _is_device_call(call: ast.AST) -> bool:
+def _enters_cuda_device(call: ast.AST) -> bool:
     return isinstance(call, ast.Call) and ast.unparse(call.func).endswith("cuda.Device")
+
+
+def _device_contexts(rel: str = "gpuio/batch.py") -> set[str]:
+    """The methods of ``Batch`` that are context managers yielding inside
+    ``with <...>.cuda.Device(...)``: ``with batch.on_device() as cp:`` is a device block."""
+    tree = ast.parse((ROOT / rel).read_text())
+    return {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+            and any(isinstance(w, ast.With) and any(_enters_cuda_device(i.context_expr) for i in w.items)
+                    and any(isinstance(y, ast.Yield) for y in ast.walk(w)) for w in ast.walk(f))}
+
+
+DEVICE_CONTEXTS = _device_contexts()
+
+
+def _is_device_call(call: ast.AST) -> bool:
+    """``<...>.cuda.Device(...)``, or ``<batch>.on_device()`` (``DEVICE_CONTEXTS``)."""
+    return _enters_cuda_device(call) or (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                                         and call.func.attr in DEVICE_CONTEXTS)
 
 
 def _name(node: ast.AST) -> str:
@@ -345,6 +363,13 @@ class Project:
                         not on_module and func.attr in COPY_METHODS and not _is_host(func.value, host)):
                     found.setdefault(m.rel, []).append(f"{node.lineno} {_name(fn)}: {ast.unparse(node)[:80]}")
         return found
+
+
+def test_batch_on_device_is_a_device_block_for_the_lints():
+    assert DEVICE_CONTEXTS == {"on_device"}
+    block = ast.parse("with batch.on_device() as cp:\n    cp.empty(3)\n").body[0]
+    assert _is_device_call(block.items[0].context_expr)
+    assert _gpu_regions(ast.parse("def f(batch):\n" + textwrap.indent(ast.unparse(block), "    "))) != []
 
 
 def test_worker_threads_do_cupy_work_inside_the_device():

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 import contract_env
+from test_device_lint import DEVICE_CONTEXTS
 from gpuio.ops._kernels import OPTIONS, SOURCE
 
 pytestmark = pytest.mark.offline_gpu
@@ -174,8 +175,9 @@ def _streams_outside_device(path: Path) -> list[int]:
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     functions = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
-    def is_device(call: ast.AST) -> bool:
-        return isinstance(call, ast.Call) and ast.unparse(call.func).endswith("cuda.Device")
+    def is_device(call: ast.AST) -> bool:  # also ``<batch>.on_device()``
+        return isinstance(call, ast.Call) and (ast.unparse(call.func).endswith("cuda.Device") or (
+            isinstance(call.func, ast.Attribute) and call.func.attr in DEVICE_CONTEXTS))
 
     # functions that return a device: ``with self._on_device():`` enters it as well
     gives_device = {f.name for f in functions
