@@ -97,6 +97,9 @@ class SeaweedServer:
                  f"-filer.port={filer}", f"-master.port={master}", f"-volume.port={volume}",
                  # each bucket grows volumes of its own: room for several buckets, volumes of 1 GiB
                  "-volume.max=64", "-master.volumeSizeLimitMB=1024",
+                 # one master, no peers: a restart on the same data elects itself at once, not
+                 # after the default 10 s timeout (twice, with a rerun)
+                 "-master.electionTimeout=1s",
                  # listeners on fixed ports would keep a second server from starting
                  "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
