@@ -187,11 +187,12 @@ class Objects:
         self._digest = np.zeros((len(self.sizes), _TAG), dtype=np.uint8)
         self._named = np.zeros(len(self.sizes), dtype=bool)
         self._seen: dict[str, np.ndarray] = {}  # cache folder -> per block, when last found whole there
+        self._where: dict[str, np.ndarray] = {}  # cache folder -> per block, its pack record's (pack, offset)
         same = next((o for o in list(_indexed) if o._same(self)), None)
         if same is None:
             _indexed.append(self)
         else:
-            self._digest, self._named, self._seen = same._digest, same._named, same._seen
+            self._digest, self._named, self._seen, self._where = same._digest, same._named, same._seen, same._where
 
     def _same(self, other: Objects) -> bool:
         return (self.block == other.block and np.array_equal(self.sizes, other.sizes) and self.etags == other.etags
@@ -202,6 +203,13 @@ class Objects:
         (``time.monotonic()``; 0 when not known)."""
         got = self._seen.get(root)
         return got if got is not None else self._seen.setdefault(root, np.zeros(int(self.base[-1])))
+
+    def where(self, root: str) -> np.ndarray:
+        """Per block cached in a pack of the cache folder ``root``: the pack number and the
+        offset of its bytes in the record this process last found of it (``-1``: none);
+        they stand for a block while it is met (``seen``)."""
+        got = self._where.get(root)
+        return got if got is not None else self._where.setdefault(root, np.full((int(self.base[-1]), 2), -1))
 
     def info(self, obj: int) -> _Object:
         """Object ``obj``'s URL, size in bytes and ETag."""
@@ -242,7 +250,9 @@ class Objects:
 
     def tags(self, obj: np.ndarray) -> np.ndarray:
         """The tags (URL, ETag and size digests) of objects ``obj``: ``(n, 20)`` bytes."""
-        new = np.unique(obj[~self._named[obj]])
+        new = obj[~self._named[obj]]
+        if len(new):
+            new = np.unique(new)
         for o in new.tolist():
             self._digest[o] = np.frombuffer(_tag(self.paths[o], self.etags[o], int(self.sizes[o])), dtype=np.uint8)
         self._named[new] = True
@@ -388,10 +398,10 @@ class _Packs:
         for tag in tags:
             _lock(self._claims, fcntl.F_UNLCK, _claim_offset(tag))
 
-    def append(self, entries: list[tuple[bytes, Any]], limit: int) -> list[int]:
+    def append(self, entries: list[tuple[bytes, Any]], limit: int) -> list[tuple[int, int, int, int]]:
         """Append the objects ``entries`` (tag, bytes) to this process's pack and record
-        them (a new pack where the pack would pass ``limit`` bytes); returns their bytes'
-        CRC-32Cs."""
+        them (a new pack where the pack would pass ``limit`` bytes); returns their records
+        (pack, offset, length, CRC-32C)."""
         crcs = [crc32c(buf) for _, buf in entries]
         with self._write_lock:
             total = sum(len(buf) for _, buf in entries)
@@ -413,7 +423,7 @@ class _Packs:
             self._own[3] = offset
         with self._lock:
             self._insert([tag for tag, _ in entries], rows)
-        return crcs
+        return rows
 
     def _close_own(self) -> None:
         if self._own is not None:
@@ -623,7 +633,7 @@ class BlockCache:
                 seen[ukeys] = 0
                 if packed.any():
                     self._packs.refresh()
-            known, rows = self._records(objects, uobj, packed)
+            known, rows = self._records(objects, ukeys, uobj, packed, seen[ukeys] > 0)
             bufs: list[Any] = [None] * len(ukeys)
             got = np.zeros(len(ukeys), dtype=bool)  # the block's bytes are in memory (bufs)
             placed = np.zeros(len(which), dtype=bool)  # the piece is in the batch already
@@ -663,21 +673,33 @@ class BlockCache:
         """Whether each of the objects ``obj`` is cached in a pack (smaller than ``remote_pack_below``)."""
         return objects.sizes[obj] < self.pack_below
 
-    def _records(self, objects: Objects, obj: np.ndarray, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per object of ``obj``: whether where its bytes are is known (a block's file is
-        named by its key; a packed object's needs a record), and its record (pack, offset,
-        length, CRC-32C; zeros for a block)."""
+    def _records(self, objects: Objects, keys: np.ndarray, obj: np.ndarray, packed: np.ndarray,
+                 met: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per block of ``keys`` (of objects ``obj``): whether where its bytes are is known
+        (a block's file is named by its key; a packed object's needs a record), and its
+        record (pack, offset, length, CRC-32C; zeros for a block). A packed object met
+        (``met``) is where its record was when it was met, with no lookup (its CRC-32C
+        left 0: it was checked then)."""
         known, rows = ~packed, np.zeros((len(obj), 4), dtype=np.int64)
         if packed.any():
-            known[packed], rows[packed] = self._packs.find(_tag_keys(objects.tags(obj[packed])))
+            where = objects.where(self.root)
+            kept = packed & met & (where[keys, 0] >= 0)
+            rows[kept, :2], rows[kept, 2], known[kept] = where[keys[kept]], objects.sizes[obj[kept]], True
+            ask = packed & ~kept
+            if ask.any():
+                known[ask], rows[ask] = self._packs.find(_tag_keys(objects.tags(obj[ask])))
+                found = np.flatnonzero(ask)[known[ask]]
+                where[keys[found]] = rows[found, :2]
         return known, rows
 
     def _files(self, objects: Objects, ukeys: np.ndarray, packed: np.ndarray,
                rows: np.ndarray) -> tuple[PathTable, np.ndarray, np.ndarray]:
         """The files the blocks ``ukeys`` are read from: a table of them, and per block its
         file's number in the table and the offset of its bytes there."""
+        if packed.all():  # a packed object's file is its pack: no block file to name
+            return self._packs.paths, rows[:, 0], rows[:, 1]
         at, base = np.arange(len(ukeys)), np.zeros(len(ukeys), dtype=np.int64)
-        names = objects.names(ukeys[~packed], self.root)  # a packed object's file is its pack
+        names = objects.names(ukeys[~packed], self.root)
         at[~packed] = np.arange(len(names))
         blocks = len(names)
         if packed.any():
@@ -822,7 +844,7 @@ class BlockCache:
         writer thread); a failure leaves it uncached, with a warning."""
         kept = False
         try:
-            self._packs.append([(tag, buf)], self.pack_bytes)
+            (record,) = self._packs.append([(tag, buf)], self.pack_bytes)
             kept = True
         except OSError as exc:
             if exc.errno in _FULL:
@@ -832,7 +854,8 @@ class BlockCache:
                 warnings.warn(f"{_cache_error(self._packs.folder, exc)}; reading on without caching", stacklevel=2)
         finally:
             self._packs.release([tag])
-            if kept:
+            if kept:  # met, where its record is
+                objects.where(self.root)[key] = record[:2]
                 objects.seen(self.root)[key] = time.monotonic()
                 with self._lock:
                     self._added += len(buf)
@@ -878,16 +901,20 @@ class BlockCache:
         file = np.asarray(file, dtype=np.int64)
         start = np.asarray(offset, dtype=np.int64)
         end = np.minimum(start + np.asarray(length, dtype=np.int64), objects.sizes[file])
+        seen = objects.seen(self.root)
+        first, last = objects.base[file] + start // self.block, objects.base[file] + (end - 1) // self.block
+        if (end > start).all() and (last - first <= 1).all() and (seen[first] > 0).all() and (seen[last] > 0).all():
+            return 0  # a warm batch: each extent within two blocks, both met (no block list made)
         _, keys = objects.blocks(file, start, end)
         keys = np.unique(keys)
-        keys = keys[objects.seen(self.root)[keys] == 0]
+        keys = keys[seen[keys] == 0]
         if not len(keys):
             return 0
         obj, block = objects.locate(keys)
         started = 0
         packed = self._packed(objects, obj)
         if packed.any():  # one look at the records: the objects recorded are not fetched
-            known, _ = self._records(objects, obj, packed)
+            known, _ = self._records(objects, keys, obj, packed, np.zeros(len(keys), dtype=bool))
             started += self._prefetch_packed(objects, keys[packed & ~known])
             keys, obj, block = keys[~packed], obj[~packed], block[~packed]
         want = np.minimum(self.block, objects.sizes[obj] - block * self.block).tolist()

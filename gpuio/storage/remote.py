@@ -1024,6 +1024,9 @@ class RemoteBackend:
         self._lock = threading.Lock()
         # per index file table, the cache's view of its objects: (the table, its versions, Objects)
         self._objects: OrderedDict[int, tuple[Any, Any, Any]] = OrderedDict()
+        # the plans' settings in force where the backend is made (a Reader's, as it takes its own)
+        self._plan_settings = {name: config.get(name) for name in ("merge_gap", "task_size", "read_parts", "remote_gap",
+                                                                   "remote_part")}
         renew_after_fork(self)
 
     def _after_fork(self) -> None:
@@ -1040,11 +1043,12 @@ class RemoteBackend:
         """The plan of one batch's extents: through the cache, as for local files (the
         reads are local); without it, extents within ``remote_gap`` of each other are
         one GET and GETs longer than ``remote_part`` are split into parts of that size."""
+        given = self._plan_settings
         if self.use_cache:
-            return build_plan(file, offset, length, gap=config.get("merge_gap"), task_size=config.get("task_size"),
-                              parts=config.get("read_parts"))
-        part = max(1, config.get("remote_part"))
-        return build_plan(file, offset, length, gap=config.get("remote_gap"), task_size=part,
+            return build_plan(file, offset, length, gap=given["merge_gap"], task_size=given["task_size"],
+                              parts=given["read_parts"])
+        part = max(1, given["remote_part"])
+        return build_plan(file, offset, length, gap=given["remote_gap"], task_size=part,
                           parts=int(length.sum()) // part + 1)
 
     def read(self, plan: ReadPlan, paths: PathTable, lease: Lease, versions: dict[str, Any] | None) -> None:
