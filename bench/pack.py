@@ -16,8 +16,9 @@ Rows:
   of the val chain (resize 256, center crop 224, normalize) on the source tree and on the packed
   dataset (``bench/images.py``'s chains), with the decode-only ceiling of each chain on
   the source (``images.decode_only``);
-- cold reads: every record of the packed shards through ``gpuio.Reader`` and through a
-  ``gpuio.Loader`` (the data field only, in order) with the page cache dropped, in
+- cold reads: every record of the packed shards through ``gpuio.Reader`` (also with its
+  read-ahead off) and through a ``gpuio.Loader`` (the data field only, in order) with the
+  page cache dropped, in
   ``--batch`` batches and in one batch, each against ``bench/storage.py``'s
   ceiling measured in the same rounds (listed after it): the fastest of its sequential,
   parallel and O_DIRECT reads of the same bytes (the records, back to back in one file), in
@@ -209,9 +210,81 @@ def _loader_pass(index: gpuio.SampleIndex, batch: int) -> None:
         pass
 
 
+def _no_read_ahead(index: gpuio.SampleIndex, batch: int) -> None:
+    """The cold reads of ``storage.measure``'s gpuio row (batches in order, a new Reader)
+    with the Reader's read-ahead off."""
+    with gpuio.config.override(read_ahead=0), gpuio.Reader("cpu") as reader:
+        for start in range(0, len(index), batch):
+            reader.read(index, np.arange(start, min(start + batch, len(index))))
+
+
 def _ceiling(root: str, pipeline: str, batch: int, count: int) -> float:
     run = images.decode_only(root, batch, os.cpu_count() or 1, count, pipeline)
     return _timed(lambda: list(run()))
+
+
+def _write_and_run(args: argparse.Namespace, root: str, src: gpuio.SampleIndex, dest: str, work: str,
+                   keep: gpuio.ImagePolicy) -> list[dict[str, Any]]:
+    """The rows of the writers, the sizes and the chains (all but the cold reads)."""
+    rows: list[dict[str, Any]] = []
+    n, source_bytes = len(src), src.nbytes("data")
+    packed = gpuio.formats.packed(dest)
+    t_pack = _best(lambda out: gpuio.pack(src, out, workers=args.workers, images=keep), work, args.repeat)
+    rows.append({"row": "pack: gpuio.pack", "s": t_pack})
+    items = [(src.files[src.extents["data"].file[i]], int(src.values["label"][i])) for i in range(n)]
+    writers = {  # name: (import, write into a folder)
+        "pack: webdataset ShardWriter": (lambda: __import__("webdataset"), lambda out: _on_processes(
+            _wds_part, _parts(root, out, n, args.workers))),
+        "pack: mosaic MDSWriter": (_mds_writer, lambda out: _on_processes(
+            _mds_part, _parts(root, out, n, args.workers))),
+        "pack: litdata.optimize": (lambda: __import__("litdata"), lambda out: __import__("litdata").optimize(
+            fn=_litdata_item, inputs=items, output_dir=out, chunk_bytes="128MB", num_workers=args.workers,
+            verbose=False)),
+    }
+    for name, (load, write) in writers.items():
+        try:
+            load()  # imported here first, so that forked writers start with it, as gpuio's do
+        except ImportError as exc:
+            rows.append({"row": name, "s": None, "why": f"does not import here: {exc}"})
+            continue
+        t = _best(write, work, args.repeat)
+        rows.append({"row": name, "s": t, "ratio": t / t_pack})
+    split = _overhead(packed, dest)
+    packed_bytes = sum(split.values())
+    rows.append({"row": "size: packed / source", "bytes": packed_bytes, "ratio": packed_bytes / source_bytes})
+    computed = _computed_overhead(src.extents["data"].length.astype(np.int64), split, n, args.computed_mean)
+    for part, nbytes in split.items():
+        if part != "records":
+            rows.append({"row": f"size: {part}", "bytes": nbytes, "share": nbytes / source_bytes})
+    for part, share in {**computed, "all overhead": sum(computed.values())}.items():
+        rows.append({"row": f"size: {part}, {args.computed_mean / 1e3:.0f} KB mean (computed)", "share": share})
+    chains = {"source tree": src, "packed pass-through": packed}
+    for interval in [int(v) for v in args.restart_interval.split(",") if v]:
+        marked = os.path.join(work, f"marked-{interval}")
+        gpuio.pack(src, marked, workers=args.workers, images=gpuio.ImagePolicy(restart_interval=interval))
+        chains[f"packed restart {interval}"] = index = gpuio.formats.packed(marked)
+        marked_bytes = sum(os.path.getsize(p) for p in index.files)
+        rows.append({"row": f"size: packed restart {interval} / source", "bytes": marked_bytes,
+                     "ratio": marked_bytes / source_bytes})
+    for pipeline in ("train", "val"):
+        # in rounds, each starting with the next run, the fastest of each counting: the
+        # machine's other load drifts between rounds
+        runs: dict[str, Callable[[], float]] = {"decode-only ceiling (source)": functools.partial(
+            _ceiling, root, pipeline, args.batch, n)}
+        for name, index in chains.items():
+            _loader_epoch(index, pipeline, args.batch)  # warm: the page cache and the pools
+            runs[f"Loader on {name}"] = functools.partial(_loader_epoch, index, pipeline, args.batch)
+        names = list(runs)
+        times: dict[str, list[float]] = {m: [] for m in names}
+        for r in range(args.repeat):
+            for m in names[r % len(names):] + names[:r % len(names)]:
+                times[m].append(runs[m]())
+        ceiling = min(times[names[0]])
+        for m in names:
+            t = min(times[m])
+            rows.append({"row": f"{pipeline}: {m}", "s": t, "img_s": n / t,
+                         **({"ratio": ceiling / t} if m != names[0] else {})})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -228,6 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--computed-mean", type=float, default=110e3,
                         help="also compute the size overhead for images of this mean size in bytes (ImageNet's: "
                              "about 110 KB)")
+    parser.add_argument("--only", choices=("cold",), help="only the cold reads (of a pass-through pack)")
     parser.add_argument("--out", default=os.path.join(cache_dir(), "results", "bench-pack.json"))
     args = parser.parse_args(argv)
     root = sample_root(args.count)
@@ -243,70 +317,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dest = os.path.join(work, "packed")
         keep = gpuio.ImagePolicy(restart_interval=0)  # pass-through, as the other writers store the images
         gpuio.pack(src, dest, workers=args.workers, images=keep)
-        t_pack = _best(lambda out: gpuio.pack(src, out, workers=args.workers, images=keep), work, args.repeat)
-        rows.append({"row": "pack: gpuio.pack", "s": t_pack})
-        items = [(src.files[src.extents["data"].file[i]], int(src.values["label"][i])) for i in range(n)]
-        writers = {  # name: (import, write into a folder)
-            "pack: webdataset ShardWriter": (lambda: __import__("webdataset"), lambda out: _on_processes(
-                _wds_part, _parts(root, out, n, args.workers))),
-            "pack: mosaic MDSWriter": (_mds_writer, lambda out: _on_processes(
-                _mds_part, _parts(root, out, n, args.workers))),
-            "pack: litdata.optimize": (lambda: __import__("litdata"), lambda out: __import__("litdata").optimize(
-                fn=_litdata_item, inputs=items, output_dir=out, chunk_bytes="128MB", num_workers=args.workers,
-                verbose=False)),
-        }
-        for name, (load, write) in writers.items():
-            try:
-                load()  # imported here first, so that forked writers start with it, as gpuio's do
-            except ImportError as exc:
-                rows.append({"row": name, "s": None, "why": f"does not import here: {exc}"})
-                continue
-            t = _best(write, work, args.repeat)
-            rows.append({"row": name, "s": t, "ratio": t / t_pack})
         packed = gpuio.formats.packed(dest)
-        split = _overhead(packed, dest)
-        packed_bytes = sum(split.values())
-        rows.append({"row": "size: packed / source", "bytes": packed_bytes, "ratio": packed_bytes / source_bytes})
-        computed = _computed_overhead(src.extents["data"].length.astype(np.int64), split, n, args.computed_mean)
-        for part, nbytes in split.items():
-            if part != "records":
-                rows.append({"row": f"size: {part}", "bytes": nbytes, "share": nbytes / source_bytes})
-        for part, share in {**computed, "all overhead": sum(computed.values())}.items():
-            rows.append({"row": f"size: {part}, {args.computed_mean / 1e3:.0f} KB mean (computed)", "share": share})
-        chains = {"source tree": src, "packed pass-through": packed}
-        for interval in [int(v) for v in args.restart_interval.split(",") if v]:
-            marked = os.path.join(work, f"marked-{interval}")
-            gpuio.pack(src, marked, workers=args.workers, images=gpuio.ImagePolicy(restart_interval=interval))
-            chains[f"packed restart {interval}"] = index = gpuio.formats.packed(marked)
-            marked_bytes = sum(os.path.getsize(p) for p in index.files)
-            rows.append({"row": f"size: packed restart {interval} / source", "bytes": marked_bytes,
-                         "ratio": marked_bytes / source_bytes})
-        for pipeline in ("train", "val"):
-            # in rounds, each starting with the next run, the fastest of each counting: the
-            # machine's other load drifts between rounds
-            runs: dict[str, Callable[[], float]] = {"decode-only ceiling (source)": functools.partial(
-                _ceiling, root, pipeline, args.batch, n)}
-            for name, index in chains.items():
-                _loader_epoch(index, pipeline, args.batch)  # warm: the page cache and the pools
-                runs[f"Loader on {name}"] = functools.partial(_loader_epoch, index, pipeline, args.batch)
-            names = list(runs)
-            times: dict[str, list[float]] = {m: [] for m in names}
-            for r in range(args.repeat):
-                for m in names[r % len(names):] + names[:r % len(names)]:
-                    times[m].append(runs[m]())
-            ceiling = min(times[names[0]])
-            for m in names:
-                t = min(times[m])
-                rows.append({"row": f"{pipeline}: {m}", "s": t, "img_s": n / t,
-                             **({"ratio": ceiling / t} if m != names[0] else {})})
+        if args.only != "cold":
+            rows += _write_and_run(args, root, src, dest, work, keep)
         records = [_records_file(packed, os.path.join(work, "records.bin"))]
         bounds = (storage.SEQUENTIAL, storage.PARALLEL, storage.PARTS, storage.DIRECT, storage.DIRECT_DEEP)
         for batch in dict.fromkeys((args.batch, n)):  # the Loader's batches, and one batch of every record
+            ways = {"gpuio": "gpuio.Reader", "gpuio.Loader": "gpuio.Loader, data only",
+                    "no read-ahead": "gpuio.Reader, read_ahead=0"}
             cold = storage.measure("packed", packed, records, batch=batch, repeat=args.cold_repeat, caches=("cold",),
-                                   more={"gpuio.Loader": functools.partial(_loader_pass, packed, batch)})
+                                   more={"gpuio.Loader": functools.partial(_loader_pass, packed, batch),
+                                         "no read-ahead": functools.partial(_no_read_ahead, packed, batch)})
             for r in cold:
-                if r["method"] in ("gpuio", "gpuio.Loader"):
-                    way = "gpuio.Reader" if r["method"] == "gpuio" else "gpuio.Loader, data only"
+                if r["method"] in ways:
+                    way = ways[r["method"]]
                     rows.append({"row": f"cold: {way}, batches of {batch}, vs ceiling", "s": r.get("seconds"),
                                  "MB_s": r["GB/s"] * 1e3 if "GB/s" in r else None, "ratio": r.get("vs ceiling"),
                                  **({"why": r["failed"]} if "failed" in r else {})})

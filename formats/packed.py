@@ -40,7 +40,6 @@ import io
 import json
 import os
 import struct
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 

@@ -44,18 +44,18 @@ __all__ = ["Reader", "read", "read_fields", "read_sample", "learn_lengths"]
 
 # Read-ahead of consecutive cold batches of one file (a packed dataset read in its order):
 # a batch read with O_DIRECT whose records fill half or more of the stretch of one file
-# they span first queues reads of the stretches after it, each about as long, into
-# buffers of the reader's own, read in the background in pieces in the file's order. A
-# next batch whose records lie mostly in the first of them takes its buffer (no copy):
-# each buffer has room around its stretch for the records of a batch that begins or ends
-# a little outside it, copied from the stretches beside it (or read, where none has
-# them). So the disk always has the coming stretches queued, also while the caller
-# handles a batch. A shuffled batch spans far more than its records: it reads as before.
+# they span first queues reads of the stretches after it (``read_ahead`` bytes of them),
+# each about as long, into buffers of the reader's own, read in the background in pieces
+# in the file's order. A next batch whose records lie mostly in the first of them takes
+# its buffer (no copy): each buffer has room around its stretch for the records of a
+# batch that begins or ends a little outside it, copied from the stretches beside it (or
+# read, where none has them). So the disk always has the coming stretches queued, also
+# while the caller handles a batch. A shuffled batch spans far more than its records: it
+# reads as before.
 _AHEAD_DENSE = 0.5  # the least share of its stretch a batch's records cover for reading on after it
 _AHEAD_TAKEN = 0.25  # the least share of a stretch a batch's records cover for it to take the buffer
-_AHEAD_BYTES = 64 << 20  # stretches are read ahead of the last batch until they hold this many bytes
-_AHEAD_READS = 8  # pieces of them (task_size bytes each) read at once: fewer than are queued, so
-# that they end in the file's order
+_AHEAD_READS = 8  # pieces of the stretches (task_size bytes each) read at once: fewer than the
+# read_ahead setting queues, so that they end in the file's order
 _AHEAD_MARGIN = 8  # a stretch reaches this fraction of a batch past where the batch should end
 _PAGE = 4096  # O_DIRECT's alignment
 
@@ -155,6 +155,7 @@ class Reader:
         self.task_size = config.get("task_size")
         self.parts = config.get("read_parts")
         self.cold_direct = config.get("cold_direct")
+        self.read_ahead = config.get("read_ahead")
         self._remote: Any = None  # the backend of s3:// and http(s):// files, made on first use
         self._upload_streams = threading.local()  # each read thread's upload stream (GPU readers)
         self._remote_settings = {name: config.get(name) for name in REMOTE_SETTINGS}  # ... with these
@@ -203,11 +204,14 @@ class Reader:
                 # within the buffer a Loader reserved per batch: the extents plus a merge gap each
                 if self.pool.charge(aligned.nbytes) <= self.pool.charge(int(extents[2].sum()) + len(rows) * self.gap):
                     plan = aligned
-            if plan.align >= _PAGE:  # queued before this batch's reads: the disk never waits for the next
-                self._read_ahead(index.files, *extents, going_on=False)
-            lease = self.pool.acquire(plan.nbytes, "cpu", pinned=self.pinned)
-            self.backend.read(plan, index.files, lease)
-            dest = plan.sample_dest
+            # a batch that starts reading ahead is read as the first of the stretches, in their pieces
+            taken = self._read_ahead(index.files, *extents, going_on=False) if plan.align >= _PAGE else None
+            if taken is not None:
+                lease, dest = taken
+            else:
+                lease = self.pool.acquire(plan.nbytes, "cpu", pinned=self.pinned)
+                self.backend.read(plan, index.files, lease)
+                dest = plan.sample_dest
         if self.device.is_cuda:
             lease = self._upload(lease, int((dest + extents[2]).max(initial=0)))
         return lease, dest, extents[2].copy()
@@ -261,21 +265,24 @@ class Reader:
         self.backend.read(plan, files, _Into(into.lease.array[into.head + start - into.start:]))
 
     def _read_ahead(self, files: PathTable, file: np.ndarray, offset: np.ndarray, length: np.ndarray,
-                    going_on: bool) -> None:
+                    going_on: bool) -> tuple[Lease, np.ndarray] | None:
         """Keep stretches after this batch's records, each about as long as the stretch
-        they span, read or being read in the background, ``_AHEAD_BYTES`` in all (at least
-        one), where the records lie in one file and fill most of their stretch and the
-        buffer pool has room without waiting. ``going_on``: the batch was taken from a
-        read-ahead, whose followers stay; else the read-aheads start afresh."""
+        they span, read or being read in the background, ``read_ahead`` bytes in all (at
+        least one stretch; none where it is 0), where two or more records lie in one file,
+        fill half or more of their stretch, which is no longer than ``read_ahead``, and the
+        buffer pool has room without waiting.
+        ``going_on``: the batch was taken from a read-ahead, whose followers stay. Else the
+        read-aheads start afresh, from this batch's stretch: then this batch taken from the
+        first (as ``_take_ahead``), or None where none started."""
         if not going_on:
             with self._ahead_lock:
                 self._ahead, self._taken = [], None
-        if not len(file) or not (file == file[0]).all():
-            return
+        if not self.read_ahead or len(file) < 2 or not (file == file[0]).all():
+            return  # a single record (a file read whole) is read as it is
         first, last = int(offset.min()), int((offset + length).max())
         span = last - first
-        if span < _PAGE or int(length.sum()) < _AHEAD_DENSE * span:
-            return
+        if not _PAGE <= span <= self.read_ahead or int(length.sum()) < _AHEAD_DENSE * span:
+            return  # a batch longer than the read-ahead keeps enough reads in flight by itself
         path = files[int(file[0])]
         stamp = _stamp(path)
         if stamp is None:
@@ -283,17 +290,21 @@ class Reader:
         size = stamp[1]
         with self._ahead_lock:
             queue, taken = self._ahead, self._taken
-            at = queue[-1].end if queue else max(last // _PAGE * _PAGE, taken.end if taken is not None else 0)
-            # where the next batches should end, and a little further: a batch that ends early finds
-            # the next one's first bytes at the end of its stretch (a copy), where one that ends late
-            # would wait for the next stretch
-            ends = (_pages(last + k * span + span // _AHEAD_MARGIN) for k in itertools.count(1))
-            while at < size and (not queue or sum(a.end - a.start for a in queue) < _AHEAD_BYTES):
+            if not going_on:
+                at = first // _PAGE * _PAGE
+            else:
+                at = queue[-1].end if queue else max(last // _PAGE * _PAGE, taken.end if taken is not None else 0)
+            # where this batch ends (starting afresh), where the next batches should end, and a little
+            # further: a batch that ends early finds the next one's first bytes at the end of its
+            # stretch (a copy), where one that ends late would wait for the next stretch
+            ends = itertools.chain([_pages(last)] if not going_on else [],
+                                   (_pages(last + k * span + span // _AHEAD_MARGIN) for k in itertools.count(1)))
+            while at < size and (not queue or sum(a.end - a.start for a in queue) < self.read_ahead):
                 stop = min(next(e for e in ends if e >= at + span // 2), size)
                 head = _pages(span // 2)  # room for the next batch's bytes before and after the stretch
                 room = head + _pages(stop - at) + head
                 if self.pool.held_bytes + self.pool.charge(room) > self.pool.budget:
-                    return
+                    break
                 if self._ahead_thread is None:
                     self._ahead_thread = ThreadPoolExecutor(_AHEAD_READS, thread_name_prefix="gpuio-read-ahead")
                 ahead = _Ahead(path, stamp, at, stop, head, self.pool.acquire(room, "cpu", pinned=self.pinned), [])
@@ -303,6 +314,7 @@ class Reader:
                                                                       ahead)))
                 queue.append(ahead)
                 at = stop
+        return None if going_on else self._take_ahead(files, file, offset, length)
 
     def prefetch(self, index: SampleIndex, rows: Sequence[int] | np.ndarray, field: str = "data") -> int:
         """Start fetching the remote blocks of ``field`` of ``rows`` into the node-local
@@ -607,7 +619,7 @@ _READERS_KEPT = 4
 
 # the settings a Reader takes when it is made: one kept Reader per combination in use
 _READER_SETTINGS = ("backend", "io_threads", "o_direct", "merge_gap", "task_size", "read_parts", "cold_direct",
-                    "native", *REMOTE_SETTINGS)
+                    "read_ahead", "native", *REMOTE_SETTINGS)
 
 
 def _default_reader(device: str | Device) -> Reader:
