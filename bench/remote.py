@@ -413,6 +413,9 @@ def _gpuio_rows(row: Callable[..., None], paired: Callable[..., None], cache: st
 SHARD_SAMPLES = 100  # samples per tar shard
 SPLIT_CRC = "split: the CRC-32C of every object's bytes (the cache's checksum, alone)"
 SPLIT_WRITE = "split: every object's bytes appended to one file (the cache's pack write, alone)"
+SPLIT_GET = "split: gpuio's ranged GETs of the cache's blocks, a new buffer each (the cache's GETs, alone)"
+SPLIT_BLOCK_CRC = "split: the CRC-32C of every block (the cache's checksum, alone)"
+SPLIT_BLOCK_WRITE = "split: every block written to a new file (the cache's block write, alone)"
 AGAIN_READ = "gpuio.read epochs 2-4 (cache; index and reader made again)"
 AGAIN_LOADER = "gpuio Loader epochs 2-4 (cache; index and Loader made again; shuffled, batches of 64)"
 AGAIN_LOCAL = "gpuio Loader, the same files on local disk (shuffled, batches of 64)"
@@ -490,6 +493,20 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
         lambda: sum(pool.map(lambda k: _obstore_get(store, k, 0, sizes[k]), shard_keys)), n)
     row(dataset, "boto3 get_object of whole shards, thread pool",
         lambda: sum(pool.map(lambda k: _boto_get(s3, k, 0, sizes[k]), shard_keys)), n)
+    # where a cached first epoch's client CPU goes: the cache's work on the shards' blocks, each part alone
+    block = gpuio.config.get("remote_block")
+    blocks = [(k, a, min(block, sizes[k] - a)) for k in shard_keys for a in range(0, sizes[k], block)]
+    client = remote.client()
+    row(dataset, SPLIT_GET, lambda: sum(pool.map(
+        lambda b: len(client.get(f"s3://{BUCKET}/{b[0]}", b[1], b[2], None)), blocks)), n)
+    if any(only in f"{dataset}: {method}" for method in (SPLIT_BLOCK_CRC, SPLIT_BLOCK_WRITE)):
+        whole = {k: open(os.path.join(folder, k), "rb").read() for k in shard_keys}
+        pieces = [memoryview(whole[k])[a: a + m] for k, a, m in blocks]
+        written = os.path.join(folder, "split-blocks")
+        row(dataset, SPLIT_BLOCK_CRC, lambda: sum(len(b) for b in pieces if crc32c(b) >= 0), n)
+        row(dataset, SPLIT_BLOCK_WRITE, lambda: _write_blocks(pieces, written), n,
+            setup=lambda: shutil.rmtree(written, ignore_errors=True))
+        shutil.rmtree(written, ignore_errors=True)
 
     index = gpuio.formats.webdataset([f"s3://{BUCKET}/{k}" for k in shard_keys], fields=("jpg",))
     local = gpuio.formats.webdataset([os.path.join(folder, k) for k in shard_keys], fields=("jpg",))
@@ -589,6 +606,21 @@ def _append_all(objects: list[bytes], folder: str) -> int:
         os.close(fd)
         os.unlink(path)
     return sum(len(b) for b in objects)
+
+
+def _write_blocks(blocks: list[memoryview], folder: str) -> int:
+    """Write each of ``blocks`` and an 8-byte trailer to a new file of its own in
+    ``folder`` (one ``writev`` each, as the cache writes a block); returns the bytes
+    written. The files stay: they go untimed, before the next pass."""
+    os.makedirs(folder, exist_ok=True)
+    trailer = memoryview(bytes(8))
+    for k, data in enumerate(blocks):
+        fd = os.open(os.path.join(folder, str(k)), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.writev(fd, [data, trailer])
+        finally:
+            os.close(fd)
+    return sum(len(b) for b in blocks)
 
 
 def _loader_epoch(loader: gpuio.Loader, field: str = "jpg") -> int:
