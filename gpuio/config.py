@@ -41,7 +41,7 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "cold_direct": (True, "read a batch of reads of 64 KiB and more on average with O_DIRECT when "
                           "the page cache holds almost none of it"),
     "read_ahead": (64 * MiB, "bytes of a file read ahead of batches read with O_DIRECT in the order of its "
-                             "records (a packed dataset's cold pass); 0: none"),
+                             "records (a packed dataset's cold pass), into buffers of about twice that; 0: none"),
     "buffer_budget": (4 * GiB, "bytes of batch buffers one pool may hold, host and device together "
                                "(gpuio.read: the value at each call; a Loader: the value when it is made)"),
     "backend": ("auto", "storage backend of reads into GPU memory: auto, posix or kvikio (host reads: posix)"),

@@ -218,10 +218,10 @@ class Reader:
 
     def _take_ahead(self, files: PathTable, file: np.ndarray, offset: np.ndarray,
                     length: np.ndarray) -> tuple[Lease, np.ndarray] | None:
-        """The buffer of the read-ahead whose stretch holds most of this batch, with the
-        bytes of the batch's records beyond the stretch put around it, and each sample's
-        place in it, where the batch's records lie in one file and cover most of that
-        stretch; else None."""
+        """The buffer of the read-ahead whose stretch holds the most of this batch's bytes,
+        with the bytes of the batch's records beyond the stretch put around it, and each
+        sample's place in it, where the batch's records lie in one file, cover a quarter or
+        more of that stretch and fit in its buffer; else None."""
         with self._ahead_lock:
             queue = self._ahead
             if not queue or not len(file) or not (file == file[0]).all() or files[int(file[0])] != queue[0].path:
