@@ -18,6 +18,7 @@ from PIL import Image
 
 import gpuio
 from checkers import assert_read_matches_files, check_resume, write_tar
+from conftest import to_host
 from gpuio.cli import main
 from gpuio.errors import ConfigError, FormatError, StorageError
 from gpuio.formats.packed import ALIGN_FROM, BLOCK, PAGE, WINDOW, place
@@ -125,7 +126,7 @@ def test_padding_is_filled_from_the_next_records():
         assert boundary - ends[ends <= boundary].max() < 400_000
 
 
-def test_batches_read_in_order_are_read_ahead(tmp_path):
+def test_batches_read_in_order_are_read_ahead(tmp_path, device):
     rng = np.random.default_rng(2)  # records from 1 byte to 120 KB in three shards, some moved into padding
     n = 600
     blobs = [rng.integers(0, 256, int(k), dtype=np.uint8).tobytes() for k in rng.choice([1, 5000, 40_000, 120_000], n)]
@@ -140,9 +141,10 @@ def test_batches_read_in_order_are_read_ahead(tmp_path):
             ext = got.extent(row, "data")
             with open(ext.file, "rb") as f:
                 f.seek(ext.offset)
-                assert arr.tobytes() == f.read(ext.length), f"sample {row}"
+                assert to_host(arr).tobytes() == f.read(ext.length), f"sample {row}"
 
-    with gpuio.config.override(o_direct=True), gpuio.Reader("cpu") as reader:  # O_DIRECT: read ahead
+    # O_DIRECT: read ahead; on a GPU through host memory (posix), uploaded per batch
+    with gpuio.config.override(o_direct=True), gpuio.Reader(device, backend="posix") as reader:
         shard = got.extents["data"].file
         batches = [np.arange(start, min(start + 64, n)) for start in range(0, n, 64)]
         for rows in batches:  # in order, across the shards' boundaries
@@ -159,7 +161,7 @@ def test_batches_read_in_order_are_read_ahead(tmp_path):
             f.seek(first.offset)
             f.write(bytes(255 - b for b in f.read(first.length)))
         check(reader, list(range(128, 192)))
-    with gpuio.config.override(o_direct=True, read_ahead=0), gpuio.Reader("cpu") as reader:
+    with gpuio.config.override(o_direct=True, read_ahead=0), gpuio.Reader(device, backend="posix") as reader:
         for rows in batches:
             check(reader, rows.tolist())
         assert reader.read_ahead_batches == 0
