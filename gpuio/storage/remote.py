@@ -16,7 +16,10 @@ store (GCS and Azure addressing, credentials and listings: ``gpuio.storage._clou
   the config/credentials files); botocore lists prefixes. HEADs and ranged GETs are
   obstore's (Rust; the GIL is released while a request runs), with the credentials
   botocore found: bench/remote.py measured it fastest of obstore, urllib3 on presigned
-  URLs and boto3's ``get_object`` (bench/RESULTS.md). obstore's runtime does not survive
+  URLs and boto3's ``get_object`` (bench/RESULTS.md); a GET of 1 MiB or more is read by
+  http.client straight from the socket into its buffer (``_Urllib3``: obstore collects a
+  body into a buffer of its own, copied after), which costs less CPU per byte.
+  obstore's runtime does not survive
   ``fork()``, so a forked child of a process that used it (a DataLoader worker) does its
   GETs with urllib3 on presigned URLs instead (``remote_client``). Azure blobs are read the
   same way (obstore, urllib3 in such a child); GCS objects by urllib3 on GCS's JSON API
