@@ -32,7 +32,7 @@ from gpuio.device import Device, check_cuda, cuda_available, parse_device, requi
 from gpuio.errors import ConfigError, OutOfRangeError, StorageError, open_error, truncated_error
 from gpuio.storage._fielddecode import Rows, decode, decoded_fields
 from gpuio.index import Extents, PathTable, Ragged, SampleIndex
-from gpuio.storage.plan import build_plan
+from gpuio.storage.plan import ReadPlan, build_plan
 from gpuio.storage.remote import SETTINGS as REMOTE_SETTINGS, is_remote
 
 try:
@@ -258,10 +258,10 @@ class Reader:
         return ahead.lease, offset - ahead.start + ahead.head
 
     def _read_stretch(self, files: PathTable, file: int, start: int, end: int, into: _Ahead) -> None:
-        """Read the file's ``start..end`` (``start`` a page boundary) into its place in
-        ``into``'s buffer."""
-        plan = build_plan(np.array([file]), np.array([start]), np.array([end - start]), gap=0, align=_PAGE,
-                          task_size=self.task_size, parts=self.parts)
+        """Read the file's ``start..end`` (``start`` a page boundary; one read, a task of
+        its own) into its place in ``into``'s buffer."""
+        n, one = end - start, np.zeros(1, dtype=np.int64)
+        plan = ReadPlan(one + file, one + start, one + _pages(n), one, one + n, one, one + n, _pages(n), _PAGE)
         self.backend.read(plan, files, _Into(into.lease.array[into.head + start - into.start:]))
 
     def _read_ahead(self, files: PathTable, file: np.ndarray, offset: np.ndarray, length: np.ndarray,
