@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import fcntl
+import http.client
 import http.server
 import json
 import os
@@ -457,6 +458,52 @@ def redirector(target: str) -> Iterator[str]:
     server.target = target
     with _serving(server, "http") as base:
         yield base
+
+
+class _Forward(http.server.BaseHTTPRequestHandler):
+    """A forward HTTP proxy: each request, named by its absolute URL, is sent on to its
+    server and the answer passed back whole; ``server.gets`` counts them."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _forward(self, method: str) -> None:
+        self.server.gets += 1
+        target = urllib.parse.urlsplit(self.path)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection", "proxy-connection")}
+        conn = http.client.HTTPConnection(target.netloc, timeout=10)
+        try:
+            conn.request(method, (target.path or "/") + (f"?{target.query}" if target.query else ""), headers=headers)
+            resp = conn.getresponse()
+            body = resp.read()
+        finally:
+            conn.close()
+        self.send_response(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("connection", "keep-alive", "transfer-encoding", "content-length"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", resp.getheader("Content-Length", "0") if method == "HEAD" else str(len(body)))
+        self.end_headers()
+        if method != "HEAD":
+            self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._forward("GET")
+
+    def do_HEAD(self) -> None:
+        self._forward("HEAD")
+
+
+@contextlib.contextmanager
+def forward_proxy() -> Iterator[Any]:
+    """A forward HTTP proxy on loopback; yields its server (``url``, and ``gets``: the
+    requests it forwarded)."""
+    server = _Threaded(("127.0.0.1", 0), _Forward)
+    with _serving(server, "http") as url:
+        server.url = url
+        yield server
 
 
 class _Token(http.server.BaseHTTPRequestHandler):

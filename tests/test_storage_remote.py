@@ -30,7 +30,8 @@ from gpuio.storage.cache import BlockCache, cache_folder, flush
 
 from checkers import assert_same_batch, check_exactly_once, check_resume, host, run_epoch
 from remote_env import (ACCESS_KEY, PUBLIC_BUCKET, SECRET_KEY, Azurite, Bucket, FaultProxy, GcsEmulator, SeaweedS3,
-                        aws_env, azurite_binary, http_server, private_ca, redirector, upload_tree, weed_binary)
+                        aws_env, azurite_binary, forward_proxy, http_server, private_ca, redirector, upload_tree,
+                        weed_binary)
 
 
 BUCKET = "data"
@@ -620,6 +621,30 @@ def test_a_large_get_reads_the_socket_into_the_buffer_it_fills(store, each_clien
     assert out.tobytes() == bytes(got) == raw[start: start + n]
     assert into_peak < n // 10
     assert n <= get_peak < n + n // 10
+
+
+def test_a_large_get_goes_through_the_proxy_the_environment_names(tmp_path, monkeypatch):
+    """Where the environment names a proxy (HTTP_PROXY and its kin, which obstore's client
+    goes through and http.client knows nothing of), a GET of 1 MiB or more stays obstore's
+    and goes through the proxy (a forward proxy on loopback counts what it forwards): it
+    went straight to the server, past the proxy, before."""
+    (tmp_path / "data").mkdir()
+    raw = np.random.default_rng(4).integers(0, 256, 2 << 20, dtype=np.uint8).tobytes()
+    (tmp_path / "data" / "big.bin").write_bytes(raw)
+    monkeypatch.setenv("GPUIO_REMOTE_CLIENT", "obstore")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    out = np.empty(len(raw) - 1000, dtype=np.uint8)
+    with http_server(str(tmp_path / "data")) as base, forward_proxy() as proxy:
+        for name in ("HTTP_PROXY", "http_proxy"):
+            monkeypatch.setenv(name, proxy.url)
+        remote.reset_client()
+        try:
+            remote.client().get_into(f"{base}/big.bin", 1000, memoryview(out), None)
+        finally:
+            remote.reset_client()
+    assert out.tobytes() == raw[1000:]
+    assert proxy.gets >= 1
 
 
 def test_second_epoch_reads_the_cache_only(store, tmp_path, request, monkeypatch):

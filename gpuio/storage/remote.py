@@ -82,7 +82,8 @@ _BACKOFF_MAX_S = 5.0
 _REDIRECTS = 10  # redirects a GET follows (urllib3; obstore follows its client's default)
 # a GET of at least this many bytes is read by http.client straight into the caller's buffer (urllib3's
 # transport; obstore collects a body into a buffer of its own, which is then copied); smaller ones by the
-# client's transport, obstore's requests costing less CPU each
+# client's transport, obstore's requests costing less CPU each. Not where the environment names a proxy:
+# obstore's client goes through it, http.client knows none
 _READINTO_FROM = 1 << 20
 _INDEXES_KEPT = 8  # indexes whose objects a RemoteBackend's cache keeps in view
 
@@ -199,17 +200,19 @@ class Client:
             choice = "urllib3" if _obstore_inherited else "obstore"
         self.transport: Any = _Obstore(self) if choice == "obstore" else _Urllib3(self)
         self._plain: _Urllib3 | None = None  # http(s) URLs with a query (presigned): obstore drops it
+        self._proxied = _proxy_named()  # GETs stay obstore's, which goes through the proxy
         self._clouds: dict[str, Any] = {}  # "gs", "az" -> _clouds.GCS, _clouds.Azure
 
     def _for(self, url: str, n: int = 0) -> Any:
         """The transport of ``url`` (a GET of ``n`` bytes): urllib3's for a GET of at least
-        ``_READINTO_FROM`` bytes (read straight into the caller's buffer), for an http(s)
+        ``_READINTO_FROM`` bytes (read straight into the caller's buffer; unless the
+        environment names a proxy), for an http(s)
         URL with a query string (a presigned URL, a token), which obstore's paths cannot
         carry, for a ``gs://`` URL and after obstore met a certificate it does not trust;
         else ``transport``."""
         if isinstance(self.transport, _Obstore) and (
-                n >= _READINTO_FROM or self._obstore_untrusted or ("?" in url and is_http(url))
-                or url.startswith("gs://")):
+                (n >= _READINTO_FROM and not self._proxied) or self._obstore_untrusted
+                or ("?" in url and is_http(url)) or url.startswith("gs://")):
             return self.plain()
         return self.transport
 
@@ -799,6 +802,14 @@ def _untrusted(url: str, what: str, start: int, why: str) -> StorageError:
     return _Untrusted(f"{what}: the server's TLS certificate is not trusted ({why[:200]}); for a private "
                         f"certificate authority set AWS_CA_BUNDLE (or ca_bundle in ~/.aws/config) to its PEM "
                         f"file", path=url, offset=start)
+
+
+def _proxy_named() -> bool:
+    """Whether the environment names a proxy for http(s) requests (``HTTP_PROXY``,
+    ``HTTPS_PROXY``, ``ALL_PROXY``, in either case), which obstore's client goes through."""
+    import urllib.request  # here: import gpuio stays quick
+
+    return any(k in ("http", "https", "all") for k in urllib.request.getproxies_environment())
 
 
 def _first_bytes(chunks: Iterator[Any], n: int) -> bytearray:
