@@ -153,7 +153,7 @@ def compare(index: gpuio.SampleIndex, ops: list[Any], batch: int, step_s: float,
             "tf_data": tf_rate, "tf_vs_default": None if tf_rate is None else tf_rate / median["default"],
             "input_share": s["consumer"]["input_share"], "tuning": s["tuning"],
             "peak_mb": s["peak_bytes_in_flight"] / 1e6, "budget_mb": s["buffers"]["budget"] / 1e6,
-            "within_budget": s["peak_bytes_in_flight"] <= s["buffers"]["budget"], "all": median}
+            "within_budget": s["peak_bytes_in_flight"] <= s["buffers"]["budget"], "all": median, "rounds": rates}
 
 
 def video_pipeline(clips: int) -> tuple[gpuio.SampleIndex, list[Any], int] | None:
