@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -381,3 +382,38 @@ def test_a_bad_shard_names_itself(tree, tmp_path):
     open(os.path.join(dest, "index.json"), "w").write("{}")
     with pytest.raises(FormatError, match="index.json.*not a gpuio packed index"):
         gpuio.formats.packed(dest)
+
+
+def test_two_threads_reading_two_files_in_order_on_one_reader_get_their_own_bytes(tmp_path):
+    """Threads that share a Reader and each read another file in its order (gpuio.read's
+    kept readers) get their own files' bytes while the read-ahead follows one or the other."""
+    rng = np.random.default_rng(5)
+    n = 400
+    index, blobs = [], []
+    for name in ("a.bin", "b.bin"):
+        parts = [rng.integers(0, 256, int(k), dtype=np.uint8).tobytes() for k in rng.integers(4000, 12_000, n)]
+        (tmp_path / name).write_bytes(b"".join(parts))
+        index.append(SampleIndex(PathTable.from_paths([str(tmp_path / name)]), {"data": Extents(
+            np.zeros(n), np.cumsum([0] + [len(b) for b in parts[:-1]]), [len(b) for b in parts])}))
+        blobs.append(parts)
+    failures = []
+
+    def read_in_order(k, reader):
+        try:
+            for start in range(0, n, 16):
+                rows = list(range(start, start + 16))
+                got = [to_host(a).tobytes() for a in reader.read(index[k], rows)]
+                if got != [blobs[k][r] for r in rows]:
+                    failures.append((k, start))
+        except Exception as exc:  # reported below, with the thread's file
+            failures.append((k, exc))
+
+    with gpuio.config.override(o_direct=True, read_ahead=512 << 10), gpuio.Reader("cpu", backend="posix") as reader:
+        for _ in range(12):
+            threads = [threading.Thread(target=read_in_order, args=(k, reader)) for k in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        taken = reader.read_ahead_batches
+    assert failures == [] and taken > 0

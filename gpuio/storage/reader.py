@@ -242,7 +242,7 @@ class Reader:
             self._ahead, self._taken = queue[k + 1:], ahead
         ahead.wait(ahead.end)  # a failed read-ahead raises its error (the file and offset) here
         if low < ahead.start:  # from the stretch before, else read
-            if before is not None and before.end == ahead.start and before.start <= low:
+            if before is not None and before.stamp == ahead.stamp and before.end == ahead.start and before.start <= low:
                 before.wait(before.end)
                 ahead.bytes_of(low, ahead.start)[...] = before.bytes_of(low, ahead.start)
             else:
@@ -289,7 +289,13 @@ class Reader:
             return  # the next batch's own read reports it
         size = stamp[1]
         with self._ahead_lock:
+            if not going_on:  # from this batch's stretch (what another thread queued meanwhile goes)
+                self._ahead, self._taken = [], None
             queue, taken = self._ahead, self._taken
+            if queue and queue[-1].path != path:
+                return None  # another thread's batches of another file took the read-ahead meanwhile
+            if taken is not None and taken.path != path:
+                taken = None
             if not going_on:
                 at = first // _PAGE * _PAGE
             else:
