@@ -510,3 +510,22 @@ def test_o_direct_reads_skip_the_page_cache_pass(tmp_path, read_loop, monkeypatc
             assert [a.tobytes() for a in reader.read(file_index(paths, [100_000] * 8), range(8))] == blobs
     if read_loop == "native":
         assert phases == [False, True]  # O_DIRECT: one blocking pass; buffered (cached files): the copy pass
+
+
+def test_read_ahead_buffers_give_way_to_a_batch_that_does_not_take_them(tmp_path):
+    """Where a batch's own buffer would wait for room in the pool, the read-ahead's buffers
+    that it does not take go back first (a cold file read in order, then a cached one,
+    in a pool the read-ahead filled)."""
+    sizes = [16 << 20, 8 << 20]
+    paths, blobs = write_files(tmp_path, sizes)
+    record, n = 128 << 10, 128
+    cold = SampleIndex(paths[:1], {"data": Extents(np.zeros(n), np.arange(n) * record, np.full(n, record))})
+    if drop_from_page_cache(paths[:1]) != 0:
+        pytest.fail("the page cache of the test's folder cannot be dropped or looked at (cachestat)")
+    with open(paths[1], "rb") as f:
+        f.read()  # cached: read through the page cache, not ahead
+    with gpuio.config.override(read_ahead=32 << 20), Reader("cpu", pool=BufferPool(40 << 20, wait_s=1)) as reader:
+        assert [a.tobytes() for a in reader.read(cold, range(16))] == [
+            blobs[0][k * record:(k + 1) * record] for k in range(16)]
+        assert reader.read_ahead_batches == 1
+        assert [a.tobytes() for a in reader.read(file_index(paths[1:], sizes[1:]), [0])] == [blobs[1]]

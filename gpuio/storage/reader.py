@@ -209,12 +209,19 @@ class Reader:
             if taken is not None:
                 lease, dest = taken
             else:
+                if self.pool.held_bytes + self.pool.charge(plan.nbytes) > self.pool.budget:
+                    self._drop_ahead()  # the read-ahead's buffers give way, where this one would wait for them
                 lease = self.pool.acquire(plan.nbytes, "cpu", pinned=self.pinned)
                 self.backend.read(plan, index.files, lease)
                 dest = plan.sample_dest
         if self.device.is_cuda:
             lease = self._upload(lease, int((dest + extents[2]).max(initial=0)))
         return lease, dest, extents[2].copy()
+
+    def _drop_ahead(self) -> None:
+        """Forget the read-aheads (their buffers go back once their reads in flight end)."""
+        with self._ahead_lock:
+            self._ahead, self._taken = [], None
 
     def _take_ahead(self, files: PathTable, file: np.ndarray, offset: np.ndarray,
                     length: np.ndarray) -> tuple[Lease, np.ndarray] | None:
@@ -275,8 +282,7 @@ class Reader:
         read-aheads start afresh, from this batch's stretch: then this batch taken from the
         first (as ``_take_ahead``), or None where none started."""
         if not going_on:
-            with self._ahead_lock:
-                self._ahead, self._taken = [], None
+            self._drop_ahead()
         if not self.read_ahead or len(file) < 2 or not (file == file[0]).all():
             return  # a single record (a file read whole) is read as it is
         first, last = int(offset.min()), int((offset + length).max())
@@ -395,8 +401,7 @@ class Reader:
 
     def close(self) -> None:
         """End the backend's reader threads and close its files."""
-        with self._ahead_lock:
-            self._ahead, self._taken = [], None
+        self._drop_ahead()
         if self._ahead_thread is not None:
             self._ahead_thread.shutdown(wait=True)
             self._ahead_thread = None
