@@ -1,9 +1,11 @@
 """Loader(prefetch="auto"), the default: the read-ahead deepens while the consumer waits
 and the stages have time to spare, within the buffer budget, and says why in stats()
 and the ``gpuio`` log; a consumer that does not wait, a budget that binds and an
-explicit prefetch each keep it where it is. decode_parts="auto", the default, by the same
-tuner: a JPEG chain's batches split into more parts while its workers are saturated and
-cores idle, never beyond the cores of the CPU budget."""
+explicit prefetch each keep it where it is; on a long epoch it settles within the
+first tenth, and a noisy wait does not move it back and forth. decode_parts="auto", the
+default, by the same tuner: a JPEG chain's batches split into more parts while its
+workers are saturated and cores idle, never beyond the cores of the CPU budget, and a
+split that runs no faster is undone."""
 
 from __future__ import annotations
 
@@ -28,13 +30,16 @@ class Jitter:
     """An op whose latency varies: batches of samples 0, 16, 32 ... take 50 ms, the rest 1 ms
     (the mean is well under a 5 ms consumer's step; the slow one is ten steps)."""
 
+    def __init__(self, every=SLOW_EVERY, slow_s=SLOW_S):
+        self.every, self.slow_s = every, slow_s
+
     def __call__(self, batch):
-        time.sleep(SLOW_S if int(batch.index[0]) % SLOW_EVERY == 0 else FAST_S)
+        time.sleep(self.slow_s if int(batch.index[0]) % self.every == 0 else FAST_S)
         return batch
 
 
-def loader(index, **kw):
-    return gpuio.Loader(index, 1, ops=[Jitter()], threads=2, output="numpy", **kw)
+def loader(index, jitter=None, **kw):
+    return gpuio.Loader(index, 1, ops=[jitter or Jitter()], threads=2, output="numpy", **kw)
 
 
 def consume(ld, step_s):
@@ -64,6 +69,31 @@ def test_a_fast_consumer_deepens_the_read_ahead_and_waits_less(tmp_path, caplog)
     first = sum(waits[1:33]) / (sum(waits[1:33]) + 32 * 0.005)
     last = sum(waits[-32:]) / (sum(waits[-32:]) + 32 * 0.005)
     assert first > 0.1 and last < first / 2, (first, last, s["tuning"])
+
+
+def test_the_read_ahead_settles_within_the_first_tenth_of_a_long_epoch(tmp_path):
+    """400 batches, one in 8 taking 30 ms: the spans are as short as a tenth of the epoch
+    needs, and the read-ahead deepens in its first 40 batches and changes nothing after
+    them."""
+    ld = loader(tree(tmp_path / "t", n=400), Jitter(every=8, slow_s=0.03))
+    waits = consume(ld, 0.004)
+    changes = [d for d in ld.stats()["tuning"] if d["to"] != d["from"]]
+    assert changes and all(d["setting"] == "prefetch" and d["batch"] <= 40 for d in changes), changes
+    assert "over 8 batches" in changes[0]["why"]
+    assert sum(waits[-40:]) < sum(waits[1:41]) / 2, (sum(waits[1:41]), sum(waits[-40:]))
+
+
+def test_a_noisy_wait_does_not_move_the_settings_back_and_forth(tmp_path):
+    """One batch in 16 takes 50 ms, so a span of 8 batches waits for it or does not: over
+    four epochs the read-ahead only deepens, once per depth at most, and nothing is
+    decided more than once."""
+    ld = loader(tree(tmp_path / "t", n=64))
+    for _ in range(4):
+        consume(ld, 0.005)
+    tuning = ld.stats()["tuning"]
+    changes = [(d["from"], d["to"]) for d in tuning if d["to"] != d["from"]]
+    assert all(b > a for a, b in changes) and len(set(changes)) == len(changes), tuning
+    assert len(tuning) == len({(d["setting"], d["from"], d["to"], d["why"]) for d in tuning}), tuning
 
 
 def test_a_slow_consumer_keeps_the_read_ahead(tmp_path):
@@ -120,11 +150,15 @@ def test_a_saturated_decoder_with_idle_cores_splits_its_batches(jpegs, caplog):
     s, cores = ld.stats(), cpu_budget()
     decided = parts_decided(s)
     assert decided and all(d["to"] <= cores for d in decided) and s["decode_parts"] <= cores
-    if cores > 1:  # a planted case: split, with the reason and a log line
+    if cores > 1:  # a planted case: split, with the reason and a log line, kept if it runs faster
         grown = [d for d in decided if d["to"] > d["from"]]
-        assert grown and grown[0]["from"] == 1 and s["decode_parts"] == grown[-1]["to"] > 1
+        assert grown and grown[0]["from"] == 1 and grown[0]["to"] > 1
         assert all("workers are" in d["why"] and "idle cores" in d["why"] for d in grown)
         assert any("decode_parts 1 -> 2" in r.getMessage() for r in caplog.records)
+        undone = [d for d in decided if d["to"] < d["from"]]
+        assert all("batches/s" in d["why"] and "undone" in d["why"] for d in undone)
+        assert len(undone) <= len(grown) <= 1 + len(undone)  # each split kept or undone, not tried again
+        assert s["decode_parts"] == (1 if undone and undone[-1]["batch"] > grown[-1]["batch"] else grown[-1]["to"])
     with gpuio.config.override(decode_parts=1):
         one = jpeg_loader(jpegs)
     one.set_epoch(2)  # the epoch of `last`: the same random draws

@@ -554,7 +554,11 @@ def verdict(s: dict[str, Any], *, threads: int, prefetch: int, window: int, want
                    numbers)
 
 
-_TUNE_BATCHES = 8  # batches the tuner looks at before each decision
+_TUNE_BATCHES = 8  # the most batches the tuner looks at before each decision
+_FIRST_SPAN = 4  # the fewest: a span shorter than this measures the noise of single batches
+_SETTLE_SHARE, _SETTLE_SPANS = 0.1, 4  # spans short enough for this many decisions within this share of a pass
+_MOVED = 0.25  # a change of the consumer's wait share by this much (absolute) reopens a settled or undone setting
+_GAIN = 0.05  # a split of the decodes is kept when the consumer's batches per second rise by this much
 _MOST_PREFETCH = 64  # read-ahead depth the tuner never goes beyond, whatever the budget allows
 _log = logging.getLogger("gpuio")
 
@@ -564,20 +568,28 @@ class Autotune:
     (``Loader(prefetch="auto")``) and the parts a batch's decodes are split into on the
     ops' pool (``decode_parts="auto"``, a CPU loader whose ops read it).
 
-    The loader tells it each batch's wait in ``next()`` and the consumer's work after it
-    (``batch``); every ``_TUNE_BATCHES`` batches it looks at that span. While the
-    consumer waited at least tf.data's lower band (5%) of its step time and the process
-    left some of its cores free (``_CPU_SATURATED``):
+    The loader tells it each pass's length (``begin``) and each batch's wait in
+    ``next()`` and the consumer's work after it (``batch``); at the end of each span of
+    batches it decides. A span is short enough that ``_SETTLE_SPANS`` decisions fit in
+    the first ``_SETTLE_SHARE`` of a pass, never shorter than ``_FIRST_SPAN`` nor longer
+    than ``_TUNE_BATCHES``. While the consumer waited at least tf.data's lower band (5%)
+    of its step time and the process left some of its cores free (``_CPU_SATURATED``):
 
     - no stage's workers saturated (busy below ``_SATURATED``, on a GPU its device time
       too): the read-ahead depth doubles (one more at least), up to ``room``, the most
       the buffer budget allows;
     - the decoding stage's workers saturated: its batches are split into twice the parts
       (one more at least), up to the cores this process may use (``cpu_budget``), so
-      that the idle cores take parts of the batches the workers hold.
+      that the idle cores take parts of the batches the workers hold. A split takes
+      cores, so it is a trial: unless the next span's batches per second rise by
+      ``_GAIN`` it is undone, and that split is not tried again until the consumer's
+      wait share has moved by ``_MOVED``.
 
     A setting holds once the consumer no longer waits, the cores are saturated, or its
-    limit binds. Each change, and the first hold of each kind, is a decision
+    limit binds. The tuner settles at the first span that changes nothing (and has no
+    trial to judge): from then on it changes a setting only once the consumer's wait
+    share has moved by ``_MOVED`` from that span's, so that noise does not keep it
+    moving. Each change, and the first hold of each kind, is a decision
     ``{batch, setting, from, to, why}`` in ``decisions`` and a log line (``gpuio``
     logger). ``prefetch`` or ``parts`` ``None``: that setting is not tuned."""
 
@@ -588,10 +600,17 @@ class Autotune:
         self._stats = stats
         self._held: dict[str, str] = {}  # per setting, the kind of the last hold said (once until a change)
         self._cores = cpu_budget()  # read once: it reads the cgroup's files
+        self._span = _TUNE_BATCHES
+        self._settled: float | None = None  # the wait share of the span that settled the tuner
+        self._trial: tuple[int, float] | None = None  # a split on trial: the parts before, batches/s before
+        self._undone: dict[int, float] = {}  # parts tried and undone: the wait share then
         self.begin()
 
-    def begin(self) -> None:
-        """Start a span (at a pass's start: its first batch is start-up, not counted)."""
+    def begin(self, batches: int | None = None) -> None:
+        """Start a span (at a pass's start, of ``batches`` batches: its first batch is
+        start-up, not counted)."""
+        if batches is not None:
+            self._span = min(_TUNE_BATCHES, max(_FIRST_SPAN, math.ceil(batches * _SETTLE_SHARE / _SETTLE_SPANS)))
         self._wait = self._work = 0.0
         self._n = 0
         self._t0, self._cpu0 = time.perf_counter(), time.process_time()
@@ -604,7 +623,8 @@ class Autotune:
         self._wait += wait
         self._work += work
         self._n += 1
-        if self._n < _TUNE_BATCHES:
+        n = self._n
+        if n < self._span:
             return {}
         wall = time.perf_counter() - self._t0
         step = self._wait + self._work
@@ -613,12 +633,43 @@ class Autotune:
                 for name, m in self._stats.stages.items()} if wall > 0 else {}
         cores = self._cores
         cpu = (time.process_time() - self._cpu0) / (wall * cores) if wall > 0 else 0.0
+        rate = n / wall if wall > 0 else 0.0
         self.begin()
+        if self._trial is not None:
+            undone = self._judge(k, share, rate)
+            if undone:
+                return undone
+        elif self._settled is not None and abs(share - self._settled) < _MOVED:
+            return {}
+        self._settled = None
+        parts = self.parts
+        changes = self._changes(k, share, n, busy, cpu, room)
+        if "decode_parts" in changes:
+            self._trial = (parts, rate)
+        if not changes:
+            self._settled = share
+        return changes
+
+    def _judge(self, k: int, share: float, rate: float) -> dict[str, int]:
+        """The split on trial: kept (``{}``) if the span after it ran ``_GAIN`` more
+        batches per second than the span before it, else undone."""
+        before, then = self._trial
+        self._trial = None
+        if rate >= (1 + _GAIN) * then:
+            return {}
+        self._undone[self.parts] = share
+        why = (f"the consumer took {rate:.1f} batches/s over {self._span} batches with {self.parts} parts, "
+               f"{then:.1f} with {before} before: the split is undone")
+        self.parts = self._decide(k, "decode_parts", self.parts, before, why)
+        return {"decode_parts": before}
+
+    def _changes(self, k: int, share: float, n: int, busy: dict[str, float], cpu: float,
+                 room: int) -> dict[str, int]:
         if share < _BANDS[0][0]:
             return {}
-        waited = f"the consumer waited {100 * share:.0f}% of its step time over {_TUNE_BATCHES} batches"
+        waited = f"the consumer waited {100 * share:.0f}% of its step time over {n} batches"
         if cpu >= _CPU_SATURATED:
-            why = (f"{waited}, but the process keeps {100 * cpu:.0f}% of its {cores} cores busy: "
+            why = (f"{waited}, but the process keeps {100 * cpu:.0f}% of its {self._cores} cores busy: "
                    "{} cannot make it faster")
             for setting, value, what in (("prefetch", self.prefetch, "batches further ahead"),
                                          ("decode_parts", self.parts, "more parts")):
@@ -631,7 +682,7 @@ class Autotune:
             if depth is not None:
                 changes["prefetch"] = self.prefetch = depth
         if self.parts is not None:
-            parts = self._split(k, waited, busy, cpu)
+            parts = self._split(k, waited, share, busy, cpu)
             if parts is not None:
                 changes["decode_parts"] = self.parts = parts
         return changes
@@ -652,7 +703,7 @@ class Autotune:
         bound = "; the buffer budget allows no more" if new == room else ""
         return self._decide(k, "prefetch", self.prefetch, new, f"{waited} and no stage is saturated{busiest}{bound}")
 
-    def _split(self, k: int, waited: str, busy: dict[str, float], cpu: float) -> int | None:
+    def _split(self, k: int, waited: str, share: float, busy: dict[str, float], cpu: float) -> int | None:
         stage = self._decoding
         if busy.get(stage, 0.0) < _SATURATED:
             return None  # its workers have time to spare: the read-ahead's turn
@@ -664,6 +715,11 @@ class Autotune:
                               f"{saturated}, but a batch's decodes already run as {self.parts} parts, one per "
                               f"core this process may use")
         new = min(cores, max(2 * self.parts, self.parts + 1))
+        if new in self._undone and abs(share - self._undone[new]) < _MOVED:
+            return self._hold(k, "decode_parts", self.parts, "undone",
+                              f"{saturated}, but {new} parts ran no faster when tried, at a wait share of "
+                              f"{100 * self._undone[new]:.0f}%")
+        self._undone.pop(new, None)
         return self._decide(k, "decode_parts", self.parts, new,
                             f"{saturated}: the idle cores take parts of the batches the workers hold"
                             + ("; the cores allow no more" if new == cores else ""))

@@ -517,7 +517,7 @@ class Loader:
         buffer budget holds, and split the next batches' decodes into the parts it chose."""
         tuner = self._tuner
         if k == 0:
-            tuner.begin()
+            tuner.begin(len(self._plan))  # its spans are short enough to settle early in the pass
             return
         workers = self._wanted - self.prefetch
         changes = tuner.batch(self._handed, wait, work, room=self._max_in_flight - workers)
