@@ -31,9 +31,11 @@ Columns: ``vs best`` is the default's figure over the grid's best (the best of m
 figures: on a loaded machine it is lucky as often as it is good); ``vs same`` over the
 grid's configuration with the settings the default ended at (where the grid has them);
 ``tf.data`` its figure and its ratio to the default. ``prefetch``/``parts`` are where the default ended;
-``settled at``: the batch of its last change of a setting, counted over every epoch it
-ran, and that as a share of one epoch (the issue's target: within the first 10% of an
-epoch; the tuner's first decision comes after 8 batches past the start-up); ``peak
+``changes``: how many times the default changed a setting; ``settled at``: the batch of
+its last change, counted over every epoch it ran, and that as a share of one epoch (the
+issue's target: within the first 10% of an epoch; the tuner decides at the end of spans
+of 4 to 8 batches past the start-up, short enough for four decisions in an epoch's first
+tenth where the epoch is long enough); ``peak
 MB``: the default's peak bytes read and not yet handed over against its buffer budget;
 ``input share`` the consumer's wait share over every round. The machine's load average
 is printed with the table: on a shared machine, other processes' load moves the figures
@@ -122,9 +124,8 @@ def compare(index: gpuio.SampleIndex, ops: list[Any], batch: int, step_s: float,
         grid[name] = {"prefetch": prefetch, "threads": threads, "decode_parts": n}
     loaders = {}
     for name, kw in grid.items():
-        parts_set = {"decode_parts": kw.pop("decode_parts")} if kw.get("decode_parts") else {}
-        kw.pop("decode_parts", None)
-        with gpuio.config.override(**parts_set):  # a loader takes the setting in force when it is made
+        n = kw.pop("decode_parts", None)
+        with gpuio.config.override(**({"decode_parts": n} if n else {})):  # a loader takes the value in force
             loaders[name] = gpuio.Loader(index, batch, ops=ops, output="numpy", **kw)
     runs = {name: loader_epoch(loader) for name, loader in loaders.items()} | others
     rates: dict[str, list[float]] = {name: [] for name in runs}
@@ -149,7 +150,7 @@ def compare(index: gpuio.SampleIndex, ops: list[Any], batch: int, step_s: float,
             "vs_best": median["default"] / median[best], "prefetch": s["prefetch"],
             "vs_same": None if same is None else median["default"] / same,
             "parts": s["decode_parts"] if parts else None, "batches": batches,
-            "decided_at": last, "decided_share": None if last is None else last / batches,
+            "changes": len(changes), "decided_at": last, "decided_share": None if last is None else last / batches,
             "tf_data": tf_rate, "tf_vs_default": None if tf_rate is None else tf_rate / median["default"],
             "input_share": s["consumer"]["input_share"], "tuning": s["tuning"],
             "peak_mb": s["peak_bytes_in_flight"] / 1e6, "budget_mb": s["buffers"]["budget"] / 1e6,
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("best", "grid's best", ""), ("best_rate", "best/s", ".0f"), ("vs_best", "vs best", ".2f"),
                        ("vs_same", "vs same", ".2f"),
                        ("tf_data", "tf.data/s", ".0f"), ("tf_vs_default", "tf/default", ".2f"),
-                       ("prefetch", "prefetch", "d"), ("parts", "parts", ""), ("decided_at", "settled at", ""),
+                       ("prefetch", "prefetch", "d"), ("parts", "parts", ""), ("changes", "changes", "d"),
+                       ("decided_at", "settled at", ""),
                        ("decided_share", "of epoch", ".2f"), ("batches", "batches/epoch", "d"),
                        ("peak_mb", "peak MB", ".1f"), ("budget_mb", "budget MB", ".0f"),
                        ("input_share", "input share", ".3f")])
