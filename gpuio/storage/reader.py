@@ -238,10 +238,16 @@ class Reader:
                 return None
             end = offset + length
             low, high = int(offset.min()), int(end.max())
-            held = [int(length[(offset >= a.start) & (end <= a.end)].sum()) for a in queue]
-            k = int(np.argmax(held))
+            k, most = 0, -1
+            for j, a in enumerate(queue):  # in the file's order: only the stretches the batch reaches
+                if a.start >= high:
+                    break
+                if a.end > low:
+                    held = int(length[(offset >= a.start) & (end <= a.end)].sum())
+                    if held > most:
+                        k, most = j, held
             ahead = queue[k]
-            if held[k] < _AHEAD_TAKEN * (ahead.end - ahead.start):
+            if most < _AHEAD_TAKEN * (ahead.end - ahead.start):
                 return None
             if low < ahead.start - ahead.head or ahead.head + high - ahead.start > ahead.lease.nbytes:
                 return None
@@ -311,7 +317,8 @@ class Reader:
             # stretch (a copy), where one that ends late would wait for the next stretch
             ends = itertools.chain([_pages(last)] if not going_on else [],
                                    (_pages(last + k * span + span // _AHEAD_MARGIN) for k in itertools.count(1)))
-            while at < size and (not queue or sum(a.end - a.start for a in queue) < self.read_ahead):
+            queued = queue[-1].end - queue[0].start if queue else 0  # consecutive stretches
+            while at < size and (not queue or queued < self.read_ahead):
                 stop = min(next(e for e in ends if e >= at + span // 2), size)
                 head = _pages(span // 2)  # room for the next batch's bytes before and after the stretch
                 room = head + _pages(stop - at) + head
@@ -325,7 +332,7 @@ class Reader:
                     ahead.pieces.append((b, self._ahead_thread.submit(self._read_stretch, files, int(file[0]), a, b,
                                                                       ahead)))
                 queue.append(ahead)
-                at = stop
+                queued, at = queued + stop - at, stop
         return None if going_on else self._take_ahead(files, file, offset, length)
 
     def prefetch(self, index: SampleIndex, rows: Sequence[int] | np.ndarray, field: str = "data") -> int:
