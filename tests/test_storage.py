@@ -529,3 +529,23 @@ def test_read_ahead_buffers_give_way_to_a_batch_that_does_not_take_them(tmp_path
             blobs[0][k * record:(k + 1) * record] for k in range(16)]
         assert reader.read_ahead_batches == 1
         assert [a.tobytes() for a in reader.read(file_index(paths[1:], sizes[1:]), [0])] == [blobs[1]]
+
+
+def test_a_batch_taken_from_the_read_ahead_stats_its_file_once(tmp_path, monkeypatch):
+    """Batches read in order with O_DIRECT are taken from the read-ahead with one stat of
+    their file each (the stamp checked as a batch is taken serves the read-ahead after it)."""
+    record, n, batch = 8 << 10, 256, 16
+    paths, blobs = write_files(tmp_path, [record * n])
+    index = SampleIndex(paths, {"data": Extents(np.zeros(n), np.arange(n) * record, np.full(n, record))})
+    stats = []
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: (stats.append(str(path)), real_stat(path, *a, **k))[1])
+    with gpuio.config.override(o_direct=True, read_ahead=1 << 20), Reader("cpu") as reader:
+        for start in range(0, n, batch):
+            rows = np.arange(start, start + batch)
+            assert b"".join(a.tobytes() for a in reader.read(index, rows)) == blobs[0][start * record:
+                                                                                       (start + batch) * record]
+            if start == 0:
+                stats.clear()
+        assert reader.read_ahead_batches == n // batch
+    assert stats.count(paths[0]) == n // batch - 1

@@ -193,8 +193,9 @@ class Reader:
             return lease, plan.sample_dest, plan.sample_length
         taken = self._take_ahead(index.files, *extents)
         if taken is not None:
-            lease, dest = taken
-            self._read_ahead(index.files, *extents, going_on=True)
+            ahead, dest = taken
+            lease = ahead.lease
+            self._read_ahead(index.files, *extents, going_on=ahead)
         else:
             plan = build_plan(*extents, gap=self.gap, align=self.backend.align, task_size=self.task_size,
                               parts=self.parts)
@@ -205,9 +206,9 @@ class Reader:
                 if self.pool.charge(aligned.nbytes) <= self.pool.charge(int(extents[2].sum()) + len(rows) * self.gap):
                     plan = aligned
             # a batch that starts reading ahead is read as the first of the stretches, in their pieces
-            taken = self._read_ahead(index.files, *extents, going_on=False) if plan.align >= _PAGE else None
+            taken = self._read_ahead(index.files, *extents, going_on=None) if plan.align >= _PAGE else None
             if taken is not None:
-                lease, dest = taken
+                lease, dest = taken[0].lease, taken[1]
             else:
                 if self.pool.held_bytes + self.pool.charge(plan.nbytes) > self.pool.budget:
                     self._drop_ahead()  # the read-ahead's buffers give way, where this one would wait for them
@@ -224,8 +225,8 @@ class Reader:
             self._ahead, self._taken = [], None
 
     def _take_ahead(self, files: PathTable, file: np.ndarray, offset: np.ndarray,
-                    length: np.ndarray) -> tuple[Lease, np.ndarray] | None:
-        """The buffer of the read-ahead whose stretch holds the most of this batch's bytes,
+                    length: np.ndarray) -> tuple[_Ahead, np.ndarray] | None:
+        """The read-ahead whose stretch holds the most of this batch's bytes, its buffer
         with the bytes of the batch's records beyond the stretch put around it, and each
         sample's place in it, where the batch's records lie in one file, cover a quarter or
         more of that stretch and fit in its buffer; else None."""
@@ -268,7 +269,7 @@ class Reader:
             else:
                 self._read_stretch(files, file[0], ahead.end, high, ahead)
         self.read_ahead_batches += 1
-        return ahead.lease, offset - ahead.start + ahead.head
+        return ahead, offset - ahead.start + ahead.head
 
     def _read_stretch(self, files: PathTable, file: int, start: int, end: int, into: _Ahead) -> None:
         """Read the file's ``start..end`` (``start`` a page boundary; one read, a task of
@@ -278,16 +279,17 @@ class Reader:
         self.backend.read(plan, files, _Into(into.lease.array[into.head + start - into.start:]))
 
     def _read_ahead(self, files: PathTable, file: np.ndarray, offset: np.ndarray, length: np.ndarray,
-                    going_on: bool) -> tuple[Lease, np.ndarray] | None:
+                    going_on: _Ahead | None) -> tuple[_Ahead, np.ndarray] | None:
         """Keep stretches after this batch's records, each about as long as the stretch
         they span, read or being read in the background, ``read_ahead`` bytes in all (at
         least one stretch; none where it is 0), where two or more records lie in one file,
         fill half or more of their stretch, which is no longer than ``read_ahead``, and the
         buffer pool has room without waiting.
-        ``going_on``: the batch was taken from a read-ahead, whose followers stay. Else the
+        ``going_on``: the read-ahead the batch was taken from (its followers stay; its stamp,
+        checked as it was taken, is the file's: one stat per batch). Else the
         read-aheads start afresh, from this batch's stretch: then this batch taken from the
         first (as ``_take_ahead``), or None where none started."""
-        if not going_on:
+        if going_on is None:
             self._drop_ahead()
         if not self.read_ahead or len(file) < 2 or not (file == file[0]).all():
             return  # a single record (a file read whole) is read as it is
@@ -296,26 +298,26 @@ class Reader:
         if not _PAGE <= span <= self.read_ahead or int(length.sum()) < _AHEAD_DENSE * span:
             return  # a batch longer than the read-ahead keeps enough reads in flight by itself
         path = files[int(file[0])]
-        stamp = _stamp(path)
+        stamp = _stamp(path) if going_on is None else going_on.stamp
         if stamp is None:
             return  # the next batch's own read reports it
         size = stamp[1]
         with self._ahead_lock:
-            if not going_on:  # from this batch's stretch (what another thread queued meanwhile goes)
+            if going_on is None:  # from this batch's stretch (what another thread queued meanwhile goes)
                 self._ahead, self._taken = [], None
             queue, taken = self._ahead, self._taken
             if queue and queue[-1].path != path:
                 return None  # another thread's batches of another file took the read-ahead meanwhile
             if taken is not None and taken.path != path:
                 taken = None
-            if not going_on:
+            if going_on is None:
                 at = first // _PAGE * _PAGE
             else:
                 at = queue[-1].end if queue else max(last // _PAGE * _PAGE, taken.end if taken is not None else 0)
             # where this batch ends (starting afresh), where the next batches should end, and a little
             # further: a batch that ends early finds the next one's first bytes at the end of its
             # stretch (a copy), where one that ends late would wait for the next stretch
-            ends = itertools.chain([_pages(last)] if not going_on else [],
+            ends = itertools.chain([_pages(last)] if going_on is None else [],
                                    (_pages(last + k * span + span // _AHEAD_MARGIN) for k in itertools.count(1)))
             queued = queue[-1].end - queue[0].start if queue else 0  # consecutive stretches
             while at < size and (not queue or queued < self.read_ahead):
@@ -333,7 +335,7 @@ class Reader:
                                                                       ahead)))
                 queue.append(ahead)
                 queued, at = queued + stop - at, stop
-        return None if going_on else self._take_ahead(files, file, offset, length)
+        return None if going_on is not None else self._take_ahead(files, file, offset, length)
 
     def prefetch(self, index: SampleIndex, rows: Sequence[int] | np.ndarray, field: str = "data") -> int:
         """Start fetching the remote blocks of ``field`` of ``rows`` into the node-local
