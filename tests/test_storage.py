@@ -549,3 +549,26 @@ def test_a_batch_taken_from_the_read_ahead_stats_its_file_once(tmp_path, monkeyp
                 stats.clear()
         assert reader.read_ahead_batches == n // batch
     assert stats.count(paths[0]) == n // batch - 1
+
+
+def test_the_read_ahead_keeps_room_for_a_batchs_own_buffers_and_gives_way(tmp_path, device):
+    """In a pool the read-ahead could fill, batches read in order with O_DIRECT (on a GPU
+    through host memory and copied into a device buffer of the same pool), each with a
+    buffer of its size taken beside it (as a device copy takes), never wait: the read-ahead
+    leaves their room. A buffer of most of the budget, asked for outside any reader, makes
+    the read-ahead give its buffers back."""
+    record, n, batch = 64 << 10, 256, 16
+    paths, blobs = write_files(tmp_path, [record * n])
+    index = SampleIndex(paths, {"data": Extents(np.zeros(n), np.arange(n) * record, np.full(n, record))})
+    pool = BufferPool(8 << 20, wait_s=1)
+    with gpuio.config.override(o_direct=True, read_ahead=32 << 20), \
+            Reader(device, backend="posix", pool=pool) as reader:
+        for start in range(0, n, batch):
+            got = reader.read(index, np.arange(start, start + batch))
+            beside = pool.acquire(batch * record, device)
+            assert b"".join(to_host(a).tobytes() for a in got) == blobs[0][start * record:(start + batch) * record]
+            del got, beside
+            if start == n // 2:
+                assert reader.read_ahead_batches == start // batch + 1
+                assert pool.acquire(7 << 20).nbytes == 7 << 20
+        assert reader.read_ahead_batches >= n // batch - 1

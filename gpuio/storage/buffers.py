@@ -24,6 +24,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -182,6 +183,7 @@ class BufferPool:
         # the pool moves them to _free under its lock, and a waiting acquire polls
         self._returned: deque[_Storage] = deque()
         self._held = 0  # bytes allocated, in use or free
+        self._givers: list[weakref.WeakMethod[Callable[[], object]]] = []  # see give_way
         self._generation = 0  # forks seen: a buffer lent in an earlier one is not ours
         _fork.renew_after_fork(self)
 
@@ -210,15 +212,10 @@ class BufferPool:
         return capacity if capacity <= self.budget else int(nbytes)
 
     def acquire(self, nbytes: int, device: str | Device = "cpu", *, pinned: bool = False) -> Lease:
-        """Lend a buffer of at least ``nbytes`` bytes on ``device``."""
-        device = parse_device(device)
-        if device.is_cuda:
-            _fork.refuse_cuda_after_fork()  # also for readers made before the fork
-        pinned = pinned and not device.is_cuda and not _fork.parent_used_cuda
-        budget = self.budget
-        capacity = _round_capacity(max(int(nbytes), 1))
-        if capacity > budget:
-            capacity = int(nbytes)
+        """Lend a buffer of at least ``nbytes`` bytes on ``device``. Where the budget has no
+        room, the holders of buffers kept only to be ahead (see ``give_way``) give them
+        back, and it waits up to ``wait_s`` for buffers in use to return."""
+        device, pinned, budget, capacity = self._request(nbytes, device, pinned)
         if capacity > budget:
             raise BufferBudgetError(
                 f"a batch buffer of {nbytes:,} bytes was requested, but the buffer budget is "
@@ -231,27 +228,81 @@ class BufferPool:
                 # lock, because what reap drops runs finalizers that take other locks
                 reap()
             with self._lock:
-                self._take_returned()
-                fit = [s for s in self._free if s.device == device and s.pinned == pinned
-                       and nbytes <= s.capacity <= 2 * capacity and s.idle()]
-                if fit:
-                    # the smallest; of equal ones the last given back, whose memory the
-                    # CPU cache most likely still holds (eviction takes the oldest)
-                    best = min(reversed(fit), key=lambda s: s.capacity)
-                    self._free.remove(best)
-                    return Lease(self, best, int(nbytes))
-                while self._free and self._held + capacity > budget:
-                    self._held -= self._free.pop(0).close()
-                if self._held + capacity <= budget:
-                    self._held += capacity
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise BufferBudgetError(
-                        f"waited {self.wait_s:.0f} s for {capacity:,} bytes of batch buffer, but "
-                        f"{self._held:,} of the {budget:,}-byte budget stay in use; release "
-                        f"references to old batches or raise buffer_budget")
+                got = self._take(nbytes, capacity, device, pinned, budget, budget)
+                held = self._held
+            if got is not False:
+                return self._lend(got, nbytes, capacity, device, pinned)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BufferBudgetError(
+                    f"waited {self.wait_s:.0f} s for {capacity:,} bytes of batch buffer, but "
+                    f"{held:,} of the {budget:,}-byte budget stay in use; release "
+                    f"references to old batches or raise buffer_budget")
+            self._make_way()
+            with self._lock:
                 self._lock.wait(min(left, _POLL_S))  # given-back buffers arrive unnotified
+
+    def try_acquire(self, nbytes: int, device: str | Device = "cpu", *, pinned: bool = False,
+                    keep: int = 0) -> Lease | None:
+        """``acquire`` without waiting and without asking anyone to give way: None where the
+        buffers in use leave less than the buffer and ``keep`` bytes more (the room that
+        others' buffers need) of the budget."""
+        device, pinned, budget, capacity = self._request(nbytes, device, pinned)
+        with self._lock:
+            got = self._take(nbytes, capacity, device, pinned, budget, budget - int(keep))
+        return None if got is False else self._lend(got, nbytes, capacity, device, pinned)
+
+    def give_way(self, release: Callable[[], object]) -> None:
+        """Have ``release``, a bound method, called whenever an ``acquire`` would wait for room
+        (outside the pool's lock, in the waiting thread): its object holds buffers only to be
+        ahead (a read-ahead) and gives them back. Held weakly: it ends with its object."""
+        with self._lock:
+            self._givers.append(weakref.WeakMethod(release))
+
+    def _make_way(self) -> None:
+        with self._lock:
+            self._givers = [g for g in self._givers if g() is not None]
+            calls = [g() for g in self._givers]
+        for call in calls:
+            if call is not None:
+                call()
+
+    def _request(self, nbytes: int, device: str | Device, pinned: bool) -> tuple[Device, bool, int, int]:
+        """A request's device, whether pinned, the budget in force and the capacity to take."""
+        device = parse_device(device)
+        if device.is_cuda:
+            _fork.refuse_cuda_after_fork()  # also for readers made before the fork
+        pinned = pinned and not device.is_cuda and not _fork.parent_used_cuda
+        budget = self.budget
+        capacity = _round_capacity(max(int(nbytes), 1))
+        return device, pinned, budget, capacity if capacity <= budget else int(nbytes)
+
+    def _take(self, nbytes: int, capacity: int, device: Device, pinned: bool, budget: int,
+              room: int) -> _Storage | bool:
+        """Under the lock: a free buffer that fits, else True where ``capacity`` bytes were
+        counted in (free buffers freed to make room), else False: the buffers in use and
+        this one would pass ``room`` bytes."""
+        self._take_returned()
+        in_use = self._held - sum(s.capacity for s in self._free)
+        fit = [s for s in self._free if s.device == device and s.pinned == pinned
+               and nbytes <= s.capacity <= 2 * capacity and in_use + s.capacity <= room and s.idle()]
+        if fit:
+            # the smallest; of equal ones the last given back, whose memory the CPU cache
+            # most likely still holds (eviction takes the oldest)
+            best = min(reversed(fit), key=lambda s: s.capacity)
+            self._free.remove(best)
+            return best
+        if in_use + capacity > room:
+            return False
+        while self._free and self._held + capacity > budget:
+            self._held -= self._free.pop(0).close()
+        self._held += capacity
+        return True
+
+    def _lend(self, got: _Storage | bool, nbytes: int, capacity: int, device: Device, pinned: bool) -> Lease:
+        """A lease of the free buffer ``got``, or of a new one of ``capacity`` bytes (counted in)."""
+        if isinstance(got, _Storage):
+            return Lease(self, got, int(nbytes))
         try:
             storage = _Storage(capacity, device, pinned)
         except BaseException:

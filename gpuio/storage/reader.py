@@ -162,6 +162,7 @@ class Reader:
         self.read_ahead_batches = 0  # batches taken from a read-ahead's buffer (see _AHEAD_DENSE)
         self._after_fork()
         renew_after_fork(self)
+        self.pool.give_way(self._drop_ahead)  # whatever waits for room in the pool comes first
 
     def _after_fork(self) -> None:
         """A new read-ahead state (in a forked child: the parent's thread is gone)."""
@@ -210,8 +211,6 @@ class Reader:
             if taken is not None:
                 lease, dest = taken[0].lease, taken[1]
             else:
-                if self.pool.held_bytes + self.pool.charge(plan.nbytes) > self.pool.budget:
-                    self._drop_ahead()  # the read-ahead's buffers give way, where this one would wait for them
                 lease = self.pool.acquire(plan.nbytes, "cpu", pinned=self.pinned)
                 self.backend.read(plan, index.files, lease)
                 dest = plan.sample_dest
@@ -220,7 +219,8 @@ class Reader:
         return lease, dest, extents[2].copy()
 
     def _drop_ahead(self) -> None:
-        """Forget the read-aheads (their buffers go back once their reads in flight end)."""
+        """Forget the read-aheads (their buffers go back once their reads in flight end):
+        before a new one, at close, and whenever anything waits for room in the pool."""
         with self._ahead_lock:
             self._ahead, self._taken = [], None
 
@@ -284,7 +284,7 @@ class Reader:
         they span, read or being read in the background, ``read_ahead`` bytes in all (at
         least one stretch; none where it is 0), where two or more records lie in one file,
         fill half or more of their stretch, which is no longer than ``read_ahead``, and the
-        buffer pool has room without waiting.
+        buffer pool has room without waiting beside the room of a batch's own buffers.
         ``going_on``: the read-ahead the batch was taken from (its followers stay; its stamp,
         checked as it was taken, is the file's: one stat per batch). Else the
         read-aheads start afresh, from this batch's stretch: then this batch taken from the
@@ -324,11 +324,14 @@ class Reader:
                 stop = min(next(e for e in ends if e >= at + span // 2), size)
                 head = _pages(span // 2)  # room for the next batch's bytes before and after the stretch
                 room = head + _pages(stop - at) + head
-                if self.pool.held_bytes + self.pool.charge(room) > self.pool.budget:
+                # never the last room of a batch's own buffers: one as long, and its copy on the device
+                lease = self.pool.try_acquire(room, "cpu", pinned=self.pinned,
+                                              keep=room * (2 if self.device.is_cuda else 1))
+                if lease is None:
                     break
                 if self._ahead_thread is None:
                     self._ahead_thread = ThreadPoolExecutor(_AHEAD_READS, thread_name_prefix="gpuio-read-ahead")
-                ahead = _Ahead(path, stamp, at, stop, head, self.pool.acquire(room, "cpu", pinned=self.pinned), [])
+                ahead = _Ahead(path, stamp, at, stop, head, lease, [])
                 for a in range(at, stop, self.task_size):
                     b = min(a + self.task_size, stop)
                     ahead.pieces.append((b, self._ahead_thread.submit(self._read_stretch, files, int(file[0]), a, b,
