@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import importlib
+import importlib.util
 import json
 import mmap
 import os
@@ -10,6 +12,7 @@ import resource
 import platform
 import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -223,3 +226,16 @@ def reset_peak_rss() -> int:
 def peak_rss() -> int:
     """Peak RSS since the last reset, KiB."""
     return _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def streaming_module(name: str) -> types.ModuleType:
+    """A module of mosaicml-streaming, imported without the package's ``__init__`` (its
+    vision, text and dataloader modules import torchvision and transformers, which the
+    writer and StreamingDataset do not need)."""
+    if "streaming" not in sys.modules:
+        root = importlib.util.find_spec("streaming").submodule_search_locations[0]
+        for pkg, folder in (("streaming", root), ("streaming.base", os.path.join(root, "base"))):
+            module = types.ModuleType(pkg)
+            module.__path__ = [folder]
+            sys.modules[pkg] = module
+    return importlib.import_module(name)

@@ -35,16 +35,12 @@ downloads.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import io
 import math
 import os
 import random
-import sys
 import tempfile
 import time
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,7 +48,7 @@ import numpy as np
 
 import gpuio
 from gpuio import ops
-from gpuio.bench._common import interleaved_rounds, machine, print_table, sample_root, write_json
+from gpuio.bench._common import interleaved_rounds, machine, print_table, sample_root, streaming_module, write_json
 
 MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
 STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
@@ -268,19 +264,6 @@ class _Fetched:
 
     def fetched(self, seconds: float, nbytes: int) -> None:
         self.nbytes += nbytes
-
-
-def streaming_module(name: str) -> types.ModuleType:
-    """A module of mosaicml-streaming, imported without the package's ``__init__`` (its
-    vision, text and dataloader modules import torchvision and transformers, which the
-    writer and StreamingDataset do not need)."""
-    if "streaming" not in sys.modules:
-        root = importlib.util.find_spec("streaming").submodule_search_locations[0]
-        for pkg, folder in (("streaming", root), ("streaming.base", os.path.join(root, "base"))):
-            module = types.ModuleType(pkg)
-            module.__path__ = [folder]
-            sys.modules[pkg] = module
-    return importlib.import_module(name)
 
 
 def _sample(path_label: tuple[str, int]) -> dict[str, Any]:

@@ -23,10 +23,9 @@ a few large objects read in 8 MiB ranges), and times in one run, each the fastes
   mosaicml-streaming (MDS shards); one that does not import is a row saying so.
 
 litdata's chunk GETs go through obstore with client options of its own that leave out
-``allow_http``: one row reads over https, from the same SeaweedFS gateway, which also
-answers https with a certificate made at start (its CA in ``SSL_CERT_FILE``; a row
-"ceiling over https" shows what TLS costs there), and one over plain http like the other
-clients, with ``allow_http`` added to those options from outside. mosaicml-streaming's dependency pins would replace
+``allow_http``: it reads over https, from the same SeaweedFS gateway, which also answers
+https with a certificate made at start (its CA in ``SSL_CERT_FILE``); a row "ceiling over
+https" shows what TLS costs there. mosaicml-streaming's dependency pins would replace
 torch and numpy, and its package ``__init__`` imports torchvision; the bench imports its
 writer and ``StreamingDataset`` modules alone, so install it as
 ``pip install --no-deps mosaicml-streaming==0.13.*`` plus what those import:
@@ -631,10 +630,6 @@ def _shards(rows: list[dict[str, Any]], row: Callable[..., None], folder: str, s
                     n, False),
                    (dataset, "litdata StreamingDataset (its chunk format) over https",
                     lambda: _litdata(folder, tree, names, s3, *https), n, True),
-                   (dataset, "litdata StreamingDataset (its chunk format) over http (allow_http added to its obstore "
-                             "options)",
-                    lambda: _litdata(folder, tree, names, s3, os.environ["AWS_ENDPOINT_URL"], None, http=True),
-                    n, True),
                    (dataset, "mosaicml-streaming StreamingDataset (MDS)", lambda: _mosaic(folder, tree, names, s3),
                     n, True),
                    ("small objects", "s3fs (fsspec) cat, one call for all objects", lambda: _s3fs_epoch(small_keys),
@@ -745,32 +740,26 @@ def _webdataset_epoch(s3: Any, keys: list[str]) -> Callable[[], int]:
     return epoch
 
 
-def _litdata(folder: str, tree: str, names: list[str], s3: Any, endpoint: str, ca: str | None,
-             http: bool = False) -> tuple[Callable[[], None], Callable[[], int], Callable[[], int]]:
+def _litdata(folder: str, tree: str, names: list[str], s3: Any, endpoint: str, ca: str | None
+             ) -> tuple[Callable[[], None], Callable[[], int], Callable[[], int]]:
     """litdata's StreamingDataset over its chunks in the bucket, at ``endpoint``, trusting
     the CA file ``ca`` where given (boto3 through litdata's storage options; obstore reads
     ``SSL_CERT_FILE``, which ``run`` sets). Its chunk GETs go through obstore with client
-    options of litdata's own, which leave out ``allow_http``, so obstore refuses plain http
-    whatever the environment says: with ``http`` the bench adds ``allow_http`` to them from
-    outside (litdata as it would read without TLS, beside the other clients' plain http)."""
+    options of litdata's own, which leave out ``allow_http``: obstore refuses plain http
+    whatever the environment says, so this row reads over https."""
     import litdata
 
-    if endpoint.startswith("https://") == http:
+    if not endpoint.startswith("https://"):
         raise RuntimeError("its chunk GETs (obstore, client options of litdata's own without allow_http) refuse "
                            "a plain-HTTP endpoint, and allowing it is no setting of litdata; give --endpoint an "
-                           "https:// server" if not http else "the endpoint is https: the row over https reads it")
+                           "https:// server")
     out = os.path.join(folder, "litdata")
-    if not os.path.exists(os.path.join(out, "index.json")):  # written once for both of its rows
-        litdata.optimize(fn=_litdata_sample, inputs=[os.path.join(tree, name) for name in names], output_dir=out,
-                         chunk_bytes=SHARD_SAMPLES * 100_000, num_workers=1, mode="overwrite")
-        for name in os.listdir(out):
-            s3.upload_file(os.path.join(out, name), BUCKET, f"litdata/{name}")
+    litdata.optimize(fn=_litdata_sample, inputs=[os.path.join(tree, name) for name in names], output_dir=out,
+                     chunk_bytes=SHARD_SAMPLES * 100_000, num_workers=1, mode="overwrite")
+    for name in os.listdir(out):
+        s3.upload_file(os.path.join(out, name), BUCKET, f"litdata/{name}")
     options: dict[str, Any] = {"endpoint_url": endpoint}
-    if http:
-        from litdata.streaming import downloader
-
-        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
-    elif ca is not None:
+    if ca is not None:
         options["verify"] = ca
     cache = os.path.join(folder, "litdata-cache")
     held: list[Any] = []
@@ -789,7 +778,7 @@ def _litdata_sample(path: str) -> bytes:
 
 def _mosaic(folder: str, tree: str, names: list[str], s3: Any) -> tuple[Callable[[], None], Callable[[], int],
                                                                          Callable[[], int]]:
-    from gpuio.bench.formats import streaming_module  # StreamingDataset without the package's torchvision imports
+    from gpuio.bench._common import streaming_module  # StreamingDataset without the package's torchvision imports
 
     MDSWriter = streaming_module("streaming.base.format.mds.writer").MDSWriter
     StreamingDataset = streaming_module("streaming.base.dataset").StreamingDataset

@@ -14,7 +14,7 @@ from PIL import Image
 
 import gpuio
 from gpuio import formats, ops
-from gpuio.bench.formats import streaming_module  # mosaicml-streaming without its package __init__
+from gpuio.bench._common import streaming_module  # mosaicml-streaming without its package __init__
 from gpuio.errors import ConfigError, FormatError, StorageError
 
 from checkers import check_index_or_gpuio_error
