@@ -572,3 +572,21 @@ def test_the_read_ahead_keeps_room_for_a_batchs_own_buffers_and_gives_way(tmp_pa
                 assert reader.read_ahead_batches == start // batch + 1
                 assert pool.acquire(7 << 20).nbytes == 7 << 20
         assert reader.read_ahead_batches >= n // batch - 1
+
+
+def test_close_does_not_read_the_read_ahead_it_drops(tmp_path):
+    """A Reader closed after one batch read in order with O_DIRECT cancels the read-ahead's
+    pieces not started: the process reads far fewer bytes of the disk than were queued."""
+    record, n, batch = 64 << 10, 512, 16
+    paths, blobs = write_files(tmp_path, [record * n])
+    index = SampleIndex(paths, {"data": Extents(np.zeros(n), np.arange(n) * record, np.full(n, record))})
+
+    def disk_bytes_read():
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+
+    before = disk_bytes_read()
+    with gpuio.config.override(o_direct=True, read_ahead=32 << 20, task_size=64 << 10), Reader("cpu") as reader:
+        assert b"".join(a.tobytes() for a in reader.read(index, np.arange(batch))) == blobs[0][:batch * record]
+        assert reader.read_ahead_batches == 1
+    assert disk_bytes_read() - before < (16 << 20)  # of 32 MiB queued

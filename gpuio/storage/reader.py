@@ -20,7 +20,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -88,12 +88,17 @@ class _Ahead(NamedTuple):
     lease: Lease
     pieces: list[tuple[int, Future[None]]]
 
-    def wait(self, upto: int) -> None:
-        """Wait for the pieces up to the file's byte ``upto``; a failed one raises its error."""
+    def wait(self, upto: int) -> bool:
+        """Wait for the pieces up to the file's byte ``upto``: False where one was cancelled
+        (the read-ahead was dropped); a failed one raises its error."""
         for end, done in self.pieces:
-            done.result()
+            try:
+                done.result()
+            except CancelledError:
+                return False
             if end >= upto:
-                return
+                break
+        return True
 
     def bytes_of(self, start: int, end: int) -> np.ndarray:
         """The buffer's bytes of the file's ``start..end``, which must lie in the stretch."""
@@ -222,7 +227,10 @@ class Reader:
         """Forget the read-aheads (their buffers go back once their reads in flight end):
         before a new one, at close, and whenever anything waits for room in the pool."""
         with self._ahead_lock:
-            self._ahead, self._taken = [], None
+            dropped, self._ahead, self._taken = self._ahead, [], None
+        for ahead in dropped:  # nobody waits for them: their pieces not started are not read
+            for _, piece in ahead.pieces:
+                piece.cancel()
 
     def _take_ahead(self, files: PathTable, file: np.ndarray, offset: np.ndarray,
                     length: np.ndarray) -> tuple[_Ahead, np.ndarray] | None:
@@ -254,16 +262,17 @@ class Reader:
                 return None
             before, after = (queue[k - 1] if k else self._taken), (queue[k + 1] if k + 1 < len(queue) else None)
             self._ahead, self._taken = queue[k + 1:], ahead
-        ahead.wait(ahead.end)  # a failed read-ahead raises its error (the file and offset) here
+        # a failed read-ahead raises its error (the file and offset) here; one dropped is read now
+        if not ahead.wait(ahead.end):
+            self._read_stretch(files, file[0], ahead.start, ahead.end, ahead)
         if low < ahead.start:  # from the stretch before, else read
-            if before is not None and before.stamp == ahead.stamp and before.end == ahead.start and before.start <= low:
-                before.wait(before.end)
+            if before is not None and before.stamp == ahead.stamp and before.end == ahead.start and \
+                    before.start <= low and before.wait(before.end):
                 ahead.bytes_of(low, ahead.start)[...] = before.bytes_of(low, ahead.start)
             else:
                 self._read_stretch(files, file[0], low // _PAGE * _PAGE, ahead.start, ahead)
         if high > ahead.end:  # from the stretch after, else read
-            if after is not None and after.end >= high:
-                after.wait(high)
+            if after is not None and after.end >= high and after.wait(high):
                 ahead.lease.array[ahead.head + ahead.end - ahead.start: ahead.head + high - ahead.start] = \
                     after.bytes_of(after.start, high)
             else:
@@ -412,7 +421,8 @@ class Reader:
         return [buf[s: s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
 
     def close(self) -> None:
-        """End the backend's reader threads and close its files."""
+        """End the backend's reader threads and close its files; read-ahead pieces not started
+        are cancelled, not read."""
         self._drop_ahead()
         if self._ahead_thread is not None:
             self._ahead_thread.shutdown(wait=True)
