@@ -590,3 +590,30 @@ def test_close_does_not_read_the_read_ahead_it_drops(tmp_path):
         assert b"".join(a.tobytes() for a in reader.read(index, np.arange(batch))) == blobs[0][:batch * record]
         assert reader.read_ahead_batches == 1
     assert disk_bytes_read() - before < (16 << 20)  # of 32 MiB queued
+
+
+def test_batches_in_order_that_fit_no_read_ahead_buffer_do_not_start_it_again(tmp_path):
+    """Batches of 16 records of 1 to 100 KiB read in order with O_DIRECT: a batch that the
+    queued stretches reach but whose span fits no stretch's buffer is read by itself and
+    the read-ahead goes on, where each such batch started it again from its own records
+    (dropping what was queued and in flight): the pass reads the file's bytes from the disk
+    less than one and a half times."""
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1 << 10, 100 << 10, 1024)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    paths, blobs = write_files(tmp_path, [int(lengths.sum())])
+    index = SampleIndex(paths, {"data": Extents(np.zeros(len(lengths)), offsets, lengths)})
+
+    def disk_bytes_read():
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+
+    before = disk_bytes_read()
+    with gpuio.config.override(o_direct=True, read_ahead=8 << 20, task_size=1 << 20), Reader("cpu") as reader:
+        for start in range(0, len(lengths), 16):
+            rows = np.arange(start, min(start + 16, len(lengths)))
+            got = reader.read(index, rows)
+            assert [a.tobytes() for a in got] == [blobs[0][offsets[r]:offsets[r] + lengths[r]] for r in rows]
+        taken = reader.read_ahead_batches
+    assert taken >= len(lengths) // 16 // 2
+    assert disk_bytes_read() - before < 1.5 * lengths.sum()

@@ -297,8 +297,15 @@ class Reader:
         ``going_on``: the read-ahead the batch was taken from (its followers stay; its stamp,
         checked as it was taken, is the file's: one stat per batch). Else the
         read-aheads start afresh, from this batch's stretch: then this batch taken from the
-        first (as ``_take_ahead``), or None where none started."""
+        first (as ``_take_ahead``), or None where none started; but a batch the stretches
+        queued reach from the last one taken to the end of the queue (one that no buffer
+        fits: records of other sizes) is read by itself, and the read-ahead goes on."""
         if going_on is None:
+            with self._ahead_lock:
+                queue, taken = self._ahead, self._taken
+                if queue and len(file) and (file == file[0]).all() and files[int(file[0])] == queue[0].path and \
+                        (taken or queue[0]).start <= int(offset.min()) and int((offset + length).max()) <= queue[-1].end:
+                    return None
             self._drop_ahead()
         if not self.read_ahead or len(file) < 2 or not (file == file[0]).all():
             return  # a single record (a file read whole) is read as it is
