@@ -23,7 +23,9 @@ Rows:
   ceiling measured in the same rounds (listed after it): the fastest of its sequential,
   parallel and O_DIRECT reads of the same bytes (the records, back to back in one file), in
   ``--cold-repeat`` interleaved rounds (one cold read takes a fraction of a second, and the
-  machine's other load spreads single reads by 2x and more).
+  machine's other load spreads single reads by 2x and more); and a Reader's cold passes in
+  order in batches of 16 with the read-ahead on against ``read_ahead=0`` (the ratio: off's
+  time over on's), the best of as many alternating rounds.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import numpy as np
 
 import gpuio
 from gpuio.bench import images, storage
-from gpuio.bench._common import cache_dir, machine, sample_root
+from gpuio.bench._common import cache_dir, drop_cache, machine, sample_root
 from gpuio.formats.packed import INDEX_NAME, PAGE, align, place
 
 __all__ = ["main"]
@@ -218,6 +220,29 @@ def _no_read_ahead(index: gpuio.SampleIndex, batch: int) -> None:
             reader.read(index, np.arange(start, min(start + batch, len(index))))
 
 
+def _small_batches(index: gpuio.SampleIndex, batch: int, repeat: int) -> dict[str, Any]:
+    """Cold passes of a Reader over the records of ``index`` in order, in batches of
+    ``batch``, with the read-ahead on and with ``read_ahead=0``, alternating which goes
+    first, the best of ``repeat`` each: the read-ahead must not cost small batches more
+    than it saves."""
+    paths, n = index.files.many(np.arange(len(index.files))), len(index)
+    best = {"on": float("inf"), "off": float("inf")}
+
+    def cold_pass(way: str) -> float:
+        drop_cache(paths)
+        with gpuio.config.override(**({"read_ahead": 0} if way == "off" else {})), gpuio.Reader("cpu") as reader:
+            t0 = time.perf_counter()
+            for start in range(0, n, batch):
+                reader.read(index, np.arange(start, min(start + batch, n)))
+            return time.perf_counter() - t0
+
+    for r in range(repeat):
+        for way in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            best[way] = min(best[way], cold_pass(way))
+    return {"row": f"cold: gpuio.Reader, batches of {batch} in order, vs read_ahead=0", "s": best["on"],
+            "MB_s": index.nbytes("data") / best["on"] / 1e6, "ratio": best["off"] / best["on"]}
+
+
 def _ceiling(root: str, pipeline: str, batch: int, count: int) -> float:
     run = images.decode_only(root, batch, os.cpu_count() or 1, count, pipeline)
     return _timed(lambda: list(run()))
@@ -337,6 +362,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ways = sorted((r for r in cold if r["method"] in bounds and "seconds" in r), key=lambda r: r["seconds"])
             rows += [{"row": f"cold: {r['method']}, the records in one file", "s": r["seconds"],
                       "MB_s": r["GB/s"] * 1e3, "ratio": r["vs ceiling"]} for r in ways]
+        rows.append(_small_batches(packed, 16, args.cold_repeat))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     loadavg.append(os.getloadavg())
