@@ -237,7 +237,9 @@ class Reader:
         """The read-ahead whose stretch holds the most of this batch's bytes, its buffer
         with the bytes of the batch's records beyond the stretch put around it, and each
         sample's place in it, where the batch's records lie in one file, cover a quarter or
-        more of that stretch and fit in its buffer; else None."""
+        more of that stretch and fit in its buffer; else, where the stretches from the last
+        one taken on hold them (records of other sizes than the stretches'), a buffer of
+        the batch's own copied from them (``_gather``); else None."""
         with self._ahead_lock:
             queue = self._ahead
             if not queue or not len(file) or not (file == file[0]).all() or files[int(file[0])] != queue[0].path:
@@ -247,7 +249,7 @@ class Reader:
                 return None
             end = offset + length
             low, high = int(offset.min()), int(end.max())
-            k, most = 0, -1
+            k, most, parts = 0, -1, []
             for j, a in enumerate(queue):  # in the file's order: only the stretches the batch reaches
                 if a.start >= high:
                     break
@@ -256,12 +258,20 @@ class Reader:
                     if held > most:
                         k, most = j, held
             ahead = queue[k]
-            if most < _AHEAD_TAKEN * (ahead.end - ahead.start):
-                return None
-            if low < ahead.start - ahead.head or ahead.head + high - ahead.start > ahead.lease.nbytes:
-                return None
-            before, after = (queue[k - 1] if k else self._taken), (queue[k + 1] if k + 1 < len(queue) else None)
-            self._ahead, self._taken = queue[k + 1:], ahead
+            if most < _AHEAD_TAKEN * (ahead.end - ahead.start) or low < ahead.start - ahead.head or \
+                    ahead.head + high - ahead.start > ahead.lease.nbytes:  # no buffer fits: copied from them
+                parts = [a for a in (self._taken, *queue) if a is not None and a.stamp == ahead.stamp
+                         and a.start < high and a.end > low]
+                if not parts or parts[0].start > low or high > queue[-1].end or \
+                        int(length.sum()) < _AHEAD_DENSE * (high - low):  # a shuffled batch: read as it is
+                    return None
+                self._ahead = [a for a in queue if a.end > high]
+                self._taken = next((a for a in reversed(parts) if a.end <= high), self._taken)
+            else:
+                before, after = (queue[k - 1] if k else self._taken), (queue[k + 1] if k + 1 < len(queue) else None)
+                self._ahead, self._taken = queue[k + 1:], ahead
+        if parts:
+            return self._gather(files, int(file[0]), parts, low, high, offset)
         # a failed read-ahead raises its error (the file and offset) here; one dropped is read now
         if not ahead.wait(ahead.end):
             self._read_stretch(files, file[0], ahead.start, ahead.end, ahead)
@@ -280,6 +290,23 @@ class Reader:
         self.read_ahead_batches += 1
         return ahead, offset - ahead.start + ahead.head
 
+    def _gather(self, files: PathTable, file: int, parts: list[_Ahead], low: int, high: int,
+                offset: np.ndarray) -> tuple[_Ahead, np.ndarray]:
+        """The file's ``low..high`` in a buffer of its own, copied from the stretches
+        ``parts`` (read, where one was dropped), as a read-ahead of its own; and each
+        sample's place in it."""
+        start = low // _PAGE * _PAGE
+        lease = self.pool.acquire(_pages(high - start), "cpu", pinned=self.pinned)  # O_DIRECT reads whole pages
+        into = _Ahead(parts[0].path, parts[0].stamp, start, high, 0, lease, [])
+        for a in parts:
+            a_low, a_high = max(a.start, low), min(a.end, high)
+            if a.wait(a_high):
+                into.bytes_of(a_low, a_high)[...] = a.bytes_of(a_low, a_high)
+            else:
+                self._read_stretch(files, file, a_low // _PAGE * _PAGE, a_high, into)
+        self.read_ahead_batches += 1
+        return into, offset - start
+
     def _read_stretch(self, files: PathTable, file: int, start: int, end: int, into: _Ahead) -> None:
         """Read the file's ``start..end`` (``start`` a page boundary; one read, a task of
         its own) into its place in ``into``'s buffer."""
@@ -297,15 +324,8 @@ class Reader:
         ``going_on``: the read-ahead the batch was taken from (its followers stay; its stamp,
         checked as it was taken, is the file's: one stat per batch). Else the
         read-aheads start afresh, from this batch's stretch: then this batch taken from the
-        first (as ``_take_ahead``), or None where none started; but a batch the stretches
-        queued reach from the last one taken to the end of the queue (one that no buffer
-        fits: records of other sizes) is read by itself, and the read-ahead goes on."""
+        first (as ``_take_ahead``), or None where none started."""
         if going_on is None:
-            with self._ahead_lock:
-                queue, taken = self._ahead, self._taken
-                if queue and len(file) and (file == file[0]).all() and files[int(file[0])] == queue[0].path and \
-                        (taken or queue[0]).start <= int(offset.min()) and int((offset + length).max()) <= queue[-1].end:
-                    return None
             self._drop_ahead()
         if not self.read_ahead or len(file) < 2 or not (file == file[0]).all():
             return  # a single record (a file read whole) is read as it is
