@@ -168,6 +168,24 @@ def test_batches_read_in_order_are_read_ahead(tmp_path, device):
         assert reader.read_ahead_batches == 0
 
 
+def test_small_batches_of_a_packed_shard_read_in_order_are_all_read_ahead(tmp_path):
+    """Batches of 16 rows read in order from a packed shard (its records a little out of
+    row order: the padding filled from the next ones) are all taken from the read-ahead,
+    those that fit no stretch's buffer copied from the stretches, with the bytes of the file."""
+    rng = np.random.default_rng(4)
+    blobs = [rng.integers(0, 256, int(k), dtype=np.uint8).tobytes() for k in rng.integers(1_000, 90_000, 800)]
+    (tmp_path / "blob.bin").write_bytes(b"".join(blobs))
+    src = SampleIndex(PathTable.from_paths([str(tmp_path / "blob.bin")]), {"data": Extents(
+        np.zeros(len(blobs)), np.cumsum([0] + [len(b) for b in blobs[:-1]]), [len(b) for b in blobs])})
+    got = gpuio.formats.packed(gpuio.pack(src, tmp_path / "p"))
+    assert len(got.files) == 1
+    with gpuio.config.override(o_direct=True), gpuio.Reader("cpu") as reader:
+        for start in range(0, len(blobs), 16):
+            rows = list(range(start, start + 16))
+            assert [a.tobytes() for a in reader.read(got, rows)] == [blobs[r] for r in rows]
+        assert reader.read_ahead_batches == len(blobs) // 16
+
+
 def test_value_fields_of_every_kind_and_a_reader_loop(tmp_path):
     rng = np.random.default_rng(1)
     blobs = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in rng.integers(1, 50_000, 30)]

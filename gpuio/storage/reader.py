@@ -263,7 +263,7 @@ class Reader:
                 parts = [a for a in (self._taken, *queue) if a is not None and a.stamp == ahead.stamp
                          and a.start < high and a.end > low]
                 if not parts or parts[0].start > low or high > queue[-1].end or \
-                        int(length.sum()) < _AHEAD_DENSE * (high - low):  # a shuffled batch: read as it is
+                        int(length.sum()) < _AHEAD_TAKEN * (high - low):  # a shuffled batch: read as it is
                     return None
                 self._ahead = [a for a in queue if a.end > high]
                 self._taken = next((a for a in reversed(parts) if a.end <= high), self._taken)
