@@ -617,3 +617,22 @@ def test_batches_in_order_that_fit_no_read_ahead_buffer_are_copied_from_its_stre
         taken = reader.read_ahead_batches
     assert taken == len(lengths) // 16
     assert disk_bytes_read() - before < 1.1 * lengths.sum()
+
+
+def test_batches_copied_from_the_read_ahead_in_a_tight_pool_get_their_bytes(tmp_path):
+    """A first batch of small records sets the read-ahead's stretches; the next batches, of
+    larger records, fit no stretch's buffer, and their own buffers would be copied from the
+    stretches: where the pool has no room for one without waiting (the stretches it copies
+    from hold the room), the batch is read as it is, and every batch gets its bytes."""
+    lengths = np.array([4 << 10] * 16 + [64 << 10] * 240)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    paths, blobs = write_files(tmp_path, [int(lengths.sum())])
+    index = SampleIndex(paths, {"data": Extents(np.zeros(len(lengths)), offsets, lengths)})
+    for budget in (4 << 20, 64 << 20):
+        with gpuio.config.override(o_direct=True, read_ahead=16 << 20, task_size=256 << 10), \
+                Reader("cpu", pool=BufferPool(budget, wait_s=2)) as reader:
+            for start in range(0, len(lengths), 16):
+                rows = np.arange(start, start + 16)
+                got = reader.read(index, rows)
+                assert [a.tobytes() for a in got] == [blobs[0][offsets[r]:offsets[r] + lengths[r]] for r in rows]
+            assert reader.read_ahead_batches >= (1 if budget == 4 << 20 else len(lengths) // 16)

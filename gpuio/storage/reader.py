@@ -291,12 +291,15 @@ class Reader:
         return ahead, offset - ahead.start + ahead.head
 
     def _gather(self, files: PathTable, file: int, parts: list[_Ahead], low: int, high: int,
-                offset: np.ndarray) -> tuple[_Ahead, np.ndarray]:
+                offset: np.ndarray) -> tuple[_Ahead, np.ndarray] | None:
         """The file's ``low..high`` in a buffer of its own, copied from the stretches
         ``parts`` (read, where one was dropped), as a read-ahead of its own; and each
-        sample's place in it."""
+        sample's place in it. None where the pool has no room without waiting: the parts'
+        buffers, which a wait could not free, may be what holds it."""
         start = low // _PAGE * _PAGE
-        lease = self.pool.acquire(_pages(high - start), "cpu", pinned=self.pinned)  # O_DIRECT reads whole pages
+        lease = self.pool.try_acquire(_pages(high - start), "cpu", pinned=self.pinned)  # O_DIRECT: whole pages
+        if lease is None:
+            return None
         into = _Ahead(parts[0].path, parts[0].stamp, start, high, 0, lease, [])
         for a in parts:
             a_low, a_high = max(a.start, low), min(a.end, high)
