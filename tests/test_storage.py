@@ -574,6 +574,12 @@ def test_the_read_ahead_keeps_room_for_a_batchs_own_buffers_and_gives_way(tmp_pa
         assert reader.read_ahead_batches >= n // batch - 1
 
 
+
+def _disk_bytes_read():
+    """Bytes this process has read from the disk (not from the page cache)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+
 def test_close_does_not_read_the_read_ahead_it_drops(tmp_path):
     """A Reader closed after one batch read in order with O_DIRECT cancels the read-ahead's
     pieces not started: the process reads far fewer bytes of the disk than were queued."""
@@ -581,15 +587,11 @@ def test_close_does_not_read_the_read_ahead_it_drops(tmp_path):
     paths, blobs = write_files(tmp_path, [record * n])
     index = SampleIndex(paths, {"data": Extents(np.zeros(n), np.arange(n) * record, np.full(n, record))})
 
-    def disk_bytes_read():
-        with open("/proc/self/io") as f:
-            return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
-
-    before = disk_bytes_read()
+    before = _disk_bytes_read()
     with gpuio.config.override(o_direct=True, read_ahead=32 << 20, task_size=64 << 10), Reader("cpu") as reader:
         assert b"".join(a.tobytes() for a in reader.read(index, np.arange(batch))) == blobs[0][:batch * record]
         assert reader.read_ahead_batches == 1
-    assert disk_bytes_read() - before < (16 << 20)  # of 32 MiB queued
+    assert _disk_bytes_read() - before < (16 << 20)  # of 32 MiB queued
 
 
 def test_batches_in_order_that_fit_no_read_ahead_buffer_are_copied_from_its_stretches(tmp_path):
@@ -604,11 +606,7 @@ def test_batches_in_order_that_fit_no_read_ahead_buffer_are_copied_from_its_stre
     paths, blobs = write_files(tmp_path, [int(lengths.sum())])
     index = SampleIndex(paths, {"data": Extents(np.zeros(len(lengths)), offsets, lengths)})
 
-    def disk_bytes_read():
-        with open("/proc/self/io") as f:
-            return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
-
-    before = disk_bytes_read()
+    before = _disk_bytes_read()
     with gpuio.config.override(o_direct=True, read_ahead=8 << 20, task_size=1 << 20), Reader("cpu") as reader:
         for start in range(0, len(lengths), 16):
             rows = np.arange(start, min(start + 16, len(lengths)))
@@ -616,7 +614,7 @@ def test_batches_in_order_that_fit_no_read_ahead_buffer_are_copied_from_its_stre
             assert [a.tobytes() for a in got] == [blobs[0][offsets[r]:offsets[r] + lengths[r]] for r in rows]
         taken = reader.read_ahead_batches
     assert taken == len(lengths) // 16
-    assert disk_bytes_read() - before < 1.1 * lengths.sum()
+    assert _disk_bytes_read() - before < 1.1 * lengths.sum()
 
 
 def test_batches_copied_from_the_read_ahead_in_a_tight_pool_get_their_bytes(tmp_path):
