@@ -49,11 +49,14 @@ __all__ = ["Reader", "read", "read_fields", "read_sample", "learn_lengths"]
 # in the file's order. A next batch whose records lie mostly in the first of them takes
 # its buffer (no copy): each buffer has room around its stretch for the records of a
 # batch that begins or ends a little outside it, copied from the stretches beside it (or
-# read, where none has them). So the disk always has the coming stretches queued, also
-# while the caller handles a batch. A shuffled batch spans far more than its records: it
-# reads as before.
+# read, where none has them); one that fits no buffer (records of other sizes) is copied
+# from the stretches into a buffer of its own. So the disk always has the coming stretches
+# queued, also while the caller handles a batch. A shuffled batch spans far more than its
+# records: it reads as before. The read-ahead's buffers give way to any wait for room in
+# the pool, and it leaves the room of a batch's own buffers.
 _AHEAD_DENSE = 0.5  # the least share of its stretch a batch's records cover for reading on after it
 _AHEAD_TAKEN = 0.25  # the least share of a stretch a batch's records cover for it to take the buffer
+# (or of their span, to be copied from the stretches)
 _AHEAD_READS = 8  # pieces of the stretches (task_size bytes each) read at once: fewer than the
 # read_ahead setting queues, so that they end in the file's order
 _AHEAD_MARGIN = 8  # a stretch reaches this fraction of a batch past where the batch should end
