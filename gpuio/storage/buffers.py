@@ -4,7 +4,9 @@ Batch buffers are large, and pinned host memory and device memory are slow to
 allocate, so released buffers are kept and reused. The pool never holds more than its
 budget: cached buffers are freed to make room, a request that cannot fit even in an
 empty pool raises ``BufferBudgetError`` naming the budget and the request, and a request
-that fits but finds the budget taken by buffers still in use waits for one to return.
+that fits but finds the budget taken by buffers still in use first has the buffers kept
+only to be ahead (a read-ahead's, see ``BufferPool.give_way``) given back, then waits for
+one to return.
 The process-wide pool (``default_pool()``) takes its budget from ``gpuio.config`` at
 each request, so an override of ``buffer_budget`` applies exactly where it is in force.
 
