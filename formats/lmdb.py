@@ -82,7 +82,10 @@ def _index(env, data_file: str, size: int, lmdb_error: type[Exception]) -> Sampl
         raise FormatError(f"truncated LMDB data file: the meta page names {need // psize} pages "
                           f"({need} bytes), the file has {size} bytes", path=data_file, offset=size)
     with progress("indexing LMDB", env.stat()["entries"], "record") as advance:
-        walked = _page_walk(env, data_file, size, psize)
+        try:
+            walked = _page_walk(env, data_file, size, psize)
+        except lmdb_error:  # LMDB's own cursor fails on the pages: the cursor loop below reports where
+            walked = None
         if walked is not None:
             advance(len(walked[1]))
             offset, length, keys, key_offsets = walked
