@@ -586,10 +586,11 @@ class Autotune:
       wait share has moved by ``_MOVED``.
 
     A setting holds once the consumer no longer waits, the cores are saturated, or its
-    limit binds. The tuner settles at the first span that changes nothing (and has no
-    trial to judge): from then on it changes a setting only once the consumer's wait
-    share has moved by ``_MOVED`` from that span's, so that noise does not keep it
-    moving. Each change, and the first hold of each kind, is a decision
+    limit binds. The tuner settles at the first span whose consumer waited yet that
+    changes nothing (and has no trial to judge): from then on it changes a setting only
+    once the consumer's wait share has moved by ``_MOVED`` from that span's, so that
+    noise does not keep it moving (a span that did not wait settles nothing: the next
+    slow batch still deepens the read-ahead, which only ever deepens). Each change, and the first hold of each kind, is a decision
     ``{batch, setting, from, to, why}`` in ``decisions`` and a log line (``gpuio``
     logger). ``prefetch`` or ``parts`` ``None``: that setting is not tuned."""
 
@@ -646,7 +647,7 @@ class Autotune:
         changes = self._changes(k, share, n, busy, cpu, room)
         if "decode_parts" in changes:
             self._trial = (parts, rate)
-        if not changes:
+        if not changes and share >= _BANDS[0][0]:  # waited, and nothing helps: settled until the wait moves
             self._settled = share
         return changes
 
