@@ -233,7 +233,10 @@ def streaming_module(name: str) -> types.ModuleType:
     vision, text and dataloader modules import torchvision and transformers, which the
     writer and StreamingDataset do not need)."""
     if "streaming" not in sys.modules:
-        root = importlib.util.find_spec("streaming").submodule_search_locations[0]
+        spec = importlib.util.find_spec("streaming")
+        if spec is None:
+            raise ImportError("No module named 'streaming' (pip install --no-deps mosaicml-streaming)")
+        root = spec.submodule_search_locations[0]
         for pkg, folder in (("streaming", root), ("streaming.base", os.path.join(root, "base"))):
             module = types.ModuleType(pkg)
             module.__path__ = [folder]
